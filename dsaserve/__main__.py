@@ -1,0 +1,5 @@
+import sys
+
+from dsaserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""ForwardBatch: the one object that carries a step's metadata into the model (stage 4 -> stage 6).
+
+Owns: the contract between the engine (which builds it in `engine/batch.py`) and the model (which reads
+it). All tensors are flat so a CUDA-graph runner can copy them into static buffers. A step may mix
+prefill chunks and decode tokens: every request contributes `extend_lens[r]` new tokens whose KV goes
+to `out_cache_loc`, and attends to all `seq_lens[r]` tokens of its page table (cached prefix + new).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64: new tokens of every request, request-major
+    positions: torch.Tensor  # [T] int64: position of each new token in its sequence
+    req_index: torch.Tensor  # [T] int64: row of page_table / seq_lens the token belongs to
+    seq_lens: torch.Tensor  # [B] int64: tokens in KV for the request after this step (prefix + new)
+    extend_lens: torch.Tensor  # [B] int64: new tokens of the request in this step
+    page_table: torch.Tensor  # [B, max_pages] int64: physical page ids (slot = page * page_size + offset)
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot written by each new token
+    logits_indices: torch.Tensor  # [L] int64: which of the T tokens produce logits (last of each chunk)
+    page_size: int = 64
+    # host-side copies the reference kernels loop over (avoid device syncs in hot paths)
+    seq_lens_cpu: list[int] | None = None
+    extend_lens_cpu: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        if self.seq_lens_cpu is None:
+            self.seq_lens_cpu = self.seq_lens.tolist()
+        if self.extend_lens_cpu is None:
+            self.extend_lens_cpu = self.extend_lens.tolist()
+        return self.seq_lens_cpu, self.extend_lens_cpu
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.__dict__.items()}
+        return ForwardBatch(**moved)
+
+    def slots_of(self, r: int, n: int) -> torch.Tensor:
+        """Physical slots of the first `n` token positions of request row `r`."""
+        pos = torch.arange(n, device=self.page_table.device)
+        return self.page_table[r, pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+def contiguous_batch(token_lists: list[list[int]], prefix_lens: list[int], slot_base: list[int],
+                     page_size: int = 64) -> ForwardBatch:
+    """A batch over contiguous slot ranges (request r owns slots slot_base[r]...; slot_base page-aligned).
+
+    The simple path (`generate` before the scheduler, tests) uses this; the engine builds paged batches.
+    """
+    ids, pos, req, out, logit_idx, seq_lens, ext = [], [], [], [], [], [], []
+    max_pages = max(-(-(p + len(t)) // page_size) for p, t in zip(prefix_lens, token_lists, strict=True))
+    table = torch.zeros(len(token_lists), max(max_pages, 1), dtype=torch.int64)
+    for r, (toks, p, base) in enumerate(zip(token_lists, prefix_lens, slot_base, strict=True)):
+        assert base % page_size == 0, "contiguous_batch needs page-aligned slot bases"
+        n = p + len(toks)
+        table[r, : -(-n // page_size)] = torch.arange(-(-n // page_size)) + base // page_size
+        ids += toks
+        pos += range(p, n)
+        req += [r] * len(toks)
+        out += range(base + p, base + n)
+        logit_idx.append(len(ids) - 1)
+        seq_lens.append(n)
+        ext.append(len(toks))
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(t(ids), t(pos), t(req), t(seq_lens), t(ext), table, t(out), t(logit_idx), page_size,
+                        seq_lens, ext)
