@@ -269,6 +269,10 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         raise ConfigError("topk_group: larger than n_group")
     if vals["qk_rope_head_dim"] % 2 or vals["qk_rope_head_dim"] > vals["index_head_dim"]:
         raise ConfigError("qk_rope_head_dim: must be even and no wider than index_head_dim")
+    if raw.get("quantization_config") and vals["moe_intermediate_size"] % FP8_BLOCK:
+        # gate and up experts are fused as one [2I, H] FP8 GEMM; their 128-row scale blocks must not straddle
+        raise ConfigError(f"moe_intermediate_size: {vals['moe_intermediate_size']} must be a multiple of "
+                          f"{FP8_BLOCK} for an FP8 checkpoint")
     eos = raw.get("eos_token_id", 1)
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     n = vals["num_hidden_layers"]

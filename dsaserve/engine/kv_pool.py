@@ -85,6 +85,49 @@ def _quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return q.view(*x.shape[:-1], ng * group)[..., :d], scale
 
 
+def encode_latent(latent: torch.Tensor, layout: str, kv_lora_rank: int) -> torch.Tensor:
+    """latent [T, kv_lora_rank + rope] -> uint8 rows [T, kv_bytes_per_token] in `layout`."""
+    t = latent.shape[0]
+    if layout in _PLAIN:
+        return latent.to(_PLAIN[layout]).contiguous().view(torch.uint8).view(t, -1)
+    if layout == "fp8_e4m3":
+        return latent.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous().view(torch.uint8)
+    q, scale = _quant_fp8(latent[:, :kv_lora_rank], QUANT_GROUP)
+    rope = latent[:, kv_lora_rank:].to(torch.bfloat16).contiguous()
+    return torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8),
+                      rope.view(torch.uint8)], dim=1)
+
+
+def decode_latent(rows: torch.Tensor, layout: str, kv_lora_rank: int) -> torch.Tensor:
+    """uint8 rows [N, bytes] -> float32 latent [N, kv_lora_rank + rope] (bf16/fp32 layouts keep dtype)."""
+    n = rows.shape[0]
+    if layout in _PLAIN:
+        return rows.contiguous().view(_PLAIN[layout])
+    if layout == "fp8_e4m3":
+        return rows.contiguous().view(torch.float8_e4m3fn).float()
+    ng = math.ceil(kv_lora_rank / QUANT_GROUP)
+    q = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float()
+    scale = rows[:, kv_lora_rank: kv_lora_rank + 4 * ng].contiguous().view(torch.float32)
+    nope = q.view(n, -1) * scale.repeat_interleave(QUANT_GROUP, dim=1)[:, :kv_lora_rank]
+    rope = rows[:, kv_lora_rank + 4 * ng:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=1)
+
+
+def encode_index_k(k: torch.Tensor, layout: str) -> torch.Tensor:
+    """Indexer keys [T, D] -> uint8 rows: FP8 + FP32 scale (132 B), or plain bf16/fp32 in debug layouts."""
+    if layout in _PLAIN:
+        return k.to(_PLAIN[layout]).contiguous().view(torch.uint8).view(k.shape[0], -1)
+    q, scale = _quant_fp8(k, k.shape[-1])
+    return torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+
+
+def decode_index_k(rows: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout in _PLAIN:
+        return rows.contiguous().view(_PLAIN[layout])
+    d = rows.shape[1] - 4
+    return rows[:, :d].contiguous().view(torch.float8_e4m3fn).float() * rows[:, d:].contiguous().view(torch.float32)
+
+
 class KVPool:
     """Paged storage for the MLA latent (`kv_lora_rank` nope + `qk_rope_head_dim` rope) and indexer K."""
 
@@ -108,64 +151,32 @@ class KVPool:
                                      device=device)
         self.index_buffer = torch.zeros(max(len(self.index_row), 1), self.num_slots, self.idx_bpt,
                                         dtype=torch.uint8, device=device)
-        self.nope, self.rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
 
-    # ---- reporting -------------------------------------------------------------------------
     def info(self) -> KVPoolInfo:
         per_token = self.kv_bpt * len(self.kv_layer_ids) + self.idx_bpt * len(self.index_row)
         return KVPoolInfo(self.layout, self.page_size, self.num_pages, self.num_slots, len(self.kv_layer_ids),
                           len(self.index_row), self.kv_bpt, self.idx_bpt, per_token,
                           self.kv_buffer.numel() + (self.index_buffer.numel() if self.index_row else 0))
 
-    # ---- main KV ---------------------------------------------------------------------------
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        """The uint8 [slots, kv_bytes] rows of one layer (what the kernels take)."""
+        return self.kv_buffer[self.layer_row[layer]]
+
+    def index_cache(self, layer: int) -> torch.Tensor:
+        return self.index_buffer[self.index_row[layer]]
+
+    # convenience accessors (tests, debugging); the model goes through the kernels
     def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """Store latent [T, kv_lora_rank + rope] at `slots` of `layer`, quantising per the layout."""
-        self.kv_buffer[self.layer_row[layer]].index_copy_(0, slots, self._encode(latent))
+        self.kv_cache(layer).index_copy_(0, slots, encode_latent(latent, self.layout, self.kv_lora_rank))
 
     def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantised latent at `slots` (any shape), as [..., kv_lora_rank + rope] in the pool dtype."""
-        rows = self.kv_buffer[self.layer_row[layer]].index_select(0, slots.reshape(-1))
-        return self._decode(rows).view(*slots.shape, self.nope + self.rope)
+        rows = self.kv_cache(layer).index_select(0, slots.reshape(-1))
+        return decode_latent(rows, self.layout, self.kv_lora_rank).to(self.dtype).view(*slots.shape, -1)
 
-    def _encode(self, latent: torch.Tensor) -> torch.Tensor:
-        t = latent.shape[0]
-        if self.layout in _PLAIN:
-            return latent.to(_PLAIN[self.layout]).contiguous().view(torch.uint8).view(t, self.kv_bpt)
-        if self.layout == "fp8_e4m3":
-            q = latent.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            return q.contiguous().view(torch.uint8)
-        q, scale = _quant_fp8(latent[:, : self.nope], QUANT_GROUP)
-        rope = latent[:, self.nope:].to(torch.bfloat16).contiguous()
-        return torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8),
-                          rope.view(torch.uint8)], dim=1)
-
-    def _decode(self, rows: torch.Tensor) -> torch.Tensor:
-        n = rows.shape[0]
-        if self.layout in _PLAIN:
-            return rows.contiguous().view(_PLAIN[self.layout]).to(self.dtype)
-        if self.layout == "fp8_e4m3":
-            return rows.contiguous().view(torch.float8_e4m3fn).to(self.dtype)
-        ng = math.ceil(self.nope / QUANT_GROUP)
-        q = rows[:, : self.nope].contiguous().view(torch.float8_e4m3fn).float()
-        scale = rows[:, self.nope: self.nope + 4 * ng].contiguous().view(torch.float32)
-        nope = (q.view(n, -1) * scale.repeat_interleave(QUANT_GROUP, dim=1)[:, : self.nope])
-        rope = rows[:, self.nope + 4 * ng:].contiguous().view(torch.bfloat16).float()
-        return torch.cat([nope, rope], dim=1).to(self.dtype)
-
-    # ---- indexer K -------------------------------------------------------------------------
     def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Store indexer keys [T, index_head_dim] as FP8 + one FP32 scale per token."""
-        if self.layout in _PLAIN:
-            enc = k.to(_PLAIN[self.layout]).contiguous().view(torch.uint8)
-        else:
-            q, scale = _quant_fp8(k, k.shape[-1])
-            enc = torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
-        self.index_buffer[self.index_row[layer]].index_copy_(0, slots, enc)
+        self.index_cache(layer).index_copy_(0, slots, encode_index_k(k, self.layout))
 
     def read_index_k(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        d = self.cfg.index_head_dim
-        rows = self.index_buffer[self.index_row[layer]].index_select(0, slots.reshape(-1))
-        if self.layout in _PLAIN:
-            return rows.contiguous().view(_PLAIN[self.layout]).to(self.dtype).view(*slots.shape, d)
-        k = rows[:, :d].contiguous().view(torch.float8_e4m3fn).float() * rows[:, d:].contiguous().view(torch.float32)
-        return k.to(self.dtype).view(*slots.shape, d)
+        rows = self.index_cache(layer).index_select(0, slots.reshape(-1))
+        return decode_index_k(rows, self.layout).to(self.dtype).view(*slots.shape, -1)

@@ -1,0 +1,137 @@
+"""ModelRunner: owns the device side of one rank — the startup chain from "load weights" to "ready",
+and the forward of every step.
+
+Owns (startup chain, in order): resolve the checkpoint -> build the model on the device -> load weights with
+the coverage check (or `--load-format dummy`) -> finalize (dequantise for the reference path / keep FP8 for
+the GPU kernels; absorb kv_b) -> size and allocate the KV pool once -> tokenizer. Each phase is timed into
+`startup_time`; `manifest()` is what `/startup` and `dsaserve serve` print. The scheduler never touches
+torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dsaserve.config import ModelConfig, load_config
+from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.model.glm_moe_dsa import DsaForCausalLM
+from dsaserve.weights.loader import LoadReport, load_checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_BYTES = 64 << 20  # CPU reference path: enough for ~12K tokens of the tiny configs
+
+
+class _Timer:
+    def __init__(self, sink: dict[str, float], phase: str):
+        self.sink, self.phase = sink, phase
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.sink[self.phase] = round(self.sink.get(self.phase, 0.0) + time.perf_counter() - self.t0, 4)
+
+
+class ModelRunner:
+    def __init__(self, model: str, dtype: str = "float32", kv_layout: str = "fp8_ds_mla",
+                 num_pages: int | None = None, kv_budget_bytes: int | None = None, device: str = "cpu",
+                 seed: int = 0, load_format: str = "auto", enable_mtp: bool = False):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: {kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: {load_format!r} not one of auto, dummy")
+        self.startup_time: dict[str, float] = {}
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        torch.manual_seed(seed)
+        with _Timer(self.startup_time, "resolve_checkpoint"):
+            self.checkpoint, self.cfg = self._resolve(model, load_format)
+        with _Timer(self.startup_time, "load_weights"):
+            self.model, self.load_report = self._build_and_load(load_format, enable_mtp)
+        with _Timer(self.startup_time, "kv_pool"):
+            self.kv_pool = self._allocate_pool(kv_layout, num_pages, kv_budget_bytes)
+        with _Timer(self.startup_time, "tokenizer"):
+            self.tokenizer, self.chat_template = self._load_tokenizer()
+        self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
+        self.eos_token_ids = self.cfg.eos_token_ids
+
+    # ---- startup phases --------------------------------------------------------------------
+    def _resolve(self, model: str, load_format: str) -> tuple[Path | None, ModelConfig]:
+        if load_format == "dummy":  # no disk: a built-in name or a config.json is enough
+            return None, load_config(model)
+        from dsaserve.weights.checkpoint_cache import resolve_checkpoint
+
+        ckpt = resolve_checkpoint(model)
+        return ckpt, load_config(ckpt)
+
+    def _build_and_load(self, load_format: str, enable_mtp: bool) -> tuple[DsaForCausalLM, LoadReport]:
+        with torch.device(self.device):
+            model = DsaForCausalLM(self.cfg, with_mtp=enable_mtp)
+        if load_format == "dummy":
+            report = _fill_dummy(model)
+        else:
+            report = load_checkpoint(model, self.checkpoint)
+        keep_fp8 = self.device.type == "cuda"  # the reference path computes on dequantised weights
+        model.finalize(self.dtype, self.device, keep_fp8)
+        return model.eval(), report
+
+    def _allocate_pool(self, layout: str, num_pages: int | None, budget: int | None) -> KVPool:
+        layers = self.model.kv_layer_ids
+        if num_pages is None:
+            if budget is None:
+                if self.device.type != "cpu":
+                    raise ValueError("kv_budget_bytes or num_pages: required on GPU until the memory profile runs")
+                budget = DEFAULT_CPU_KV_BYTES
+            num_pages = pool_pages_for_budget(self.cfg, layout, budget, layers)
+            if num_pages <= 0:
+                raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
+        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device)
+
+    def _load_tokenizer(self):
+        if self.checkpoint is None or not (self.checkpoint / "tokenizer.json").exists():
+            return None, None
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
+        cfg_path = self.checkpoint / "tokenizer_config.json"
+        template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
+        return tok, template
+
+    # ---- steps -----------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step."""
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        logits, _ = self.model(batch, self.kv_pool)
+        return logits
+
+    def manifest(self) -> dict:
+        info = self.kv_pool.info()
+        return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
+                "weights": self.load_report.to_dict(), "kv_pool": info.__dict__}
+
+
+def _fill_dummy(model: DsaForCausalLM) -> LoadReport:
+    """--load-format dummy: random weights of the real shapes and dtypes on the device, FP8 with scales."""
+    report = LoadReport("dummy")
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:
+            p.data.copy_((torch.randn(p.shape, generator=gen, device=p.device) * 64).clamp(-448, 448))
+        elif name.endswith(("weight_scale_inv", "_scale")):
+            p.data.fill_(1.0 / 64 / max(p.shape[-1] * 128, 1) ** 0.5)
+        elif "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device) * (p.shape[-1] ** -0.5))
+        report.tensors_loaded += 1
+        report.bytes_loaded += p.numel() * p.element_size()
+    return report

@@ -1,0 +1,162 @@
+"""Reference kernels: plain-PyTorch implementations of every hot op (stage 6 of the request path).
+
+Owns: the *spec* of each op. They run on the CPU (the CI path and the HF-oracle tests) and are the
+oracle the GPU variants (`kernels/triton_*.py`) are tested against; `kernels/registry.py` picks one
+implementation per op once, at startup, by device. Same signature on both sides.
+
+Conventions shared by all ops:
+- FP8 weights are float8_e4m3fn [N, K] with `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)]
+  (DeepSeek/GLM block scaling): w[n, k] = q[n, k] * s[n // 128, k // 128].
+- KV rows are the byte layouts of `engine/kv_pool.py`; slot = page * page_size + offset; -1 = no slot.
+- RoPE is HF's: interleaved pairs (GLM main + indexer, DeepSeek main) produce [evens' | odds'] halves;
+  non-interleaved (DeepSeek indexer) is rotate-half.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_latent
+
+FP8_BLOCK = 128
+
+
+def dequant_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[.., N, K] FP8 + [.., ceil(N/128), ceil(K/128)] scales -> dense `dtype` weight."""
+    n, k = weight.shape[-2:]
+    s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T for a block-scaled FP8 W. x [M, K] -> [M, N] in x.dtype (fp32 accumulation)."""
+    w = dequant_fp8_weight(weight, weight_scale_inv)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [T, ..., R] by per-token angles; cos/sin are [T, R/2] (one angle per pair).
+
+    Heads (if any) sit between T and R; cos/sin broadcast over them.
+    """
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_lora_rank: int) -> torch.Tensor:
+    """Fused: RMSNorm(nope) + RoPE(rope, interleaved) + write to the paged cache.
+
+    kv_a [T, kv_lora_rank + rope] is kv_a_proj_with_mqa's output; returns the latent [T, 576] written
+    (before quantisation), which prefill may use directly.
+    """
+    nope = rms_norm(kv_a[:, :kv_lora_rank], norm_weight, eps)
+    rope = apply_rope(kv_a[:, kv_lora_rank:], cos, sin, interleaved=True)
+    latent = torch.cat([nope, rope], dim=-1)
+    kv_cache.index_copy_(0, slots, encode_latent(latent, layout, kv_lora_rank))
+    return latent
+
+
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+                 page_size: int, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+    """DSA lightning indexer: per query token, the top-k causal keys of its request, as physical slots.
+
+    q [T, Hi, D] (RoPE applied), head_weights [T, Hi] (weights_proj output x Hi^-0.5 x D^-0.5, i.e. both
+    HF scales folded: relu(s*x) = s*relu(x) for s > 0). Keys are positions 0..positions[t] of request
+    req_index[t]; score_j = sum_h w[t,h] * relu(q[t,h] . k_j). Returns [T, topk] int64 slots, -1 padded
+    when fewer than topk keys are visible. Tokens are request-major (ForwardBatch order).
+    """
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    start = 0
+    for r, (n_kv, n_new) in enumerate(zip(seq_lens, extend_lens, strict=True)):
+        if n_new == 0:
+            continue
+        pos = torch.arange(n_kv, device=q.device)
+        slots = page_table[r, pos // page_size] * page_size + pos % page_size
+        keys = decode_index_k(index_cache.index_select(0, slots), layout).float()  # [n_kv, D]
+        qs = q[start:start + n_new].float()  # [n_new, Hi, D]
+        scores = torch.einsum("thd,kd->thk", qs, keys).relu()
+        scores = torch.einsum("thk,th->tk", scores, head_weights[start:start + n_new].float())
+        qpos = positions[start:start + n_new]
+        scores = scores.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))
+        k = min(topk, n_kv)
+        vals, idx = scores.topk(k, dim=-1)
+        sel = slots[idx].masked_fill(vals == float("-inf"), -1)
+        out[start:start + n_new, :k] = sel
+        start += n_new
+    return out
+
+
+def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: str,
+                         topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Weight-absorbed sparse MLA over the paged latent cache.
+
+    q_nope [T, H, kv_lora_rank] (already multiplied by W_uk), q_rope [T, H, rope], topk_slots [T, K]
+    (-1 = skip). score = (q_nope . c + q_rope . k_rope) * scale over the selected slots, softmax, and the
+    output is the attention-weighted latent [T, H, kv_lora_rank] (the caller applies W_uv and o_proj).
+    """
+    t, k = topk_slots.shape
+    valid = topk_slots >= 0
+    rows = kv_cache.index_select(0, topk_slots.clamp(min=0).reshape(-1))
+    latent = decode_latent(rows, layout, kv_lora_rank).float().view(t, k, -1)  # [T, K, 576]
+    c, k_rope = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:]
+    scores = (torch.einsum("thc,tkc->thk", q_nope.float(), c) + torch.einsum("thr,tkr->thk", q_rope.float(), k_rope))
+    scores = (scores * softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("thk,tkc->thc", probs, c).to(q_nope.dtype)
+
+
+def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+              routed_scaling_factor: float, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM routing: sigmoid scores; `bias` steers selection only; group-limited top-k.
+
+    router_logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k] int64).
+    """
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias
+    t, e = choice.shape
+    group_scores = choice.view(t, n_group, e // n_group).topk(min(2, e // n_group), dim=-1)[0].sum(-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    choice = choice.masked_fill(score_mask == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+              w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k].
+
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; FP8 with block scales, or dense when the
+    scales are None (the CPU path dequantises once at load).
+    """
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        a = w13[e] if w13_scale is None else dequant_fp8_weight(w13[e], w13_scale[e])
+        b = w2[e] if w2_scale is None else dequant_fp8_weight(w2[e], w2_scale[e])
+        h = x[tok].float() @ a.float().t()
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, (h @ b.float().t()) * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)

@@ -1,0 +1,134 @@
+"""The DSA-MoE model (GLM-5.x `glm_moe_dsa`, DeepSeek-V3.2 `deepseek_v32`) over a paged KV pool.
+
+Owns: the architecture as a diagram reads — embed -> N x [RMSNorm, MLA(+indexer | reused top-k), RMSNorm,
+dense MLP | MoE] -> norm -> lm_head — and the MTP layer (enorm(embed(next)) || hnorm(hidden) -> eh_proj ->
+one decoder layer -> shared_head.norm -> the shared lm_head). Module names equal checkpoint names, so
+the loader's name table is the identity except for the stacked experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.config import ModelConfig
+from dsaserve.engine.counters import COUNTERS
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.kernels.registry import get_ops
+from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.model.layers.context import StepContext
+from dsaserve.model.layers.embedding import Embedding, LMHead
+from dsaserve.model.layers.linear import Linear
+from dsaserve.model.layers.mla import MLAAttention
+from dsaserve.model.layers.moe import MoE, DenseMLP
+from dsaserve.model.layers.norm import RMSNorm
+from dsaserve.model.layers.rope import RotaryTables
+from dsaserve.weights.spec import is_not_converted
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        p = f"model.layers.{layer_id}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg, layer_id)
+        self.mlp = MoE(cfg, f"{p}.mlp") if cfg.is_moe(layer_id) else DenseMLP(cfg, f"{p}.mlp", cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction layer N: predicts token t+2 from hidden(t) and the embedding of token t+1."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        p = f"model.layers.{layer_id}"
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, not is_not_converted(cfg, f"{p}.eh_proj"))
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        return self.shared_head.norm(super().forward(h, ctx))
+
+
+class Backbone(nn.Module):
+    """`model.*` of the checkpoint: embed_tokens, layers (main + MTP), norm."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        if with_mtp:
+            layers += [MTPLayer(cfg, i) for i in cfg.mtp_layer_ids]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DsaForCausalLM(nn.Module):
+    """The whole model. `forward` runs the main stack and returns logits for batch.logits_indices."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = True):
+        super().__init__()
+        self.cfg, self.with_mtp = cfg, with_mtp and cfg.num_nextn_predict_layers > 0
+        self.model = Backbone(cfg, self.with_mtp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.rotary: RotaryTables | None = None
+        self.dtype = torch.float32
+
+    @property
+    def kv_layer_ids(self) -> list[int]:
+        return [i for i, _ in enumerate(self.model.layers)]
+
+    def finalize(self, dtype: torch.dtype, device: torch.device, keep_fp8: bool) -> None:
+        """After loading: dequantise or keep FP8 per layer, absorb kv_b, build RoPE tables."""
+        self.dtype = dtype
+        for m in self.modules():
+            if isinstance(m, (Linear,)) or hasattr(m, "keep_fp8"):
+                m.finalize(dtype, keep_fp8)
+            elif hasattr(m, "finalize") and m is not self:
+                m.finalize(dtype)
+        for m in self.modules():
+            if isinstance(m, MLAAttention):
+                m.absorb(dtype)
+        self.rotary = RotaryTables(self.cfg, device)
+
+    def _context(self, batch: ForwardBatch, pool: KVPool) -> StepContext:
+        cos, sin = self.rotary(batch.positions, self.dtype)
+        return StepContext(batch, pool, cos, sin, get_ops(batch.input_ids.device))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Main stack; returns final-normed hidden states [T, H] for every token of the batch."""
+        COUNTERS.add("forward_steps")
+        ctx = self._context(batch, pool)
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers[: self.cfg.num_hidden_layers]:
+            h = layer(h, ctx)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [L, V] fp32 for batch.logits_indices, pre-norm-free final hidden [T, H])."""
+        hidden = self.forward_hidden(batch, pool)
+        return self.compute_logits(hidden[batch.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """MTP layer k: batch.input_ids are the *next* tokens, prev_hidden the main model's final hidden
+        states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V]."""
+        if not self.with_mtp:
+            raise RuntimeError("this model was built without its MTP layer (num_nextn_predict_layers=0)")
+        layer = self.model.layers[self.cfg.num_hidden_layers + k]
+        ctx = self._context(batch, pool)
+        h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
+        return self.compute_logits(h[batch.logits_indices])

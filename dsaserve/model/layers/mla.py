@@ -1,0 +1,71 @@
+"""MLA attention with DSA sparse selection, over the paged latent cache (stage 6).
+
+Owns: q = q_b(norm(q_a(h))) split into nope/rope; latent = kv_a(h) -> RMSNorm(512 nope) | RoPE(64 rope)
+written to the pool; the indexer (full layers) or the reused top-k slots (shared layers); and weight
+absorption: q_nope is folded through W_uk so attention runs on the 576-dim latent, and the attended latent
+goes through W_uv before o_proj. Absorbed and expanded forms are the same math (HF expands K/V).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.config import ModelConfig
+from dsaserve.engine.counters import COUNTERS
+from dsaserve.model.layers.context import StepContext
+from dsaserve.model.layers.indexer import Indexer
+from dsaserve.model.layers.linear import Linear
+from dsaserve.model.layers.norm import RMSNorm
+from dsaserve.model.layers.rope import mla_softmax_scale
+from dsaserve.weights.spec import is_not_converted
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        prefix = f"model.layers.{layer_id}.self_attn"
+        q = lambda name: not is_not_converted(cfg, f"{prefix}.{name}")  # noqa: E731
+        self.layer_id, self.cfg = layer_id, cfg
+        self.n_heads, self.nope, self.rope, self.v_dim = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                                          cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.kv_lora = cfg.kv_lora_rank
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, q("q_a_proj"))
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, q("q_b_proj"))
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_latent_dim, q("kv_a_proj_with_mqa"))
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q("kv_b_proj"))
+        self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, q("o_proj"))
+        self.indexer = Indexer(cfg, f"{prefix}.indexer") if cfg.is_full_indexer(layer_id) else None
+        if self.indexer is not None:
+            self.indexer.layer_id = layer_id
+        self.softmax_scale = mla_softmax_scale(cfg)
+        self.w_uk: torch.Tensor | None = None  # [H, nope, kv_lora], set by absorb()
+        self.w_uv: torch.Tensor | None = None  # [H, v, kv_lora]
+
+    def absorb(self, dtype: torch.dtype) -> None:
+        """Split kv_b_proj into W_uk / W_uv once, after loading (decode never expands K/V)."""
+        w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        self.w_uk, self.w_uv = w[:, : self.nope].contiguous(), w[:, self.nope:].contiguous()
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t, b, ops = x.shape[0], ctx.batch, ctx.ops
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(t, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q[..., : self.nope], ops.apply_rope(q[..., self.nope:], ctx.cos, ctx.sin, True)
+        kv_cache = ctx.pool.kv_cache(self.layer_id)
+        ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, self.kv_a_proj_with_mqa(x),
+                         self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
+        COUNTERS.add("kv_bytes_written", t * ctx.pool.kv_bpt)
+        if self.indexer is not None:
+            ctx.topk_slots = self.indexer(x, q_resid, ctx)
+        elif ctx.topk_slots is None:
+            raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
+        slots = ctx.topk_slots
+        COUNTERS.add("kv_bytes_read", int((slots >= 0).sum()) * ctx.pool.kv_bpt)
+        q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
+        latent = ops.sparse_mla_attention(q_abs, q_rope, kv_cache, ctx.pool.layout, slots, self.softmax_scale,
+                                          self.kv_lora)
+        out = torch.einsum("thc,hvc->thv", latent, self.w_uv).reshape(t, self.n_heads * self.v_dim)
+        return self.o_proj(out)

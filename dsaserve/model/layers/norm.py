@@ -1,0 +1,34 @@
+"""Norms: RMSNorm (HF semantics: normalise in fp32, cast, scale) and the indexer's k_norm LayerNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.kernels.reference import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16), requires_grad=False)
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        self.weight = nn.Parameter(self.weight.data.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm with weight+bias loaded from the checkpoint (indexer k_norm, eps 1e-6 as in HF)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps=eps)
+        self.weight.requires_grad_(False)
+        self.bias.requires_grad_(False)
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        self.weight = nn.Parameter(self.weight.data.to(dtype), requires_grad=False)
+        self.bias = nn.Parameter(self.bias.data.to(dtype), requires_grad=False)

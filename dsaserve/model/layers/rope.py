@@ -1,0 +1,68 @@
+"""Rotary position embedding tables: per-token cos/sin of the `qk_rope_head_dim` slice.
+
+Owns: the inverse frequencies for `default` and `yarn` RoPE (DeepSeek-V3.2) exactly as HF computes them,
+and the YaRN softmax-scale correction (mscale^2) MLA applies. Shared by MLA and the indexer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsaserve.config import ModelConfig
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq_and_attention_factor(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    rp, dim = cfg.rope_parameters, cfg.qk_rope_head_dim
+    base = float(rp["rope_theta"])
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rp["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor, orig = float(rp["factor"]), int(rp["original_max_position_embeddings"])
+    mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    attn = rp.get("attention_factor")
+    if attn is None:
+        attn = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all \
+            else _yarn_mscale(factor)
+    beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrap = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    return inv, float(attn)
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF yarn_apply_mscale)."""
+    scale = cfg.qk_head_dim ** -0.5
+    rp = cfg.rope_parameters
+    if rp["rope_type"] != "default" and rp.get("mscale_all_dim"):
+        m = _yarn_mscale(float(rp["factor"]), float(rp["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class RotaryTables:
+    """cos/sin [T, rope/2] for arbitrary positions (one angle per rotated pair)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        inv, self.attention_factor = inv_freq_and_attention_factor(cfg)
+        self.inv_freq = inv.to(device)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)

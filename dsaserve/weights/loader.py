@@ -1,0 +1,177 @@
+"""Checkpoint loader: safetensors shards -> model parameters, with a coverage check (startup chain step
+"load weights (+ coverage check)").
+
+Owns: reading `model.safetensors.index.json`, opening shards lazily (memory-mapped by safetensors), the one
+explicit name table (checkpoint name -> parameter + slice), and the errors that make a bad checkpoint fail
+at startup instead of as drifting outputs: a missing tensor, an FP8 weight without its `weight_scale_inv`,
+a scale or weight of the wrong shape or dtype, a tensor the index places in a shard that lacks it, a
+truncated/corrupt shard, an index naming a missing file, and any tensor neither consumed nor on the
+explicit not-loaded list. Tensor-parallel / expert-parallel loading adds `is_mine` rules to `route()`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from dsaserve.weights.spec import checkpoint_specs
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint on disk does not match what the model needs; the message names the tensor/file."""
+
+
+@dataclass
+class LoadReport:
+    """What the startup manifest shows about weights."""
+
+    checkpoint: str
+    tensors_loaded: int = 0
+    bytes_loaded: int = 0
+    shards: int = 0
+    seconds: float = 0.0
+    not_loaded: dict[str, str] = field(default_factory=dict)  # tensor -> why it was skipped on purpose
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": self.checkpoint, "tensors_loaded": self.tensors_loaded,
+                "bytes_loaded": self.bytes_loaded, "shards": self.shards, "seconds": round(self.seconds, 3),
+                "not_loaded": dict(sorted(self.not_loaded.items()))}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, optionally a slice of it (stacked experts)."""
+
+    param: str
+    index: tuple = ()  # indices into the parameter (expert id, then a row slice)
+
+
+def route(name: str, cfg, inter_blocks: int) -> Target:
+    """The name table. Identity for everything but per-expert tensors, which stack into w13 / w2."""
+    m = _EXPERT.match(name)
+    if not m:
+        return Target(name)
+    prefix, j, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+    scale = kind == "weight_scale_inv"
+    param = f"{prefix}.{'w2' if proj == 'down' else 'w13'}{'_scale' if scale else ''}"
+    if proj == "down":
+        return Target(param, (j,))
+    rows = inter_blocks if scale else cfg.moe_intermediate_size  # gate = first half, up = second half
+    start = 0 if proj == "gate" else rows
+    return Target(param, (j, slice(start, start + rows)))
+
+
+def read_index(ckpt: Path) -> dict[str, str]:
+    """tensor name -> shard file name. A single `model.safetensors` without an index is accepted too."""
+    index_path = ckpt / "model.safetensors.index.json"
+    if not index_path.exists():
+        single = ckpt / "model.safetensors"
+        if not single.exists():
+            raise CheckpointError(f"{ckpt}: no model.safetensors.index.json and no model.safetensors")
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single.name for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
+    missing_files = sorted({f for f in weight_map.values() if not (ckpt / f).exists()})
+    if missing_files:
+        raise CheckpointError(f"{index_path}: points at missing shard file(s) {', '.join(missing_files)}")
+    return weight_map
+
+
+def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target) -> None:
+    dest = param.data[target.index] if target.index else param.data
+    if tuple(tensor.shape) != tuple(dest.shape):
+        kind = "scale" if name.endswith("weight_scale_inv") else "tensor"
+        raise CheckpointError(f"{name}: {kind} has shape {list(tensor.shape)}, the model expects {list(dest.shape)}")
+    if (tensor.dtype == torch.float8_e4m3fn) != (dest.dtype == torch.float8_e4m3fn):
+        raise CheckpointError(f"{name}: stored as {tensor.dtype}, the model expects {dest.dtype} "
+                              "(check quantization_config.modules_to_not_convert)")
+    dest.copy_(tensor.to(dest.dtype))
+
+
+def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | None = None) -> LoadReport:
+    """Load every tensor of the checkpoint into `model` (a DsaForCausalLM) and verify coverage."""
+    t0, ckpt = time.perf_counter(), Path(ckpt)
+    cfg = model.cfg
+    weight_map = read_index(ckpt)
+    params = dict(model.named_parameters())
+    report = LoadReport(str(ckpt))
+    skip_layers = set() if model.with_mtp else set(cfg.mtp_layer_ids)
+    expected = {s.name for s in checkpoint_specs(cfg)}
+    inter_blocks = -(-cfg.moe_intermediate_size // 128)
+
+    by_file: dict[str, list[str]] = defaultdict(list)
+    unexpected = []
+    for name, fname in weight_map.items():
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) in skip_layers:
+            report.not_loaded[name] = "MTP layer disabled (speculative decoding off)"
+        elif name not in expected:
+            unexpected.append(name)
+        else:
+            by_file[fname].append(name)
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} tensor(s) in the index are neither used by the model nor on the "
+                              f"not-loaded list: {', '.join(sorted(unexpected)[:8])}")
+    missing = sorted(n for n in expected if n not in weight_map and not _in_skipped(n, skip_layers))
+    if missing:
+        raise CheckpointError(_missing_message(missing))
+
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", unit="tensor", disable=not show)
+    for fname, names in sorted(by_file.items()):
+        _load_shard(ckpt / fname, names, params, cfg, inter_blocks, report, bar)
+    bar.close()
+    report.shards = len(by_file)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _in_skipped(name: str, skip_layers: set[int]) -> bool:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) in skip_layers
+
+
+def _missing_message(missing: list[str]) -> str:
+    scales = [n for n in missing if n.endswith("weight_scale_inv")]
+    if scales:
+        return (f"{scales[0][: -len('_scale_inv')]}: FP8 weight without its scale ({scales[0]} is missing)"
+                + (f"; {len(missing) - 1} more tensor(s) missing" if len(missing) > 1 else ""))
+    return f"missing tensor(s): {', '.join(missing[:8])}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+
+
+def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: int, report: LoadReport,
+                bar: tqdm) -> None:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"{path.name}: cannot read shard ({e})") from None
+    with handle as f:
+        present = set(f.keys())  # noqa: SIM118
+        for name in names:
+            if name not in present:
+                raise CheckpointError(f"{name}: the index places it in {path.name}, which does not contain it")
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{name}: cannot read it from {path.name} (truncated or corrupt: {e})") from None
+            target = route(name, cfg, inter_blocks)
+            if target.param not in params:
+                raise CheckpointError(f"{name}: maps to parameter {target.param}, which the model does not have")
+            _check_and_copy(name, tensor, params[target.param], target)
+            report.tensors_loaded += 1
+            report.bytes_loaded += tensor.numel() * tensor.element_size()
+            bar.update(1)
