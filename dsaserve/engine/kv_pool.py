@@ -133,14 +133,16 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, layout: str = "fp8_ds_mla",
                  kv_layer_ids: list[int] | None = None, page_size: int = PAGE_SIZE,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", sink_pages: int = 0):
         if layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: {layout!r} not one of {', '.join(KV_LAYOUTS)}")
         if num_pages <= 0:
             raise ValueError(f"num_pages: the KV pool needs at least one page, got {num_pages}")
         self.cfg, self.layout, self.page_size, self.dtype = cfg, layout, page_size, dtype
-        self.num_pages = num_pages
-        self.num_slots = num_pages * page_size
+        self.num_pages = num_pages  # pages the scheduler may hand out
+        # sink pages sit after them: CUDA-graph padding rows write their KV there, no request ever reads it
+        self.sink_page = num_pages if sink_pages else -1
+        self.num_slots = (num_pages + sink_pages) * page_size
         self.kv_layer_ids = list(kv_layer_ids if kv_layer_ids is not None else range(cfg.num_hidden_layers))
         self.layer_row = {lid: i for i, lid in enumerate(self.kv_layer_ids)}
         self.index_row = {lid: i for i, lid in enumerate(x for x in self.kv_layer_ids if cfg.is_full_indexer(x))}
@@ -155,7 +157,8 @@ class KVPool:
 
     def info(self) -> KVPoolInfo:
         per_token = self.kv_bpt * len(self.kv_layer_ids) + self.idx_bpt * len(self.index_row)
-        return KVPoolInfo(self.layout, self.page_size, self.num_pages, self.num_slots, len(self.kv_layer_ids),
+        return KVPoolInfo(self.layout, self.page_size, self.num_pages, self.num_pages * self.page_size,
+                          len(self.kv_layer_ids),
                           len(self.index_row), self.kv_bpt, self.idx_bpt, per_token,
                           self.kv_buffer.numel() + (self.index_buffer.numel() if self.index_row else 0))
 

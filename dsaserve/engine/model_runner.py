@@ -17,7 +17,11 @@ from pathlib import Path
 import torch
 
 from dsaserve.config import ModelConfig, load_config
+from dsaserve.engine.counters import COUNTERS
+from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.weights.loader import LoadReport, load_checkpoint
@@ -40,23 +44,48 @@ class _Timer:
 class ModelRunner:
     def __init__(self, model: str, dtype: str = "float32", kv_layout: str = "fp8_ds_mla",
                  num_pages: int | None = None, kv_budget_bytes: int | None = None, device: str = "cpu",
-                 seed: int = 0, load_format: str = "auto", enable_mtp: bool = False):
+                 seed: int = 0, load_format: str = "auto", enable_mtp: bool = False,
+                 mem_fraction_static: float = 0.88, chunked_prefill_size: int = 8192, cuda_graph_max_bs: int = 64,
+                 max_model_len: int | None = None, disable_cuda_graph: bool = False, cache_dir: str | None = None,
+                 graph_reserve_bytes: int = 1 << 30):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: {kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: {load_format!r} not one of auto, dummy")
+        if not 0.0 < mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static: {mem_fraction_static} must be in (0, 1)")
         self.startup_time: dict[str, float] = {}
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        self.chunked_prefill_size, self.cuda_graph_max_bs = chunked_prefill_size, cuda_graph_max_bs
+        self.mem_fraction_static, self.graph_reserve_bytes = mem_fraction_static, graph_reserve_bytes
+        self.profile: MemoryProfile | None = None
+        self.graphs: CudaGraphRunner | None = None
+        self.warmed_prefill: list[int] = []
+        self.compile_cache = CompileCache(cache_dir) if self.device.type == "cuda" else None
         torch.manual_seed(seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(model, load_format)
+        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         with _Timer(self.startup_time, "load_weights"):
             self.model, self.load_report = self._build_and_load(load_format, enable_mtp)
+        if self.device.type == "cuda" and num_pages is None and kv_budget_bytes is None:
+            with _Timer(self.startup_time, "memory_profile"):
+                self.profile = profile_memory(self.model, self.cfg, kv_layout, self.dtype, self.device,
+                                              self.model.kv_layer_ids, chunked_prefill_size, cuda_graph_max_bs,
+                                              mem_fraction_static, graph_reserve_bytes)
+            kv_budget_bytes = self.profile.kv_budget_bytes
         with _Timer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(kv_layout, num_pages, kv_budget_bytes)
+        if self.device.type == "cuda":
+            with _Timer(self.startup_time, "warmup"):
+                self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [chunked_prefill_size],
+                                                     self.cfg.vocab_size)
+            if not disable_cuda_graph:
+                with _Timer(self.startup_time, "cuda_graph_capture"):
+                    self.graphs = self._capture_graphs()
         with _Timer(self.startup_time, "tokenizer"):
             self.tokenizer, self.chat_template = self._load_tokenizer()
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
@@ -92,7 +121,17 @@ class ModelRunner:
             num_pages = pool_pages_for_budget(self.cfg, layout, budget, layers)
             if num_pages <= 0:
                 raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
-        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device)
+        sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
+        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        if not getattr(get_ops(self.device), "graph_safe", False):
+            COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
+            return None
+        max_pages = -(-self.max_model_len // PAGE_SIZE)
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
+        runner.capture()
+        return runner
 
     def _load_tokenizer(self):
         if self.checkpoint is None or not (self.checkpoint / "tokenizer.json").exists():
@@ -109,14 +148,28 @@ class ModelRunner:
         """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if self.graphs is not None:
+            reason = self.graphs.fallback_reason(batch)
+            if reason is None:
+                return self.graphs.replay(batch)
+            if reason != "prefill":
+                COUNTERS.add(f"eager_fallbacks.{reason}")
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
     def manifest(self) -> dict:
         info = self.kv_pool.info()
+        ops = get_ops(self.device)
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
-                "weights": self.load_report.to_dict(), "kv_pool": info.__dict__}
+                "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
+                "memory_profile": self.profile.to_dict() if self.profile else None,
+                "kernels": getattr(ops, "chosen", {}),
+                "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
+                               "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
+                               "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0},
+                "warmed_prefill_chunks": self.warmed_prefill,
+                "compile_cache": self.compile_cache.report() if self.compile_cache else None}
 
 
 def _fill_dummy(model: DsaForCausalLM) -> LoadReport:

@@ -22,7 +22,8 @@ from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_latent
 FP8_BLOCK = 128
 
 
-def dequant_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequant_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[.., N, K] FP8 + [.., ceil(N/128), ceil(K/128)] scales -> dense `dtype` weight."""
     n, k = weight.shape[-2:]
     s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]

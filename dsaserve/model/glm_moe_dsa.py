@@ -20,7 +20,7 @@ from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import MLAAttention
-from dsaserve.model.layers.moe import MoE, DenseMLP
+from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.weights.spec import is_not_converted

@@ -19,3 +19,4 @@ class StepContext:
     sin: torch.Tensor
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
+    selected: int | None = None  # slots sparse MLA reads per layer this step (host-side count, cached)

@@ -21,6 +21,16 @@ from dsaserve.model.layers.rope import mla_softmax_scale
 from dsaserve.weights.spec import is_not_converted
 
 
+def selected_slots(ctx: StepContext) -> int:
+    """Slots sparse MLA reads this step, from host metadata (no device sync): each query at position p
+    sees p + 1 keys and keeps min(index_topk, p + 1) of them."""
+    if ctx.selected is None:
+        seq_lens, ext = ctx.batch.host_lens()
+        k = ctx.pool.cfg.index_topk
+        ctx.selected = sum(min(k, s - n + i + 1) for s, n in zip(seq_lens, ext, strict=True) for i in range(n))
+    return ctx.selected
+
+
 class MLAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -63,7 +73,7 @@ class MLAAttention(nn.Module):
         elif ctx.topk_slots is None:
             raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
         slots = ctx.topk_slots
-        COUNTERS.add("kv_bytes_read", int((slots >= 0).sum()) * ctx.pool.kv_bpt)
+        COUNTERS.add("kv_bytes_read", selected_slots(ctx) * ctx.pool.kv_bpt)
         q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
         latent = ops.sparse_mla_attention(q_abs, q_rope, kv_cache, ctx.pool.layout, slots, self.softmax_scale,
                                           self.kv_lora)

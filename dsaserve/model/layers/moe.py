@@ -82,7 +82,7 @@ class Experts(nn.Module):
             self.w2 = nn.Parameter(self.w2.data.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        if COUNTERS.enabled:  # each distinct routed expert's weights are read once per forward
+        if COUNTERS.enabled and ids.device.type == "cpu":  # distinct routed experts; a device sync elsewhere
             COUNTERS.add("weight_bytes_read", int(ids.unique().numel()) * self.expert_bytes)
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids)
 

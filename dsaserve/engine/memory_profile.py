@@ -1,0 +1,116 @@
+"""Memory profile and warmup (startup chain: "memory profile" -> "allocate the KV pool" -> "warmup").
+
+Owns: the dummy batches (largest prefill chunk, largest decode batch), measuring peak activation memory
+with a throwaway pool, the KV budget formula SGLang uses —
+    pool bytes = total x mem_fraction_static - weights - peak activations - graph reserve
+— and running every configured prefill chunk size once before Up so its kernels are compiled and its
+temporaries allocated before the first request (note 000: "warmup 覆盖哪些形状").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dsaserve.engine.counters import COUNTERS
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
+
+GiB = 1 << 30
+
+
+@dataclass
+class MemoryProfile:
+    total_bytes: int
+    weights_bytes: int
+    peak_activation_bytes: int
+    graph_reserve_bytes: int
+    mem_fraction_static: float
+    kv_budget_bytes: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update({k.replace("_bytes", "_gib"): round(v / GiB, 3) for k, v in d.items() if k.endswith("_bytes")})
+        return d
+
+
+def dummy_prefill(tokens: int, page_size: int, vocab: int, device) -> ForwardBatch:
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    return contiguous_batch([ids], [0], [0], page_size).to(device)
+
+
+def dummy_decode(bs: int, context: int, page_size: int, device) -> ForwardBatch:
+    """bs requests, each with `context` tokens already cached in its own page range, decoding one token."""
+    pages = -(-(context + 1) // page_size)
+    bases = [r * pages * page_size for r in range(bs)]
+    return contiguous_batch([[1]] * bs, [context] * bs, bases, page_size).to(device)
+
+
+def profile_memory(model, cfg, layout: str, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
+                   max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
+    """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
+    torch.cuda.synchronize()
+    _, total = torch.cuda.mem_get_info(device)
+    weights = torch.cuda.memory_allocated(device)
+    page = 64
+    pages = max(-(-max_prefill_tokens // page), max_decode_bs * 2) + 1
+    scratch = KVPool(cfg, pages, layout, kv_layer_ids, page, dtype, device)
+    scratch_bytes = scratch.info().total_bytes
+    torch.cuda.reset_peak_memory_stats(device)
+    enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic
+    try:
+        model(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device), scratch)
+        model(dummy_decode(min(max_decode_bs, pages // 2), 1, page, device), scratch)
+        torch.cuda.synchronize()
+    finally:
+        COUNTERS.enabled = enabled
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes
+    del scratch
+    torch.cuda.empty_cache()
+    budget = int(total * mem_fraction_static - weights - peak - graph_reserve_bytes)
+    if budget <= 0:
+        raise RuntimeError(f"mem_fraction_static: {mem_fraction_static} leaves no room for the KV pool "
+                           f"(weights {weights / GiB:.1f} GiB, activations {peak / GiB:.1f} GiB of {total / GiB:.1f})")
+    return MemoryProfile(total, weights, max(peak, 0), graph_reserve_bytes, mem_fraction_static, budget)
+
+
+def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int) -> list[int]:
+    """One eager forward per configured chunk size, writing into the first pages (nobody owns them yet)."""
+    warmed = []
+    enabled, COUNTERS.enabled = COUNTERS.enabled, False
+    try:
+        for n in sorted(set(chunk_sizes)):
+            if -(-n // pool.page_size) > pool.num_pages:
+                continue
+            model(dummy_prefill(n, pool.page_size, vocab, pool.kv_buffer.device), pool)
+            warmed.append(n)
+        if pool.kv_buffer.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        COUNTERS.enabled = enabled
+    return warmed
+
+
+class CompileCache:
+    """Triton's on-disk kernel cache under --cache-dir, so a restart does not recompile. Counted as entries
+    present before startup and entries created during it (misses: kernels compiled by this start)."""
+
+    def __init__(self, cache_dir: str | Path | None):
+        root = Path(cache_dir or os.environ.get("DSASERVE_CACHE_DIR") or "~/.cache/dsaserve").expanduser()
+        self.dir = root / "triton"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))
+        self.before = self._entries()
+        self.t0 = time.perf_counter()
+
+    def _entries(self) -> set[str]:
+        return {p.name for p in Path(os.environ["TRITON_CACHE_DIR"]).iterdir()} if self.dir.exists() else set()
+
+    def report(self) -> dict:
+        after = self._entries()
+        return {"dir": os.environ["TRITON_CACHE_DIR"], "entries_before": len(self.before),
+                "compiled_this_start": len(after - self.before)}

@@ -1,0 +1,179 @@
+"""Sampler: logits -> next tokens (+ logprobs), batched, per-row parameters (request path stage 9).
+
+Owns: the order of logits processing (vLLM's): raw logprobs for the response -> stop-token suppression
+(min_tokens) -> repetition / frequency / presence penalties -> greedy rows take the argmax; the others
+divide by temperature, apply top-k, top-p, min-p, and draw with the exponential race
+argmax(p / q), q ~ Exp(1), which samples exactly from p.
+
+Reproducibility: a request with a seed draws its q from its own torch.Generator (seeded once, advanced
+only by its own draws), and every step of the pipeline is row-local, always run the same way whatever
+the other rows need (filters that are off for a row leave it bit-identical). So a seed gives the same
+token whatever else is in the batch. Requests without a seed share one engine generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from dsaserve.engine.sampling_params import SamplingParams
+
+
+class SampleSource(Protocol):
+    """What the sampler reads of a request (engine/request.py Req implements it)."""
+
+    sampling: SamplingParams
+    generator: Any  # torch.Generator | None, created here on first use
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def suppressed_token_ids(self) -> tuple[int, ...]: ...
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict | None]  # {"logprob": float, "top": [[id, logprob], ...]} where asked for
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._shared: dict[str, torch.Generator] = {}  # device -> generator of unseeded requests
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleSource]) -> SamplerOutput:
+        """logits: [len(rows), vocab] float32 (one row per sample)."""
+        params = [r.sampling for r in rows]
+        raw = logits
+        logprobs = self._logprobs_inputs(raw, params)
+        x = self._suppress(logits, rows)
+        if any(p.needs_penalties for p in params):
+            x = apply_penalties(x if x is not raw else x.clone(), rows)
+        if all(p.greedy for p in params):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = self._random(x, rows, params)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logprobs, params, token_list))
+
+    # ---- steps -------------------------------------------------------------------------------
+    @staticmethod
+    def _suppress(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
+        masked = [(i, ids) for i, r in enumerate(rows) if (ids := r.suppressed_token_ids)]
+        if not masked:
+            return x
+        x = x.clone()
+        for i, ids in masked:
+            x[i, list(ids)] = float("-inf")
+        return x
+
+    def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
+        dev = x.device
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev, dtype=x.dtype)
+        scaled = x / temp.unsqueeze(1)
+        if any(p.needs_filters for p in params):
+            scaled = apply_filters(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise = torch.empty((len(unseeded), probs.shape[1]), device=dev, dtype=probs.dtype)
+            q[unseeded] = noise.exponential_(generator=self._shared_generator(dev))
+        for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+            if p.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=dev)
+                    r.generator.manual_seed(p.seed & 0xFFFF_FFFF_FFFF_FFFF)  # manual_seed takes uint64
+                q[i].exponential_(generator=r.generator)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy, x.argmax(dim=-1), sampled)
+
+    def _shared_generator(self, dev: torch.device) -> torch.Generator:
+        g = self._shared.get(str(dev))
+        if g is None:
+            g = torch.Generator(device=dev)
+            g.manual_seed(self.seed)
+            self._shared[str(dev)] = g
+        return g
+
+    @staticmethod
+    def _logprobs_inputs(raw: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return None
+        return torch.log_softmax(raw[want].float(), dim=-1)
+
+    @staticmethod
+    def _logprobs(lp: torch.Tensor | None, params: list[SamplingParams], tokens: list[int]) -> list[dict | None]:
+        out: list[dict | None] = [None] * len(params)
+        if lp is None:
+            return out
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device).unsqueeze(1)).squeeze(1)
+        k = max(params[i].logprobs for i in want)
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            n = params[i].logprobs
+            out[i] = {"logprob": chosen_l[j], "top": [[t, v] for t, v in zip(top_i_l[j][:n], top_v_l[j][:n],
+                                                                               strict=True)]}
+        return out
+
+
+def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
+    """In place on x (a private copy): vLLM semantics.
+
+    repetition_penalty r on tokens seen in prompt or output: positive logits / r, negative * r;
+    frequency f and presence p on output tokens: logit -= f * count + p * (count > 0).
+    """
+    vocab, dev = x.shape[1], x.device
+    for i, row in enumerate(rows):
+        sp = row.sampling
+        if not sp.needs_penalties:
+            continue
+        out_ids = torch.tensor(row.output_token_ids, dtype=torch.int64, device=dev)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(x.dtype)
+        if sp.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(row.prompt_token_ids, dtype=torch.int64, device=dev)] = True
+            r = sp.repetition_penalty
+            xi = x[i]
+            x[i] = torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
+        if sp.frequency_penalty or sp.presence_penalty:
+            x[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def apply_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p, min-p per row on temperature-scaled logits; masked entries become -inf.
+
+    Rows with a filter off get a keep-everything threshold, so they come out bit-identical.
+    """
+    vocab, dev = x.shape[1], x.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < (probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)), float("-inf"))
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        return x
+    srt, idx = x.sort(dim=-1, descending=False)
+    # top-k: keep values >= the k-th largest (ties kept); k = vocab keeps all
+    kth = srt.gather(1, (vocab - top_k).unsqueeze(1))
+    drop = srt < kth
+    # top-p: drop the smallest tokens whose cumulative probability stays within 1 - top_p
+    cum = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1).cumsum(dim=-1)
+    drop_p = (cum <= (1 - top_p).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop_p[:, -1] = False  # the most likely token always survives
+    drop = drop | drop_p
+    return x.masked_fill(torch.zeros_like(drop).scatter_(1, idx, drop), float("-inf"))

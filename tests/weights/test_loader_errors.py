@@ -1,0 +1,141 @@
+"""Every way a checkpoint can be wrong fails at load time with a message naming the culprit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsaserve.config import load_config
+from dsaserve.model.glm_moe_dsa import DsaForCausalLM
+from dsaserve.weights.loader import CheckpointError, load_checkpoint
+
+W = "model.layers.1.self_attn.q_b_proj.weight"
+S = W + "_scale_inv"
+
+
+@pytest.fixture()
+def ckpt(tmp_path, tiny_checkpoint) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("glm-5.3-tiny"), dst)
+    return dst
+
+
+def _index(ckpt: Path) -> dict:
+    return json.loads((ckpt / "model.safetensors.index.json").read_text())
+
+
+def _write_index(ckpt: Path, index: dict) -> None:
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _edit_shard(ckpt: Path, tensor: str, edit) -> None:
+    """Rewrite the shard holding `tensor` after `edit(dict_of_tensors)`."""
+    fname = _index(ckpt)["weight_map"][tensor]
+    with safe_open(str(ckpt / fname), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, str(ckpt / fname), metadata={"format": "pt"})
+
+
+def _load(ckpt: Path):
+    return load_checkpoint(DsaForCausalLM(load_config(ckpt), with_mtp=True), ckpt, progress=False)
+
+
+def test_clean_checkpoint_loads_every_tensor(ckpt):
+    report = _load(ckpt)
+    assert report.tensors_loaded == len(_index(ckpt)["weight_map"]) and not report.not_loaded
+
+
+def test_missing_tensor_is_named(ckpt):
+    name = "model.layers.2.post_attention_layernorm.weight"
+    _edit_shard(ckpt, name, lambda t: t.pop(name))
+    index = _index(ckpt)
+    index["weight_map"].pop(name)
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=name):
+        _load(ckpt)
+
+
+def test_fp8_weight_without_scale_is_named(ckpt):
+    _edit_shard(ckpt, S, lambda t: t.pop(S))
+    index = _index(ckpt)
+    index["weight_map"].pop(S)
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=rf"{W}: FP8 weight without its scale"):
+        _load(ckpt)
+
+
+def test_scale_of_wrong_shape_is_named(ckpt):
+    _edit_shard(ckpt, S, lambda t: t.__setitem__(S, torch.ones(3, 3)))
+    with pytest.raises(CheckpointError, match=rf"{S}: scale has shape \[3, 3\]"):
+        _load(ckpt)
+
+
+def test_weight_shape_mismatch_is_named(ckpt):
+    name = "model.layers.0.input_layernorm.weight"
+    _edit_shard(ckpt, name, lambda t: t.__setitem__(name, torch.ones(7, dtype=torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=rf"{name}: tensor has shape \[7\]"):
+        _load(ckpt)
+
+
+def test_wrong_storage_dtype_is_named(ckpt):
+    _edit_shard(ckpt, W, lambda t: t.__setitem__(W, t[W].to(torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=rf"{W}: stored as torch.bfloat16"):
+        _load(ckpt)
+
+
+def test_tensor_not_in_its_shard_is_named(ckpt):
+    index = _index(ckpt)
+    shards = sorted(set(index["weight_map"].values()))
+    other = next(s for s in shards if s != index["weight_map"][W])
+    index["weight_map"][W] = other
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=rf"{W}: the index places it in {other}"):
+        _load(ckpt)
+
+
+def test_index_pointing_at_missing_file_is_named(ckpt):
+    index = _index(ckpt)
+    index["weight_map"][W] = "model-99999-of-99999.safetensors"
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match="missing shard file.*model-99999-of-99999"):
+        _load(ckpt)
+
+
+def test_truncated_shard_is_named(ckpt):
+    shard = ckpt / _index(ckpt)["weight_map"][W]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=shard.name):
+        _load(ckpt)
+
+
+def test_corrupt_shard_header_is_named(ckpt):
+    shard = ckpt / _index(ckpt)["weight_map"][W]
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"\xff" * 32  # garbage in the JSON header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=shard.name):
+        _load(ckpt)
+
+
+def test_unconsumed_tensor_fails_coverage_check(ckpt):
+    extra = "model.layers.0.self_attn.mystery_proj.weight"
+    _edit_shard(ckpt, W, lambda t: t.__setitem__(extra, torch.zeros(4, dtype=torch.bfloat16)))
+    index = _index(ckpt)
+    index["weight_map"][extra] = index["weight_map"][W]
+    _write_index(ckpt, index)
+    with pytest.raises(CheckpointError, match=f"neither used by the model nor on the not-loaded list: {extra}"):
+        _load(ckpt)
+
+
+def test_mtp_tensors_are_listed_as_not_loaded_when_mtp_is_off(ckpt):
+    report = load_checkpoint(DsaForCausalLM(load_config(ckpt), with_mtp=False), ckpt, progress=False)
+    assert report.not_loaded and all(k.startswith("model.layers.6.") for k in report.not_loaded)
+    assert report.tensors_loaded + len(report.not_loaded) == len(_index(ckpt)["weight_map"])
