@@ -1,0 +1,257 @@
+"""H200 benchmark (issue: the GPU fast path): decode step time vs its HBM roofline, prefill vs the FLOP
+roofline, HF transformers on the same config in the same run, first request after Up vs steady state, and
+startup seconds per phase.
+
+Run on the device:  PYTHONPATH=. python bench/bench_gpu.py --out $OUT
+Every ratio printed is measured/bound from this one run: the copy bandwidth and GEMM rates are measured
+here first and used as the ceilings. Bytes a decode step must read = weights it touches (attention + dense
+MLPs + router + shared expert + the routed experts a uniform router hits: E(1-(1-k/E)^b) of them + lm_head)
++ the KV rows sparse MLA gathers (min(topk, ctx) x 656 B x layers) + the indexer keys scored
+(ctx x 132 B x full layers), per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dsaserve.engine.kv_pool import encode_index_k, encode_latent
+from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
+from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.model.layers.linear import Linear
+from dsaserve.model.layers.moe import Experts
+
+
+def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over `iters` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 31  # 2 GiB: far past the 60 MB L2
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    a.random_(0, 255)
+    copy = cuda_time(lambda: b.copy_(a))
+    del a, b
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm = cuda_time(lambda: m @ k, iters=10)
+    one = torch.ones((), device="cuda")
+    m8, k8 = m.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn).t()
+    fp8 = cuda_time(lambda: torch._scaled_mm(m8, k8, one, one, out_dtype=torch.bfloat16), iters=10)
+    return {"copy_bytes_per_s": 2 * n / copy, "bf16_flops": 2 * 8192**3 / gemm, "fp8_flops": 2 * 8192**3 / fp8}
+
+
+def fill_pool(pool, cfg) -> None:
+    """Random (finite) KV and indexer keys everywhere: never time attention over zeros."""
+    chunk = 1 << 16
+    for layer in pool.kv_layer_ids:
+        for s in range(0, pool.num_slots, chunk):
+            slots = torch.arange(s, min(s + chunk, pool.num_slots), device=pool.kv_buffer.device)
+            pool.kv_cache(layer)[slots] = encode_latent(torch.randn(len(slots), cfg.kv_latent_dim, device=slots.device),
+                                                        pool.layout, cfg.kv_lora_rank)
+            if layer in pool.index_row:
+                pool.index_cache(layer)[slots] = encode_index_k(
+                    torch.randn(len(slots), cfg.index_head_dim, device=slots.device), pool.layout)
+
+
+def touched_weight_bytes(model, bs: int) -> float:
+    """Bytes of weights a decode step of `bs` tokens reads (uniform routing for the expected expert count)."""
+    cfg, total = model.cfg, 0.0
+    for layer in model.model.layers[: cfg.num_hidden_layers]:
+        for m in layer.modules():
+            if isinstance(m, Linear) and m is not layer.self_attn.kv_b_proj:  # kv_b is absorbed, read as W_uk/W_uv
+                total += m.disk_bytes
+            elif isinstance(m, Experts):
+                e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+                total += e * (1 - (1 - k / e) ** bs) * m.expert_bytes
+        attn = layer.self_attn
+        total += (attn.w_uk.numel() + attn.w_uv.numel()) * attn.w_uk.element_size()
+        if hasattr(layer.mlp, "gate"):
+            total += layer.mlp.gate.weight.numel() * 2
+    return total + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+
+def decode_bytes(runner, bs: int, ctx: int) -> dict:
+    cfg, pool = runner.cfg, runner.kv_pool
+    n_full = len(cfg.full_indexer_layers)
+    w = touched_weight_bytes(runner.model, bs)
+    kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
+    idx = bs * (ctx + 1) * pool.idx_bpt * n_full
+    return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
+
+
+def bench_decode(runner, ceilings, batches, contexts) -> list[dict]:
+    rows = []
+    for ctx in contexts:
+        for bs in batches:
+            pages = -(-(ctx + 1) // runner.page_size)
+            if bs * pages > runner.num_pages:
+                rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
+                continue
+            batch = dummy_decode(bs, ctx, runner.page_size, runner.device)
+            t = cuda_time(lambda b=batch: runner.forward(b))
+            need = decode_bytes(runner, bs, ctx)
+            bound = need["total"] / ceilings["copy_bytes_per_s"]
+            rows.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "roofline_ms": bound * 1e3, "ratio": t / bound,
+                         "tokens_per_s": bs / t, "bytes": need})
+    return rows
+
+
+def prefill_flops(cfg, n: int) -> float:
+    """FLOPs of one n-token prefill: GEMMs (2 x params touched per token) + indexer scores + sparse MLA."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    attn = h * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim + h * cfg.kv_latent_dim
+    attn += heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank + heads * cfg.v_head_dim * h
+    idx = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim + h * cfg.index_n_heads
+    moe = 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+    dense = 3 * h * cfg.intermediate_size
+    params = sum(attn + (idx if cfg.is_full_indexer(i) else 0) + (moe if cfg.is_moe(i) else dense)
+                 for i in range(cfg.num_hidden_layers))
+    gemm = 2 * params * n + 2 * h * cfg.vocab_size  # lm_head on the last token only
+    keys = n * (n + 1) / 2
+    indexer = 2 * keys * cfg.index_n_heads * cfg.index_head_dim * len(cfg.full_indexer_layers)
+    selected = sum(min(cfg.index_topk, p + 1) for p in range(n))
+    mla = 2 * selected * heads * (cfg.kv_latent_dim + cfg.kv_lora_rank) * cfg.num_hidden_layers
+    return gemm, indexer + mla
+
+
+def bench_prefill(runner, ceilings, lengths) -> list[dict]:
+    rows = []
+    for n in lengths:
+        if -(-n // runner.page_size) > runner.num_pages:
+            continue
+        batch = dummy_prefill(n, runner.page_size, runner.cfg.vocab_size, runner.device)
+        t = cuda_time(lambda b=batch: runner.forward(b), iters=3, warmup=1)
+        gemm, attn = prefill_flops(runner.cfg, n)
+        bound = gemm / ceilings["fp8_flops"] + attn / ceilings["bf16_flops"]
+        rows.append({"tokens": n, "seconds": t, "tokens_per_s": n / t, "roofline_s": bound, "ratio": t / bound,
+                     "gemm_tflop": gemm / 1e12, "attention_tflop": attn / 1e12})
+    return rows
+
+
+def first_vs_steady(runner, n: int) -> dict:
+    """TTFT of the first prefill of a warmed shape right after startup, against the same shape repeated."""
+    batch = dummy_prefill(n, runner.page_size, runner.cfg.vocab_size, runner.device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.forward(batch)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    steady = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        runner.forward(batch)
+        torch.cuda.synchronize()
+        steady.append(time.perf_counter() - t0)
+    s = statistics.median(steady)
+    return {"tokens": n, "first_s": first, "steady_s": s, "ratio": first / s}
+
+
+def bench_hf(config_name: str, cases: list[tuple[int, int]]) -> list[dict]:
+    """HF transformers GlmMoeDsaForCausalLM, bf16, random init, same config: decode ms/step."""
+    import transformers
+
+    from dsaserve.config import load_config
+
+    raw = json.loads(load_config(config_name).to_json())
+    raw.pop("quantization_config", None)
+    cfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    with torch.device("cuda"):
+        model = transformers.GlmMoeDsaForCausalLM(cfg).to(torch.bfloat16).eval()
+    rows = []
+    for bs, ctx in cases:
+        ids = torch.randint(0, cfg.vocab_size, (bs, ctx), device="cuda")
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=cfg)
+            model(ids, past_key_values=cache, use_cache=True)
+            nxt = torch.randint(0, cfg.vocab_size, (bs, 1), device="cuda")
+            times = []
+            for _ in range(6):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(nxt, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        rows.append({"bs": bs, "ctx": ctx, "step_ms": statistics.median(times[1:]) * 1e3})
+        del cache
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="glm-5.3-slice")
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--prefill", default="8192,32768")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["ceilings"] = ceilings = measure_ceilings()
+    print("ceilings", {k: f"{v:.3e}" for k, v in ceilings.items()}, flush=True)
+    t0 = time.perf_counter()
+    runner = ModelRunner(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
+                         cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64,
+                         chunked_prefill_size=max(int(x) for x in args.prefill.split(",")))
+    result["startup_wall_s"] = time.perf_counter() - t0
+    result["manifest"] = runner.manifest()
+    print("startup", runner.startup_time, flush=True)
+    result["first_vs_steady"] = first_vs_steady(runner, max(int(x) for x in args.prefill.split(",")))
+    fill_pool(runner.kv_pool, runner.cfg)
+    result["decode"] = bench_decode(runner, ceilings, batches, contexts)
+    result["prefill"] = bench_prefill(runner, ceilings, [int(x) for x in args.prefill.split(",")])
+    from dsaserve.engine.counters import COUNTERS
+
+    result["counters"] = COUNTERS.snapshot()
+    del runner
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        result["hf"] = bench_hf(args.config, [(1, 1024), (1, 4096), (32, 1024)])
+    (out / "bench_gpu.json").write_text(json.dumps(result, indent=2, default=float))
+    print_table(result)
+
+
+def print_table(r: dict) -> None:
+    print(f"\ncopy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {r['ceilings']['bf16_flops'] / 1e12:.0f} "
+          f"TFLOP/s, fp8 {r['ceilings']['fp8_flops'] / 1e12:.0f} TFLOP/s")
+    print("decode: bs ctx | ms/step | roofline ms | ratio | tok/s")
+    for d in r["decode"]:
+        if "step_ms" in d:
+            print(f"  {d['bs']:4d} {d['ctx']:6d} | {d['step_ms']:8.3f} | {d['roofline_ms']:8.3f} | {d['ratio']:5.2f} | "
+                  f"{d['tokens_per_s']:9.1f}")
+    for p in r["prefill"]:
+        print(f"prefill {p['tokens']}: {p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s, roofline "
+              f"{p['roofline_s']:.3f}s ratio {p['ratio']:.2f}")
+    print("first vs steady:", {k: round(v, 4) for k, v in r["first_vs_steady"].items()})
+    for h in r.get("hf", []):
+        ours = next((d for d in r["decode"] if d.get("bs") == h["bs"] and d.get("ctx") == h["ctx"]), None)
+        speed = f" | ours {ours['step_ms']:.2f} ms -> {h['step_ms'] / ours['step_ms']:.1f}x" if ours else ""
+        print(f"HF bs={h['bs']} ctx={h['ctx']}: {h['step_ms']:.2f} ms/step{speed}")
+    print("startup:", r["manifest"]["startup_time"])
+
+
+if __name__ == "__main__":
+    main()

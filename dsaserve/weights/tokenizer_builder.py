@@ -1,0 +1,165 @@
+"""A real, small tokenizer for random-weight checkpoints (written by `make-checkpoint`).
+
+Owns: building a byte-level BPE with the `tokenizers` library, trained on a corpus embedded here, and
+writing `tokenizer.json`, `tokenizer_config.json` (GLM-style chat template, special tokens) and
+`special_tokens_map.json`. Startup chain: the server's TokenizerManager and `dsaserve generate` load
+these files through transformers' AutoTokenizer exactly as they would a real GLM-5 / DeepSeek one.
+
+Fixed ids (GLM-4/5 names): 0 `[gMASK]` (bos), 1 `<|endoftext|>` (eos and pad), then `<sop>` and the role
+markers. Byte-level means every UTF-8 string encodes and decodes back unchanged, with no unknown token.
+The vocabulary is min(vocab_size, 512): the model's embedding may be larger (ids past the tokenizer
+are valid model outputs that decode to nothing) but never smaller.
+Determinism: one training string, a tie-breaking trainer, sorted-key JSON -> the same files every time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dsaserve.config import ModelConfig
+
+BOS, EOS, SOP = "[gMASK]", "<|endoftext|>", "<sop>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+SPECIAL_TOKENS = (BOS, EOS, SOP, *ROLE_TOKENS)  # ids 0, 1, 2, ... in this order
+MAX_VOCAB = 512  # enough merges for a readable tokenisation, small enough to train in ~10 ms
+BYTE_ALPHABET = 256
+
+# GLM-4/5 style: "[gMASK]<sop>" once, then "<|role|>\n" + content per message. OpenAI "tool" messages
+# use GLM's <|observation|> role; content may be a string or a list of {"type": "text"} parts.
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for message in messages -%}"
+    "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] -%}"
+    "{%- if role not in ['system', 'user', 'assistant', 'observation'] -%}"
+    "{{- raise_exception('chat template: unknown message role ' ~ message['role']) -}}"
+    "{%- endif -%}"
+    # no '-' on the tag after each literal newline: it would strip the newline
+    "<|{{ role }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{%- elif message['content'] is not none -%}"
+    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{% endif %}"
+)
+
+# Training text: plain English and a little Python/JSON, so common words and code idioms get merges.
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A language model reads a sequence of tokens and predicts
+the next one. Serving a model means answering many requests at once: the scheduler picks which
+requests run in the next step, the model runs one forward pass over the whole batch, and the sampler
+chooses one token for each request. The key and value cache keeps what the model has already seen, so
+each new token only needs the attention over the cache instead of the whole prompt again.
+Sparse attention selects a small number of earlier tokens for every query. An indexer scores all the
+previous positions cheaply, keeps the top k of them, and the attention then reads only those. This is
+what makes a context of one million tokens affordable: the cost of a step grows with k, not with the
+length of the context. The mixture of experts layer sends every token to a few experts out of many;
+a router computes a score for every expert, and the token goes to the experts with the highest score.
+There is also a shared expert that every token visits. Weights are stored in eight bit floating point
+numbers with one scale for each block of one hundred and twenty eight by one hundred and twenty eight.
+Hello, world! How are you today? I am fine, thank you. What is the weather like in the city? It is
+sunny and warm, with a light wind from the west. Please write a short story about a robot who learns
+to paint. Once upon a time, there was a small robot that lived in a quiet workshop by the sea.
+Every morning it watched the light on the water and tried to remember the colours.
+Question: what is two plus three? Answer: two plus three is five. Question: what is the capital of
+France? Answer: the capital of France is Paris. The numbers are 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048.
+
+def forward(self, hidden_states, positions, kv_cache):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states = self.self_attn(hidden_states, positions, kv_cache)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    return residual + self.mlp(hidden_states)
+
+
+class Scheduler:
+    def __init__(self, config, kv_pool):
+        self.config = config
+        self.kv_pool = kv_pool
+        self.waiting = []
+        self.running = []
+
+    def step(self):
+        batch = self.schedule()
+        if batch is None:
+            return []
+        return self.run_batch(batch)
+
+
+for i in range(len(tokens)):
+    if tokens[i] == eos_token_id:
+        break
+    print(f"token {i}: {tokens[i]}")
+
+{"model": "glm-5.3", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "stream": true}
+import torch
+x = torch.randn(4, 8, dtype=torch.float32)
+y = torch.nn.functional.softmax(x @ x.T, dim=-1)
+return {"id": request_id, "object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+"""
+
+
+def tokenizer_vocab_size(cfg: ModelConfig) -> int:
+    return min(cfg.vocab_size, MAX_VOCAB)
+
+
+def _check_ids(cfg: ModelConfig) -> None:
+    need = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+    if cfg.vocab_size < need:
+        raise ValueError(f"vocab_size: {cfg.vocab_size} is too small for a byte-level tokenizer (needs >= {need})")
+    if cfg.bos_token_id is not None and cfg.bos_token_id != 0:
+        raise ValueError(f"bos_token_id: the built-in tokenizer has {BOS} at id 0, config says {cfg.bos_token_id}")
+    eos = cfg.eos_token_id[0]
+    if eos < tokenizer_vocab_size(cfg) and eos != 1:
+        raise ValueError(f"eos_token_id: the built-in tokenizer has {EOS} at id 1, config says {eos}")
+
+
+def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    """Train the byte-level BPE for cfg (deterministic: same cfg -> same tokenizer)."""
+    _check_ids(cfg)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=tokenizer_vocab_size(cfg), min_frequency=2, show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # Merge order is fixed: counts are sums (thread order cannot change them) and the trainer breaks count
+    # ties by pair id; the full byte alphabet up front makes the pair ids independent of word order.
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"tokenizer: special token {t} got id {tok.token_to_id(t)}, expected {i}")
+    return tok
+
+
+def tokenizer_config(cfg: ModelConfig) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "additional_special_tokens": [SOP, *ROLE_TOKENS],
+        "model_max_length": cfg.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,  # decoding must give back the exact text
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def write_tokenizer(cfg: ModelConfig, out_dir: str | Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    out = Path(out_dir)
+    tok = build_tokenizer(cfg)
+    # Round-trip through json so the file is sorted-key and independent of the library's map order.
+    (out / "tokenizer.json").write_text(json.dumps(json.loads(tok.to_str()), indent=2, sort_keys=True,
+                                                   ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True) + "\n")
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS, "additional_special_tokens": [SOP, *ROLE_TOKENS]}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
