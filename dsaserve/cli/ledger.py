@@ -1,0 +1,176 @@
+"""`dsaserve ledger`: the notes' arithmetic as a tool — predict, plot, reconcile (planning; no request-path
+stage).
+
+Owns: the command-line flags (model, deployment, hardware overrides, workload, assumptions, output
+format) and their mapping onto dsaserve.ledger. Imports no torch unless `--reconcile` runs the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dsaserve.ledger.hardware import PRESETS
+from dsaserve.ledger.units import US, parse_tokens
+
+ENGINE_LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32")  # engine/kv_pool.py KV_LAYOUTS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("ledger", help="predict every byte, FLOP and collective of a step; --reconcile",
+                              description="The cost ledger of docs/LEDGER.md: every table of the design notes "
+                                          "for any config.json and deployment.")
+    g = p.add_argument_group("model and deployment")
+    g.add_argument("--model", default="glm-5.3", help="built-in name or config.json / checkpoint dir (glm-5.3)")
+    g.add_argument("--tp", type=int, default=8, help="tensor-parallel size (8)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (1 = experts TP-split)")
+    g.add_argument("--dp-attention", action="store_true", help="attention data-parallel over the TP ranks")
+    g.add_argument("--pd", action="store_true", help="prefill/decode disaggregated (PD handoff per request)")
+    g.add_argument("--gpus", type=int, default=0, help="GPUs in the deployment (0 = max(tp, ep))")
+    h = p.add_argument_group("hardware (preset, then overrides)")
+    h.add_argument("--hardware", default="h200", choices=sorted(PRESETS), help="preset (h200)")
+    h.add_argument("--hbm-gb", type=float, help="device memory, GB")
+    h.add_argument("--hbm-tbs", type=float, help="HBM bandwidth, TB/s")
+    h.add_argument("--bf16-tflops", type=float, help="dense BF16 TFLOP/s")
+    h.add_argument("--fp8-tflops", type=float, help="dense FP8 TFLOP/s")
+    h.add_argument("--nvlink-gbs", type=float, help="NVLink GB/s per GPU per direction")
+    h.add_argument("--ib-gbs", type=float, help="IB GB/s per GPU per direction")
+    h.add_argument("--nvlink-overhead-us", type=float, help="fixed cost of one collective on NVLink, us")
+    h.add_argument("--ib-overhead-us", type=float, help="fixed cost of one collective over IB, us")
+    w = p.add_argument_group("workload")
+    w.add_argument("--kv-layout", default="fp8_ds_mla",
+                   choices=("fp8_ds_mla", "fp8_e4m3", "nvfp4_ds_mla", "bf16", "fp32"))
+    w.add_argument("--context", default="1M", help="long-request context: capacity, PD, prefill (1M = 2^20)")
+    w.add_argument("--batch", type=int, default=32, help="decode requests per step, whole deployment (32)")
+    w.add_argument("--decode-context", default="128K", help="context of each request in the decode step (128K)")
+    w.add_argument("--chunk", default="32768", help="chunked_prefill_size (32768)")
+    w.add_argument("--prompt", default="20000", help="first-request prompt tokens (20000)")
+    w.add_argument("--prefix-hit", default="19000", help="of which already cached (19000)")
+    a = p.add_argument_group("assumptions (docs/LEDGER.md lists all)")
+    a.add_argument("--mem-fraction-static", type=float, help="share of HBM for weights + KV pool (0.85)")
+    a.add_argument("--indexer-q-tile", type=int, help="queries sharing one read of an indexer key (32)")
+    a.add_argument("--mla-kv", choices=("replicated", "split"), help="pure-TP MLA KV per rank (replicated)")
+    a.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE", help="set any assumption")
+    o = p.add_argument_group("output")
+    fmt = o.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON (stable keys, docs/LEDGER.md)")
+    fmt.add_argument("--markdown", action="store_true", help="markdown tables")
+    o.add_argument("--sections", help="comma-separated section keys (default: all)")
+    o.add_argument("--notes-check", dest="notes", action="store_true", default=None,
+                   help="add the notes' figures check (default for glm-5.3)")
+    o.add_argument("--no-notes-check", dest="notes", action="store_false")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    o.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
+    r = p.add_argument_group("reconcile")
+    r.add_argument("--reconcile", nargs="?", const="", metavar="RUN.json",
+                   help="predicted vs measured: read a saved run, or (no file) run the engine on --reconcile-model")
+    r.add_argument("--reconcile-model", default="glm-5.3-tiny", help="model the engine runs (glm-5.3-tiny)")
+    r.add_argument("--reconcile-prompts", default="5,17,70", help="prompt lengths, comma-separated")
+    r.add_argument("--reconcile-max-tokens", type=int, default=6, help="tokens generated per prompt")
+    r.add_argument("--reconcile-device", default="cpu", choices=("cpu", "cuda"), help="where the engine runs (cpu)")
+    r.add_argument("--save-run", metavar="FILE", help="save the engine run's counters as a run file")
+    p.set_defaults(func=main)
+
+
+def _hardware(args: argparse.Namespace):
+    from dsaserve.ledger.hardware import get_hardware
+
+    mul = lambda v, m: None if v is None else v * m  # noqa: E731
+    return get_hardware(args.hardware).with_overrides(
+        hbm_bytes=mul(args.hbm_gb, 1e9), hbm_bw=mul(args.hbm_tbs, 1e12), bf16_flops=mul(args.bf16_tflops, 1e12),
+        fp8_flops=mul(args.fp8_tflops, 1e12), nvlink_bw=mul(args.nvlink_gbs, 1e9), ib_bw=mul(args.ib_gbs, 1e9),
+        nvlink_overhead_s=mul(args.nvlink_overhead_us, US), ib_overhead_s=mul(args.ib_overhead_us, US))
+
+
+def _assumptions(args: argparse.Namespace):
+    from dsaserve.ledger.deployment import Assumptions
+
+    updates: dict[str, object] = {}
+    for item in args.assume:
+        if "=" not in item:
+            raise ValueError(f"--assume: {item!r} is not KEY=VALUE")
+        k, v = item.split("=", 1)
+        updates[k.strip()] = v.strip()
+    for flag, key in (("mem_fraction_static", "mem_fraction_static"), ("indexer_q_tile", "indexer_q_tile"),
+                      ("mla_kv", "mla_kv")):
+        if getattr(args, flag) is not None:
+            updates[key] = getattr(args, flag)
+    return Assumptions().with_updates(updates)
+
+
+def build_inputs(args: argparse.Namespace):
+    from dsaserve.config import load_config
+    from dsaserve.ledger.deployment import Deployment, Workload
+    from dsaserve.ledger.inputs import LedgerInputs
+
+    work = Workload(kv_layout=args.kv_layout, context=parse_tokens(args.context, "--context"), batch=args.batch,
+                    decode_context=parse_tokens(args.decode_context, "--decode-context"),
+                    chunk=parse_tokens(args.chunk, "--chunk"), prompt=parse_tokens(args.prompt, "--prompt"),
+                    prefix_hit=0 if str(args.prefix_hit) == "0" else parse_tokens(args.prefix_hit, "--prefix-hit"))
+    dep = Deployment(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention, pd=args.pd, n_gpus=args.gpus)
+    return LedgerInputs(load_config(args.model), dep, _hardware(args), work, _assumptions(args))
+
+
+def _reconcile(args: argparse.Namespace):
+    from dsaserve.ledger.reconcile import load_run
+    from dsaserve.ledger.sections_reconcile import reconcile_report
+
+    if args.reconcile:
+        run = load_run(args.reconcile)
+    else:
+        from dsaserve.ledger.reconcile_driver import run_engine
+
+        if args.kv_layout not in ENGINE_LAYOUTS:
+            raise ValueError(f"--kv-layout: the engine's pool has no {args.kv_layout!r} layout "
+                             f"({', '.join(ENGINE_LAYOUTS)}); reconcile a saved run instead")
+        lens = tuple(parse_tokens(x, "--reconcile-prompts") for x in args.reconcile_prompts.split(","))
+        run = run_engine(args.reconcile_model, lens, args.reconcile_max_tokens, kv_layout=args.kv_layout,
+                         device=args.reconcile_device)
+        if args.save_run:
+            import json
+
+            Path(args.save_run).write_text(json.dumps(run.to_dict(), indent=1, default=str))
+    return reconcile_report(run)
+
+
+def render(report, args: argparse.Namespace) -> str:
+    if args.json:
+        from dsaserve.ledger.render import to_json
+
+        return to_json(report) + "\n"
+    if args.markdown:
+        from dsaserve.ledger.render.markdown import render_markdown
+
+        return render_markdown(report)
+    from dsaserve.ledger.render.text import render_text
+
+    return render_text(report)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.reconcile is not None:
+            report = _reconcile(args)
+        else:
+            from dsaserve.ledger.build import build_report
+
+            sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+            report = build_report(build_inputs(args), sections, args.notes)
+    except ValueError as e:
+        print(f"dsaserve ledger: error: {e}", file=sys.stderr)
+        return 2
+    text = render(report, args)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    if args.plot:
+        from dsaserve.ledger.render.plots import write_plots
+
+        for path in write_plots(report, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    if report.has("reconcile"):
+        return 0 if all(r["ok"] is not False for r in report.section("reconcile").rows) else 1
+    return 0
+

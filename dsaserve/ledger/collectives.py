@@ -1,0 +1,130 @@
+"""Collectives of one forward: which calls, how many, how many bytes, and how long on NVLink and on IB.
+
+Owns: the per-step collective plan for pure TP, DP-attention + EP and TP + EP (note 001's "一次 decode
+step 的集合通信总账"), the PD handoff per request, and bytes -> time (per-rank ring bytes over the
+per-direction link bandwidth plus a fixed per-call overhead; or the notes' message-bytes method).
+Request-path stages it predicts: 5 (embedding all-reduce), 6 (per-layer reductions, MoE dispatch /
+combine), 8 (vocab all-gather). Names of kinds match `collective_calls.<kind>` of engine/counters.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsaserve.config import ModelConfig
+from dsaserve.ledger.deployment import Assumptions, Deployment
+from dsaserve.ledger.hardware import Hardware
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def wire_factor(kind: str, n: int) -> float:
+    """Bytes a rank sends per message byte: ring all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n,
+    all-to-all 1 (every (token, expert) copy counted, the notes' sender total)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if kind == "all_to_all":
+        return 1.0
+    raise ValueError(f"collective kind {kind!r} unknown ({', '.join(KINDS)})")
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    point: str  # where in the forward
+    kind: str
+    calls: int
+    message_bytes: float  # one call's message (the notes' 单次消息量)
+    ranks: int
+    why: str
+
+    @property
+    def total_message(self) -> float:
+        return self.calls * self.message_bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one rank sends over all calls of this row."""
+        return self.total_message * wire_factor(self.kind, self.ranks)
+
+
+def link_time(row_bytes_message: float, row_bytes_wire: float, calls: int, hw: Hardware, asm: Assumptions,
+              link: str) -> float:
+    bw = hw.nvlink_bw if link == "nvlink" else hw.ib_bw
+    overhead = hw.nvlink_overhead_s if link == "nvlink" else hw.ib_overhead_s
+    moved = row_bytes_wire if asm.comm_basis == "wire" else row_bytes_message
+    return moved / bw + calls * overhead
+
+
+def row_time(row: CollectiveRow, hw: Hardware, asm: Assumptions, link: str = "nvlink") -> float:
+    if row.ranks <= 1:
+        return 0.0
+    return link_time(row.total_message, row.wire_bytes, row.calls, hw, asm, link)
+
+
+def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, logits_rows: int | None = None,
+              mtp: bool = False) -> list[CollectiveRow]:
+    """Collectives of one forward over `tokens` tokens of the whole deployment (decode: b; prefill: chunk).
+
+    `logits_rows` = rows the lm_head computes (decode: b; prefill chunk: 1 per request, 0 mid-prompt).
+    """
+    h, n = cfg.hidden_size, dep.tp
+    layers = cfg.num_hidden_layers + (len(cfg.mtp_layer_ids) if mtp else 0)
+    n_dense = len(cfg.dense_layers)
+    n_moe = layers - n_dense
+    act = tokens * h * asm.act_bytes
+    logits_rows = tokens if logits_rows is None else logits_rows
+    rows: list[CollectiveRow] = []
+    if not dep.dp_attention or asm.dp_embed_allreduce:
+        rows.append(CollectiveRow("embedding (vocab-parallel)", "all_reduce", 1, act, n,
+                                  f"each rank looks up {cfg.vocab_size // n:,} of {cfg.vocab_size:,} rows"))
+    if dep.dp_attention:
+        gathers = layers if asm.dp_gather == "per_layer" else 1
+        rows.append(CollectiveRow("DP all-gather of hidden states", "all_gather", gathers, act, n,
+                                  "attention is per request; the MLP side needs the global batch"))
+        rows.append(CollectiveRow("attention output reduce-scatter", "reduce_scatter", layers, act, n,
+                                  "back to each rank's own requests after every layer"))
+    else:
+        rows.append(CollectiveRow("attention output all-reduce (o_proj)", "all_reduce", layers, act, n,
+                                  "o_proj is row-parallel over heads"))
+    if n_dense:
+        rows.append(CollectiveRow("dense-layer MLP all-reduce", "all_reduce", n_dense, act, n,
+                                  f"first_k_dense_replace={n_dense}: row-parallel down_proj"))
+    if dep.ep > 1:
+        k = cfg.num_experts_per_tok
+        rows.append(CollectiveRow("MoE dispatch (FP8)", "all_to_all", n_moe,
+                                  tokens * k * h * asm.dispatch_bytes, dep.ep,
+                                  f"every token to its {k} experts' ranks (sender total)"))
+        rows.append(CollectiveRow("MoE combine (BF16)", "all_to_all", n_moe,
+                                  tokens * k * h * asm.combine_bytes, dep.ep, f"{k} expert outputs back per token"))
+    elif n_moe:
+        rows.append(CollectiveRow("MoE output all-reduce", "all_reduce", n_moe, act, n,
+                                  "experts TP-split: every rank holds 1/TP of each expert"))
+    if logits_rows:
+        rows.append(CollectiveRow("vocab all-gather of logits", "all_gather", 1,
+                                  logits_rows * cfg.vocab_size * asm.logits_bytes, n,
+                                  "each rank computes V/TP logits per row (FP32)"))
+    return [r for r in rows if r.ranks > 1]
+
+
+def hidden_reduction_rows(rows: list[CollectiveRow]) -> list[CollectiveRow]:
+    """The hidden-size reductions the notes sum (494 MB / 261 MB): no all-to-all, no logits gather."""
+    return [r for r in rows if r.kind != "all_to_all" and not r.point.startswith("vocab")]
+
+
+def note_topologies(tp: int, ep: int) -> dict[str, Deployment]:
+    """The two decode topologies of note 001's table (pure TP, DP-attention + EP), at the asked sizes."""
+    return {"tp": Deployment(tp=tp), "dp_ep": Deployment(tp=tp, ep=ep, dp_attention=True)}
+
+
+def pd_transfer_bytes(kv_main_per_token: int, kv_indexer_per_token: int, context: int) -> int:
+    """Main KV + indexer K of one request handed from prefill to decode (note 001: d x L x 78 + 21 x 132 x L)."""
+    return (kv_main_per_token + kv_indexer_per_token) * context
+
+
+def transfer_time(nbytes: float, bw: float, links: int, overhead: float = 0.0) -> float:
+    """Bulk transfer spread over `links` per-GPU links in parallel (each GPU sends its share)."""
+    return nbytes / (bw * max(links, 1)) + overhead

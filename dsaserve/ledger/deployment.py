@@ -1,0 +1,183 @@
+"""Deployment, workload and assumptions: every input of a ledger report that is not the model or the GPU.
+
+Owns: `Deployment` (TP / EP / DP-attention / PD / GPU count, and which weights each rank therefore
+holds), `Workload` (KV layout, context, batch, chunk), and `Assumptions` — every modelling choice the
+notes make silently, as a named parameter with a default and a one-line reason (`--assume key=value`
+sets any of them). Validation errors name the flag. Planning tool, no stage of the request path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from dsaserve.config import ModelConfig
+from dsaserve.ledger.units import K_TOKENS, M_TOKENS
+
+
+@dataclass(frozen=True)
+class Deployment:
+    tp: int = 8
+    ep: int = 1
+    dp_attention: bool = False
+    pd: bool = False
+    n_gpus: int = 0  # 0 = max(tp, ep): one model replica
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name}: must be a positive integer, got {v!r}")
+        if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, int) or self.n_gpus < 0:
+            raise ValueError(f"--gpus: must be a non-negative integer, got {self.n_gpus!r}")
+        if self.n_gpus == 0:
+            object.__setattr__(self, "n_gpus", max(self.tp, self.ep))
+        if self.n_gpus < max(self.tp, self.ep):
+            raise ValueError(f"--gpus: {self.n_gpus} is fewer than --tp {self.tp} / --ep {self.ep} need")
+
+    def validate_for(self, cfg: ModelConfig) -> None:
+        if cfg.n_routed_experts % self.ep:
+            raise ValueError(f"--ep: {self.ep} does not divide n_routed_experts {cfg.n_routed_experts}")
+
+    @property
+    def dp(self) -> int:
+        """DP-attention ranks (SGLang: --dp-size = --tp): each holds and attends its own requests."""
+        return self.tp if self.dp_attention else 1
+
+    @property
+    def attn_tp(self) -> int:
+        return 1 if self.dp_attention else self.tp
+
+    @property
+    def topology(self) -> str:
+        if self.dp_attention:
+            base = f"DP-attention{self.tp}" + (f"+EP{self.ep}" if self.ep > 1 else f"+TP{self.tp} MLP")
+        else:
+            base = f"TP{self.tp}" + (f"+EP{self.ep}" if self.ep > 1 else "")
+        return base + (" (PD-disaggregated)" if self.pd else "") + f", {self.n_gpus} GPUs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"topology": self.topology}
+
+
+KV_LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "nvfp4_ds_mla", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Workload:
+    kv_layout: str = "fp8_ds_mla"
+    context: int = M_TOKENS  # the long request: KV capacity, PD transfer, chunked prefill
+    batch: int = 32  # decode requests per step, whole deployment (worked step)
+    decode_context: int = 128 * K_TOKENS  # context of each request in the worked decode step
+    chunk: int = 32768  # chunked_prefill_size (SGLang's 32K chunk in note 001)
+    prefix_hit: int = 19_000  # prompt tokens already in the prefix cache (note 001's 19K-of-20K example)
+    prompt: int = 20_000
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"--kv-layout: {self.kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
+        for name in ("context", "batch", "decode_context", "chunk", "prompt"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got {v!r}")
+        if not 0 <= self.prefix_hit <= self.prompt:
+            raise ValueError(f"--prefix-hit: {self.prefix_hit} must be between 0 and --prompt {self.prompt}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _a(default: Any, why: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"why": why, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    mla_kv: str = _a("replicated", "pure TP: every rank holds the whole MLA latent (SGLang) or 1/TP of the layers "
+                     "(the notes' 'split')", ("replicated", "split"))
+    indexer_q_tile: int = _a(32, "prefill indexer: queries that share one read of a key block; the notes' "
+                             "~47 TB for 1M implies ~32 (1 = every query re-reads every key)")
+    mem_fraction_static: float = _a(0.85, "share of HBM for weights + KV pool (note 000: 0.85)")
+    reserved_bytes: float = _a(0.0, "other static bytes inside that share per GPU (CUDA context, NCCL/DeepEP "
+                               "buffers)")
+    comm_basis: str = _a("wire", "'wire': per-rank ring bytes / per-direction link bandwidth; 'message': message "
+                         "bytes / an effective bandwidth (the notes' 787 GB/s method)", ("wire", "message"))
+    expert_routing: str = _a("uniform", "experts a step touches: expected under uniform top-k routing, or 'all' "
+                             "(the notes' large-batch assumption)", ("uniform", "all"))
+    moe_dense_tp_size: int = _a(0, "TP size of dense-layer MLPs and shared experts (0 = --tp, SGLang's default; "
+                                "1 = replicated, the notes' '18 GB replicated part')")
+    dp_gather: str = _a("once", "DP-attention: hidden all-gather once per step (note's table) or per layer "
+                        "(note's worked example, 156 calls)", ("once", "per_layer"))
+    dp_embed_allreduce: bool = _a(False, "DP-attention: embedding still vocab-parallel (one more all-reduce, the "
+                                  "note's '1+1+78+3')")
+    act_bytes: int = _a(2, "BF16 hidden states on the wire")
+    dispatch_bytes: int = _a(1, "FP8 tokens in MoE dispatch (DeepEP)")
+    combine_bytes: int = _a(2, "BF16 expert outputs in MoE combine")
+    logits_bytes: int = _a(4, "FP32 logits in the vocab all-gather")
+    speculative: bool = _a(False, "MTP on: the MTP layer is loaded, read and has KV")
+    nvfp4_rope: str = _a("fp8", "nvfp4_ds_mla rope part: FP8 (352 B/token/layer, the notes' figure) or BF16 (416)",
+                         ("fp8", "bf16"))
+    page_size: int = _a(64, "tokens per KV page (SGLang / dsaserve)")
+    page_id_bytes: int = _a(4, "int32 page ids in the block table")
+    compute_efficiency: float = _a(1.0, "fraction of dense peak FLOP/s; 1.0 makes times lower bounds")
+    indexer_split: bool = _a(True, "prefill indexer work and reads spread evenly over all GPUs (the notes); "
+                             "False = every TP rank scores every query")
+    kernels_per_op: float = _a(1.0, "GPU kernels per operator of the operator list")
+    launch_overhead_s: float = _a(4e-6, "one eager kernel launch (note 000/001: 3-5 us)")
+    cuda_graph_max_bs: int = _a(256, "largest captured decode batch; bigger batches run eager")
+    first_request_tokens: int = _a(100, "tokens the first request generates")
+    compile_s_per_shape: float = _a(1.0, "first-time Triton compile / autotune of one new shape (note 000: tens "
+                                    "of ms to seconds)")
+    uncovered_prefill_shapes: int = _a(0, "prefill shapes of the first request that warmup did not run")
+    grammar_compile_s: float = _a(0.0, "first use of a JSON schema: grammar compile")
+
+    def with_updates(self, updates: dict[str, str | Any]) -> Assumptions:
+        """Set fields from strings (`--assume key=value`); errors name the key and the allowed values."""
+        known = {f.name: f for f in fields(self)}
+        out: dict[str, Any] = {}
+        for key, raw in updates.items():
+            f = known.get(key)
+            if f is None:
+                raise ValueError(f"--assume {key}: unknown assumption (one of {', '.join(known)})")
+            out[key] = _coerce(key, type(f.default), raw, f.metadata.get("choices"))
+        return replace(self, **out)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices and v not in choices:
+                raise ValueError(f"--assume {f.name}: {v!r} not one of {', '.join(map(str, choices))}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static: must be in (0, 1], got {self.mem_fraction_static}")
+        if self.indexer_q_tile < 1:
+            raise ValueError(f"--indexer-q-tile: must be >= 1, got {self.indexer_q_tile}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"--assume compute_efficiency: must be in (0, 1], got {self.compute_efficiency}")
+        if self.page_size < 1:
+            raise ValueError(f"--assume page_size: must be >= 1, got {self.page_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def describe() -> dict[str, str]:
+        return {f.name: f.metadata["why"] for f in fields(Assumptions)}
+
+
+def _coerce(key: str, typ: type, raw: Any, choices: tuple[Any, ...] | None) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if typ is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return raw.lower() in ("1", "true", "yes", "on")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"--assume {key}: {raw!r} is not a {typ.__name__}") from None
+    if choices and raw not in choices:
+        raise ValueError(f"--assume {key}: {raw!r} not one of {', '.join(map(str, choices))}")
+    return raw

@@ -1,0 +1,109 @@
+"""Hardware presets for the ledger: HBM size and bandwidth, dense FLOP/s, NVLink / IB bandwidth and the
+per-collective overhead, each value with its source.
+
+Owns: the `Hardware` dataclass and the `h200`, `h100`, `h20`, `b200` presets, overridable field by field
+(`--hbm-gb`, `--nvlink-gbs`, ...). Every FLOP/s figure is **dense** (the datasheets' headline numbers are
+2:4-sparse, twice these); every link bandwidth is **per GPU per direction** (datasheets quote NVLink
+bidirectional: 900 GB/s on Hopper = 450 GB/s each way). Planning tool, no stage of the request path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from dsaserve.ledger.units import GB, TFLOPS, US, MiB
+
+_NVLINK_OVERHEAD = "note 001: 'NVLink 上每次约 3–5µs' (kernel launch + sync + protocol); upper end taken"
+_IB_OVERHEAD = "assumption: inter-node NCCL small-message latency is several times NVLink's; measure on your fabric"
+_IB_CX7 = "ConnectX-7 400 Gb/s NDR, one NIC per GPU in the HGX reference design = 50 GB/s each way"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm_bytes: float  # total device memory the allocator sees (what mem_fraction_static multiplies)
+    hbm_bw: float  # B/s, datasheet peak
+    bf16_flops: float  # dense FLOP/s
+    fp8_flops: float  # dense FLOP/s
+    nvlink_bw: float  # B/s per GPU per direction
+    ib_bw: float  # B/s per GPU per direction
+    nvlink_overhead_s: float  # fixed cost of one collective inside the node
+    ib_overhead_s: float  # fixed cost of one collective across nodes
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def with_overrides(self, **values: float | None) -> Hardware:
+        """A copy with the given fields replaced (None = keep); each override is recorded as its source."""
+        known = {f.name for f in fields(self)} - {"name", "sources"}
+        changed: dict[str, Any] = {}
+        for k, v in values.items():
+            if k not in known:
+                raise ValueError(f"hardware field {k!r}: unknown (one of {', '.join(sorted(known))})")
+            if v is None:
+                continue
+            if not isinstance(v, int | float) or v < 0 or (v == 0 and not k.endswith("overhead_s")):
+                raise ValueError(f"hardware {k}: must be a positive number, got {v!r}")
+            changed[k] = float(v)
+        if not changed:
+            return self
+        sources = dict(self.sources)
+        sources.update({k: "command-line override" for k in changed})
+        return replace(self, name=f"{self.name}*", sources=sources, **changed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, Hardware] = {
+    "h200": Hardware(
+        "h200", hbm_bytes=150_109_880_320, hbm_bw=4.8e12, bf16_flops=989 * TFLOPS, fp8_flops=1979 * TFLOPS,
+        nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
+        sources={
+            "hbm_bytes": "measured: torch.cuda.mem_get_info() total on an H200 SXM (nvidia-smi 143,771 MiB; "
+                         "datasheet '141 GB')",
+            "hbm_bw": "NVIDIA H200 datasheet: 4.8 TB/s HBM3e",
+            "bf16_flops": "H200 SXM datasheet 1,979 TFLOPS BF16 with sparsity -> 989 dense",
+            "fp8_flops": "H200 SXM datasheet 3,958 TFLOPS FP8 with sparsity -> 1,979 dense",
+            "nvlink_bw": "datasheet NVLink 900 GB/s (bidirectional, 18 NVLink4 links) -> 450 GB/s each way",
+            "ib_bw": _IB_CX7, "nvlink_overhead_s": _NVLINK_OVERHEAD, "ib_overhead_s": _IB_OVERHEAD}),
+    "h100": Hardware(
+        "h100", hbm_bytes=81_559 * MiB, hbm_bw=3.35e12, bf16_flops=989 * TFLOPS, fp8_flops=1979 * TFLOPS,
+        nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
+        sources={
+            "hbm_bytes": "nvidia-smi memory.total of H100 SXM5 80GB (81,559 MiB) as commonly reported; "
+                         "not measured here",
+            "hbm_bw": "NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3",
+            "bf16_flops": "H100 SXM datasheet 1,979 TFLOPS BF16 with sparsity -> 989 dense",
+            "fp8_flops": "H100 SXM datasheet 3,958 TFLOPS FP8 with sparsity -> 1,979 dense",
+            "nvlink_bw": "datasheet NVLink 900 GB/s bidirectional -> 450 GB/s each way",
+            "ib_bw": _IB_CX7, "nvlink_overhead_s": _NVLINK_OVERHEAD, "ib_overhead_s": _IB_OVERHEAD}),
+    "h20": Hardware(
+        "h20", hbm_bytes=97_871 * MiB, hbm_bw=4.0e12, bf16_flops=148 * TFLOPS, fp8_flops=296 * TFLOPS,
+        nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
+        sources={
+            "hbm_bytes": "nvidia-smi memory.total of H20 96GB (97,871 MiB) as commonly reported; not measured here",
+            "hbm_bw": "NVIDIA H20 spec sheet: 4.0 TB/s HBM3",
+            "bf16_flops": "H20 spec sheet: 148 TFLOPS BF16 dense",
+            "fp8_flops": "H20 spec sheet: 296 TFLOPS FP8 dense",
+            "nvlink_bw": "H20 spec sheet NVLink 900 GB/s bidirectional -> 450 GB/s each way",
+            "ib_bw": _IB_CX7, "nvlink_overhead_s": _NVLINK_OVERHEAD, "ib_overhead_s": _IB_OVERHEAD}),
+    "b200": Hardware(
+        "b200", hbm_bytes=183_359 * MiB, hbm_bw=8.0e12, bf16_flops=2250 * TFLOPS, fp8_flops=4500 * TFLOPS,
+        nvlink_bw=900 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
+        sources={
+            "hbm_bytes": "nvidia-smi memory.total of HGX B200 180GB (183,359 MiB) as commonly reported; "
+                         "not measured here",
+            "hbm_bw": "HGX B200 datasheet: 8 TB/s HBM3e per GPU (64 TB/s per 8-GPU board)",
+            "bf16_flops": "HGX B200 datasheet 4.5 PFLOPS FP16/BF16 with sparsity -> 2.25 dense",
+            "fp8_flops": "HGX B200 datasheet 9 PFLOPS FP8 with sparsity -> 4.5 dense",
+            "nvlink_bw": "NVLink 5: 1.8 TB/s bidirectional per GPU -> 900 GB/s each way",
+            "ib_bw": "DGX B200: 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU each way",
+            "nvlink_overhead_s": _NVLINK_OVERHEAD + " (Hopper figure, reused)", "ib_overhead_s": _IB_OVERHEAD}),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"--hardware: {name!r} is not a preset ({', '.join(PRESETS)})") from None

@@ -1,0 +1,162 @@
+"""One decode step's cost per GPU, and the marginal cost per generated token against batch and context.
+
+Owns: note 001's three ledgers — communication (collectives of the step), weight read (experts the step
+touches + the replicated part), KV + indexer read (top-k main KV, every key of the indexer) — as step
+times on one GPU's critical path, their per-token values (step term / batch), the worked step (batch 32,
+128K) and the switch points where one ledger overtakes another. Request-path stage: 6 (decode).
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsaserve.config import ModelConfig
+from dsaserve.ledger.collectives import CollectiveRow, hidden_reduction_rows, row_time, step_plan
+from dsaserve.ledger.deployment import Assumptions, Deployment
+from dsaserve.ledger.hardware import Hardware
+from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
+from dsaserve.ledger.units import ceil_div
+from dsaserve.ledger.weights import WeightInventory, experts_touched_fraction, step_read_per_gpu
+
+
+@dataclass(frozen=True)
+class Term:
+    key: str
+    name: str
+    bytes: float  # per GPU (wire bytes for collectives)
+    calls: int
+    time_s: float
+    why: str
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    batch: int
+    context: int
+    requests_per_gpu: int
+    experts_touched: float
+    terms: tuple[Term, ...]
+
+    def term(self, key: str) -> Term:
+        return next(t for t in self.terms if t.key == key)
+
+    @property
+    def serial_s(self) -> float:
+        """Sum of the terms (the notes' share column divides by this)."""
+        return sum(t.time_s for t in self.terms)
+
+    @property
+    def overlapped_s(self) -> float:
+        """Lower bound: HBM terms add (one memory system), collectives overlap them."""
+        hbm = sum(t.time_s for t in self.terms if t.key in ("weights", "kv", "indexer"))
+        comm = sum(t.time_s for t in self.terms if t.key not in ("weights", "kv", "indexer"))
+        return max(hbm, comm)
+
+    def ledger(self, name: str) -> float:
+        """Step seconds of one of the three ledgers: 'comm', 'weights', 'kv' (main KV + indexer)."""
+        keys = {"comm": ("reductions", "moe_a2a", "lm_gather"), "weights": ("weights",), "kv": ("kv", "indexer")}
+        return sum(t.time_s for t in self.terms if t.key in keys[name])
+
+
+def _rows_term(key: str, name: str, rows: list[CollectiveRow], hw: Hardware, asm: Assumptions, why: str) -> Term:
+    wire = sum(r.wire_bytes if asm.comm_basis == "wire" else r.total_message for r in rows)
+    return Term(key, name, wire, sum(r.calls for r in rows), sum(row_time(r, hw, asm) for r in rows), why)
+
+
+def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Hardware, asm: Assumptions,
+                kv_layout: str, batch: int, context: int) -> DecodeStep:
+    plan = step_plan(cfg, dep, asm, batch, logits_rows=batch)
+    per_tok = kv_per_token(cfg, kv_layout, asm)
+    share = kv_share_per_gpu(dep, asm)
+    req_gpu = ceil_div(batch, dep.dp) if dep.dp_attention else batch
+    selected = min(cfg.index_topk, context)
+    kv_bytes = req_gpu * selected * per_tok.main * share
+    idx_bytes = req_gpu * context * per_tok.indexer * share
+    w = sum(step_read_per_gpu(cfg, inv, dep, asm, batch).values())
+    red = hidden_reduction_rows(plan)
+    a2a = [r for r in plan if r.kind == "all_to_all"]
+    gather = [r for r in plan if r.point.startswith("vocab")]
+    terms = (
+        _rows_term("reductions", "hidden-size reductions", red, hw, asm,
+                   "embedding / per-layer all-reduce or DP gather + reduce-scatter, at b x hidden x 2 B"),
+        _rows_term("moe_a2a", "MoE dispatch + combine", a2a, hw, asm,
+                   "b x top-k x hidden x (1 + 2) B per MoE layer" if a2a else "no EP: none"),
+        Term("kv", "main KV read", kv_bytes, 0, kv_bytes / hw.hbm_bw,
+             f"{req_gpu} requests/GPU x top-{selected} slots x {per_tok.main_per_layer} B x {per_tok.kv_layers} "
+             f"layers" + (" / TP (layer split)" if share < 1 else "")),
+        Term("indexer", "indexer K read", idx_bytes, 0, idx_bytes / hw.hbm_bw,
+             f"{req_gpu} requests/GPU x {context:,} keys x {per_tok.indexer_per_layer} B x "
+             f"{per_tok.indexer_layers} full layers"),
+        Term("weights", "weight read", w, 0, w / hw.hbm_bw,
+             "replicated part + this GPU's experts touched by the step's tokens"),
+        _rows_term("lm_gather", "LM-head logits gather", gather, hw, asm, "b x vocab x 4 B, ring all-gather"),
+    )
+    frac = experts_touched_fraction(cfg, batch, asm.expert_routing)
+    return DecodeStep(batch, context, req_gpu, frac, terms)
+
+
+@dataclass(frozen=True)
+class MarginalPoint:
+    batch: int
+    context: int
+    comm_s: float  # per generated token
+    weights_s: float
+    kv_s: float
+    step_s: float  # serial step time
+
+
+def marginal(step: DecodeStep) -> MarginalPoint:
+    b = step.batch
+    return MarginalPoint(b, step.context, step.ledger("comm") / b, step.ledger("weights") / b,
+                         step.ledger("kv") / b, step.serial_s)
+
+
+def sweep_batch(fn, batches: list[int], context: int) -> list[MarginalPoint]:
+    return [marginal(fn(b, context)) for b in batches]
+
+
+def sweep_context(fn, contexts: list[int], batch: int) -> list[MarginalPoint]:
+    return [marginal(fn(batch, c)) for c in contexts]
+
+
+@dataclass(frozen=True)
+class SwitchPoint:
+    name: str
+    value: int | None  # batch or context where the second ledger overtakes the first; None = not in range
+    unit: str  # "batch" or "tokens"
+    why: str
+
+
+def _first(pred, lo: int, hi: int) -> int | None:
+    """Smallest x in [lo, hi] with pred(x) true, assuming pred is monotone (False ... True)."""
+    if not pred(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def switch_points(fn, batch: int, context: int, max_batch: int = 8192, max_context: int = 1 << 24
+                  ) -> list[SwitchPoint]:
+    """Where the three ledgers cross (per generated token)."""
+    def m(b: int, c: int) -> MarginalPoint:
+        return marginal(fn(b, c))
+
+    b_wc = _first(lambda b: m(b, context).weights_s <= m(b, context).comm_s, 1, max_batch)
+    c_kw = _first(lambda c: m(batch, c).kv_s >= m(batch, c).weights_s, 1, max_context)
+    c_kc = _first(lambda c: m(batch, c).kv_s >= m(batch, c).comm_s, 1, max_context)
+    return [
+        SwitchPoint("weight read -> communication", b_wc, "batch",
+                    f"at context {context:,}: from this batch on, weights per token cost less than the step's "
+                    "collectives per token (continuous batching stops paying)"),
+        SwitchPoint("weight read -> KV + indexer read", c_kw, "tokens",
+                    f"at batch {batch}: from this context on, KV + indexer read per token exceeds the amortised "
+                    "weight read"),
+        SwitchPoint("communication -> KV + indexer read", c_kc, "tokens",
+                    f"at batch {batch}: from this context on, KV + indexer read per token exceeds communication"),
+    ]

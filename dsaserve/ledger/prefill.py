@@ -1,0 +1,110 @@
+"""A long prompt's chunked prefill, chunk by chunk: GEMM FLOPs, indexer FLOPs, indexer-K read, KV write,
+collectives, and the time lower bound of each chunk.
+
+Owns: note 001's "一次 1M prefill" table generalised to any context, chunk size, config and deployment.
+Only the indexer terms grow with the prefix (each query scores every earlier key), so late chunks cost
+more than early ones. Request-path stages: 3 (chunking) and 6 (the forwards). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsaserve.config import ModelConfig
+from dsaserve.ledger.collectives import row_time, step_plan
+from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
+from dsaserve.ledger.hardware import Hardware
+from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
+from dsaserve.ledger.units import ceil_div
+from dsaserve.ledger.weights import WeightInventory, gemm_params_per_token, stored_per_gpu
+
+
+def keys_scored(prefix: int, tokens: int) -> int:
+    """Causal (query, key) pairs of `tokens` queries after `prefix` cached tokens: sum_{p} (p + 1)."""
+    return tokens * prefix + tokens * (tokens + 1) // 2
+
+
+def topk_selected(prefix: int, tokens: int, topk: int) -> int:
+    """Sum over the chunk's queries of min(topk, p + 1) (slots sparse MLA reads)."""
+    lo, hi = prefix + 1, prefix + tokens  # p + 1 ranges over lo..hi
+    below = max(min(hi, topk) - lo + 1, 0)  # terms still under top-k: sum of lo..min(hi, topk)
+    first = lo
+    last = lo + below - 1
+    s = (first + last) * below // 2 if below else 0
+    return s + (tokens - below) * topk
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    prefix: int
+    tokens: int
+    gemm_flops: float
+    attn_flops: float
+    indexer_flops: float
+    indexer_read: float  # HBM bytes, after q-tile reuse, all GPUs together
+    kv_write: float  # main KV, all GPUs together
+    indexer_write: float
+    collective_calls: int
+    collective_bytes: float  # per-rank wire bytes
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def lower_bound_s(self) -> float:
+        return max(self.compute_s, self.memory_s, self.comm_s)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    context: int
+    chunk: int
+    chunks: tuple[Chunk, ...]
+    cross_chunk_share: float  # share of indexer pairs whose key lies in an earlier chunk
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(c, attr) for c in self.chunks)
+
+
+def attn_flops_per_slot(cfg: ModelConfig) -> int:
+    """Absorbed sparse MLA: q.k over the 576-dim latent + p.v over the 512-dim nope part, every head."""
+    return 2 * cfg.num_attention_heads * (cfg.kv_latent_dim + cfg.kv_lora_rank)
+
+
+def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Hardware, asm: Assumptions,
+                    work: Workload, context: int | None = None, start: int = 0) -> Prefill:
+    """Chunks of `work.chunk` tokens from position `start` (tokens before it are a prefix-cache hit) to `context`."""
+    ctx = context or work.context
+    if not 0 <= start < ctx:
+        raise ValueError(f"prefill start {start} must lie in [0, context {ctx})")
+    n_chunks = ceil_div(ctx - start, work.chunk)
+    per_tok = kv_per_token(cfg, work.kv_layout, asm)
+    gemm_per_token = 2 * gemm_params_per_token(cfg, inv, mtp=asm.speculative)
+    lm_head = 2 * cfg.vocab_size * cfg.hidden_size
+    idx_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * per_tok.indexer_layers
+    slot_flops = attn_flops_per_slot(cfg) * per_tok.kv_layers
+    weights_gpu = sum(v for k, v in stored_per_gpu(inv, dep, asm).items() if not k.endswith("embed"))
+    idx_ranks = dep.n_gpus if asm.indexer_split else 1
+    share = kv_share_per_gpu(dep, asm)
+    eff = asm.compute_efficiency
+    chunks = []
+    for i in range(n_chunks):
+        prefix = start + i * work.chunk
+        t = min(work.chunk, ctx - prefix)
+        last = i == n_chunks - 1
+        pairs = keys_scored(prefix, t)
+        gemm = gemm_per_token * t + (lm_head if last else 0)
+        attn = slot_flops * topk_selected(prefix, t, cfg.index_topk)
+        idx = idx_pair * pairs
+        idx_read = pairs * per_tok.indexer / asm.indexer_q_tile
+        plan = step_plan(cfg, dep, asm, t, logits_rows=1 if last else 0, mtp=asm.speculative)
+        compute = (gemm / dep.n_gpus / hw.fp8_flops + attn / dep.n_gpus / hw.bf16_flops
+                   + idx / idx_ranks / hw.fp8_flops) / eff
+        memory = (idx_read / idx_ranks + t * per_tok.total * share + weights_gpu) / hw.hbm_bw
+        chunks.append(Chunk(i, prefix, t, gemm, attn, idx, idx_read, t * per_tok.main, t * per_tok.indexer,
+                            sum(r.calls for r in plan), sum(r.wire_bytes for r in plan), compute, memory,
+                            sum(row_time(r, hw, asm) for r in plan)))
+    within = sum(keys_scored(0, c.tokens) for c in chunks)
+    total_pairs = sum(keys_scored(c.prefix, c.tokens) for c in chunks)
+    return Prefill(ctx, work.chunk, tuple(chunks), 1 - within / total_pairs)

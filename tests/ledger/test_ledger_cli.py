@@ -1,0 +1,87 @@
+"""`dsaserve ledger`: flags, formats, plots, errors naming the flag, and no torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsaserve.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["ledger", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_default_text_report(capsys):
+    rc, out, _ = _run(capsys, "--sections", "kv_bytes,collectives")
+    assert rc == 0
+    assert "conventions:" in out and "[kv_bytes]" in out and "[collectives]" in out and "656 B" in out
+
+
+def test_json_flags_reach_the_report(capsys):
+    rc, out, _ = _run(capsys, "--json", "--model", "deepseek-v3.2", "--tp", "4", "--ep", "8", "--gpus", "8",
+                      "--dp-attention", "--pd", "--hardware", "b200", "--hbm-tbs", "7", "--kv-layout", "nvfp4_ds_mla",
+                      "--context", "256K", "--batch", "64", "--chunk", "16K", "--mem-fraction-static", "0.8",
+                      "--indexer-q-tile", "4", "--mla-kv", "split", "--assume", "expert_routing=all",
+                      "--sections", "kv_capacity,prefill_totals")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["model"]["name"] == "deepseek-v3.2"
+    assert {k: d["deployment"][k] for k in ("tp", "ep", "dp_attention", "pd", "n_gpus")} == \
+        {"tp": 4, "ep": 8, "dp_attention": True, "pd": True, "n_gpus": 8}
+    assert d["hardware"]["name"] == "b200*" and d["hardware"]["hbm_bw"] == 7e12
+    assert d["workload"]["kv_layout"] == "nvfp4_ds_mla" and d["workload"]["context"] == 2**18
+    assert d["workload"]["chunk"] == 16384 and d["workload"]["batch"] == 64
+    a = d["assumptions"]
+    assert (a["mem_fraction_static"], a["indexer_q_tile"], a["mla_kv"], a["expert_routing"]) == (0.8, 4, "split", "all")
+    assert list(d["sections"]) == ["kv_capacity", "prefill_totals"]
+
+
+def test_markdown_and_out_file(capsys, tmp_path):
+    out_file = tmp_path / "ledger.md"
+    rc, out, _ = _run(capsys, "--markdown", "--sections", "pd_transfer", "--out", str(out_file))
+    assert rc == 0 and out == ""
+    assert out_file.read_text().startswith("# dsaserve ledger: glm-5.3")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep", "3"], "--ep: 3 does not divide n_routed_experts 256"),
+    (["--context", "lots"], "--context: 'lots' is not a token count"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static: must be in (0, 1]"),
+    (["--assume", "warp_speed=9"], "--assume warp_speed: unknown assumption"),
+    (["--assume", "indexer_q_tile=many"], "--assume indexer_q_tile: 'many' is not a int"),
+    (["--assume", "comm_basis=magic"], "--assume comm_basis: 'magic' not one of wire, message"),
+    (["--model", "no-such-model"], "model: 'no-such-model' is neither"),
+    (["--tp", "0"], "--tp: must be a positive integer"),
+    (["--hbm-gb", "-1"], "hardware hbm_bytes: must be a positive number"),
+    (["--reconcile", "/nonexistent/run.json"], "run file /nonexistent/run.json does not exist"),
+    (["--reconcile", "--kv-layout", "nvfp4_ds_mla"], "--kv-layout: the engine's pool has no 'nvfp4_ds_mla'"),
+])
+def test_bad_input_names_the_flag(capsys, argv, message):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and message in err
+
+
+def test_plots_are_written_and_non_empty(capsys, tmp_path):
+    rc, _, err = _run(capsys, "--context", "256K", "--chunk", "32K", "--plot", str(tmp_path), "--sections",
+                      "prefill_chunks,marginal_vs_context,marginal_vs_batch,kv_capacity_vs_context")
+    assert rc == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["kv_capacity_vs_context.png", "marginal_vs_batch.png", "marginal_vs_context.png",
+                     "prefill_chunks.png"]
+    for p in tmp_path.iterdir():
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert err.count("wrote ") == 4
+
+
+def test_ledger_never_imports_torch():
+    code = ("import sys; from dsaserve.cli import main; "
+            "rc = main(['ledger', '--json', '--out', '/dev/null']); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

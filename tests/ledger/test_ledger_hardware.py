@@ -1,0 +1,53 @@
+"""Hardware presets: every number has a source; overrides are recorded; bad overrides are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
+from dsaserve.ledger.hardware import PRESETS, get_hardware
+from dsaserve.ledger.units import parse_tokens
+
+NUMERIC = ("hbm_bytes", "hbm_bw", "bf16_flops", "fp8_flops", "nvlink_bw", "ib_bw", "nvlink_overhead_s", "ib_overhead_s")
+
+
+@pytest.mark.parametrize("name", ["h200", "h100", "h20", "b200"])
+def test_every_preset_number_has_a_source_and_flops_are_dense(name: str):
+    hw = PRESETS[name]
+    assert set(hw.sources) == set(NUMERIC)
+    assert "dense" in hw.sources["fp8_flops"] and "dense" in hw.sources["bf16_flops"]
+    assert hw.fp8_flops == pytest.approx(2 * hw.bf16_flops, rel=1e-3)  # FP8 dense = 2x BF16 dense on these parts
+    assert all(getattr(hw, f) > 0 for f in NUMERIC)
+
+
+def test_h200_memory_is_the_measured_total():
+    assert PRESETS["h200"].hbm_bytes == 150_109_880_320 and "measured" in PRESETS["h200"].sources["hbm_bytes"]
+
+
+def test_overrides_are_recorded():
+    hw = get_hardware("h100").with_overrides(nvlink_bw=300e9, ib_bw=None)
+    assert hw.name == "h100*" and hw.nvlink_bw == 300e9 and hw.ib_bw == PRESETS["h100"].ib_bw
+    assert hw.sources["nvlink_bw"] == "command-line override"
+    with pytest.raises(ValueError, match="hardware field 'warp': unknown"):
+        hw.with_overrides(warp=1.0)
+    with pytest.raises(ValueError, match="--hardware: 'tpu' is not a preset"):
+        get_hardware("tpu")
+
+
+def test_token_counts_parse_binary_suffixes():
+    assert (parse_tokens("1M"), parse_tokens("128K"), parse_tokens("32768"), parse_tokens("1.5K")) == \
+        (2**20, 131072, 32768, 1536)
+    with pytest.raises(ValueError, match="--chunk: must be positive"):
+        parse_tokens("0", "--chunk")
+
+
+def test_inputs_validate_with_the_flag_name():
+    with pytest.raises(ValueError, match="--gpus: 4 is fewer than --tp 8"):
+        Deployment(tp=8, n_gpus=4)
+    with pytest.raises(ValueError, match="--kv-layout: 'int4'"):
+        Workload(kv_layout="int4")
+    with pytest.raises(ValueError, match="--prefix-hit"):
+        Workload(prompt=100, prefix_hit=200)
+    with pytest.raises(ValueError, match="--indexer-q-tile"):
+        Assumptions(indexer_q_tile=0)
+    assert Assumptions().with_updates({"speculative": "true", "kernels_per_op": "1.5"}).speculative is True
