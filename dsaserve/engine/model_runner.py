@@ -1,7 +1,8 @@
 """ModelRunner: owns the device side of one rank — the startup chain from "load weights" to "ready",
 and the forward of every step.
 
-Owns (startup chain, in order): resolve the checkpoint -> build the model on the device -> load weights with
+Owns (startup chain, in order): init distributed (TP / EP ranks; no-op for one rank) -> resolve the
+checkpoint -> build the model on the device (this rank's shard) -> load weights with
 the coverage check (or `--load-format dummy`) -> finalize (dequantise for the reference path / keep FP8 for
 the GPU kernels; absorb kv_b) -> size and allocate the KV pool once -> tokenizer. Each phase is timed into
 `startup_time`; `manifest()` is what `/startup` and `dsaserve serve` print. The scheduler never touches
@@ -17,6 +18,9 @@ from pathlib import Path
 import torch
 
 from dsaserve.config import ModelConfig, load_config
+from dsaserve.distributed import collectives
+from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
+from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
@@ -47,7 +51,8 @@ class ModelRunner:
                  seed: int = 0, load_format: str = "auto", enable_mtp: bool = False,
                  mem_fraction_static: float = 0.88, chunked_prefill_size: int = 8192, cuda_graph_max_bs: int = 64,
                  max_model_len: int | None = None, disable_cuda_graph: bool = False, cache_dir: str | None = None,
-                 graph_reserve_bytes: int = 1 << 30):
+                 graph_reserve_bytes: int = 1 << 30, tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
+                 dist_init_method: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
         if kv_layout not in KV_LAYOUTS:
@@ -57,7 +62,9 @@ class ModelRunner:
         if not 0.0 < mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static: {mem_fraction_static} must be in (0, 1)")
         self.startup_time: dict[str, float] = {}
-        self.device = torch.device(device)
+        with _Timer(self.startup_time, "init_distributed"):  # RANK/WORLD_SIZE/MASTER_* or dist_init_method
+            self.parallel = initialize_model_parallel(tp_size, ep_size, moe_a2a, device, dist_init_method)
+        self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
         self.dtype = DTYPES[dtype]
         self.chunked_prefill_size, self.cuda_graph_max_bs = chunked_prefill_size, cuda_graph_max_bs
         self.mem_fraction_static, self.graph_reserve_bytes = mem_fraction_static, graph_reserve_bytes
@@ -77,8 +84,13 @@ class ModelRunner:
                                               self.model.kv_layer_ids, chunked_prefill_size, cuda_graph_max_bs,
                                               mem_fraction_static, graph_reserve_bytes)
             kv_budget_bytes = self.profile.kv_budget_bytes
+            if self.parallel.world_size > 1:  # every rank must hold the same pages: the smallest budget wins
+                budget = torch.tensor([kv_budget_bytes], dtype=torch.int64, device=self.device)
+                kv_budget_bytes = int(collectives.all_reduce(budget, self.parallel.world, op="min").item())
         with _Timer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(kv_layout, num_pages, kv_budget_bytes)
+        with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
+            self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
             with _Timer(self.startup_time, "warmup"):
                 self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [chunked_prefill_size],
@@ -103,11 +115,13 @@ class ModelRunner:
     def _build_and_load(self, load_format: str, enable_mtp: bool) -> tuple[DsaForCausalLM, LoadReport]:
         with torch.device(self.device):
             model = DsaForCausalLM(self.cfg, with_mtp=enable_mtp)
+        keep_fp8 = self.device.type == "cuda"  # the reference path computes on dequantised weights
+        if keep_fp8:
+            require_fp8_aligned(model)  # before reading any tensor: TP/EP parts must be whole FP8 blocks
         if load_format == "dummy":
             report = _fill_dummy(model)
         else:
             report = load_checkpoint(model, self.checkpoint)
-        keep_fp8 = self.device.type == "cuda"  # the reference path computes on dequantised weights
         model.finalize(self.dtype, self.device, keep_fp8)
         return model.eval(), report
 
@@ -162,6 +176,7 @@ class ModelRunner:
         ops = get_ops(self.device)
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
+                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives},
                 "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
                 "memory_profile": self.profile.to_dict() if self.profile else None,
                 "kernels": getattr(ops, "chosen", {}),

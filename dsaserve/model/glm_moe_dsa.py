@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import get_ops
@@ -76,6 +77,8 @@ class DsaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, with_mtp: bool = True):
         super().__init__()
         self.cfg, self.with_mtp = cfg, with_mtp and cfg.num_nextn_predict_layers > 0
+        self.parallel = get_parallel_state()  # TP/EP layout the layers were built for (the loader reads it)
+        validate_for_model(cfg, self.parallel)
         self.model = Backbone(cfg, self.with_mtp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.rotary: RotaryTables | None = None

@@ -6,7 +6,9 @@ explicit name table (checkpoint name -> parameter + slice), and the errors that 
 at startup instead of as drifting outputs: a missing tensor, an FP8 weight without its `weight_scale_inv`,
 a scale or weight of the wrong shape or dtype, a tensor the index places in a shard that lacks it, a
 truncated/corrupt shard, an index naming a missing file, and any tensor neither consumed nor on the
-explicit not-loaded list. Tensor-parallel / expert-parallel loading adds `is_mine` rules to `route()`.
+explicit not-loaded list. Under expert parallelism `not_mine()` puts other ranks' experts on that list (with
+the owning rank) and `route()` maps a kept expert to its local slot; under tensor parallelism a parameter
+that carries `.shard` (set by its layer) receives only its slice of the checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from dsaserve.distributed.sharding import ExpertPlacement, shard_source
 from dsaserve.weights.spec import checkpoint_specs
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
@@ -57,19 +60,34 @@ class Target:
     index: tuple = ()  # indices into the parameter (expert id, then a row slice)
 
 
-def route(name: str, cfg, inter_blocks: int) -> Target:
-    """The name table. Identity for everything but per-expert tensors, which stack into w13 / w2."""
+def route(name: str, cfg, inter_blocks: int, placement: ExpertPlacement | None = None) -> Target:
+    """The name table. Identity for everything but per-expert tensors, which stack into w13 / w2 (at the
+    expert's local slot, with this rank's intermediate rows, when `placement` shards the experts)."""
     m = _EXPERT.match(name)
     if not m:
         return Target(name)
     prefix, j, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
     scale = kind == "weight_scale_inv"
     param = f"{prefix}.{'w2' if proj == 'down' else 'w13'}{'_scale' if scale else ''}"
+    inter = cfg.moe_intermediate_size
+    if placement is not None:
+        j, inter = placement.local(j), placement.param_inter
+        inter_blocks = -(-inter // 128)  # FP8 block rows of this rank's gate (or up) part
     if proj == "down":
         return Target(param, (j,))
-    rows = inter_blocks if scale else cfg.moe_intermediate_size  # gate = first half, up = second half
+    rows = inter_blocks if scale else inter  # gate = first half, up = second half
     start = 0 if proj == "gate" else rows
     return Target(param, (j, slice(start, start + rows)))
+
+
+def not_mine(name: str, placement: ExpertPlacement | None) -> str | None:
+    """Why this rank skips `name` on purpose (a routed expert another EP rank holds), or None."""
+    m = _EXPERT.match(name)
+    if placement is None or not m or placement.is_mine(int(m.group(2))):
+        return None
+    last = placement.first + placement.count - 1
+    return (f"routed expert {m.group(2)} is held by EP rank {placement.owner(int(m.group(2)))} of "
+            f"{placement.ep_size}; this rank holds experts {placement.first}-{last}")
 
 
 def read_index(ckpt: Path) -> dict[str, str]:
@@ -91,7 +109,9 @@ def read_index(ckpt: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target) -> None:
+def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target) -> int:
+    """Copy `tensor` (this rank's slice of it) into its place in `param`; returns the bytes kept."""
+    tensor = shard_source(param, tensor, name.endswith("weight_scale_inv"))  # this rank's TP slice, if sharded
     dest = param.data[target.index] if target.index else param.data
     if tuple(tensor.shape) != tuple(dest.shape):
         kind = "scale" if name.endswith("weight_scale_inv") else "tensor"
@@ -100,6 +120,7 @@ def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target
         raise CheckpointError(f"{name}: stored as {tensor.dtype}, the model expects {dest.dtype} "
                               "(check quantization_config.modules_to_not_convert)")
     dest.copy_(tensor.to(dest.dtype))
+    return tensor.numel() * tensor.element_size()
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | None = None) -> LoadReport:
@@ -112,6 +133,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
     skip_layers = set() if model.with_mtp else set(cfg.mtp_layer_ids)
     expected = {s.name for s in checkpoint_specs(cfg)}
     inter_blocks = -(-cfg.moe_intermediate_size // 128)
+    placement = _expert_placement(model)
 
     by_file: dict[str, list[str]] = defaultdict(list)
     unexpected = []
@@ -121,6 +143,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
             report.not_loaded[name] = "MTP layer disabled (speculative decoding off)"
         elif name not in expected:
             unexpected.append(name)
+        elif why := not_mine(name, placement):
+            report.not_loaded[name] = why
         else:
             by_file[fname].append(name)
     if unexpected:
@@ -133,11 +157,18 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", unit="tensor", disable=not show)
     for fname, names in sorted(by_file.items()):
-        _load_shard(ckpt / fname, names, params, cfg, inter_blocks, report, bar)
+        _load_shard(ckpt / fname, names, params, cfg, inter_blocks, report, bar, placement)
     bar.close()
     report.shards = len(by_file)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _expert_placement(model: torch.nn.Module) -> ExpertPlacement | None:
+    """The routed-expert split the model was built with (None: every expert whole on this rank)."""
+    placement = next((m.placement for m in model.modules() if isinstance(getattr(m, "placement", None),
+                                                                            ExpertPlacement)), None)
+    return placement if placement is not None and placement.sharded else None
 
 
 def _in_skipped(name: str, skip_layers: set[int]) -> bool:
@@ -154,7 +185,7 @@ def _missing_message(missing: list[str]) -> str:
 
 
 def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: int, report: LoadReport,
-                bar: tqdm) -> None:
+                bar: tqdm, placement: ExpertPlacement | None = None) -> None:
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
@@ -168,10 +199,9 @@ def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: i
                 tensor = f.get_tensor(name)
             except Exception as e:
                 raise CheckpointError(f"{name}: cannot read it from {path.name} (truncated or corrupt: {e})") from None
-            target = route(name, cfg, inter_blocks)
+            target = route(name, cfg, inter_blocks, placement)
             if target.param not in params:
                 raise CheckpointError(f"{name}: maps to parameter {target.param}, which the model does not have")
-            _check_and_copy(name, tensor, params[target.param], target)
+            report.bytes_loaded += _check_and_copy(name, tensor, params[target.param], target)
             report.tensors_loaded += 1
-            report.bytes_loaded += tensor.numel() * tensor.element_size()
             bar.update(1)

@@ -1,26 +1,44 @@
-"""Token embedding (stage 5) and the lm_head (stage 8). Vocab-parallel sharding plugs in here under TP."""
+"""Token embedding (stage 5) and the lm_head (stage 8), vocab-parallel under TP.
+
+Under TP each rank holds rows [r V/tp, (r+1) V/tp) of both tables (the checkpoint rows, sliced by the loader).
+The embedding looks up the ids that fall in its rows, zeros the rest and all-reduces (note 001: "嵌入词表并行
+查表 + AllReduce"); the lm_head computes its V/tp logits per row and all-gathers them along the vocab.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from dsaserve.distributed.collectives import all_gather, all_reduce
+from dsaserve.distributed.parallel_state import get_parallel_state
+from dsaserve.distributed.sharding import mark_sharded, tp_shard
 from dsaserve.engine.counters import COUNTERS
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16), requires_grad=False)
+        state = get_parallel_state()
+        shard, self.group = tp_shard(state, 0), state.tp_group
+        rows = vocab if shard is None else shard.size(vocab)
+        self.vocab_start = 0 if shard is None else shard.rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=torch.bfloat16), requires_grad=False)
+        mark_sharded(shard, self.weight)
 
     def finalize(self, dtype: torch.dtype) -> None:
         self.weight = nn.Parameter(self.weight.data.to(dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.weight)
+        if self.group.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
+        return all_reduce(out, self.group)
 
 
 class LMHead(Embedding):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         COUNTERS.add("weight_bytes_read", self.weight.numel() * 2)
-        return (h @ self.weight.t()).float()
+        return all_gather((h @ self.weight.t()).float(), self.group, dim=-1)

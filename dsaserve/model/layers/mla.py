@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import RMSNorm
+from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
 from dsaserve.weights.spec import is_not_converted
 
@@ -42,11 +44,14 @@ class MLAAttention(nn.Module):
         self.kv_lora = cfg.kv_lora_rank
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, q("q_a_proj"))
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, q("q_b_proj"))
+        self.q_b_proj = column_parallel(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, q("q_b_proj"),
+                                        f"{prefix}.q_b_proj")  # TP: split by head
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_latent_dim, q("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q("kv_b_proj"))
-        self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, q("o_proj"))
+        self.kv_b_proj = column_parallel(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), q("kv_b_proj"),
+                                         f"{prefix}.kv_b_proj")
+        self.o_proj = row_parallel(self.n_heads * self.v_dim, cfg.hidden_size, q("o_proj"), f"{prefix}.o_proj")
+        self.n_heads //= get_parallel_state().tp_size  # this TP rank's heads; latent cache and indexer replicated
         self.indexer = Indexer(cfg, f"{prefix}.indexer") if cfg.is_full_indexer(layer_id) else None
         if self.indexer is not None:
             self.indexer.layer_id = layer_id

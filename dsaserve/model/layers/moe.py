@@ -3,6 +3,8 @@
 Owns: the router (sigmoid scores; `e_score_correction_bias` steers selection only; group-limited top-k;
 normalised weights x routed_scaling_factor), the stacked expert weights (w13 = [gate; up] per expert, w2 =
 down) that per-expert checkpoint tensors are loaded into, and the shared expert added to the routed sum.
+Under TP / EP a rank holds its experts (and rows) only, and the layer ends with one reduction over the MoE
+group, or all-to-all dispatch / combine (dsaserve/distributed/expert_parallel.py, docs/PARALLELISM.md).
 """
 
 from __future__ import annotations
@@ -11,20 +13,25 @@ import torch
 from torch import nn
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.collectives import all_reduce
+from dsaserve.distributed.expert_parallel import a2a_moe_forward, finalize_deferred_experts, local_routes
+from dsaserve.distributed.parallel_state import get_parallel_state
+from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.model.layers.context import StepContext
-from dsaserve.model.layers.linear import Linear
+from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.weights.spec import is_not_converted, scale_shape
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, inter: int):
+    def __init__(self, cfg: ModelConfig, prefix: str, inter: int, reduce_results: bool = True):
         super().__init__()
         q = lambda name: not is_not_converted(cfg, f"{prefix}.{name}")  # noqa: E731
-        self.gate_proj = Linear(cfg.hidden_size, inter, q("gate_proj"))
-        self.up_proj = Linear(cfg.hidden_size, inter, q("up_proj"))
-        self.down_proj = Linear(inter, cfg.hidden_size, q("down_proj"))
+        # TP: gate/up column-parallel, down row-parallel (+ all-reduce unless the MoE layer reduces once)
+        self.gate_proj = column_parallel(cfg.hidden_size, inter, q("gate_proj"), f"{prefix}.gate_proj")
+        self.up_proj = column_parallel(cfg.hidden_size, inter, q("up_proj"), f"{prefix}.up_proj")
+        self.down_proj = row_parallel(inter, cfg.hidden_size, q("down_proj"), f"{prefix}.down_proj", reduce_results)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -48,12 +55,14 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E routed experts stacked: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    """E routed experts stacked: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. Under EP / MoE-TP,
+    E and I are this rank's (`placement`); the loader skips other ranks' experts."""
 
     def __init__(self, cfg: ModelConfig, prefix: str):
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.quantized = not is_not_converted(cfg, f"{prefix}.0.gate_proj")
+        self.placement = p = ExpertPlacement.build(cfg, get_parallel_state(), self.quantized)
+        e, h, i = p.count, cfg.hidden_size, p.param_inter
         dt = torch.float8_e4m3fn if self.quantized else torch.bfloat16
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dt), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dt), requires_grad=False)
@@ -68,8 +77,16 @@ class Experts(nn.Module):
         self.expert_bytes = 3 * h * i * per_param + (
             (self.w13_scale[0].numel() + self.w2_scale[0].numel()) * 4 if self.quantized else 0)
         self.keep_fp8 = False
+        self.fp8_misaligned = fp8_misaligned(prefix, p.inter_shard, (p.inter, h)) if p.deferred else ""
+        if p.inter_shard is not None and not p.deferred:  # checkpoint gate/up [I, H] split by row, down by column
+            mark_sharded(p.inter_shard, self.w13, self.w13_scale)
+            mark_sharded(Shard(1, p.inter_shard.rank, p.inter_shard.parts), self.w2, self.w2_scale)
+        if p.deferred:
+            self.expert_bytes //= p.inter_shard.parts  # bytes of the part this rank reads once sliced
 
     def finalize(self, dtype: torch.dtype, keep_fp8: bool) -> None:
+        if self.placement.deferred:
+            return finalize_deferred_experts(self, dtype, keep_fp8 and self.quantized)
         self.keep_fp8 = keep_fp8 and self.quantized
         if self.keep_fp8:
             return
@@ -82,8 +99,10 @@ class Experts(nn.Module):
             self.w2 = nn.Parameter(self.w2.data.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
         if COUNTERS.enabled and ids.device.type == "cpu":  # distinct routed experts; a device sync elsewhere
-            COUNTERS.add("weight_bytes_read", int(ids.unique().numel()) * self.expert_bytes)
+            touched = ids if local is None else ids[local]
+            COUNTERS.add("weight_bytes_read", int(touched.unique().numel()) * self.expert_bytes)
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids)
 
 
@@ -93,9 +112,18 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg, f"{prefix}.experts")
         inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", inter) if cfg.n_shared_experts else None
+        self.shared_experts = DenseMLP(cfg, f"{prefix}.shared_experts", inter, reduce_results=False) \
+            if cfg.n_shared_experts else None
+        state = get_parallel_state()  # EP / TP: one all-reduce sums routed parts (+ TP-split shared expert)
+        self.group, self.shared_split, self.a2a = state.moe_group, state.tp_size > 1, state.moe_a2a
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         weights, ids = self.gate(x, ctx)
+        if self.a2a:
+            return a2a_moe_forward(self, x, weights, ids, ctx)
         out = self.experts(x, weights, ids, ctx)
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        if self.shared_experts is None:
+            return all_reduce(out, self.group)
+        if self.shared_split:
+            return all_reduce(out + self.shared_experts(x), self.group)
+        return all_reduce(out, self.group) + self.shared_experts(x)

@@ -1,0 +1,1 @@
+"""Tensor and expert parallelism over torch.distributed: process groups, counted collectives, weight shards."""

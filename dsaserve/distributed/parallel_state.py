@@ -1,0 +1,181 @@
+"""Parallel state: the process group, this rank's place in TP and EP, and the groups collectives run on.
+
+Startup chain step "init distributed backend" (after the per-rank processes are spawned, before weights
+load). Owns: `init_distributed` (backend by device — NCCL for CUDA, gloo for CPU — rendezvous through
+`MASTER_ADDR`/`MASTER_PORT` (`env://`) or an explicit `tcp://host:port`), `initialize_model_parallel`
+(validates the TP / EP sizes and records them), and the process-wide `ParallelState` the layers read once,
+at construction. Until something initialises it the state is one rank with no groups, so the unsharded
+model and every single-process tool are unchanged.
+
+Layout (SGLang's, restricted to one model replica): world = max(tp, ep) ranks.
+  - attention, dense MLPs, shared experts, embedding and lm_head: TP over `tp_group` (tp = world), or
+    replicated (tp = 1, only with ep = world: "replicated attention + EP");
+  - routed experts: `moe_group` = the world; experts split ep ways, each expert's intermediate split
+    moe_tp = world / ep ways. EP rank = rank // moe_tp, so ranks of one EP rank are consecutive.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600  # first NCCL collectives can wait on slow peers (weights still loading elsewhere)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as the collectives see it; `pg` is None when the group is a single rank."""
+
+    name: str
+    size: int = 1
+    rank: int = 0
+    pg: object | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    world_size: int = 1
+    rank: int = 0
+    tp_size: int = 1
+    ep_size: int = 1
+    moe_a2a: bool = False  # MoE via all-to-all dispatch/combine instead of one all-reduce
+    backend: str = "none"
+    world: Group = Group("world")
+    tp_group: Group = Group("tp")
+    moe_group: Group = Group("moe")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_group.rank
+
+    @property
+    def moe_tp_size(self) -> int:
+        """Ways each routed expert's intermediate dim is split (world / ep)."""
+        return self.world_size // self.ep_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp_size
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "rank": self.rank, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
+                "ep_size": self.ep_size, "ep_rank": self.ep_rank, "moe_tp_size": self.moe_tp_size,
+                "moe_a2a": self.moe_a2a, "backend": self.backend}
+
+
+_STATE = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _STATE
+
+
+def set_parallel_state(state: ParallelState) -> ParallelState:
+    global _STATE
+    _STATE = state
+    return state
+
+
+def reset_parallel_state() -> None:
+    """Back to one rank (tests; a process that tears its group down)."""
+    set_parallel_state(ParallelState())
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(world_size: int | None = None, rank: int | None = None, device: torch.device | str = "cpu",
+                     init_method: str | None = None, backend: str | None = None,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the default process group (no-op when already joined or when the world is one rank).
+
+    world_size / rank default to $WORLD_SIZE / $RANK; init_method to `env://` ($MASTER_ADDR, $MASTER_PORT).
+    """
+    if dist.is_initialized():
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if world_size <= 1:
+        return
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: {rank} is outside world_size {world_size}")
+    if init_method is None:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise ValueError(f"distributed init: set {' and '.join(missing)} or pass init_method='tcp://host:port'")
+        init_method = "env://"
+    backend = backend or backend_for(device)
+    if backend == "nccl":
+        torch.cuda.set_device(local_device(device, rank))
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def local_device(device: torch.device | str, rank: int | None = None) -> torch.device:
+    """`cuda` without an index becomes this rank's GPU ($LOCAL_RANK, else rank mod GPUs on the host)."""
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    if "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
+def _check_sizes(tp_size: int, ep_size: int, world: int) -> None:
+    for flag, v in (("tp_size", tp_size), ("ep_size", ep_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag}: must be a positive integer, got {v!r}")
+    if world != max(tp_size, ep_size):
+        raise ValueError(f"tp_size {tp_size} / ep_size {ep_size}: need world_size = max(tp, ep) = "
+                         f"{max(tp_size, ep_size)} ranks, the process group has {world}")
+    if tp_size not in (1, world):
+        raise ValueError(f"tp_size: {tp_size} must be 1 or the world size {world} (one model replica)")
+    if world % ep_size:
+        raise ValueError(f"ep_size: {ep_size} does not divide the world size {world}")
+
+
+def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
+                              device: torch.device | str = "cpu", init_method: str | None = None) -> ParallelState:
+    """Record the TP / EP layout (joining the process group first if needed) and return the new state."""
+    world = max(tp_size, ep_size) if isinstance(tp_size, int) and isinstance(ep_size, int) else 0
+    if world > 1:
+        init_distributed(world_size=world, device=device, init_method=init_method)
+    real_world = dist.get_world_size() if dist.is_initialized() else 1
+    _check_sizes(tp_size, ep_size, real_world)
+    if moe_a2a and ep_size != real_world:
+        raise ValueError(f"moe_a2a: all-to-all dispatch/combine needs ep_size = world size ({real_world}), "
+                         f"got ep_size {ep_size}")
+    if real_world == 1:
+        return set_parallel_state(ParallelState(moe_a2a=False))
+    rank = dist.get_rank()
+    world_group = Group("world", real_world, rank, dist.group.WORLD)
+    tp_group = Group("tp", real_world, rank, dist.group.WORLD) if tp_size > 1 else Group("tp")
+    return set_parallel_state(ParallelState(
+        world_size=real_world, rank=rank, tp_size=tp_size, ep_size=ep_size, moe_a2a=moe_a2a,
+        backend=dist.get_backend(), world=world_group, tp_group=tp_group,
+        moe_group=Group("moe", real_world, rank, dist.group.WORLD)))
+
+
+def validate_for_model(cfg, state: ParallelState) -> None:
+    """Every split the layout implies must be exact; errors name the config field and the size."""
+    tp, ep, moe_tp = state.tp_size, state.ep_size, state.moe_tp_size
+    checks = [("num_attention_heads", cfg.num_attention_heads, tp, "tp_size"),
+              ("intermediate_size", cfg.intermediate_size, tp, "tp_size"),
+              ("vocab_size", cfg.vocab_size, tp, "tp_size"),
+              ("moe_intermediate_size * n_shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
+               "tp_size"),
+              ("n_routed_experts", cfg.n_routed_experts, ep, "ep_size"),
+              ("moe_intermediate_size", cfg.moe_intermediate_size, moe_tp, "world_size / ep_size")]
+    for field_name, value, parts, flag in checks:
+        if parts > 1 and value % parts:
+            raise ValueError(f"{field_name} = {value} is not divisible by {flag} = {parts}")
