@@ -10,8 +10,10 @@ README's JSON keys use them):
   kv_bytes_read            main-KV bytes gathered by attention (only the selected top-k slots)
   indexer_bytes_written    indexer-K bytes written
   indexer_bytes_read       indexer-K bytes scored
+  moe_experts_touched      distinct routed experts read, summed over MoE layers and forwards
   collective_calls.<kind>  calls of each collective (all_reduce, all_gather, all_to_all, ...)
-  collective_bytes.<kind>  sender bytes of each collective
+  collective_bytes.<kind>  message bytes of each collective (what one rank sends)
+  collective_wire_bytes.<kind>  bytes on the wire per rank (ring all-reduce: 2(n-1)/n x message)
   forward_steps            model forwards; decode_steps / prefill_tokens / decode_tokens likewise
   graph_replays            CUDA-graph replays; eager_fallbacks.<reason> eager runs by reason
 """
@@ -20,28 +22,49 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 
 class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = defaultdict(float)
+        self._sources: list[Callable[[bool], dict[str, float]]] = []
         self.enabled = True
+
+    def add_source(self, read: Callable[[bool], dict[str, float]]) -> None:
+        """A counter kept elsewhere (e.g. on a GPU, to avoid a sync per step), folded in at snapshot time.
+        `read(reset)` returns its values and zeroes them when `reset` is true."""
+        self._sources.append(read)
 
     def add(self, name: str, value: float = 1) -> None:
         if self.enabled:
             self._values[name] += value
 
     def get(self, name: str) -> float:
-        return self._values.get(name, 0)
+        return self.snapshot().get(name, 0) if self._sources else self._values.get(name, 0)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._values)
+            out = dict(self._values)
+            for read in self._sources:
+                for k, v in read(False).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+
+    def host_values(self) -> dict[str, float]:
+        """Only the host-side counters (no device sync): for measuring one run's delta and undoing it."""
+        return dict(self._values)
+
+    def restore(self, values: dict[str, float]) -> None:
+        with self._lock:
+            self._values = defaultdict(float, values)
 
     def reset(self) -> None:
         with self._lock:
             self._values.clear()
+            for read in self._sources:
+                read(True)
 
     @staticmethod
     def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine.counters import COUNTERS
+from dsaserve.engine.counters import COUNTERS, Counters
 from dsaserve.model.forward_batch import ForwardBatch
 
 
@@ -35,7 +35,8 @@ def decode_buckets(max_bs: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
-    weight_bytes: float  # weight bytes one eager run of this bucket read (replays add it)
+    static_counts: dict[str, float]  # counters one eager run of this bucket bumped that do not depend on
+    # the batch's contents (weight bytes, collective calls/bytes); each replay adds them again
 
 
 class CudaGraphRunner:
@@ -72,9 +73,11 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         self._reset_padding(0)
         for bs in sorted(self.buckets, reverse=True):
-            before = COUNTERS.get("weight_bytes_read")
+            before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
             self.model(self._static_batch(bs), self.pool)  # warmup: the same shapes the graph will see
-            weight_bytes = COUNTERS.get("weight_bytes_read") - before
+            static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items()
+                      if k == "weight_bytes_read" or k.startswith("collective_")}
+            COUNTERS.restore(before)  # startup work is not traffic
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
@@ -85,7 +88,7 @@ class CudaGraphRunner:
                 COUNTERS.enabled = enabled
             if self.pool_handle is None:
                 self.pool_handle = graph.pool()
-            self.graphs[bs] = _Graph(graph, logits, weight_bytes)
+            self.graphs[bs] = _Graph(graph, logits, static)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         return sorted(self.graphs)
@@ -129,7 +132,8 @@ class CudaGraphRunner:
         bs = len(seq_lens)
         COUNTERS.add("graph_replays")
         COUNTERS.add("forward_steps")
-        COUNTERS.add("weight_bytes_read", g.weight_bytes)
+        for k, v in g.static_counts.items():
+            COUNTERS.add(k, v)
         COUNTERS.add("kv_bytes_written", bs * pool.kv_bpt * n_kv)
         COUNTERS.add("kv_bytes_read", sum(min(cfg.index_topk, s) for s in seq_lens) * pool.kv_bpt * n_kv)
         COUNTERS.add("indexer_bytes_written", bs * pool.idx_bpt * n_full)

@@ -28,6 +28,7 @@ from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
+from dsaserve.model.layers.moe import fold_device_expert_counts
 from dsaserve.weights.loader import LoadReport, load_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -102,6 +103,7 @@ class ModelRunner:
             self.tokenizer, self.chat_template = self._load_tokenizer()
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
         self.eos_token_ids = self.cfg.eos_token_ids
+        fold_device_expert_counts(reset=True)  # profile / warmup / capture forwards are not traffic
 
     # ---- startup phases --------------------------------------------------------------------
     def _resolve(self, model: str, load_format: str) -> tuple[Path | None, ModelConfig]:

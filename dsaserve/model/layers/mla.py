@@ -73,6 +73,7 @@ class MLAAttention(nn.Module):
         ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, self.kv_a_proj_with_mqa(x),
                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
         COUNTERS.add("kv_bytes_written", t * ctx.pool.kv_bpt)
+        COUNTERS.add("weight_bytes_read", self.kv_b_proj.disk_bytes)  # read as the absorbed W_uk / W_uv
         if self.indexer is not None:
             ctx.topk_slots = self.indexer(x, q_resid, ctx)
         elif ctx.topk_slots is None:

@@ -77,6 +77,7 @@ class Experts(nn.Module):
         self.expert_bytes = 3 * h * i * per_param + (
             (self.w13_scale[0].numel() + self.w2_scale[0].numel()) * 4 if self.quantized else 0)
         self.keep_fp8 = False
+        self.touched: torch.Tensor | None = None  # device-side count of distinct experts read (GPU path)
         self.fp8_misaligned = fp8_misaligned(prefix, p.inter_shard, (p.inter, h)) if p.deferred else ""
         if p.inter_shard is not None and not p.deferred:  # checkpoint gate/up [I, H] split by row, down by column
             mark_sharded(p.inter_shard, self.w13, self.w13_scale)
@@ -98,12 +99,43 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(self.w13.data.to(dtype), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.data.to(dtype), requires_grad=False)
 
+    def _count_touched(self, ids: torch.Tensor) -> None:
+        """Distinct routed experts read this forward (`moe_experts_touched`, and their bytes). On the CPU
+        counted at once; on a GPU accumulated on the device (no sync, and it replays inside CUDA graphs)
+        and folded into the counters when they are read (`DEVICE_EXPERT_COUNTERS`)."""
+        if ids.device.type == "cpu":
+            if COUNTERS.enabled:
+                n = int(ids.unique().numel())
+                COUNTERS.add("moe_experts_touched", n)
+                COUNTERS.add("weight_bytes_read", n * self.expert_bytes)
+            return
+        if self.touched is None:
+            self.touched = torch.zeros((), dtype=torch.int64, device=ids.device)
+            DEVICE_EXPERT_COUNTERS.append(self)
+        hit = torch.zeros(self.w13.shape[0], dtype=torch.int64, device=ids.device)
+        self.touched += hit.index_fill_(0, ids.reshape(-1).clamp(0, self.w13.shape[0] - 1), 1).sum()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
-        if COUNTERS.enabled and ids.device.type == "cpu":  # distinct routed experts; a device sync elsewhere
-            touched = ids if local is None else ids[local]
-            COUNTERS.add("weight_bytes_read", int(touched.unique().numel()) * self.expert_bytes)
+        self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids)
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids)
+
+
+DEVICE_EXPERT_COUNTERS: list[Experts] = []
+
+
+def fold_device_expert_counts(reset: bool = False) -> dict[str, float]:
+    """Read (and with reset=True, zero) the GPU experts' device counters: one sync, at snapshot time."""
+    touched = bytes_ = 0.0
+    for e in DEVICE_EXPERT_COUNTERS:
+        n = int(e.touched.item())
+        touched, bytes_ = touched + n, bytes_ + n * e.expert_bytes
+        if reset:
+            e.touched.zero_()
+    return {"moe_experts_touched": touched, "weight_bytes_read": bytes_}
+
+
+COUNTERS.add_source(fold_device_expert_counts)
 
 
 class MoE(nn.Module):
