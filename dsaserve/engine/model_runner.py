@@ -25,6 +25,7 @@ from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
@@ -175,13 +176,12 @@ class ModelRunner:
 
     def manifest(self) -> dict:
         info = self.kv_pool.info()
-        ops = get_ops(self.device)
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
                 "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives},
                 "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
                 "memory_profile": self.profile.to_dict() if self.profile else None,
-                "kernels": getattr(ops, "chosen", {}),
+                "kernels": describe_kernels(self.device),
                 "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0},

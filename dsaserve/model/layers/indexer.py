@@ -41,7 +41,7 @@ class Indexer(nn.Module):
         q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
         k = self._rope(self.k_norm(self.wk(x)), ctx)
         cache = ctx.pool.index_cache(self.layer_id)
-        ctx.pool.write_index_k(self.layer_id, b.out_cache_loc, k)
+        ctx.ops.indexer_k_write(cache, ctx.pool.layout, b.out_cache_loc, k)
         COUNTERS.add("indexer_bytes_written", t * ctx.pool.idx_bpt)
         # HF applies softmax_scale inside relu and n_heads^-0.5 to the weights; both are positive, so fold them
         w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)

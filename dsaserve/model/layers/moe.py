@@ -131,7 +131,8 @@ def fold_device_expert_counts(reset: bool = False) -> dict[str, float]:
         n = int(e.touched.item())
         touched, bytes_ = touched + n, bytes_ + n * e.expert_bytes
         if reset:
-            e.touched.zero_()
+            with torch.inference_mode():  # created inside the forward's inference mode
+                e.touched.zero_()
     return {"moe_experts_touched": touched, "weight_bytes_read": bytes_}
 
 

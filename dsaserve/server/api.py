@@ -1,0 +1,184 @@
+"""HTTP API: the FastAPI app and its routes (request path stage 1; the readiness gate's outside view).
+
+Owns: the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/startup`,
+`/metrics`, `/admin/stats`), reading the body with a size cap (413 before it is all read), JSON and
+schema errors as OpenAI error objects (400, never FastAPI's 422), the optional Bearer API key (compared
+in constant time; `/health` and `/metrics` stay open for probes and scrapers), and the readiness gate:
+generation and `/v1/models` answer 503 unless the server is Up, `/health` is 503 while Starting and
+afterwards 200 only when a real 1-token request comes back through the whole loop in time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dsaserve.server.openai_serving import OpenAIServing
+from dsaserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    bad_request,
+    internal,
+    unavailable,
+    validation_error,
+)
+
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # no API key: load balancers and scrapers
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (works with streaming): `Authorization: Bearer <key>` on every route but OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, api_key: str, on_error: Any) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                self.on_error(401)
+                err = APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                               "authentication_error", None, "invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `limit` bytes (checked while reading), 400 if not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       "invalid_request_error", None, "request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                           None, "request_too_large")
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"invalid JSON body: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise bad_request("invalid JSON body: not UTF-8") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def disconnect_waiter(request: Request):
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+def build_app(args: Any, tm: Any, readiness: Any, metrics: Any) -> FastAPI:
+    app = FastAPI(title="dsaserve", docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(tm, args.served_model_name, aliases=(args.model_dir,))
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, on_error=metrics.http_error)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+        metrics.http_error(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        metrics.http_error(e.status_code)
+        code = "not_found" if e.status_code == 404 else "method_not_allowed" if e.status_code == 405 else None
+        err = APIError(e.status_code, str(e.detail), "invalid_request_error", None, code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_param_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(e)
+        metrics.http_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, e: Exception) -> JSONResponse:
+        metrics.http_error(500)
+        return JSONResponse(internal(f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    def require_up() -> None:
+        if not readiness.is_up:
+            raise unavailable(f"server is {readiness.describe()}")
+
+    async def generation(request: Request, model: Any, handler: Any) -> Response:
+        require_up()
+        raw = await read_json(request, args.max_request_bytes)
+        try:
+            req = model.model_validate(raw)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        return await handler(req, disconnect_waiter(request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, CompletionRequest, serving.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, ChatCompletionRequest, serving.chat)
+
+    def model_card() -> ModelCard:
+        info = readiness.info.get("scheduler", {})
+        return ModelCard(id=args.served_model_name, root=args.model_dir, max_model_len=info.get("max_model_len"))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        require_up()
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        require_up()
+        serving.check_model(model)
+        return JSONResponse(model_card().model_dump())
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> JSONResponse:
+        if not readiness.is_up:
+            return JSONResponse({"status": readiness.describe()}, status_code=503)
+        if await tm.health_probe(args.health_timeout_s):
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": f"the 1-token probe did not return within {args.health_timeout_s} s"},
+                            status_code=503)
+
+    @app.get("/startup")
+    async def startup() -> JSONResponse:
+        return JSONResponse(readiness.manifest(args))
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        snapshot = await tm.get_stats(timeout=1.0)
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/stats")
+    async def admin_stats(check_leak: bool = False) -> JSONResponse:
+        """Fresh scheduler stats and engine counters; `?check_leak=true` also runs the KV leak check."""
+        require_up()
+        snap = await tm.get_stats(timeout=5.0, check_leak=check_leak)
+        return JSONResponse({"stats": snap.get("stats"), "counters": snap.get("counters"), "leak": snap.get("leak"),
+                             "inflight_samples": tm.inflight_samples()})
+
+    return app

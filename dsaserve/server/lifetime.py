@@ -1,0 +1,46 @@
+"""Child-process lifetime: a server's scheduler and detokenizer die with the main process (startup chain,
+"spawn processes").
+
+Owns: the two guards every child installs first thing. Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes
+the kernel kill the child when its parent dies (even by SIGKILL, when no cleanup code can run); a
+watchdog thread covers the window before prctl took effect and non-Linux systems by polling the parent
+pid. Children ignore SIGINT: Ctrl-C in a terminal reaches the whole process group, and the main
+process, not each child, decides how to shut down (it drains, then terminates them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+WATCHDOG_PERIOD_S = 0.5
+
+
+def die_with_parent(parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody would ever kill us
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(WATCHDOG_PERIOD_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def setup_child_logging(name: str, level: str) -> logging.Logger:
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    return logging.getLogger(f"dsaserve.{name}")

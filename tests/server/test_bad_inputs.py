@@ -1,0 +1,185 @@
+"""Bad input gets the right status and an OpenAI error object before any model work; the server keeps
+serving. Also: API key (401), the bounded queue (429 + Retry-After, decided before a stream's 200)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI, RateLimitError
+
+from dsaserve.server.protocol import MAX_ERROR_CHARS
+from tests.server.harness import MODEL, admin_stats
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_MSGS = [{"role": "user", "content": "hi"}]
+
+
+def comp(**kw):
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": OK_MSGS, "max_tokens": 4, **kw}
+
+
+# (case id, path, body (dict -> JSON, bytes/str -> raw), status, expected param or None, expected code or None)
+CASES = [
+    ("invalid_json", C, b'{"model": "glm-5.3-tiny", "prompt": ', 400, None, None),
+    ("not_utf8", C, b"\xff\xfe{}", 400, None, None),
+    ("body_is_a_list", C, b"[1, 2, 3]", 400, None, None),
+    ("missing_model", C, {"prompt": "hi"}, 400, "model", None),
+    ("unknown_model", C, comp(model="gpt-4o"), 404, "model", "model_not_found"),
+    ("prompt_wrong_type", C, comp(prompt=42), 400, "prompt", None),
+    ("prompt_missing", C, {"model": MODEL}, 400, "prompt", None),
+    ("empty_prompt", C, comp(prompt=""), 400, "prompt", None),
+    ("empty_prompt_list", C, comp(prompt=[]), 400, "prompt", None),
+    ("token_id_outside_vocab", C, comp(prompt=[5, 6, 100000]), 400, "prompt", None),
+    ("prompt_over_max_req_input_len", C, comp(prompt=[7] * 4096), 400, "prompt", "context_length_exceeded"),
+    ("max_tokens_zero", C, comp(max_tokens=0), 400, "max_tokens", None),
+    ("max_tokens_negative", C, comp(max_tokens=-3), 400, "max_tokens", None),
+    ("max_tokens_over_context", C, comp(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
+    ("max_tokens_string", C, comp(max_tokens="ten"), 400, "max_tokens", None),
+    ("n_zero", C, comp(n=0), 400, "n", None),
+    ("n_too_large", C, comp(n=1000), 400, "n", None),
+    ("temperature_too_high", C, comp(temperature=2.5), 400, "temperature", None),
+    ("temperature_negative", CHAT, chat(temperature=-0.1), 400, "temperature", None),
+    ("top_p_zero", C, comp(top_p=0), 400, "top_p", None),
+    ("top_p_above_one", CHAT, chat(top_p=1.5), 400, "top_p", None),
+    ("presence_penalty_out_of_range", C, comp(presence_penalty=3), 400, "presence_penalty", None),
+    ("too_many_stop_strings", C, comp(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    ("stop_wrong_type", C, comp(stop=7), 400, "stop", None),
+    ("completion_logprobs_over_5", C, comp(logprobs=6), 400, "logprobs", None),
+    ("unknown_field", C, comp(frobnicate=True), 400, "frobnicate", None),
+    ("stream_not_bool", C, comp(stream="yes"), 400, "stream", None),
+    ("stream_options_without_stream", C, comp(stream_options={"include_usage": True}), 400, "stream_options", None),
+    ("empty_messages", CHAT, chat(messages=[]), 400, "messages", None),
+    ("messages_missing", CHAT, {"model": MODEL}, 400, "messages", None),
+    ("bad_role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role", None),
+    ("image_content_part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                                            "image_url": {"url": "x"}}]}]),
+     400, None, None),
+    ("chat_unknown_field", CHAT, chat(functions=[]), 400, "functions", None),
+    ("top_logprobs_without_logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", None),
+    ("top_logprobs_over_20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
+    ("json_schema_unsupported", CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}), 400,
+     "response_format", None),
+    ("max_completion_tokens_over_context", CHAT, chat(max_completion_tokens=4096), 400, "max_tokens",
+     "context_length_exceeded"),
+    ("logit_bias_unsupported", C, comp(logit_bias={"5": 10}), 400, "logit_bias", None),
+    ("huge_integer_top_k", C, comp(top_k=1 << 70), 400, "top_k", None),
+    ("huge_seed", C, comp(seed=1 << 64), 400, "seed", None),
+    ("huge_stop_token_id", CHAT, chat(stop_token_ids=[1 << 65]), 400, "stop_token_ids.0", None),
+    ("nan_temperature", C, b'{"model": "glm-5.3-tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature",
+     None),
+    ("template_kwargs_clash", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs", None),
+]
+
+
+def _send(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+def _assert_error(r: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and len(err["message"]) <= MAX_ERROR_CHARS
+    assert isinstance(err["type"], str) and err["type"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_status_and_error_object(server, name, path, body, status, param, code):
+    _assert_error(_send(server, path, body), status, param, code)
+
+
+def test_the_matrix_is_large_and_the_server_still_serves_after_it(server):
+    assert len(CASES) >= 20
+    for _, path, body, *_ in CASES:  # all of them again, back to back
+        assert 400 <= _send(server, path, body).status_code < 500
+    ok = _send(server, C, comp(max_tokens=3, temperature=0))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert server.get("/health").status_code == 200
+    stats = admin_stats(server)["stats"]
+    assert stats["num_waiting"] == 0 and stats["num_running"] == 0  # nothing bad reached the scheduler queue
+
+
+def test_oversized_body_gets_413_before_it_is_read(server):
+    big = json.dumps(comp(prompt="x" * (9 << 20))).encode()  # default --max-request-bytes is 8 MiB
+    _assert_error(_send(server, C, big), 413, None, "request_too_large")
+
+    def chunks():  # no Content-Length: the cap is enforced while reading
+        yield b'{"model": "glm-5.3-tiny", "prompt": "'
+        for _ in range(9):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(server.url + C, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    _assert_error(r, 413, None, "request_too_large")
+
+
+def test_error_messages_are_capped_for_huge_bad_values(server):
+    err = _assert_error(_send(server, C, comp(model="m" * 100_000)), 404, "model")
+    assert len(err["message"]) <= MAX_ERROR_CHARS
+    err = _assert_error(_send(server, CHAT, chat(messages=[{"role": "r" * 50_000, "content": "hi"}])), 400)
+    assert len(err["message"]) <= MAX_ERROR_CHARS
+
+
+def test_unknown_route_and_wrong_method_are_error_objects(server):
+    _assert_error(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404)
+    _assert_error(httpx.get(server.url + C, timeout=10), 405)
+
+
+# ---- API key and the bounded queue: one small server ----------------------------------------------
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def guarded(server_factory):
+    # one running request at a time and no queue: the second concurrent request is over the bound
+    return server_factory("--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "0")
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(guarded):
+    for path in ("/v1/models", "/startup", "/admin/stats"):
+        r = httpx.get(guarded.url + path, timeout=10)
+        _assert_error(r, 401, None, "invalid_api_key")
+        r = httpx.get(guarded.url + path, headers={"Authorization": "Bearer wrong"}, timeout=10)
+        _assert_error(r, 401, None, "invalid_api_key")
+    r = httpx.post(guarded.url + C, json=comp(), timeout=10)
+    _assert_error(r, 401)
+    assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(guarded.url + "/metrics", timeout=10).status_code == 200
+    client = OpenAI(base_url=guarded.base_url, api_key=KEY, timeout=60, max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_past_the_queue_bound_requests_get_429_with_retry_after(guarded):
+    client = OpenAI(base_url=guarded.base_url, api_key=KEY, timeout=60, max_retries=0)
+    long = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3000, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(long))  # the first request is running
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(guarded.url + C, json=comp(), headers=headers, timeout=10)
+    err = _assert_error(r, 429, None, "queue_full")
+    assert r.headers["retry-after"] == "1" and "capacity" in err["message"]
+    r = httpx.post(guarded.url + C, json=comp(stream=True), headers=headers, timeout=10)
+    assert r.status_code == 429 and r.headers["content-type"].startswith("application/json")  # not a 200 stream
+    with pytest.raises(RateLimitError):
+        client.chat.completions.create(model=MODEL, messages=OK_MSGS, max_tokens=2)
+    long.close()  # the client goes away: its request is aborted and the slot frees
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.post(guarded.url + C, json=comp(max_tokens=2), headers=headers, timeout=30)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text

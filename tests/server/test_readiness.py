@@ -1,0 +1,88 @@
+"""Readiness gate and shutdown: 503 while Starting, 200 once Up; /startup holds every phase; SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.server.harness import MODEL, alive
+
+READY_DELAY_S = 3.0
+
+# phases the startup chain reports: the scheduler process and engine, then the main process
+ENGINE_PHASES = ("scheduler_spawn", "resolve_checkpoint", "load_weights", "kv_pool", "engine_core")
+MAIN_PHASES = ("main_tokenizer", "spawn_processes", "detokenizer_ready", "scheduler_ready", "up")
+
+
+@pytest.fixture(scope="module")
+def manifest_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("manifest") / "startup.json"
+
+
+@pytest.fixture(scope="module")
+def slow_start(server_factory, manifest_path):
+    """A server whose scheduler waits READY_DELAY_S after its startup chain before reporting ready."""
+    s = server_factory("--manifest-json", str(manifest_path), env={"DSASERVE_TEST_READY_DELAY_S": str(READY_DELAY_S)},
+                       wait=False)
+    s.wait_listening()
+    return s
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_health_is_503_while_starting_then_200_once_up(slow_start):
+    r = slow_start.get("/health")
+    assert r.status_code == 503 and r.json()["status"].startswith("Starting")
+    assert slow_start.get("/startup").json()["state"] == "Starting"
+    assert _error(slow_start.get("/v1/models"), 503)["code"] == "service_unavailable"  # never lies
+    r = httpx.post(slow_start.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+    assert _error(r, 503)["code"] == "service_unavailable"
+    slow_start.wait_up()
+    assert slow_start.get("/health").json() == {"status": "ok"}
+    assert slow_start.get("/startup").json()["state"] == "Up"
+    assert slow_start.get("/v1/models").status_code == 200
+
+
+def test_startup_manifest_holds_every_phase(slow_start, manifest_path):
+    slow_start.wait_up()
+    m = slow_start.get("/startup").json()
+    written = json.loads(manifest_path.read_text())  # --manifest-json: the same manifest, written once Up
+    assert written["state"] == "Up" and written["startup_time"] == m["startup_time"]
+    phases = m["startup_time"]
+    for name in ENGINE_PHASES + MAIN_PHASES:
+        assert name in phases and phases[name] >= 0, (name, phases)
+    assert phases["test_ready_delay"] == READY_DELAY_S
+    assert phases["up"] >= READY_DELAY_S and phases["up"] >= phases["detokenizer_ready"]
+    info = m["scheduler_info"]
+    assert m["max_req_input_len"] == info["max_req_input_len"] == info["max_model_len"] - 1
+    assert m["kv_pool"]["num_pages"] == info["num_pages"] > 0
+    assert m["kv_pool"]["total_bytes"] > 0
+    assert m["weights"]["tensors_loaded"] > 0 and m["weights"]["not_loaded"]  # MTP weights skipped on purpose
+    assert all(alive(m["processes"][name]) for name in ("main", "scheduler", "detokenizer"))
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(slow_start):
+    slow_start.wait_up()
+    pids = slow_start.pids()
+    client = OpenAI(base_url=slow_start.base_url, api_key="unused", timeout=60, max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt="Drain me", max_tokens=120, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = [next(iter(stream))]
+    os.kill(pids["main"], signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):  # no new connections once draining
+        httpx.get(slow_start.url + "/health", timeout=5)
+    chunks += list(stream)  # the in-flight request runs to its end
+    assert chunks[-1].usage.completion_tokens == 120
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert slow_start.proc.wait(timeout=30) == 0
+    assert not alive(pids["scheduler"]) and not alive(pids["detokenizer"])
