@@ -1,0 +1,147 @@
+"""Scheduler + batch-building overhead per decode step, with the model forward replaced by a no-op.
+
+Note 001 ("每步的 Python 预算"): the CPU side of a step — schedule, page bookkeeping, building the batch,
+turning samples into per-request deltas — must stay below the GPU time of the step or the GPU idles.
+This measures that CPU time at decode batch 1, 64 and 256 on steady decoding requests (context ~1K
+tokens, so a request crosses a page boundary — allocation + prefix-cache registration — every 64
+steps). The sampler is timed separately (greedy argmax on the host over a small vocabulary: on the GPU
+it is a kernel, not Python), so `cpu total` = schedule + build + update is the number to hold against
+the forward time.
+
+    /work/venv/bin/python bench/bench_scheduler_step.py [--steps 256] [--append-results]
+    python3 bench/bench_scheduler_step.py --model glm-5.3-tiny --device cuda   # + the real forward, timed
+
+With `--model`, the same decode batches also run through the real ModelRunner (CUDA graphs up to the
+largest batch), so the CPU overhead can be read against the step it has to hide behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.engine.engine_core import EngineCore
+from dsaserve.engine.request import EngineRequest
+from dsaserve.engine.sampling_params import SamplingParams
+
+VOCAB = 512  # host-side greedy sampling stand-in; the real vocabulary (154880) is sampled on the GPU
+CONTEXT = 1000
+
+
+class NoopRunner:
+    """The ModelRunner interface with a forward that returns preallocated logits."""
+
+    def __init__(self, num_pages: int):
+        self.cfg = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20, eos_token_id=(1,))
+        self.num_pages, self.page_size, self.eos_token_ids = num_pages, 64, (1,)
+        self.tokenizer, self.chat_template, self.startup_time = None, None, {}
+        self._logits = torch.zeros(1024, VOCAB)
+
+    def forward(self, batch):
+        return self._logits[: batch.logits_indices.shape[0]]
+
+
+def timed(obj, name: str, sink: list[int]) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter_ns()
+        r = fn(*a, **k)
+        sink.append(time.perf_counter_ns() - t0)
+        return r
+
+    setattr(obj, name, wrapper)
+
+
+def bench(batch: int, steps: int, model: str | None = None, device: str = "cpu") -> dict[str, float]:
+    max_tokens = steps + 1024  # early requests decode while the later ones prefill (mixed steps)
+    pages_per_req = -(-(CONTEXT + max_tokens) // 64)
+    num_pages = batch * pages_per_req + 8
+    args = EngineArgs(model=model or "noop", max_running_requests=max(batch, 1), num_pages=num_pages,
+                      max_num_batched_tokens=max(4096, batch), device=device, cuda_graph_max_bs=max(batch, 1))
+    core = EngineCore(args, runner=None if model else NoopRunner(num_pages))
+    vocab = core.cfg.vocab_size
+    for i in range(batch):
+        core.add_request(EngineRequest(f"r{i}", [(7 * i + j) % (vocab - 2) + 2 for j in range(CONTEXT)],
+                                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    while core.stats()["num_running"] < batch or any(r.num_pending > 1 for r in core.scheduler.running):
+        core.step()  # prefill, not measured
+    for _ in range(8):
+        core.step()  # warm
+    t = {k: [] for k in ("schedule", "build", "forward", "sample", "update")}
+    timed(core.scheduler, "schedule", t["schedule"])
+    timed(core.builder, "build", t["build"])
+    timed(core.runner, "forward", t["forward"])  # asynchronous on a GPU: the wait shows up in `sample`
+    timed(core.sampler, "sample", t["sample"])
+    timed(core.scheduler, "update", t["update"])
+    step_ns = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        core.step()
+        step_ns.append(time.perf_counter_ns() - t0)
+    assert core.stats()["num_running"] == batch and core.stats()["preemptions"] == 0, core.stats()
+    us = {k: statistics.median(v) / 1e3 for k, v in t.items()}
+    us["cpu_total"] = us["schedule"] + us["build"] + us["update"]
+    us["step"] = statistics.median(step_ns) / 1e3
+    us["step_mean"] = statistics.mean(step_ns) / 1e3
+    return us
+
+
+def table(rows: dict[int, dict[str, float]]) -> str:
+    head = ("| batch | schedule µs | build batch µs | update µs | **cpu total µs** | per request µs "
+            "| sampler µs (host, V=512) | whole step µs (median / mean) |")
+    lines = [head, "|" + "---|" * 8]
+    for b, r in rows.items():
+        lines.append(f"| {b} | {r['schedule']:.0f} | {r['build']:.0f} | {r['update']:.0f} | **{r['cpu_total']:.0f}** "
+                     f"| {r['cpu_total'] / b:.2f} | {r['sample']:.0f} | {r['step']:.0f} / {r['step_mean']:.0f} |")
+    return "\n".join(lines)
+
+
+def device_table(rows: dict[int, dict[str, float]], model: str, device: str) -> str:
+    lines = [f"| batch | cpu total µs | forward launch + sample (incl. device wait) µs | whole step µs "
+             f"| cpu share of step | ({model} on {device}) |", "|" + "---|" * 6]
+    for b, r in rows.items():
+        dev = r["forward"] + r["sample"]
+        lines.append(f"| {b} | {r['cpu_total']:.0f} | {dev:.0f} | {r['step']:.0f} | "
+                     f"{r['cpu_total'] / r['step']:.0%} | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=256, help="measured decode steps per batch size")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--append-results", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--model", default=None, help="also run the real model (built-in name or checkpoint dir)")
+    ap.add_argument("--device", default="cuda", help="device of the --model run")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    batches = [int(x) for x in args.batches.split(",")]
+    rows = {b: bench(b, args.steps) for b in batches}
+    out = table(rows)
+    if args.model:
+        real = {b: bench(b, args.steps, args.model, args.device) for b in batches}
+        out += "\n\nWith the real forward:\n\n" + device_table(real, args.model, args.device)
+    print(out)
+    if args.append_results:
+        cpu = platform.processor() or platform.machine()
+        note = (f"\n## bench_scheduler_step: scheduler + batch-building overhead per decode step\n\n"
+                f"`python bench/bench_scheduler_step.py --steps {args.steps}` on {time.strftime('%Y-%m-%d')}, "
+                f"{cpu}, Python {platform.python_version()}, torch {torch.__version__}, 1 torch thread; "
+                f"forward = no-op, context {CONTEXT} tokens, greedy, prefix caching on; medians over "
+                f"{args.steps} steps (a request crosses a page boundary every 64).\n\n{out}\n")
+        path = Path(__file__).with_name("RESULTS.md")
+        with path.open("a") as f:
+            f.write(note)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Engine: the in-process, offline front of the engine core (`dsaserve.Engine`; request path 1-10 in one
+process: tokenize -> EngineCore steps -> incremental detokenize + stop strings).
+
+Owns: prompt handling (text or token ids, one or a batch), request ids, turning TokenDeltas into
+RequestOutputs (token ids, text, finish reason, logprobs; `n` > 1 -> several outputs), stop strings
+(matched on the detokenized text here; the sample is then aborted in the core and reported as "stop"),
+and the streaming iterator. Usage:
+
+    from dsaserve import Engine, SamplingParams
+    llm = Engine(model="glm-5.3-tiny", kv_layout="bf16", num_pages=64)
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[1].outputs[0].logprobs
+    for o in llm.stream("Hello", SamplingParams(max_tokens=8)): print(o.outputs[0].delta_text, end="")
+
+Lower level, as vLLM's LLMEngine: `add_request(prompt, params) -> request_id`, `step() -> [updated
+RequestOutput]`, `abort(request_id)`, `has_unfinished()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.engine.engine_core import EngineCore
+from dsaserve.engine.request import EngineRequest, TokenDelta
+from dsaserve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict] | None = None
+    delta_text: str = ""  # what the last update added (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    # the first sample, for the common n == 1 case
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        return self.outputs[0].logprobs
+
+
+class _Tracked:
+    def __init__(self, out: RequestOutput, detoks: list[IncrementalDetokenizer | None], params: SamplingParams,
+                 stop_ids: frozenset[int]):
+        self.out, self.detoks, self.params, self.stop_ids = out, detoks, params, stop_ids
+
+
+class Engine:
+    def __init__(self, model: str = "glm-5.3-tiny", *, runner: Any = None, **engine_args: Any):
+        self.args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.core = EngineCore(self.args, runner=runner)
+        self.tokenizer = self.core.tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- low level ---------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, ids = self._tokenize(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.core.add_request(EngineRequest(rid, ids, params, time.time()))
+        has_text = self.tokenizer is not None
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) if has_text else None for _ in range(params.n)]
+        outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(self.core.eos_token_ids)
+        self._tracked[rid] = _Tracked(RequestOutput(rid, text, ids, outputs), detoks, params, stop_ids)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the (cumulative) outputs of the requests it touched."""
+        touched: dict[str, RequestOutput] = {}
+        for d in self.core.step():
+            tr = self._tracked.get(d.request_id)
+            if tr is None:
+                continue
+            self._apply(tr, d)
+            touched[d.request_id] = tr.out
+            if tr.out.finished:
+                del self._tracked[d.request_id]
+        return list(touched.values())
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its outputs finish with finish_reason "abort"."""
+        return self.core.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request added here has not finished yet."""
+        return bool(self._tracked)
+
+    # ---- batch and streaming -------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (served together, continuously batched); outputs in prompt order."""
+        final: dict[str, RequestOutput] = {}
+        rids = self._add_all(prompts, sampling_params)
+        pending = set(rids)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+        finally:
+            for rid in pending:  # an exception mid-way must not leave requests holding pages
+                self.core.abort_request(rid)
+                self._tracked.pop(rid, None)
+        return [final[r] for r in rids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each touched request's cumulative output after every step (`delta_text` / `delta_token_ids`
+        hold the news). Closing the iterator early aborts what is still running."""
+        rids = self._add_all(prompts, sampling_params)
+        pending = set(rids)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:
+                self.core.abort_request(rid)
+                self._tracked.pop(rid, None)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _add_all(self, prompts: Any, params: Any) -> list[str]:
+        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
+        if not batch:
+            raise ValueError("prompts: no prompt given")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"sampling_params: {len(plist)} given for {len(batch)} prompts")
+        rids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist, strict=True):
+                rids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in rids:  # all or nothing
+                self.core.abort_request(rid)
+                self._tracked.pop(rid, None)
+            raise
+        return rids
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            enc = self.tokenizer.encode(prompt)
+            return prompt, list(getattr(enc, "ids", enc))  # a `tokenizers.Tokenizer` returns an Encoding
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _apply(self, tr: _Tracked, d: TokenDelta) -> None:
+        out = tr.out.outputs[d.index]
+        tr.out.num_cached_tokens = d.cached_tokens
+        if out.finished:  # e.g. the abort that follows a stop-string match
+            out.delta_text, out.delta_token_ids = "", []
+            return
+        out.token_ids += d.new_token_ids
+        out.delta_token_ids = list(d.new_token_ids)
+        if out.logprobs is not None and d.new_logprobs:
+            out.logprobs += d.new_logprobs
+        finish, stop_reason = d.finish_reason if d.finished else None, d.stop_reason
+        detok = tr.detoks[d.index]
+        if detok is not None:
+            ids = d.new_token_ids
+            if finish == "stop" and ids and ids[-1] in tr.stop_ids and not tr.params.include_stop_str_in_output:
+                ids = ids[:-1]  # EOS / stop token ids are not part of the text (vLLM)
+            hit = detok.add(ids, final=d.finished)
+            if hit is not None and finish is None:
+                finish, stop_reason = "stop", hit
+                self.core.abort_request(d.request_id, d.index)
+            elif hit is not None:
+                finish, stop_reason = "stop", hit
+            out.delta_text = detok.delta(finish is not None)
+            out.text = detok.text if finish is not None else detok.text[: detok.emitted]
+        if finish is not None:
+            out.finish_reason, out.stop_reason = finish, stop_reason

@@ -1,0 +1,159 @@
+"""EngineCore: one scheduler + one model runner + the sampler, stepped by its owner (request path 3-10).
+
+Owns: the step loop's body — schedule (engine/scheduler.py) -> build the ForwardBatch (engine/batch.py)
+-> model forward (engine/model_runner.py) -> sample (model/sampler.py) -> per-request deltas. It does no
+text work: stop *strings* are matched by whoever detokenizes (the offline `Engine`, or the server's
+detokenizer process), which then calls `abort_request`. Single-threaded by design: the owner (the
+offline Engine, or the server's scheduler process loop) calls add/abort/step from one thread.
+
+API (the server, issue 4, builds on exactly this):
+
+    core = EngineCore(EngineArgs(model="glm-5.3-tiny", ...))      # or EngineCore(args, runner=fake)
+    core.scheduler_info  -> {"max_req_input_len", "max_total_tokens", "max_model_len",
+                             "max_running_requests", "page_size", "num_pages", "kv_layout",
+                             "startup_time": {phase: seconds}, ...}
+    core.add_request(EngineRequest(request_id, prompt_token_ids, SamplingParams(...), arrival_time))
+        ValueError (message names the field) for an empty prompt, a token id outside the vocabulary,
+        a prompt longer than max_req_input_len, prompt + max_tokens over the context, n too large,
+        a duplicate request_id. The core stays usable after any of them.
+    core.abort_request(request_id, index=None) -> bool
+                                             # frees its pages at once (all n samples, or one); the next
+                                             # step() reports TokenDelta(finished=True, finish_reason="abort")
+    core.step() -> list[TokenDelta]          # one forward (or none when idle); at most one delta per
+                                             # running sample that produced a token or finished
+    core.has_unfinished() -> bool
+    core.stats() -> dict                     # num_running, num_waiting, kv_pages_used/cached/free/total,
+                                             # prefix_cache_hit_tokens, evicted_pages, preemptions,
+                                             # prompt_tokens, generation_tokens, computed_tokens, steps
+    core.check_no_leak()                     # AssertionError unless every page is free or held only by
+                                             # the prefix cache and no request / row is left
+    core.tokenizer / core.chat_template / core.eos_token_ids / core.cfg   # from the runner
+    core.manifest() -> dict                  # runner manifest + scheduler_info + KV pool info
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dsaserve.engine.batch import BatchBuilder
+from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.engine.request import EngineRequest, TokenDelta
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsaserve.model.sampler import Sampler
+
+__all__ = ["EngineCore", "EngineRequest", "TokenDelta", "SamplingParams", "EngineArgs"]
+
+
+def build_runner(args: EngineArgs) -> Any:
+    """The real ModelRunner for these args (imported here: tests inject a fake runner instead)."""
+    from dsaserve.engine.model_runner import ModelRunner
+
+    return ModelRunner(args.model, dtype=args.dtype, kv_layout=args.kv_layout, num_pages=args.num_pages,
+                       kv_budget_bytes=args.kv_cache_bytes, device=args.resolved_device(), seed=args.seed,
+                       load_format=args.load_format, mem_fraction_static=args.mem_fraction_static,
+                       chunked_prefill_size=args.chunk_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       max_model_len=args.max_model_len, disable_cuda_graph=args.disable_cuda_graph)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, runner: Any | None = None):
+        t0 = time.perf_counter()
+        self.args = args
+        self.runner = runner if runner is not None else build_runner(args)
+        cfg = self.runner.cfg
+        context = getattr(self.runner, "max_model_len", None) or args.max_model_len or cfg.max_position_embeddings
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_pages=self.runner.num_pages, page_size=self.runner.page_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill_size=args.chunk_size,
+            max_running_requests=args.max_running_requests, max_model_len=context,
+            enable_prefix_caching=args.enable_prefix_caching, vocab_size=cfg.vocab_size,
+            eos_token_ids=tuple(self.runner.eos_token_ids)))
+        self.builder = BatchBuilder(args.max_running_requests, self.scheduler.max_pages_per_seq,
+                                    self.runner.page_size)
+        self.sampler = Sampler(seed=args.seed)
+        self._startup = dict(getattr(self.runner, "startup_time", {}) or {})
+        self._startup["engine_core"] = time.perf_counter() - t0
+
+    # ---- what the runner knows -------------------------------------------------------------
+    @property
+    def cfg(self) -> Any:
+        return self.runner.cfg
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.runner, "tokenizer", None)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.runner, "chat_template", None)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.runner.eos_token_ids)
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.scheduler.max_req_input_len
+
+    @property
+    def scheduler_info(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "max_req_input_len": s.max_req_input_len,
+            "max_total_tokens": s.cfg.num_pages * s.cfg.page_size,
+            "max_model_len": s.max_seq_len,
+            "max_running_requests": s.cfg.max_running_requests,
+            "max_num_batched_tokens": s.cfg.max_num_batched_tokens,
+            "chunked_prefill_size": s.cfg.chunked_prefill_size,
+            "page_size": s.cfg.page_size,
+            "num_pages": s.cfg.num_pages,
+            "kv_layout": self.args.kv_layout,
+            "enable_prefix_caching": s.cfg.enable_prefix_caching,
+            "vocab_size": s.cfg.vocab_size,
+            "eos_token_ids": list(self.eos_token_ids),
+            "startup_time": dict(self._startup),
+        }
+
+    def manifest(self) -> dict[str, Any]:
+        m = dict(self.runner.manifest()) if hasattr(self.runner, "manifest") else {}
+        m["scheduler_info"] = self.scheduler_info
+        pool = getattr(self.runner, "kv_pool", None)
+        if pool is not None and hasattr(pool, "info"):
+            m.setdefault("kv_pool", pool.info().__dict__)
+        return m
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        self.scheduler.add_request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time)
+
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Abort all samples of a request (or sample `index` only); False if it is not in flight."""
+        return self.scheduler.abort_request(request_id, index)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        deltas = self.scheduler.take_abort_deltas()
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return deltas
+        batch = self.builder.build(sched)  # host tensors: the runner copies them to its device
+        logits = self.runner.forward(batch)
+        if sched.sample_logit_rows != list(range(len(sched.logit_reqs))):  # n>1 forks reuse a row
+            logits = logits.index_select(0, torch.tensor(sched.sample_logit_rows, device=logits.device))
+        out = self.sampler.sample(logits, sched.sample_reqs)
+        deltas += self.scheduler.update(sched, out.token_ids, out.logprobs)
+        return deltas
+
+    # ---- observability ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def check_no_leak(self) -> None:
+        self.scheduler.check_no_leak()

@@ -1,0 +1,375 @@
+"""Scheduler: which requests compute how many tokens this step, and where their KV goes (stage 3 and 10).
+
+Owns: the waiting and running queues, the per-step token budget, chunked prefill, page reservation
+(through the prefix cache over the page allocator), preemption, `n` > 1 forks, finish checks (stop token
+ids, EOS, max_tokens, context), abort, and `max_req_input_len`. Pure bookkeeping: no torch.
+
+One step (note 001, stage 3: "选请求、分配 token 预算与 KV 页、前缀匹配"):
+  1. running requests that decode (1 pending token), oldest first, then running requests in the middle
+     of a prompt, oldest first: each gets min(pending, chunked_prefill_size, budget left) tokens, and the
+     pages those tokens need. When pages run out the newest running request is preempted — its pages
+     released, its tokens kept, recomputed later (its full pages usually come back from the prefix
+     cache) — until the older request fits. So decodes keep going while a long prompt is prefilled in
+     chunks (mixed steps), and the oldest request always progresses: no deadlock, never a crash.
+  2. if nothing was preempted: waiting requests, first come first served, while budget, rows and pages
+     last. Admission matches the prompt against the prefix cache first; only the suffix is computed.
+Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request
+(SGLang's PrefillAdder); a single request can always fit alone because a request's length is capped at
+`max_seq_len = min(max_model_len, pool tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room
+for one output token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from dsaserve.engine.page_allocator import PageAllocator
+from dsaserve.engine.prefix_cache import PrefixCache
+from dsaserve.engine.request import Req, ReqStatus, TokenDelta
+from dsaserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    page_size: int
+    max_num_batched_tokens: int
+    chunked_prefill_size: int
+    max_running_requests: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    vocab_size: int = 0  # 0: token ids are not range-checked
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ScheduledBatch:
+    """A step's decisions: batch rows in order, and which of them produce logits and samples."""
+
+    reqs: list[Req]
+    num_new: list[int]  # tokens each row computes this step
+    logit_reqs: list[Req]  # rows whose last new token produces logits (they finish their pending tokens)
+    sample_reqs: list[Req]  # the sampler's rows: logit_reqs plus n>1 followers forked this step
+    sample_logit_rows: list[int]  # logits row each sample_req reads
+    num_tokens: int
+
+
+@dataclass
+class _Step:
+    budget: int
+    sched: dict[Req, int] = field(default_factory=dict)
+    preempted: bool = False
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        ps = cfg.page_size
+        self.max_seq_len = min(cfg.max_model_len, cfg.num_pages * ps)
+        if self.max_seq_len < 2:
+            raise ValueError(f"num_pages: a pool of {cfg.num_pages} pages with max_model_len {cfg.max_model_len}"
+                             " cannot hold a prompt and one output token")
+        self.max_req_input_len = self.max_seq_len - 1
+        self.max_pages_per_seq = -(-self.max_seq_len // ps)
+        self.alloc = PageAllocator(cfg.num_pages)
+        self.cache = PrefixCache(self.alloc, ps, cfg.enable_prefix_caching)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # sorted by priority (oldest first)
+        self.groups: dict[str, list[Req]] = {}  # request_id -> its n samples
+        self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
+        self.reserved_rows = 0  # rows promised to parked followers of running leaders
+        self._abort_deltas: list[TokenDelta] = []
+        self._seq = itertools.count()
+        self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
+                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0)
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                    arrival_time: float) -> None:
+        self._validate(request_id, prompt, sampling)
+        n = sampling.n
+        # validated above: prompt + max_tokens <= max_seq_len, so max_len is the only length check needed
+        max_len = self.max_seq_len if sampling.max_tokens is None else len(prompt) + sampling.max_tokens
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos
+                                                         else frozenset(self.cfg.eos_token_ids))
+        prompt = list(prompt)
+        reqs = [Req(request_id, i, prompt, sampling.for_sample(i) if n > 1 else sampling, arrival_time,
+                    next(self._seq), max_len, stop_ids) for i in range(n)]
+        leader = reqs[0]
+        for f in reqs[1:]:
+            f.status, f.leader = ReqStatus.PARKED, leader
+        leader.followers = reqs[1:]
+        self.groups[request_id] = reqs
+        self.waiting.append(leader)
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["requests"] += 1
+
+    def _validate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: must be SamplingParams, got {type(sampling).__name__}")
+        sampling.validate()
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        vocab = self.cfg.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt) > self.max_req_input_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt)} tokens, more than "
+                             f"max_req_input_len = {self.max_req_input_len}")
+        if sampling.max_tokens is not None and len(prompt) + sampling.max_tokens > self.max_seq_len:
+            raise ValueError(f"max_tokens: the prompt ({len(prompt)} tokens) plus max_tokens "
+                             f"({sampling.max_tokens}) exceeds the context limit of {self.max_seq_len} tokens")
+        if sampling.n > self.cfg.max_running_requests:
+            raise ValueError(f"n: {sampling.n} samples exceed --max-running-requests "
+                             f"{self.cfg.max_running_requests}")
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        if not self.running and not self.waiting:
+            return None
+        st = _Step(self.cfg.max_num_batched_tokens)
+        self._schedule_running(st)
+        if not st.preempted:
+            self._admit_waiting(st)
+        if not st.sched:
+            return None
+        return self._batch(st)
+
+    def _schedule_running(self, st: _Step) -> None:
+        """Decoders first (one token each), then requests in the middle of their prompt, oldest first."""
+        ps, chunk, sched = self.cfg.page_size, self.cfg.chunked_prefill_size, st.sched
+        prefilling = []
+        for req in list(self.running):  # a copy: preemption removes from self.running
+            if st.budget <= 0:
+                return
+            if req.status is not ReqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if len(req.tokens) - req.num_computed != 1:
+                prefilling.append(req)
+                continue
+            if req.num_computed >= len(req.pages) * ps and not self._reserve(req, 1, st):
+                continue  # its last page is full and the pool is short even after preemption
+            sched[req] = 1
+            st.budget -= 1
+        for req in prefilling:
+            if st.budget <= 0:
+                return
+            if req.status is not ReqStatus.RUNNING:
+                continue
+            n = min(req.num_pending, chunk, st.budget)
+            if self._reserve(req, n, st):
+                sched[req] = n
+                st.budget -= n
+
+    def _reserve(self, req: Req, n: int, st: _Step) -> bool:
+        """Pages for `req`'s next n tokens, preempting newer running requests if short."""
+        need = -(-(req.num_computed + n) // self.cfg.page_size) - len(req.pages)
+        while need > self.cache.num_available():
+            victim = self.running[-1]
+            self._preempt(victim, st)
+            if victim is req:
+                return False
+        if need > 0:
+            req.pages += self.cache.allocate(need)
+        return True
+
+    def _admit_waiting(self, st: _Step) -> None:
+        ps, cfg = self.cfg.page_size, self.cfg
+        while self.waiting and st.budget > 0:
+            req = self.waiting[0]
+            if len(self.running) + self.reserved_rows + 1 + len(req.followers) > cfg.max_running_requests:
+                return
+            hits = self.cache.match(req.tokens, req.page_hashes, (len(req.tokens) - 1) // ps)
+            n = min(len(req.tokens) - len(hits) * ps, cfg.chunked_prefill_size, st.budget)
+            need = -(-(len(hits) * ps + n) // ps) - len(hits)
+            if need > self.cache.num_available():
+                self.cache.release(hits)  # not admitted: the hit pages stay evictable for others
+                return
+            self.waiting.popleft()
+            req.pages = hits + self.cache.allocate(need)
+            req.num_computed = len(hits) * ps
+            req.num_registered = len(hits)
+            req.chain_uid = self.cache.uid(hits[-1]) if hits else 0
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = len(hits) * ps
+            self.counters["prefix_cache_hit_tokens"] += len(hits) * ps
+            self._start_running(req)
+            self.reserved_rows += len(req.followers)
+            st.sched[req] = n
+            st.budget -= n
+
+    def _start_running(self, req: Req) -> None:
+        req.status = ReqStatus.RUNNING
+        req.row, req.pages_synced = self.free_rows.pop(), 0
+        bisect.insort(self.running, req, key=lambda r: r.priority)
+
+    def _batch(self, st: _Step) -> ScheduledBatch:
+        reqs, num_new = list(st.sched), list(st.sched.values())
+        logit_reqs, sample_reqs, rows = [], [], []
+        for req, n in st.sched.items():
+            if req.num_computed + n == len(req.tokens):
+                row = len(logit_reqs)
+                logit_reqs.append(req)
+                sample_reqs.append(req)
+                rows.append(row)
+                for f in req.followers:  # the leader's prompt is complete: its followers sample from it too
+                    sample_reqs.append(f)
+                    rows.append(row)
+        self.counters["steps"] += 1
+        return ScheduledBatch(reqs, num_new, logit_reqs, sample_reqs, rows, sum(num_new))
+
+    # ---- after the forward -----------------------------------------------------------------
+    def update(self, sched: ScheduledBatch, token_ids: list[int], logprobs: list[dict | None]) -> list[TokenDelta]:
+        ps, cache = self.cfg.page_size, self.cache
+        for req, n in zip(sched.reqs, sched.num_new, strict=True):
+            req.num_computed += n
+            full = req.num_computed // ps
+            if full > req.num_registered and cache.enabled:
+                req.chain_uid = cache.insert(req.pages, req.tokens, req.page_hashes, req.num_registered, full,
+                                             req.chain_uid)
+                req.num_registered = full
+        self.counters["computed_tokens"] += sched.num_tokens
+        deltas = []
+        for req, tok, lp in zip(sched.sample_reqs, token_ids, logprobs, strict=True):
+            if req.followers:
+                self._fork(req)
+            req.tokens.append(tok)
+            if lp is not None and req.pending_logprobs is not None:
+                req.pending_logprobs.append(lp)
+            reason = None
+            if tok in req.stop_ids or len(req.tokens) >= req.max_len:  # req.max_len <= max_seq_len
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, reason)
+            deltas.append(req.delta(reason is not None))
+        self.counters["generation_tokens"] += len(token_ids)
+        return deltas
+
+    def _finish_reason(self, req: Req, tok: int) -> str | None:
+        if tok in req.stop_ids and req.num_output > req.sampling.min_tokens:
+            req.stop_reason = tok if tok in req.sampling.stop_token_ids else None
+            return "stop"
+        if len(req.tokens) >= req.max_len:
+            return "length"
+        return None
+
+    def _fork(self, leader: Req) -> None:
+        """Followers share the leader's full prompt pages and compute only the prompt's partial last page."""
+        full = leader.prompt_len // self.cfg.page_size
+        for f in leader.followers:
+            f.pages = leader.pages[:full]
+            for p in f.pages:
+                self.cache.share(p)
+            f.num_computed = full * self.cfg.page_size
+            f.page_hashes = leader.page_hashes[:full]
+            f.num_registered, f.chain_uid = 0, 0  # re-walked (verified, cheap) when its next page fills
+            f.num_cached_tokens = leader.num_cached_tokens
+            f.leader = None
+            self._start_running(f)
+        self.reserved_rows -= len(leader.followers)
+        leader.followers = []
+
+    # ---- leaving the running set -----------------------------------------------------------
+    def _release(self, req: Req) -> None:
+        """Give back pages and row of a running request."""
+        self.cache.release(req.pages)
+        req.pages = []
+        req.num_computed = req.num_registered = req.chain_uid = 0
+        self.free_rows.append(req.row)
+        req.row, req.pages_synced = -1, 0
+        self.running.remove(req)
+        self.reserved_rows -= len(req.followers)  # parked followers wait for the next admission
+
+    def _preempt(self, req: Req, st: _Step) -> None:
+        if req in st.sched:
+            st.budget += st.sched.pop(req)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        st.preempted = True
+        self.counters["preemptions"] += 1
+
+    def _finish(self, req: Req, reason: str) -> None:
+        self._release(req)
+        req.status, req.finish_reason = ReqStatus.FINISHED, reason
+        group = self.groups.get(req.request_id)
+        if group is not None and all(r.status is ReqStatus.FINISHED for r in group):
+            del self.groups[req.request_id]
+
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Abort a request (or one of its n samples) wherever it is; its pages are free on return."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        if index is not None and not 0 <= index < len(group):
+            raise ValueError(f"index: request {request_id!r} has samples 0..{len(group) - 1}, got {index}")
+        targets = group if index is None or group[index].followers else [group[index]]
+        for req in targets:
+            if req.status is ReqStatus.FINISHED:
+                continue
+            if req.status is ReqStatus.RUNNING:
+                self._release(req)
+            elif req.status is ReqStatus.WAITING:
+                self.waiting.remove(req)
+            elif req.status is ReqStatus.PARKED and req.leader is not None:
+                req.leader.followers.remove(req)
+                if req.leader.status is ReqStatus.RUNNING:
+                    self.reserved_rows -= 1
+            req.followers = []
+            req.status, req.finish_reason = ReqStatus.FINISHED, "abort"
+            self._abort_deltas.append(req.delta(True))
+        if all(r.status is ReqStatus.FINISHED for r in group):
+            del self.groups[request_id]
+        self.counters["aborted"] += 1
+        return True
+
+    def take_abort_deltas(self) -> list[TokenDelta]:
+        out, self._abort_deltas = self._abort_deltas, []
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._abort_deltas)
+
+    # ---- observability ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        free, evictable = self.alloc.num_free, self.cache.num_evictable
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_pages_total": self.cfg.num_pages,
+            "kv_pages_used": self.cfg.num_pages - free - evictable,
+            "kv_pages_cached": self.cache.num_cached,
+            "kv_pages_evictable": evictable,
+            "kv_pages_free": free,
+            "evicted_pages": self.cache.evicted_pages,
+            **self.counters,
+        }
+
+    def check_no_leak(self) -> None:
+        """AssertionError unless every page is free or held only by the prefix cache, and nothing is left."""
+        problems = []
+        if self.running or self.waiting or self.groups:
+            problems.append(f"requests left: running={self.running} waiting={list(self.waiting)} "
+                            f"groups={list(self.groups)}")
+        held = [p for p in range(self.cfg.num_pages) if self.alloc.refcount(p)]
+        if held:
+            problems.append(f"{len(held)} pages still referenced: {held[:16]}")
+        free, evictable = self.alloc.free_set(), self.cache.evictable_pages()
+        if len(free) != self.alloc.num_free:
+            problems.append("a page is on the free list twice")
+        if free & evictable or len(free) + len(evictable) != self.cfg.num_pages:
+            problems.append(f"free ({len(free)}) + evictable ({len(evictable)}) != {self.cfg.num_pages} pages")
+        if sorted(self.free_rows) != list(range(self.cfg.max_running_requests)) or self.reserved_rows:
+            problems.append(f"page-table rows leaked: {self.cfg.max_running_requests - len(self.free_rows)} "
+                            f"held, {self.reserved_rows} reserved")
+        if problems:
+            raise AssertionError("KV leak: " + "; ".join(problems))

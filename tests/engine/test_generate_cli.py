@@ -1,0 +1,28 @@
+"""`dsaserve generate` drives the offline Engine (real glm-5.3-tiny on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+from dsaserve import Engine, SamplingParams
+from dsaserve.cli import main
+
+
+def test_generate_json_prints_the_engines_greedy_tokens_and_text(tiny_checkpoint, capsys):
+    tiny_checkpoint("glm-5.3-tiny")
+    rc = main(["generate", "--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--ignore-eos", "--json",
+               "--device", "cpu", "--kv-layout", "bf16", "--num-pages", "4"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    expect = Engine("glm-5.3-tiny", device="cpu", kv_layout="bf16", num_pages=4).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out["token_ids"] == expect.token_ids and out["text"] == expect.text
+    assert out["prompt_token_ids"] == [5, 6, 7, 8] and out["finish_reason"] == "length"
+    assert "load_weights" in out["startup_time"]
+
+
+def test_generate_rejects_bad_prompt_ids_and_flags_by_name(capsys):
+    assert main(["generate", "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "1", "--max-num-batched-tokens", "0"]) == 2
+    assert "--max-num-batched-tokens" in capsys.readouterr().err
