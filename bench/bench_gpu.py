@@ -44,10 +44,10 @@ def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
 
 def measure_ceilings() -> dict:
     n = 1 << 31  # 2 GiB: far past the 60 MB L2
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    a.random_(0, 255)
-    copy = cuda_time(lambda: b.copy_(a))
-    del a, b
+    bufs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    bufs[0].random_(0, 255)
+    copy = cuda_time(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm = cuda_time(lambda: m @ k, iters=10)

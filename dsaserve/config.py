@@ -248,13 +248,13 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
         raise ConfigError(f"model_type: {model_type!r} not supported (one of {', '.join(SUPPORTED_MODEL_TYPES)})")
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
-        raise ConfigError(f"{missing[0]}: missing from config.json" + (f" (also {', '.join(missing[1:])})" if missing[1:] else ""))
+        also = f" (also {', '.join(missing[1:])})" if missing[1:] else ""
+        raise ConfigError(f"{missing[0]}: missing from config.json{also}")
     vals: dict[str, Any] = {}
     for k in _REQUIRED + tuple(_DEFAULTS):
         v = raw.get(k, _DEFAULTS.get(k))
-        if k in _INT_FIELDS:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{k}: expected a non-negative integer, got {v!r}")
+        if k in _INT_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"{k}: expected a non-negative integer, got {v!r}")
         vals[k] = v
     if "rms_norm_eps" not in raw and model_type == "glm_moe_dsa":
         vals["rms_norm_eps"] = 1e-5

@@ -44,7 +44,8 @@ def is_not_converted(cfg: ModelConfig, module: str) -> bool:
     if cfg.quantization is None:
         return True
     padded = "." + module
-    return any(padded.endswith("." + m) or ("." + m + ".") in padded + "." for m in cfg.quantization.modules_to_not_convert)
+    return any(padded.endswith("." + m) or ("." + m + ".") in padded + "."
+               for m in cfg.quantization.modules_to_not_convert)
 
 
 def _linear(cfg: ModelConfig, module: str, out_f: int, in_f: int) -> list[TensorSpec]:
@@ -73,7 +74,8 @@ def decoder_layer_specs(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
     out = _norm(f"{p}.input_layernorm", h) + _norm(f"{p}.post_attention_layernorm", h)
     out += _linear(cfg, f"{a}.q_a_proj", cfg.q_lora_rank, h) + _norm(f"{a}.q_a_layernorm", cfg.q_lora_rank)
     out += _linear(cfg, f"{a}.q_b_proj", cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank)
-    out += _linear(cfg, f"{a}.kv_a_proj_with_mqa", cfg.kv_latent_dim, h) + _norm(f"{a}.kv_a_layernorm", cfg.kv_lora_rank)
+    out += _linear(cfg, f"{a}.kv_a_proj_with_mqa", cfg.kv_latent_dim, h)
+    out += _norm(f"{a}.kv_a_layernorm", cfg.kv_lora_rank)
     out += _linear(cfg, f"{a}.kv_b_proj", cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                    cfg.kv_lora_rank)
     out += _linear(cfg, f"{a}.o_proj", h, cfg.num_attention_heads * cfg.v_head_dim)
