@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-cases", default="1x1024,1x4096,32x1024", help="HF decode cases, BSxCTX")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,18 +220,25 @@ def main() -> None:
     result["startup_wall_s"] = time.perf_counter() - t0
     result["manifest"] = runner.manifest()
     print("startup", runner.startup_time, flush=True)
+    dump = lambda: (out / "bench_gpu.json").write_text(json.dumps(result, indent=2, default=float))  # noqa: E731
+    dump()
     result["first_vs_steady"] = first_vs_steady(runner, max(int(x) for x in args.prefill.split(",")))
     fill_pool(runner.kv_pool, runner.cfg)
     result["decode"] = bench_decode(runner, ceilings, batches, contexts)
+    dump()
+    print("decode", [(d["bs"], d["ctx"], round(d.get("step_ms", -1), 3), round(d.get("ratio", -1), 2))
+                     for d in result["decode"]], flush=True)
     result["prefill"] = bench_prefill(runner, ceilings, [int(x) for x in args.prefill.split(",")])
     from dsaserve.engine.counters import COUNTERS
 
     result["counters"] = COUNTERS.snapshot()
+    dump()
     del runner
     torch.cuda.empty_cache()
     if not args.skip_hf:
-        result["hf"] = bench_hf(args.config, [(1, 1024), (1, 4096), (32, 1024)])
-    (out / "bench_gpu.json").write_text(json.dumps(result, indent=2, default=float))
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.hf_cases.split(",")]
+        result["hf"] = bench_hf(args.config, cases)
+    dump()
     print_table(result)
 
 

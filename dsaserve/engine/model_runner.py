@@ -73,6 +73,7 @@ class ModelRunner:
         self.profile: MemoryProfile | None = None
         self.graphs: CudaGraphRunner | None = None
         self.warmed_prefill: list[int] = []
+        self.graph_error: str | None = None
         self.compile_cache = CompileCache(cache_dir) if self.device.type == "cuda" else None
         torch.manual_seed(seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
@@ -147,7 +148,13 @@ class ModelRunner:
             return None
         max_pages = -(-self.max_model_len // PAGE_SIZE)
         runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
-        runner.capture()
+        try:
+            runner.capture()
+        except RuntimeError as e:  # serve eagerly rather than not at all; the manifest and metrics say why
+            self.graph_error = f"{type(e).__name__}: {e}"[:500]
+            COUNTERS.add("eager_fallbacks.capture_failed", 0)
+            torch.cuda.synchronize()
+            return None
         return runner
 
     def _load_tokenizer(self):
@@ -184,7 +191,8 @@ class ModelRunner:
                 "kernels": describe_kernels(self.device),
                 "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
-                               "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0},
+                               "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
+                               "error": self.graph_error},
                 "warmed_prefill_chunks": self.warmed_prefill,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None}
 

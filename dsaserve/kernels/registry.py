@@ -1,25 +1,116 @@
-"""Kernel registry: one implementation per hot op, chosen once per device at startup.
+"""Kernel registry: picks one implementation per hot op, once, by device (startup chain: model load).
 
-(Minimal version by the lead so the model runs; the GPU-kernels engineer extends it with the Triton
-variants. Contract: `get_ops(device)` returns a namespace whose attributes are named exactly as the
-functions of `kernels/reference.py`.)
+Owns: `get_ops(device)`, a namespace whose attributes are named exactly as the functions of
+`kernels/reference.py` (plus `indexer_k_write`, and `graph_safe`: whether every op may be captured in a
+CUDA graph), each bound to the GPU variant (`kernels/triton_*.py`)
+when the device is CUDA, Triton imports and the GPU can run FP8 (compute capability >= 8.9), and to the
+reference otherwise. `DSASERVE_KERNELS=reference` forces the reference everywhere (debugging, bisecting a
+wrong answer); `DSASERVE_FP8_ACTIVATIONS=0` keeps the GPU FP8 GEMMs' activations bf16 (exact to bf16
+rounding, ~1.4x slower decode GEMMs: for greedy-equality runs against the CPU reference). The namespace's
+`impls` maps op -> implementation name, for the startup manifest.
+Triton is imported only here and only when it will be used: the CI's CPU torch wheel may not ship it.
 """
 
 from __future__ import annotations
 
-import types
+import functools
+import importlib.util
+import os
+from types import SimpleNamespace
 
 import torch
 
+from dsaserve.engine.kv_pool import encode_index_k
 from dsaserve.kernels import reference
 
-_OPS = ("fp8_linear", "rms_norm", "apply_rope", "mla_kv_write", "indexer_topk", "sparse_mla_attention",
-        "moe_route", "fused_moe")
-_CACHE: dict[str, types.SimpleNamespace] = {}
+ENV_VAR = "DSASERVE_KERNELS"
+CHOICES = ("auto", "reference")
+FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
+OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "apply_rope", "mla_kv_write", "indexer_k_write",
+       "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe")
+_CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
-def get_ops(device: torch.device | str) -> types.SimpleNamespace:
-    key = torch.device(device).type
+def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Reference indexer-key write: k [T, D] (normed, RoPE applied) encoded into the rows at `slots`."""
+    index_cache.index_copy_(0, slots, encode_index_k(k, layout))
+
+
+def _reference_ops() -> dict[str, tuple[object, str]]:
+    ops = {name: (getattr(reference, name), "reference") for name in OPS if hasattr(reference, name)}
+    ops.setdefault("indexer_k_write", (indexer_k_write, "reference"))
+    return ops
+
+
+def gpu_kernels_usable(device: torch.device) -> tuple[bool, str]:
+    """(usable, why not): CUDA device, Triton importable, FP8 conversions in hardware (sm_89+)."""
+    if device.type != "cuda":
+        return False, f"device {device.type}"
+    if not torch.cuda.is_available():
+        return False, "CUDA not available"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton not installed"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"compute capability {cap[0]}.{cap[1]} < 8.9 (no FP8)"
+    return True, ""
+
+
+def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
+    from dsaserve.kernels import triton_fp8_gemm, triton_indexer, triton_kv_write, triton_moe, triton_sparse_mla
+
+    gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        gemm = "triton block-scaled GEMM, FP8 activations"
+    moe = "triton grouped GEMM (align + gate/up+SiLU + down) + sum, FP8 activations"
+    linear, fused_moe = triton_fp8_gemm.fp8_linear, triton_moe.fused_moe
+    flag = os.environ.get(FP8_ACT_ENV, "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"{FP8_ACT_ENV}={flag!r}: expected 0 or 1")
+    if flag == "0":
+        linear = functools.partial(triton_fp8_gemm.fp8_linear, exact_act=True)
+        fused_moe = functools.partial(triton_moe.fused_moe, config={"fp8_act": False})
+        gemm, moe = gemm.replace("FP8 activations", "bf16 activations"), moe.replace("FP8", "bf16")
+    ops = _reference_ops()
+    ops.update({
+        "fp8_linear": (linear, gemm),
+        "fused_moe": (fused_moe, moe),
+        "moe_route": (triton_moe.moe_route, "torch ops (reference code, graph-capturable)"),
+        "indexer_topk": (triton_indexer.indexer_topk,
+                         "triton paged FP8 scores + triton select (decode) / torch.topk (prefill)"),
+        "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),
+        "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
+        "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
+    })
+    return ops
+
+
+def get_ops(device: torch.device | str) -> SimpleNamespace:
+    """The op namespace for `device` (cached). `ops.impls[name]` says which implementation each op got."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(CHOICES)}")
+    key = (device.type, device.index, choice, os.environ.get(FP8_ACT_ENV, "1"))
     if key not in _CACHE:
-        _CACHE[key] = types.SimpleNamespace(**{name: getattr(reference, name) for name in _OPS})
+        usable, why = gpu_kernels_usable(device)
+        if choice == "reference":
+            usable, why = False, f"{ENV_VAR}=reference"
+        ops = _gpu_ops(device) if usable else _reference_ops()
+        # graph_safe: no host sync and static shapes in every op (the reference fused_moe / indexer_topk
+        # loop on the host), so the decode forward can be captured into CUDA graphs
+        _CACHE[key] = SimpleNamespace(**{name: fn for name, (fn, _) in ops.items()},
+                                      impls={name: impl for name, (_, impl) in ops.items()},
+                                      device=str(device), fallback_reason=why, graph_safe=usable)
     return _CACHE[key]
+
+
+def describe(device: torch.device | str) -> dict[str, str]:
+    """op -> implementation, plus why the reference was chosen (startup manifest)."""
+    ops = get_ops(device)
+    out = dict(ops.impls)
+    if ops.fallback_reason:
+        out["_fallback_reason"] = ops.fallback_reason
+    return out

@@ -1,0 +1,206 @@
+"""GPU DSA indexer top-k: `indexer_topk` (request path stage 6, full indexer layers).
+
+Owns: the GPU variant of `reference.indexer_topk`, built to run inside a captured decode graph:
+  1. a Triton scoring kernel over the paged indexer cache, grid (token, key block): keys at positions
+     0..max_seq-1 of the token's request (max_seq = page_table.shape[1] * page_size, a static bound the
+     graph runner fixes per bucket), FP8 keys widened to BF16 in-kernel, q . k on tensor cores, then
+     sum_h w[t,h] * relu(.) times the key's FP32 scale (scale > 0 commutes with relu); keys past the
+     token's position (causal) and past the page table are written as -inf, never read;
+  2. selection: decode-size batches use a Triton kernel (bisection for the k-th largest score, then one
+     compacting pass that writes physical slots); large prefill slices use torch.topk + a page-table
+     gather. When max_seq <= topk every visible key is selected and no score is computed.
+No host loop over requests and no host sync: `seq_lens` / `extend_lens` (host lists in the reference
+signature) are not needed, positions and req_index on the device say everything. The selection order is
+by score but unsorted (`sorted=False`): consumers (sparse MLA) are order-free. Long prefill chunks are
+scored in token slices so the score buffer stays under SCORE_BUDGET bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_utils import opaque_index
+
+SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
+_LAYOUT = {"fp8_ds_mla": 0, "fp8_e4m3": 0, "bf16": 1, "fp32": 1}
+
+
+@triton.jit
+def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr,
+                        n_heads, head_dim, page_size, max_pages,
+                        stride_qt, stride_qh, stride_wt, stride_k, stride_ks, ks_off, stride_pt, stride_ot,
+                        FP8: tl.constexpr, WORDS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_KV: tl.constexpr):
+    """WORDS (FP8 keys, head_dim % 64 == 0): keys read as int32 words (4 e4m3 values each; a 132-byte row
+    is only 4-byte aligned, so this is the widest safe load) and byte plane j of every word is dotted with
+    query columns j, j+4, ...: the dimension order of a dot product does not matter."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    offs_j = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    pos = tl.load(pos_ptr + t)
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs_j
+    if kb * BLOCK_KV > pos:  # the whole block is in this token's future
+        tl.store(out_ptrs, tl.full([BLOCK_KV], float("-inf"), tl.float32))
+        return
+    req = tl.load(req_ptr + t).to(tl.int64)
+    valid = (offs_j <= pos) & (offs_j < max_pages * page_size)
+    page = tl.load(pt_ptr + req * stride_pt + offs_j // page_size, mask=valid, other=0)
+    slot = opaque_index(page * page_size + offs_j % page_size)  # 132-byte rows: no alignment facts
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < n_heads
+    q_rows = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    if WORDS:
+        offs_w = tl.arange(0, BLOCK_D // 4)
+        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None], other=0)
+        s = tl.zeros([BLOCK_H, BLOCK_KV], dtype=tl.float32)
+        for j in tl.static_range(4):
+            kj = ((words >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+            s += tl.dot(qj, tl.trans(kj))
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < head_dim
+        k = tl.load(kq_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+                    other=0.0)
+        if FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        q = tl.load(q_rows + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))  # [H, KV], fp32 accumulation
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=offs_h < n_heads, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+    if FP8:
+        score = score * tl.load(ks_ptr + slot * stride_ks + ks_off, mask=valid, other=1.0)
+    tl.store(out_ptrs, tl.where(valid, score, float("-inf")))
+
+
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
+SELECT_MAX_ROWS = 512  # rows (tokens) up to which the Triton selection replaces torch.topk (decode)
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int64 with the same order (negative floats: flip the magnitude bits)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64)
+
+
+@triton.jit
+def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k, page_size, stride_s, stride_pt,
+                        stride_o, BLOCK: tl.constexpr):
+    """One row per program: the k largest scores' positions -> physical slots, in position order.
+
+    The k-th largest value is found by bisection on the order-preserving integer key (32 counting passes
+    over the row, which stays in L1/L2), then one pass writes every position above it plus the first
+    (k - #above) ties, compacted with a prefix sum. -inf (not visible) is never selected; unwritten
+    outputs keep the caller's -1. Only the row's causal prefix (positions[t] + 1 scores) is scanned: a
+    graph captured for a long static context pays for the tokens' real contexts, not the bound.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    row = score_ptr + t * stride_s
+    # scores past the position are -inf already: stop after the chunk that holds it (masks keep n_cols, so
+    # the loads stay vectorised)
+    n_scan = tl.minimum(tl.cdiv(tl.load(pos_ptr + t) + 1, BLOCK) * BLOCK, n_cols)
+    offs = tl.arange(0, BLOCK)
+    lo = tl.zeros([], dtype=tl.int64) + (KEY_NEG_INF + 1)
+    hi = tl.zeros([], dtype=tl.int64) + 2147483647
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        cnt = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, n_scan, BLOCK):
+            x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
+            cnt += tl.sum((_order_key(x) >= mid).to(tl.int32), axis=0)
+        take = cnt >= k
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+    n_gt = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n_scan, BLOCK):
+        x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
+        n_gt += tl.sum((_order_key(x) > lo).to(tl.int32), axis=0)
+    need = k - n_gt
+    req = tl.load(req_ptr + t).to(tl.int64)
+    base = tl.zeros([], dtype=tl.int32)
+    ties = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n_scan, BLOCK):
+        j = c0 + offs
+        key = _order_key(tl.load(row + j, mask=j < n_cols, other=float("-inf")))
+        eq = (key == lo).to(tl.int32)
+        sel = (key > lo) | ((eq == 1) & (ties + tl.cumsum(eq, axis=0) - 1 < need))
+        seli = sel.to(tl.int32)
+        page = tl.load(pt_ptr + req * stride_pt + j // page_size, mask=sel, other=0)
+        tl.store(out_ptr + t * stride_o + base + tl.cumsum(seli, axis=0) - 1, page * page_size + j % page_size,
+                 mask=sel)
+        base += tl.sum(seli, axis=0)
+        ties += tl.sum(eq, axis=0)
+
+
+def _views(index_cache: torch.Tensor, layout: str, head_dim: int):
+    """(key values view, fp32 scale view, stride of each, scale column) for the cache layout."""
+    if _LAYOUT[layout] == 0:
+        if index_cache.shape[1] != head_dim + 4:
+            raise ValueError(f"indexer_topk: index_cache rows are {index_cache.shape[1]} B, expected {head_dim + 4}")
+        f32 = index_cache.view(torch.float32)  # rows of 132 B = 33 floats; the scale is float 32
+        if head_dim % 64 == 0:  # int32 words (see _index_score_kernel)
+            i32 = index_cache.view(torch.int32)
+            return i32, f32, i32.stride(0), f32.stride(0), head_dim // 4
+        return index_cache, f32, index_cache.stride(0), f32.stride(0), head_dim // 4
+    typed = index_cache.view(torch.bfloat16 if layout == "bf16" else torch.float32)
+    return typed, typed, typed.stride(0), typed.stride(0), 0
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
+                 block_kv: int = 128) -> torch.Tensor:
+    """[T, max_seq] fp32 causal index scores (-inf where not visible)."""
+    t, n_heads, head_dim = q.shape
+    max_seq = page_table.shape[1] * page_size
+    kq, ks, stride_k, stride_ks, ks_off = _views(index_cache, layout, head_dim)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(t, triton.cdiv(max_seq, block_kv) * block_kv, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out[:, :max_seq]
+    grid = (t, triton.cdiv(max_seq, block_kv))
+    _index_score_kernel[grid](q, head_weights, kq, ks, page_table, req_index, positions, out,
+                              n_heads, head_dim, page_size, page_table.shape[1],
+                              q.stride(0), q.stride(1), head_weights.stride(0), stride_k, stride_ks, ks_off,
+                              page_table.stride(0), out.stride(0),
+                              FP8=_LAYOUT[layout] == 0, WORDS=kq.dtype == torch.int32,
+                              BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
+                              BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv,
+                              num_warps=4, num_stages=2)
+    return out[:, :max_seq]
+
+
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+                 page_size: int, seq_lens: list[int] | None = None,
+                 extend_lens: list[int] | None = None) -> torch.Tensor:
+    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (seq/extend lens unused)."""
+    if layout not in _LAYOUT:
+        raise ValueError(f"indexer_topk: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    t = q.shape[0]
+    max_seq = page_table.shape[1] * page_size
+    k = min(topk, max_seq)
+    out = torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
+    step = max(1, min(t, SCORE_BUDGET // (4 * max(max_seq, 1))))
+    if max_seq <= topk:  # every visible key is selected: no scores needed
+        j = torch.arange(max_seq, device=q.device)
+        slots = page_table[req_index[:, None], j // page_size] * page_size + j % page_size
+        out[:, :max_seq] = slots.masked_fill_(j[None, :] > positions[:, None], -1)
+        return out
+    for s0 in range(0, t, step):
+        sl = slice(s0, min(t, s0 + step))
+        scores = index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
+                              positions[sl], page_size)
+        if t <= SELECT_MAX_ROWS:
+            o = out[sl]
+            _topk_select_kernel[(o.shape[0],)](scores, page_table, req_index[sl], positions[sl], o, max_seq, k,
+                                               page_size,
+                                               scores.stride(0), page_table.stride(0), o.stride(0),
+                                               BLOCK=min(4096, triton.next_power_of_2(max_seq)), num_warps=8)
+            continue
+        vals, idx = scores.topk(k, dim=1, sorted=False)
+        slots = page_table[req_index[sl, None], idx // page_size] * page_size + idx % page_size
+        out[sl, :k] = slots.masked_fill_(vals == float("-inf"), -1)
+    return out

@@ -1,0 +1,145 @@
+"""GPU KV writes: fused `mla_kv_write` and `indexer_k_write` (request path stage 6, "norm+RoPE+KV write").
+
+Owns: the GPU variants of `reference.mla_kv_write` (RMSNorm of the nope part, interleaved RoPE of the rope
+part, the latent returned, and the row encoded into the paged cache at its slot: one Triton program per
+token, one launch, nothing round-trips through memory) and of the indexer-key write (FP8 e4m3 + one FP32
+scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows
+`engine/kv_pool.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
+Slots < 0 are skipped, so padded rows of a captured decode batch write nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.engine.kv_pool import FP8_MAX, QUANT_GROUP
+from dsaserve.kernels.triton_utils import opaque_index
+
+_LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 2, "fp8_e4m3": 3}
+FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside @triton.jit
+
+
+@triton.jit
+def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_ptr, c32_ptr, c16_ptr, eps,
+                         dc, half, stride_a, stride_cos, stride_sin, stride_lat, stride_c8, stride_c32, stride_c16,
+                         cs_off, r_off, LAYOUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                         NG: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < dc
+    x = tl.load(a_ptr + t * stride_a + offs_c, mask=cmask, other=0.0)
+    xf = x.to(tl.float32)
+    # HF RMSNorm: normalise in fp32, round to the input dtype, then scale by the weight
+    y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / dc + eps)).to(x.dtype).to(tl.float32)
+    nope = (y * tl.load(w_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)).to(lat_ptr.dtype.element_ty)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < half
+    x1 = tl.load(a_ptr + t * stride_a + dc + 2 * offs_r, mask=rmask, other=0.0)
+    x2 = tl.load(a_ptr + t * stride_a + dc + 2 * offs_r + 1, mask=rmask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_cos + offs_r, mask=rmask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + offs_r, mask=rmask, other=0.0).to(tl.float32)
+    r1 = (x1.to(tl.float32) * cos - x2 * sin).to(x1.dtype).to(lat_ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1.to(tl.float32) * sin).to(x1.dtype).to(lat_ptr.dtype.element_ty)
+    lat_row = lat_ptr + t * stride_lat
+    tl.store(lat_row + offs_c, nope, mask=cmask)
+    tl.store(lat_row + dc + offs_r, r1, mask=rmask)
+    tl.store(lat_row + dc + half + offs_r, r2, mask=rmask)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    slot = opaque_index(slot.to(tl.int64))
+    nf = nope.to(tl.float32)
+    if LAYOUT == 0:  # fp8_ds_mla: e4m3 nope, FP32 scale per 128, BF16 rope
+        g = tl.reshape(nf, (NG, 128))
+        scale = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12) / FP8_MAX_C
+        q = tl.reshape(tl.clamp(g / scale[:, None], -FP8_MAX_C, FP8_MAX_C), (BLOCK_C,)).to(tl.float8e4nv)
+        tl.store(c8_ptr + slot * stride_c8 + offs_c, q.to(tl.uint8, bitcast=True), mask=cmask)
+        offs_g = tl.arange(0, NG)
+        tl.store(c32_ptr + slot * stride_c32 + cs_off + offs_g, scale, mask=offs_g * 128 < dc)
+        tl.store(c16_ptr + slot * stride_c16 + r_off + offs_r, r1.to(tl.bfloat16), mask=rmask)
+        tl.store(c16_ptr + slot * stride_c16 + r_off + half + offs_r, r2.to(tl.bfloat16), mask=rmask)
+    elif LAYOUT == 3:  # fp8_e4m3, per-tensor scale 1
+        row = c8_ptr + slot * stride_c8
+        tl.store(row + offs_c, tl.clamp(nf, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+                 mask=cmask)
+        for_r1 = tl.clamp(r1.to(tl.float32), -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        for_r2 = tl.clamp(r2.to(tl.float32), -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(row + dc + offs_r, for_r1, mask=rmask)
+        tl.store(row + dc + half + offs_r, for_r2, mask=rmask)
+    else:  # plain bf16 (c16 view) / fp32 (c32 view)
+        dst = c16_ptr if LAYOUT == 1 else c32_ptr
+        stride = stride_c16 if LAYOUT == 1 else stride_c32
+        row = dst + slot * stride
+        tl.store(row + offs_c, nope.to(dst.dtype.element_ty), mask=cmask)
+        tl.store(row + dc + offs_r, r1.to(dst.dtype.element_ty), mask=rmask)
+        tl.store(row + dc + half + offs_r, r2.to(dst.dtype.element_ty), mask=rmask)
+
+
+def _views(cache: torch.Tensor):
+    return cache, cache.view(torch.float32), cache.view(torch.bfloat16)
+
+
+def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_lora_rank: int) -> torch.Tensor:
+    """GPU `reference.mla_kv_write` -> latent [T, kv_lora_rank + rope] (before quantisation)."""
+    if layout not in _LAYOUT:
+        raise ValueError(f"mla_kv_write: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    t, width = kv_a.shape
+    dc, dr = kv_lora_rank, width - kv_lora_rank
+    if layout == "fp8_ds_mla" and dc % QUANT_GROUP:
+        raise ValueError(f"mla_kv_write: fp8_ds_mla needs kv_lora_rank % {QUANT_GROUP} == 0, got {dc}")
+    lat_dtype = torch.promote_types(norm_weight.dtype, kv_a.dtype)
+    latent = torch.empty(t, width, dtype=lat_dtype, device=kv_a.device)
+    if t == 0:
+        return latent
+    c8, c32, c16 = _views(kv_cache)
+    block_c = triton.next_power_of_2(dc)
+    kv_a = kv_a if kv_a.stride(-1) == 1 else kv_a.contiguous()
+    _mla_kv_write_kernel[(t,)](kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2,
+                               kv_a.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), c8.stride(0),
+                               c32.stride(0), c16.stride(0), dc // 4, (dc + 4 * (dc // QUANT_GROUP)) // 2,
+                               LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
+                               BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP),
+                               num_warps=4)
+    return latent
+
+
+@triton.jit
+def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, stride_c8, stride_c32,
+                          stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    slot = opaque_index(slot.to(tl.int64))
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    x = tl.load(k_ptr + t * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
+    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (kv_pool.encode_index_k)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
+        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+        tl.store(c8_ptr + slot * stride_c8 + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
+    elif LAYOUT == 1:
+        tl.store(c16_ptr + slot * stride_c16 + offs, x.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(c32_ptr + slot * stride_c32 + offs, x, mask=mask)
+
+
+def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) into the cache rows at `slots`."""
+    code = {"fp8_ds_mla": 0, "fp8_e4m3": 0, "bf16": 1, "fp32": 2}.get(layout)
+    if code is None:
+        raise ValueError(f"indexer_k_write: layout {layout!r} not one of fp8_ds_mla, fp8_e4m3, bf16, fp32")
+    t, d = k.shape
+    if t == 0:
+        return
+    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
+        raise ValueError(f"indexer_k_write: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
+    c8, c32, c16 = _views(index_cache)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    _index_k_write_kernel[(t,)](k, slots, c8, c32, c16, d, k.stride(0), c8.stride(0), c32.stride(0), c16.stride(0),
+                                LAYOUT=code, BLOCK_D=triton.next_power_of_2(d), num_warps=1)

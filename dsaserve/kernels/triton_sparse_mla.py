@@ -1,0 +1,277 @@
+"""GPU sparse MLA: `sparse_mla_attention` over the paged latent cache (request path stage 6, attention).
+
+Owns: the GPU variant of `reference.sparse_mla_attention` (weight-absorbed: queries already carry W_uk,
+scores on the 576-dim latent = kv_lora nope + rope, output the attention-weighted nope latent). One Triton
+program takes one token, BLOCK_H heads (all heads of a token share the same selected rows, so each row is
+gathered once per head block) and one split of the token's top-k slots; per BLOCK_K slots it
+  gathers the rows by slot (-1 = skip), dequantises in registers (fp8_ds_mla: e4m3 nope x its FP32 scale
+  per 128 values, BF16 rope; fp8_e4m3: scale 1; bf16 / fp32 plain), scores on tensor cores
+  (BF16 operands, FP32 accumulation), and folds them into an online (flash) softmax.
+Decode splits the top-k over several programs (flash-decoding) so a batch of one still fills the GPU,
+then a small combine kernel merges the splits by their log-sum-exp; prefill (many tokens) runs unsplit.
+A token whose slots are all -1 gets zeros (the reference gives NaN): graph padding rows stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_fp8_gemm import _sm_count
+from dsaserve.kernels.triton_utils import opaque_index
+
+_LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 1, "fp8_e4m3": 2}
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, lse_ptr,
+                       n_heads, n_keys, keys_per_split, qk_scale, dc, dr,
+                       stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
+                       r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                       LAYOUT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < n_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < dc
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < dr
+    qn = tl.load(qn_ptr + t * stride_qnt + offs_h[:, None] * stride_qnh + offs_c[None, :],
+                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.bfloat16)
+    qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.bfloat16)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # finite: a block of all-skipped slots gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    k0 = sp * keys_per_split
+    k1 = tl.minimum(k0 + keys_per_split, n_keys)
+    for start in range(k0, k1, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
+        valid = slot >= 0
+        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        c = tl.load(c_ptr + row[:, None] * stride_c + offs_c[None, :], mask=valid[:, None] & cmask[None, :], other=0)
+        if LAYOUT == 0:
+            sc = tl.load(cs_ptr + row[:, None] * stride_cs + cs_off + tl.arange(0, NG)[None, :],
+                         mask=valid[:, None] & (tl.arange(0, NG) * 128 < dc)[None, :], other=0.0)
+            c = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            c = tl.reshape(tl.reshape(c, (BLOCK_K, NG, 128)) * sc[:, :, None], (BLOCK_K, BLOCK_C))
+            kr = tl.load(r_ptr + row[:, None] * stride_r + r_off + offs_r[None, :],
+                         mask=valid[:, None] & rmask[None, :], other=0.0)
+        elif LAYOUT == 2:
+            c = c.to(tl.float8e4nv, bitcast=True)
+            kr = tl.load(c_ptr + row[:, None] * stride_c + dc + offs_r[None, :],
+                         mask=valid[:, None] & rmask[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        else:
+            kr = tl.load(c_ptr + row[:, None] * stride_c + dc + offs_r[None, :],
+                         mask=valid[:, None] & rmask[None, :], other=0.0)
+        c = c.to(tl.bfloat16)
+        s = tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kr.to(tl.bfloat16)))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units: qk_scale = scale * log2(e)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), c)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    o_ptrs = o_ptr + sp * stride_os + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + sp * stride_ls + t * stride_lt + offs_h, lse, mask=hmask)
+
+
+@triton.jit
+def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.constexpr):
+    """Group G of the gathered rows: e4m3 nope values [BK, 128] as bf16 (exact) and their scale [BK]."""
+    d = tl.arange(0, 128)
+    c = tl.load(c_ptr + row[:, None] * stride_c + G * 128 + d[None, :], mask=valid[:, None], other=0)
+    sc = tl.load(cs_ptr + row * stride_cs + cs_off + G, mask=valid, other=0.0)
+    return c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), sc
+
+
+@triton.jit
+def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, lse_ptr,
+                           n_heads, n_keys, keys_per_split, qk_scale, dr,
+                           stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
+                           r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                           SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """fp8_ds_mla with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups kept apart.
+
+    scores = sum_g s_g[key] * (q_g . c8_g[key]) and out_g = (p * s_g) @ c8_g: the e4m3 values reach the
+    tensor cores exactly (e4m3 is a subset of bf16) and no FP32 copy of the gathered tile is made.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < n_heads
+    d = tl.arange(0, 128)
+    q_rows = qn_ptr + t * stride_qnt + offs_h[:, None] * stride_qnh + d[None, :]
+    q0 = tl.load(q_rows, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    q1 = tl.load(q_rows + 128, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    q2 = tl.load(q_rows + 256, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    q3 = tl.load(q_rows + 384, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < dr
+    qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.bfloat16)
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    k0 = sp * keys_per_split
+    k1 = tl.minimum(k0 + keys_per_split, n_keys)
+    for start in range(k0, k1, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
+        valid = slot >= 0
+        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0)
+        c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1)
+        c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2)
+        c3, s3 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 3)
+        kr = tl.load(r_ptr + row[:, None] * stride_r + r_off + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
+                     other=0.0).to(tl.bfloat16)
+        s = tl.dot(qr, tl.trans(kr))
+        s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
+        s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
+        s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
+        s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
+        acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
+        acc2 = acc2 * alpha[:, None] + tl.dot((p * s2[None, :]).to(tl.bfloat16), c2)
+        acc3 = acc3 * alpha[:, None] + tl.dot((p * s3[None, :]).to(tl.bfloat16), c3)
+        m_i = m_new
+    inv = 1.0 / tl.maximum(l_i, 1e-30)[:, None]
+    o_rows = o_ptr + sp * stride_os + t * stride_ot + offs_h[:, None] * stride_oh + d[None, :]
+    ty = o_ptr.dtype.element_ty
+    tl.store(o_rows, (acc0 * inv).to(ty), mask=hmask[:, None])
+    tl.store(o_rows + 128, (acc1 * inv).to(ty), mask=hmask[:, None])
+    tl.store(o_rows + 256, (acc2 * inv).to(ty), mask=hmask[:, None])
+    tl.store(o_rows + 384, (acc3 * inv).to(ty), mask=hmask[:, None])
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + sp * stride_ls + t * stride_lt + offs_h, lse, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, stride_ot, stride_oh,
+                    stride_ls, stride_lt, stride_xt, stride_xh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_splits
+    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < dc
+    o = tl.load(o_ptr + offs_s[:, None] * stride_os + t * stride_ot + h * stride_oh + offs_c[None, :],
+                mask=smask[:, None] & cmask[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + t * stride_xt + h * stride_xh + offs_c, res.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def _cache_views(kv_cache: torch.Tensor, layout: str, dc: int, dr: int):
+    """(nope view, scale view, rope view, stride of each, scale/rope column offsets) for one layout."""
+    if layout == "fp8_ds_mla":
+        if dc % 128 or kv_cache.shape[1] != dc + 4 * (dc // 128) + 2 * dr:
+            raise ValueError(f"sparse_mla_attention: fp8_ds_mla rows are {kv_cache.shape[1]} B, "
+                             f"expected {dc + 4 * (dc // 128) + 2 * dr} for kv_lora_rank {dc}, rope {dr}")
+        f32, b16 = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
+        rope_col = (dc + 4 * (dc // 128)) // 2  # in bf16 units, after nope bytes and the scales
+        return kv_cache, f32, b16, kv_cache.stride(0), f32.stride(0), dc // 4, b16.stride(0), rope_col
+    if layout == "fp8_e4m3":
+        return kv_cache, kv_cache, kv_cache, kv_cache.stride(0), 0, 0, 0, 0
+    typed = kv_cache.view(torch.bfloat16 if layout == "bf16" else torch.float32)
+    return typed, typed, typed, typed.stride(0), 0, 0, 0, 0
+
+
+def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
+    """Flash-decoding splits: enough programs for ~2 waves, each split at least 2 key blocks."""
+    progs = t * head_blocks
+    if progs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, progs), n_keys // (2 * block_k)))
+
+
+def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: str,
+                         topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+                         config: dict | None = None) -> torch.Tensor:
+    """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype.
+
+    `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
+    (fp8_ds_mla at kv_lora 512: scales outside the dots, `_sparse_mla_ds4_kernel`; False: dequantise first).
+    """
+    if layout not in _LAYOUT:
+        raise ValueError(f"sparse_mla_attention: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    t, h, dc = q_nope.shape
+    dr = q_rope.shape[-1]
+    if dc != kv_lora_rank:
+        raise ValueError(f"sparse_mla_attention: q_nope has {dc} channels, kv_lora_rank is {kv_lora_rank}")
+    n_keys = topk_slots.shape[1]
+    out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
+    if t == 0:
+        return out
+    # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
+    # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
+    # latency-bound and a little faster on the generic kernel at 16 heads
+    ds4 = layout == "fp8_ds_mla" and dc == 512 and t > 2
+    cfg = {"block_h": 64 if ds4 else 16, "block_k": 32, "num_warps": 8 if ds4 else 4, "num_stages": 2,
+           "splits": None, "grouped": ds4}
+    cfg.update(config or {})
+    bh, bk = cfg["block_h"], cfg["block_k"]
+    head_blocks = triton.cdiv(h, bh)
+    splits = cfg["splits"] or pick_splits(t, head_blocks, n_keys, bk, _sm_count(q_nope))
+    per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
+    splits = max(1, triton.cdiv(n_keys, per_split))
+    c, cs, r, stride_c, stride_cs, cs_off, stride_r, r_off = _cache_views(kv_cache, layout, dc, dr)
+    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
+    if splits > 1:
+        part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
+    else:
+        part, lse = out.unsqueeze(0), out  # lse unused when unsplit
+    block_c = triton.next_power_of_2(dc)
+    strides = (q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), stride_c, stride_cs, cs_off,
+               stride_r, r_off, slots.stride(0), part.stride(0), part.stride(1), part.stride(2),
+               lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0)
+    common = {"SPLIT": splits > 1, "BLOCK_H": bh, "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk,
+              "NG": max(1, block_c // 128), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    grid = (t, head_blocks, splits)
+    if cfg["grouped"] and layout == "fp8_ds_mla" and dc == 512:
+        common.pop("NG")
+        _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
+                                     softmax_scale * LOG2E, dr, *strides, **common)
+    else:
+        _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
+                                 softmax_scale * LOG2E, dc, dr, *strides, LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
+                                 **common)
+    if splits > 1:
+        _combine_kernel[(t, h)](part, lse, out, splits, h, dc, part.stride(0), part.stride(1), part.stride(2),
+                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def flops(t: int, h: int, k: int, dc: int, dr: int) -> float:
+    """Score (dc + dr) and value (dc) multiply-adds per head per selected slot."""
+    return 2.0 * t * h * k * (2 * dc + dr)
+
