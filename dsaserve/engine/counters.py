@@ -16,6 +16,7 @@ README's JSON keys use them):
   collective_wire_bytes.<kind>  bytes on the wire per rank (ring all-reduce: 2(n-1)/n x message)
   forward_steps            model forwards; decode_steps / prefill_tokens / decode_tokens likewise
   graph_replays            CUDA-graph replays; eager_fallbacks.<reason> eager runs by reason
+  kernel_compiles_after_up Triton kernels compiled after startup (a cold path warmup did not cover)
 """
 
 from __future__ import annotations

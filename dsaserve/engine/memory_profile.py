@@ -110,6 +110,18 @@ class CompileCache:
     def _entries(self) -> set[str]:
         return {p.name for p in Path(os.environ["TRITON_CACHE_DIR"]).iterdir()} if self.dir.exists() else set()
 
+    def mark_up(self) -> None:
+        """Startup is over: from now on a new cache entry is a kernel compiled on a request's time."""
+        self.at_up = self._entries()
+
+    def compiles_after_up(self, reset: bool = False) -> dict[str, float]:
+        """COUNTERS source: `kernel_compiles_after_up`, the cold-path compiles warmup did not cover."""
+        now = self._entries()
+        n = len(now - getattr(self, "at_up", now))
+        if reset:
+            self.at_up = now
+        return {"kernel_compiles_after_up": n}
+
     def report(self) -> dict:
         after = self._entries()
         return {"dir": os.environ["TRITON_CACHE_DIR"], "entries_before": len(self.before),

@@ -106,6 +106,9 @@ class ModelRunner:
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
         self.eos_token_ids = self.cfg.eos_token_ids
         fold_device_expert_counts(reset=True)  # profile / warmup / capture forwards are not traffic
+        if self.compile_cache is not None:
+            self.compile_cache.mark_up()
+            COUNTERS.add_source(self.compile_cache.compiles_after_up)
 
     # ---- startup phases --------------------------------------------------------------------
     def _resolve(self, model: str, load_format: str) -> tuple[Path | None, ModelConfig]:
