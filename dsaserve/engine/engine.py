@@ -13,7 +13,7 @@ and the streaming iterator. Usage:
     for o in llm.stream("Hello", SamplingParams(max_tokens=8)): print(o.outputs[0].delta_text, end="")
 
 Lower level, as vLLM's LLMEngine: `add_request(prompt, params) -> request_id`, `step() -> [updated
-RequestOutput]`, `abort(request_id)`, `has_unfinished()`.
+RequestOutput]`, `abort(request_id)`, `has_unfinished()`; `kv_pool_info()` -> the runner's KVPoolInfo.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
+from dsaserve.engine.kv_pool import KVPoolInfo
 from dsaserve.engine.request import EngineRequest, TokenDelta
 from dsaserve.engine.sampling_params import SamplingParams
 
@@ -80,9 +81,8 @@ class RequestOutput:
 
 
 class _Tracked:
-    def __init__(self, out: RequestOutput, detoks: list[IncrementalDetokenizer | None], params: SamplingParams,
-                 stop_ids: frozenset[int]):
-        self.out, self.detoks, self.params, self.stop_ids = out, detoks, params, stop_ids
+    def __init__(self, out: RequestOutput, detoks: list[IncrementalDetokenizer | None]):
+        self.out, self.detoks = out, detoks
 
 
 class Engine:
@@ -101,10 +101,10 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.core.add_request(EngineRequest(rid, ids, params, time.time()))
         has_text = self.tokenizer is not None
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) if has_text else None for _ in range(params.n)]
+        detoks = [IncrementalDetokenizer.for_params(self.tokenizer, ids, params) if has_text else None
+                  for _ in range(params.n)]
         outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
-        stop_ids = frozenset(params.stop_token_ids) | frozenset(self.core.eos_token_ids)
-        self._tracked[rid] = _Tracked(RequestOutput(rid, text, ids, outputs), detoks, params, stop_ids)
+        self._tracked[rid] = _Tracked(RequestOutput(rid, text, ids, outputs), detoks)
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -127,6 +127,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether a request added here has not finished yet."""
         return bool(self._tracked)
+
+    def kv_pool_info(self) -> KVPoolInfo:
+        """The model runner's KV pool: layout, pages, tokens, bytes per token and in all (ledger reconcile)."""
+        pool = getattr(self.core.runner, "kv_pool", None)
+        if pool is None:
+            raise RuntimeError(f"kv_pool_info: the runner ({type(self.core.runner).__name__}) has no KV pool")
+        return pool.info()
 
     # ---- batch and streaming -------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -200,23 +207,24 @@ class Engine:
         if out.finished:  # e.g. the abort that follows a stop-string match
             out.delta_text, out.delta_token_ids = "", []
             return
-        out.token_ids += d.new_token_ids
-        out.delta_token_ids = list(d.new_token_ids)
-        if out.logprobs is not None and d.new_logprobs:
-            out.logprobs += d.new_logprobs
         finish, stop_reason = d.finish_reason if d.finished else None, d.stop_reason
+        new_ids, new_lps = list(d.new_token_ids), d.new_logprobs
         detok = tr.detoks[d.index]
         if detok is not None:
-            ids = d.new_token_ids
-            if finish == "stop" and ids and ids[-1] in tr.stop_ids and not tr.params.include_stop_str_in_output:
-                ids = ids[:-1]  # EOS / stop token ids are not part of the text (vLLM)
-            hit = detok.add(ids, final=d.finished)
-            if hit is not None and finish is None:
+            before = detok.num_tokens
+            # the core finishes with "stop" only on a stop token (EOS / stop_token_ids), the delta's last id
+            hit = detok.add(new_ids, final=d.finished, stop_terminated=d.finished and d.finish_reason == "stop")
+            if hit is not None:
+                if finish is None:  # the core does not know text: end this sample there
+                    self.core.abort_request(d.request_id, d.index)
                 finish, stop_reason = "stop", hit
-                self.core.abort_request(d.request_id, d.index)
-            elif hit is not None:
-                finish, stop_reason = "stop", hit
+                used = detok.num_tokens - before  # ids after the one that completed the stop string are dropped
+                new_ids, new_lps = new_ids[:used], new_lps[:used] if new_lps else new_lps
             out.delta_text = detok.delta(finish is not None)
             out.text = detok.text if finish is not None else detok.text[: detok.emitted]
+        out.token_ids += new_ids
+        out.delta_token_ids = new_ids
+        if out.logprobs is not None and new_lps:
+            out.logprobs += new_lps
         if finish is not None:
             out.finish_reason, out.stop_reason = finish, stop_reason

@@ -24,11 +24,7 @@ def make_prompts(prompt_lens: tuple[int, ...], vocab: int) -> list[list[int]]:
 
 
 def _pool_info(eng: Any) -> dict[str, Any]:
-    if hasattr(eng, "kv_pool_info"):
-        info = eng.kv_pool_info()
-    else:  # the engine as first landed: the pool hangs off the core's runner
-        info = eng.core.runner.kv_pool.info()
-    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
+    return dataclasses.asdict(eng.kv_pool_info())
 
 
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,

@@ -1,14 +1,11 @@
 """Detokenizer process: token ids -> text, stop strings (request path stage 10).
 
-Owns: one `RequestDetokenizer` per live request (incremental decoding with the `tokenizers` library's
-DecodeStream, seeded with the prompt's last ids so the first output token decodes in context), stop
-string matching on the decoded text, and the process loop: take the scheduler's batches (register /
-deltas / drop), send text outputs to the main process, and tell the scheduler to abort a request whose
-stop string matched (the scheduler does not know text, only ids).
-
-Streaming never shows the start of a stop string that is about to match: up to `longest stop - 1`
-characters are held back until they either complete a stop string (and are dropped) or can't (and are
-sent), as vLLM does. With `include_stop_str_in_output` the stop string itself is sent.
+Owns: the process loop — take the scheduler's batches (register / deltas / drop), keep one text state per
+live sample, send text outputs to the main process, and tell the scheduler to abort a sample whose stop
+string matched (the scheduler does not know text, only ids) — and the logprob entries (token text and
+bytes). The text work itself (incremental decoding in context, stop strings with hold-back,
+include_stop_str_in_output, skip_special_tokens) is engine/detokenizer.py's IncrementalDetokenizer, the
+same class the offline Engine uses, so both fronts give the same text for the same ids.
 """
 
 from __future__ import annotations
@@ -19,68 +16,11 @@ import traceback
 from typing import Any
 
 import zmq
-from tokenizers.decoders import DecodeStream
 
+from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.lifetime import die_with_parent, setup_child_logging
-
-PROMPT_CONTEXT_IDS = 8  # prompt ids that seed DecodeStream: enough context for any merge at the boundary
-
-
-class RequestDetokenizer:
-    """Text state of one request: what was decoded, what was sent, whether a stop string matched."""
-
-    def __init__(self, tok: HFTokenizer, prompt_tail: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
-        self.tok = tok
-        self.stream = DecodeStream(ids=list(prompt_tail[-PROMPT_CONTEXT_IDS:]),
-                                   skip_special_tokens=skip_special_tokens)
-        self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in (stop or []) if s]
-        self.include_stop = include_stop_str_in_output
-        # a stop string may start this many characters before the newest piece
-        self.lookback = max((len(s) for s in self.stop), default=1) - 1
-        # with the stop string kept in the output nothing is ever cut, so nothing needs holding back
-        self.hold = 0 if include_stop_str_in_output else self.lookback
-        self.text = ""  # decoded so far (cut at a matched stop string)
-        self.sent = 0  # characters of `text` already handed out
-        self.output_ids: list[int] = []
-        self.stopped_by: str | None = None
-
-    def feed(self, token_id: int) -> bool:
-        """Decode one more token; True when a stop string matched (the request is then finished)."""
-        self.output_ids.append(token_id)
-        piece = self.stream.step(self.tok.tokenizer, token_id)
-        if not piece:
-            return False
-        start = max(0, len(self.text) - self.lookback)
-        self.text += piece
-        return self._match_stop(start)
-
-    def _match_stop(self, start: int) -> bool:
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)  # the earliest match wins, as in vLLM
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-        self.stopped_by = s
-        return True
-
-    def finish(self) -> None:
-        """End of generation: recover bytes DecodeStream still buffers (an incomplete UTF-8 tail)."""
-        if self.stopped_by is not None:
-            return
-        full = self.tok.decode(self.output_ids, skip_special_tokens=self.skip_special_tokens)
-        if len(full) > len(self.text) and full.startswith(self.text):
-            self.text = full
-
-    def take(self, finished: bool) -> str:
-        """New text to send: everything on finish, else all but the held-back tail."""
-        end = len(self.text) if finished or self.stopped_by is not None else max(self.sent, len(self.text) - self.hold)
-        out = self.text[self.sent:end]
-        self.sent = end
-        return out
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
@@ -97,15 +37,15 @@ def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[d
 class Detokenizer:
     """All live requests of one server; turns a scheduler batch into outputs (and stop aborts).
 
-    A request with n samples has one state per sample index, made on its first delta. A stop string
-    aborts the request in the scheduler only when n == 1 (abort ends every sample of a request; the
-    TokenizerManager therefore runs n > 1 with stop strings as n single-sample requests).
+    A request with n samples has one state per sample index, made on its first delta. A stop string ends
+    only its own sample: the abort names the sample index, and the core aborts just that sample (the
+    others keep the prompt pages they share with it).
     """
 
     def __init__(self, tok: HFTokenizer) -> None:
         self.tok = tok
         self.meta: dict[str, dict[str, Any]] = {}  # rid -> register message
-        self.live: dict[tuple[str, int], RequestDetokenizer] = {}
+        self.live: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.done: dict[str, set[int]] = {}  # rid -> sample indices already finished
 
     def register(self, reg: dict[str, Any]) -> None:
@@ -118,43 +58,41 @@ class Detokenizer:
         for i in range(reg.get("n", 1) if reg else 0):
             self.live.pop((rid, i), None)
 
-    def _state(self, rid: str, index: int) -> RequestDetokenizer | None:
+    def _state(self, rid: str, index: int) -> IncrementalDetokenizer | None:
         reg = self.meta.get(rid)
         if reg is None or index in self.done[rid]:  # aborted, or finished by a stop string: drop late deltas
             return None
         key = (rid, index)
         if key not in self.live:
-            self.live[key] = RequestDetokenizer(self.tok, reg.get("prompt_tail", []), reg.get("stop"),
-                                                reg.get("include_stop_str_in_output", False),
-                                                reg.get("skip_special_tokens", True))
+            self.live[key] = IncrementalDetokenizer(self.tok, reg.get("prompt_tail", []), reg.get("stop") or (),
+                                                    reg.get("include_stop_str_in_output", False),
+                                                    reg.get("skip_special_tokens", True))
         return self.live[key]
 
     def process(self, delta: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
-        """One engine TokenDelta -> (output item or None, whether the scheduler must abort the request)."""
+        """One engine TokenDelta -> (output item or None, whether the scheduler must abort this sample)."""
         rid, index = delta["rid"], delta.get("index", 0)
         state = self._state(rid, index)
         if state is None:
             return None, False
         ids: list[int] = list(delta.get("ids") or [])
         lps = delta.get("lps")
-        used, stopped = 0, False
-        for tid in ids:
-            used += 1
-            if state.feed(tid):
-                stopped = True
-                break
-        finished = stopped or bool(delta.get("finished"))
-        if finished:
-            state.finish()
+        engine_done = bool(delta.get("finished"))
+        before = state.num_tokens
+        # the core finishes with "stop" only on a stop token (EOS / stop_token_ids), the delta's last id
+        hit = state.add(ids, final=engine_done, stop_terminated=engine_done and delta.get("reason") == "stop")
+        used = state.num_tokens - before  # ids after the one that completed a stop string are not reported
+        stopped = hit is not None
+        finished = stopped or engine_done
         reg = self.meta[rid]
         item = {
-            "rid": rid, "index": index, "text": state.take(finished), "ids": ids[:used],
+            "rid": rid, "index": index, "text": state.delta(finished), "ids": ids[:used],
             "lps": logprob_entries(self.tok, ids[:used], lps[:used]) if lps and reg.get("logprobs") else None,
             "finished": finished, "reason": "stop" if stopped else delta.get("reason"),
-            "stop_str": state.stopped_by, "prompt_tokens": delta.get("prompt_tokens", 0),
-            "cached_tokens": delta.get("cached_tokens", 0), "completion_tokens": len(state.output_ids),
+            "stop_str": state.stop_string, "prompt_tokens": delta.get("prompt_tokens", 0),
+            "cached_tokens": delta.get("cached_tokens", 0), "completion_tokens": state.num_tokens,
         }
-        abort = stopped and not delta.get("finished") and reg.get("n", 1) == 1
+        abort = stopped and not engine_done
         if finished:
             self.live.pop((rid, index), None)
             self.done[rid].add(index)
@@ -162,7 +100,8 @@ class Detokenizer:
                 self.drop(rid)
         return item, abort
 
-    def handle_batch(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    def handle_batch(self, msg: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+        """A scheduler batch -> (output items, (rid, sample index) of every sample to abort)."""
         for reg in msg.get("register", []):
             self.register(reg)
         items, aborts = [], []
@@ -171,7 +110,7 @@ class Detokenizer:
             if item is not None:
                 items.append(item)
             if abort:
-                aborts.append(delta["rid"])
+                aborts.append((delta["rid"], delta.get("index", 0)))
         for rid in msg.get("drop", []):
             self.drop(rid)
         return items, aborts
@@ -198,8 +137,8 @@ def run(cfg: dict[str, Any]) -> None:
                 if msg["t"] != ipc.BATCH:
                     continue
                 items, aborts = detok.handle_batch(msg)
-                for rid in aborts:
-                    to_sched.send(ipc.pack(ipc.ABORT, rid=rid))
+                for rid, index in aborts:
+                    to_sched.send(ipc.pack(ipc.ABORT, rid=rid, index=index))
                 if items:
                     to_main.send(ipc.pack(ipc.OUTPUTS, items=items))
     except Exception:

@@ -4,7 +4,7 @@ Owns: the message vocabulary and its encoding, and the three socket addresses of
 Topology (SGLang's, note 000): every process binds one PULL socket and PUSHes to the others.
 
     main (HTTP + TokenizerManager)  --generate/abort/stats-->        scheduler  (sched_in)
-    detokenizer                     --abort (stop string hit)-->     scheduler  (sched_in)
+    detokenizer                     --abort (one sample's stop string hit)--> scheduler (sched_in)
     scheduler                       --register/deltas/drop-->        detokenizer (detok_in)
     detokenizer                     --outputs-->                     main (main_in)
     scheduler                       --ready/stats/reject/fatal-->    main (main_in)
@@ -28,7 +28,7 @@ import zmq
 
 # message kinds
 GENERATE = "generate"  # main -> scheduler: rid, input_ids, sampling (SamplingParams dict), detok (dict)
-ABORT = "abort"  # main/detokenizer -> scheduler: rid
+ABORT = "abort"  # main/detokenizer -> scheduler: rid, index (one sample of an n > 1 request; None/absent: all)
 STATS_REQ = "stats_req"  # main -> scheduler: qid
 STATS = "stats"  # scheduler -> main: qid, stats, counters
 READY = "ready"  # scheduler/detokenizer -> main: who, info

@@ -15,6 +15,7 @@ Test hook: `DSASERVE_TEST_READY_DELAY_S` sleeps before reporting ready, so tests
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ import zmq
 
 from dsaserve.server import ipc
 from dsaserve.server.lifetime import die_with_parent, setup_child_logging
+
+log = logging.getLogger(__name__)
 
 READY_DELAY_ENV = "DSASERVE_TEST_READY_DELAY_S"
 IDLE_POLL_MS = 50  # how long an idle loop waits for a message before looking again
@@ -90,10 +93,22 @@ class SchedulerLoop:
                 return
             register.append({"rid": rid, "n": sampling.n, **msg.get("detok", {})})
         elif kind == ipc.ABORT:
-            self.core.abort_request(msg["rid"])
-            drop.append(msg["rid"])
+            self.abort(msg["rid"], msg.get("index"), drop)
         elif kind == ipc.STATS_REQ:
             self.to_main.send(ipc.pack(ipc.STATS, qid=msg["qid"], **self.stats(bool(msg.get("check_leak")))))
+
+    def abort(self, rid: str, index: int | None, drop: list[str]) -> None:
+        """Abort a whole request (index None: the client went away) or one sample (its stop string matched).
+
+        Only a whole request is dropped from the detokenizer: after a one-sample abort its siblings still
+        stream, and the detokenizer already ended that sample itself."""
+        try:
+            self.core.abort_request(rid, index)
+        except ValueError as e:  # a sample index the request does not have: a bug upstream, not a reason to die
+            log.error("abort %s: %s", rid, e)
+            return
+        if index is None:
+            drop.append(rid)
 
     def stats(self, check_leak: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"stats": plain(self.core.stats()), "counters": plain(self.counters.snapshot())}

@@ -6,9 +6,8 @@ aborts to the scheduler, receiving the detokenizer's outputs and the scheduler's
 (ready, stats, reject, fatal), the 1-token health probe, and failing everything pending when the server
 goes Down.
 
-`n` > 1: one engine request with `n` samples (they share the prompt's KV pages in the engine), unless
-the request has stop strings: a stop string ends one sample, and the scheduler can only abort a whole
-request, so then each sample is its own engine request (seed + i, as SamplingParams.for_sample).
+`n` > 1: one engine request with `n` samples, so they share the prompt's KV pages in the engine (the
+prompt is computed once). A stop string ends one sample: the detokenizer aborts just that sample index.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from dsaserve.engine.detokenizer import PROMPT_CONTEXT
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
@@ -33,7 +33,6 @@ from dsaserve.server.protocol import APIError, bad_request, internal, unavailabl
 
 log = logging.getLogger(__name__)
 
-PROMPT_TAIL_IDS = 8  # prompt ids the detokenizer needs as decoding context
 OFFLOAD_CHARS = 1 << 16  # texts longer than this are tokenized in a worker thread (~ms of work)
 
 
@@ -165,18 +164,15 @@ class TokenizerManager:
                      internal_: bool = False, logprobs: bool = False) -> Handle:
         """Send the engine requests of one HTTP request; choices are numbered prompt-major, n per prompt."""
         h = Handle(request_id or uuid.uuid4().hex, time.monotonic(), internal_)
-        split = sampling.n > 1 and bool(sampling.stop)
         n = sampling.n
+        detok = {"stop": list(sampling.stop), "include_stop_str_in_output": sampling.include_stop_str_in_output,
+                 "skip_special_tokens": sampling.skip_special_tokens, "logprobs": logprobs}
         for p_idx, prompt in enumerate(prompts):
-            parts = [(f"{h.id}-{p_idx}-{i}", sampling.for_sample(i), p_idx * n + i) for i in range(n)] if split \
-                else [(f"{h.id}-{p_idx}", sampling, p_idx * n)]
-            for rid, sp, base in parts:
-                self._register(h, rid, base, sp.n)
-                detok = {"prompt_tail": prompt.ids[-PROMPT_TAIL_IDS:], "stop": list(sp.stop),
-                         "include_stop_str_in_output": sp.include_stop_str_in_output,
-                         "skip_special_tokens": sp.skip_special_tokens, "logprobs": logprobs}
-                await self._to_sched.send(ipc.pack(ipc.GENERATE, rid=rid, input_ids=prompt.ids,
-                                                   sampling=sp.to_dict(), detok=detok, arrival_time=time.time()))
+            rid = f"{h.id}-{p_idx}"
+            self._register(h, rid, p_idx * n, n)
+            await self._to_sched.send(ipc.pack(ipc.GENERATE, rid=rid, input_ids=prompt.ids, sampling=sampling.to_dict(),
+                                               detok={"prompt_tail": prompt.ids[-PROMPT_CONTEXT:], **detok},
+                                               arrival_time=time.time()))
         if not internal_:
             self.metrics.request_started(len(prompts), sum(len(p.ids) for p in prompts))
         return h

@@ -19,9 +19,9 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dsaserve.config import builtin_config_names, load_config
-from dsaserve.weights.checkpoint_writer import INDEX_FILE, write_checkpoint
 from dsaserve.weights.spec import checkpoint_specs
 
 CACHE_ENV = "DSASERVE_CACHE_DIR"
@@ -30,10 +30,20 @@ DEFAULT_MAX_GB = 16.0  # fits glm-5.3-slice (10.7 GB) and the tiny configs; refu
 CACHE_SEED = 0
 STAMP_FILE = "dsaserve_checkpoint.json"
 WRITER_VERSION = 1  # bump when checkpoint_writer's values or layout change, so caches rebuild
+INDEX_FILE = "model.safetensors.index.json"  # HF's shard index name, as checkpoint_writer writes it
 
 
 class CheckpointResolveError(ValueError):
     """--model names neither a checkpoint directory nor a built-in config that can be cached."""
+
+
+def write_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    """checkpoint_writer.write_checkpoint, imported on the first write: the writer needs torch and
+    safetensors, and this module runs in `dsaserve serve`'s HTTP process, which must start without them
+    (seconds of import) whenever the checkpoint is already cached."""
+    from dsaserve.weights.checkpoint_writer import write_checkpoint as write
+
+    return write(*args, **kwargs)
 
 
 def cache_root() -> Path:

@@ -120,3 +120,8 @@ def test_engine_args_are_validated_by_name():
         engine(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seqs'"):
         engine(max_num_seqs=3)
+
+
+def test_kv_pool_info_names_a_runner_without_a_pool():
+    with pytest.raises(RuntimeError, match="FakeRunner"):
+        engine().kv_pool_info()

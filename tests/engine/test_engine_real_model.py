@@ -226,3 +226,13 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row cosine of the centred logits (softmax does not see a row's mean)."""
     ca, cb = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
     return (ca * cb).sum(-1) / (ca.norm(dim=-1) * cb.norm(dim=-1))
+
+
+def test_kv_pool_info_is_the_runner_pool_at_its_final_size():
+    eng = Engine(MODEL, device="cpu", kv_layout="bf16", num_pages=16)
+    info = eng.kv_pool_info()
+    assert (info.layout, info.num_pages, info.num_tokens) == ("bf16", 16, 16 * info.page_size)
+    assert info == eng.core.runner.kv_pool.info()
+    assert info.bytes_per_token == (info.kv_bytes_per_token_per_layer * info.kv_layers
+                                    + info.indexer_bytes_per_token_per_layer * info.indexer_layers)
+    assert info.total_bytes == info.bytes_per_token * info.num_tokens

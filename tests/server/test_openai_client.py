@@ -8,7 +8,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from tests.server.harness import MODEL
+from tests.server.harness import MODEL, admin_stats, wait_idle
 
 PROMPT = "The scheduler picks which requests run"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
@@ -127,14 +127,33 @@ def test_stop_string_cuts_the_output_and_reports_stop(client, greedy_text):
 
 
 def test_stop_string_with_n3_stops_every_sample(client):
-    # n > 1 with stop strings runs as n single-sample requests; a stop string that never matches gives the
-    # baseline of exactly that batch shape (greedy texts compared across batch shapes could differ by a
+    # a stop string ends each sample on its own (a per-sample abort); a stop string that never matches gives
+    # the baseline of exactly that batch shape (greedy texts compared across batch shapes could differ by a
     # float near-tie on the CPU)
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, n=3, stop="@@@@")
     assert len({c.text for c in base.choices}) == 1 and base.choices[0].finish_reason == "length"
     stop, before = _stop_from(base.choices[0].text)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, n=3, stop=stop)
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, before, "stop") for i in range(3)]
+
+
+def test_n3_with_a_stop_string_shares_the_prompt_pages_and_computes_the_prompt_once(server, client):
+    page = server.get("/startup").json()["scheduler_info"]["page_size"]
+    prompt = [2 + (37 * k) % 500 for k in range(2 * page + 5)]  # two full pages and a partial one
+    max_tokens = 6
+    wait_idle(server)
+    before = admin_stats(server)["stats"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, n=3,
+                                  stop="@@@@", extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3 and r.usage.completion_tokens == 3 * max_tokens
+    after = wait_idle(server)["stats"]
+    d = {k: after[k] - before[k] for k in ("requests", "prompt_tokens", "computed_tokens", "prefix_cache_hit_tokens")}
+    assert d["requests"] == 1 and d["prompt_tokens"] == len(prompt) and d["prefix_cache_hit_tokens"] == 0
+    # one engine request: sample 0 computes the prompt and its own tokens; samples 1 and 2 fork from it, sharing
+    # its full prompt pages, and compute only the partial last page and their own tokens (not the prompt again).
+    # The last sampled token of each sample is never computed.
+    partial = len(prompt) % page
+    assert d["computed_tokens"] == len(prompt) + (max_tokens - 1) + 2 * (partial + max_tokens - 1)
 
 
 def test_completion_logprobs_have_one_entry_per_token(client):
