@@ -122,7 +122,8 @@ class CudaGraphRunner:
         g = self.graphs[bucket]
         g.graph.replay()
         self._count(batch, g)
-        return g.logits[:bs]
+        # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
+        return g.logits.index_select(0, batch.logits_indices)
 
     def _count(self, batch: ForwardBatch, g: _Graph) -> None:
         """What the eager forward would have counted: bytes from host metadata, weights from warmup."""

@@ -56,7 +56,9 @@ def build_runner(args: EngineArgs) -> Any:
                        kv_budget_bytes=args.kv_cache_bytes, device=args.resolved_device(), seed=args.seed,
                        load_format=args.load_format, mem_fraction_static=args.mem_fraction_static,
                        chunked_prefill_size=args.chunk_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       max_model_len=args.max_model_len, disable_cuda_graph=args.disable_cuda_graph)
+                       max_model_len=args.max_model_len, disable_cuda_graph=args.disable_cuda_graph,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_running_requests=args.max_running_requests)
 
 
 class EngineCore:

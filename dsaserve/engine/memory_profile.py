@@ -50,6 +50,15 @@ def dummy_decode(bs: int, context: int, page_size: int, device) -> ForwardBatch:
     return contiguous_batch([[1]] * bs, [context] * bs, bases, page_size).to(device)
 
 
+def indexer_score_budget() -> int:
+    """Bytes of fp32 indexer scores one prefill slice may hold (the GPU indexer's SCORE_BUDGET)."""
+    try:
+        from dsaserve.kernels.triton_indexer import SCORE_BUDGET
+    except ImportError:  # no Triton: the reference indexer scores one request at a time
+        return 0
+    return SCORE_BUDGET
+
+
 def profile_memory(model, cfg, layout: str, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
     """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
@@ -68,7 +77,8 @@ def profile_memory(model, cfg, layout: str, dtype, device, kv_layer_ids: list[in
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
-    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes
+    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + indexer_score_budget()
     del scratch
     torch.cuda.empty_cache()
     budget = int(total * mem_fraction_static - weights - peak - graph_reserve_bytes)

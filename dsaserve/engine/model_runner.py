@@ -53,7 +53,8 @@ class ModelRunner:
                  seed: int = 0, load_format: str = "auto", enable_mtp: bool = False,
                  mem_fraction_static: float = 0.88, chunked_prefill_size: int = 8192, cuda_graph_max_bs: int = 64,
                  max_model_len: int | None = None, disable_cuda_graph: bool = False, cache_dir: str | None = None,
-                 graph_reserve_bytes: int = 1 << 30, tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
+                 graph_reserve_bytes: int = 1 << 30, max_num_batched_tokens: int | None = None,
+                 max_running_requests: int | None = None, tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
                  dist_init_method: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
@@ -83,8 +84,11 @@ class ModelRunner:
             self.model, self.load_report = self._build_and_load(load_format, enable_mtp)
         if self.device.type == "cuda" and num_pages is None and kv_budget_bytes is None:
             with _Timer(self.startup_time, "memory_profile"):
+                # the largest step the scheduler may form: a full token budget, and every running row eager
                 self.profile = profile_memory(self.model, self.cfg, kv_layout, self.dtype, self.device,
-                                              self.model.kv_layer_ids, chunked_prefill_size, cuda_graph_max_bs,
+                                              self.model.kv_layer_ids,
+                                              max(chunked_prefill_size, max_num_batched_tokens or 0),
+                                              max(cuda_graph_max_bs, max_running_requests or 0),
                                               mem_fraction_static, graph_reserve_bytes)
             kv_budget_bytes = self.profile.kv_budget_bytes
             if self.parallel.world_size > 1:  # every rank must hold the same pages: the smallest budget wins

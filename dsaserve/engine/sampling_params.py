@@ -65,8 +65,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         _int("top_k", self.top_k, lo=-1)
         _num("min_p", self.min_p, lo=0.0, hi=1.0)
-        if self.seed is not None:
-            _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+        if self.seed is not None:  # sample i of n draws with seed + i, which must stay a valid seed too
+            _int("seed", self.seed, lo=-(2**63), hi=2**63 - self.n)
         _num("repetition_penalty", self.repetition_penalty, lo=0.0)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")

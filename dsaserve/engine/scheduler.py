@@ -121,6 +121,9 @@ class Scheduler:
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
                 raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+        for t in sampling.stop_token_ids or ():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                raise ValueError(f"stop_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(prompt) > self.max_req_input_len:
             raise ValueError(f"prompt_token_ids: the prompt has {len(prompt)} tokens, more than "
                              f"max_req_input_len = {self.max_req_input_len}")
@@ -313,6 +316,8 @@ class Scheduler:
         if index is not None and not 0 <= index < len(group):
             raise ValueError(f"index: request {request_id!r} has samples 0..{len(group) - 1}, got {index}")
         targets = group if index is None or group[index].followers else [group[index]]
+        if len(targets) > 1:  # parked followers first: each unlinks itself from a leader still in place
+            targets = targets[1:] + targets[:1]
         for req in targets:
             if req.status is ReqStatus.FINISHED:
                 continue

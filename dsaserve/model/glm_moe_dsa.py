@@ -81,6 +81,8 @@ class DsaForCausalLM(nn.Module):
         validate_for_model(cfg, self.parallel)
         self.model = Backbone(cfg, self.with_mtp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:  # one parameter: the loader fills it from model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryTables | None = None
         self.dtype = torch.float32
 
@@ -99,6 +101,8 @@ class DsaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, MLAAttention):
                 m.absorb(dtype)
+        if self.cfg.tie_word_embeddings:  # finalize made new Parameters: tie them again
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(self.cfg, device)
 
     def _context(self, batch: ForwardBatch, pool: KVPool) -> StepContext:

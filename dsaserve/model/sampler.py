@@ -71,8 +71,9 @@ class Sampler:
         if not masked:
             return x
         x = x.clone()
-        for i, ids in masked:
-            x[i, list(ids)] = float("-inf")
+        vocab = x.shape[1]
+        for i, ids in masked:  # ids were validated on admission; out-of-range ones must never index
+            x[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
         return x
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:

@@ -156,9 +156,14 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
 
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", unit="tensor", disable=not show)
+    filled: set[str] = set()
     for fname, names in sorted(by_file.items()):
-        _load_shard(ckpt / fname, names, params, cfg, inter_blocks, report, bar, placement)
+        _load_shard(ckpt / fname, names, params, cfg, inter_blocks, report, bar, placement, filled)
     bar.close()
+    # the other direction of the coverage check: no parameter may be left as allocated (torch.empty)
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise CheckpointError(f"model parameter(s) no checkpoint tensor filled: {', '.join(unfilled[:8])}")
     report.shards = len(by_file)
     report.seconds = time.perf_counter() - t0
     return report
@@ -185,7 +190,7 @@ def _missing_message(missing: list[str]) -> str:
 
 
 def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: int, report: LoadReport,
-                bar: tqdm, placement: ExpertPlacement | None = None) -> None:
+                bar: tqdm, placement: ExpertPlacement | None, filled: set[str]) -> None:
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
@@ -204,4 +209,5 @@ def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: i
                 raise CheckpointError(f"{name}: maps to parameter {target.param}, which the model does not have")
             report.bytes_loaded += _check_and_copy(name, tensor, params[target.param], target)
             report.tensors_loaded += 1
+            filled.add(target.param)
             bar.update(1)

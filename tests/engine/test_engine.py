@@ -125,3 +125,27 @@ def test_engine_args_are_validated_by_name():
 def test_kv_pool_info_names_a_runner_without_a_pool():
     with pytest.raises(RuntimeError, match="FakeRunner"):
         engine().kv_pool_info()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected_and_the_engine_keeps_serving():
+    eng = engine()
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        eng.generate("x", SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[10**9]))
+    assert eng.generate("ok", SamplingParams(temperature=0, max_tokens=3))[0].token_ids == fake_greedy([111, 107], 3)
+
+
+def test_seed_plus_n_must_stay_a_valid_seed():
+    with pytest.raises(ValueError, match="^seed"):
+        SamplingParams(n=2, seed=2**63 - 1).validate()
+
+
+@pytest.mark.parametrize("steps_before_abort", [0, 1])
+def test_aborting_an_n_request_before_its_samples_fork_frees_everything(steps_before_abort):
+    eng = engine()
+    rid = eng.add_request([7] * 150, SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(steps_before_abort):
+        eng.step()
+    assert eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    eng.core.check_no_leak()

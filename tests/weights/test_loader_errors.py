@@ -139,3 +139,23 @@ def test_mtp_tensors_are_listed_as_not_loaded_when_mtp_is_off(ckpt):
     report = load_checkpoint(DsaForCausalLM(load_config(ckpt), with_mtp=False), ckpt, progress=False)
     assert report.not_loaded and all(k.startswith("model.layers.6.") for k in report.not_loaded)
     assert report.tensors_loaded + len(report.not_loaded) == len(_index(ckpt)["weight_map"])
+
+
+def test_tied_word_embeddings_fill_lm_head_from_the_embedding(tmp_path):
+    import dataclasses
+
+    from dsaserve.weights.checkpoint_writer import write_checkpoint
+
+    cfg = dataclasses.replace(load_config("glm-5.3-tiny"), tie_word_embeddings=True)
+    ckpt = write_checkpoint(cfg, tmp_path / "tied")
+    model = DsaForCausalLM(load_config(ckpt), with_mtp=False)
+    load_checkpoint(model, ckpt, progress=False)  # no lm_head.weight on disk, yet nothing left unfilled
+    model.finalize(torch.float32, torch.device("cpu"), keep_fp8=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_parameter_no_tensor_fills_is_named(ckpt):
+    model = DsaForCausalLM(load_config(ckpt), with_mtp=True)
+    model.extra = torch.nn.Parameter(torch.empty(3), requires_grad=False)  # the model grew, the spec did not
+    with pytest.raises(CheckpointError, match="no checkpoint tensor filled: extra"):
+        load_checkpoint(model, ckpt, progress=False)
