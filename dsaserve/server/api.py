@@ -5,7 +5,9 @@ Owns: the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/hea
 schema errors as OpenAI error objects (400, never FastAPI's 422), the optional Bearer API key (compared
 in constant time; `/health` and `/metrics` stay open for probes and scrapers), and the readiness gate:
 generation and `/v1/models` answer 503 unless the server is Up, `/health` is 503 while Starting and
-afterwards 200 only when a real 1-token request comes back through the whole loop in time.
+afterwards 200 only when a real 1-token request comes back through the whole loop in time (probes are
+coalesced in the TokenizerManager, so the open route cannot queue engine work past the bound), and
+bodies that are not JSON (including JSON nested past the decoder's recursion limit) as 400.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise bad_request(f"invalid JSON body: {e.msg} (line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError:
         raise bad_request("invalid JSON body: not UTF-8") from None
+    except RecursionError:  # '[' * 200000 fits the size cap; the C decoder stops at the recursion limit
+        raise bad_request("invalid JSON body: nested too deeply") from None
     if not isinstance(obj, dict):
         raise bad_request(f"request body must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -159,7 +163,7 @@ def build_app(args: Any, tm: Any, readiness: Any, metrics: Any) -> FastAPI:
     async def health() -> JSONResponse:
         if not readiness.is_up:
             return JSONResponse({"status": readiness.describe()}, status_code=503)
-        if await tm.health_probe(args.health_timeout_s):
+        if await tm.health(args.health_timeout_s):  # coalesced: one probe in flight, cached ~1 s
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": f"the 1-token probe did not return within {args.health_timeout_s} s"},
                             status_code=503)

@@ -1,12 +1,13 @@
 """OpenAI serving: a validated request -> prompts + SamplingParams -> JSON or an SSE stream (stages 1, 10).
 
 Owns: everything between the pydantic request and the TokenizerManager — the checks OpenAI makes
-(model name, unsupported options, prompt/context lengths against the scheduler's own ruler), the
-chat template, the mapping onto SamplingParams (its ValueError names the field -> 400), the response
-and stream-chunk assembly (choices numbered prompt-major, `n` per prompt; usage; logprobs in the
-completions and the chat formats), and what happens when a client goes away: a streaming request is
-aborted when its generator is closed, a non-streaming one when the disconnect wins the race against
-its result. Every check runs before the first byte of a 200 is sent.
+(model name, unsupported options, n / seed / stop_token_ids against this engine's limits, prompt/context
+lengths against the scheduler's own ruler), the chat template, the mapping onto SamplingParams (its
+ValueError names the field -> 400), the response and stream-chunk assembly (choices numbered
+prompt-major, `n` per prompt; usage; logprobs in the completions and the chat formats), and what happens
+when a client goes away: a streaming request is aborted when its generator is closed, a non-streaming
+one when the disconnect wins the race against its result. Every check runs before the first byte of a
+200 is sent.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dsaserve.server.protocol import (
 from dsaserve.server.tokenizer_manager import Handle, Prompt, TokenizerManager
 
 MAX_CHOICES = MAX_N  # prompts x n of one request
+MAX_SEED = (1 << 63) - 1  # seeds are signed 64-bit (torch.Generator.manual_seed, the IPC's msgpack ints)
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, it only shows in logs
 
 Disconnected = Callable[[], Awaitable[None]]  # returns when the client has gone away
@@ -96,6 +98,17 @@ class OpenAIServing:
             param = str(e).split(":", 1)[0]
             raise bad_request(str(e), param if param.isidentifier() else None) from None
 
+    def _check_engine_limits(self, req: Any) -> None:
+        """Limits of this engine, checked before any tokenisation (and so before a stream's 200): n per
+        prompt within max_running_requests, seed + i of sample i still a signed 64-bit seed, and every
+        stop token id inside the model's vocabulary (the sampler indexes the logits with it)."""
+        self.tm.check_n(req.n)
+        if req.seed is not None and req.seed + req.n - 1 > MAX_SEED:
+            raise bad_request(f"seed: with n={req.n}, sample i draws with seed + i, and seed {req.seed} + "
+                              f"{req.n - 1} exceeds the largest seed {MAX_SEED}", "seed")
+        if req.stop_token_ids:
+            self.tm.check_ids(req.stop_token_ids, "stop_token_ids", allow_empty=True)
+
     def _check_prompts(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
         for p in prompts:
             self.tm.check_ids(p.ids, param)
@@ -125,6 +138,7 @@ class OpenAIServing:
         batch = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else len(req.prompt)
         if batch * req.n > MAX_CHOICES:  # before any tokenisation
             raise bad_request(f"n: {batch} prompts x n={req.n} is more than {MAX_CHOICES} choices", "n")
+        self._check_engine_limits(req)
         prompts = await self.completion_prompts(req.prompt)
         self._check_prompts(prompts, req.max_tokens, "prompt")
         sampling = self.sampling(req, req.max_tokens, req.logprobs)
@@ -220,6 +234,7 @@ class OpenAIServing:
             raise bad_request("tools: tool calling is not supported by this server", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        self._check_engine_limits(req)
         prompt = await self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_prompts([prompt], max_tokens, "messages")

@@ -3,8 +3,9 @@
 Owns: tokenisation (prompt text, chat template), the state of every in-flight HTTP request (its engine
 sub-requests, one asyncio queue their outputs arrive on, timings for the metrics), sending requests and
 aborts to the scheduler, receiving the detokenizer's outputs and the scheduler's control messages
-(ready, stats, reject, fatal), the 1-token health probe, and failing everything pending when the server
-goes Down.
+(ready, stats, reject, fatal), the 1-token health probe (coalesced: one in flight, its result cached
+HEALTH_CACHE_S, so the open /health route cannot flood the engine), and failing everything pending when
+the server goes Down.
 
 `n` > 1: one engine request with `n` samples, so they share the prompt's KV pages in the engine (the
 prompt is computed once). A stop string ends one sample: the detokenizer aborts just that sample index.
@@ -34,6 +35,7 @@ from dsaserve.server.protocol import APIError, bad_request, internal, unavailabl
 log = logging.getLogger(__name__)
 
 OFFLOAD_CHARS = 1 << 16  # texts longer than this are tokenized in a worker thread (~ms of work)
+HEALTH_CACHE_S = 1.0  # a probe's result answers every /health call for this long (load balancers poll ~1-10 s)
 
 
 @dataclass
@@ -85,6 +87,8 @@ class TokenizerManager:
         self._qids = itertools.count()
         self._ctx: zmq.asyncio.Context | None = None
         self._recv_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self._health_cache: tuple[float, bool] | None = None  # (monotonic time, result) of the last probe
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> None:
@@ -97,10 +101,11 @@ class TokenizerManager:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="tm-recv")
 
     async def close(self) -> None:
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._recv_task
+        for task in (self._health_task, self._recv_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
@@ -117,13 +122,26 @@ class TokenizerManager:
             raise bad_request(f"{param}: must not be empty", param)
         return Prompt(await self.encode(text, True), text)
 
-    def check_ids(self, ids: list[int], param: str) -> None:
-        vocab = int(self.scheduler_info.get("vocab_size") or self.tok.vocab_size)
-        if not ids:
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (the scheduler's word once Up; the tokenizer's before)."""
+        return int(self.scheduler_info.get("vocab_size") or self.tok.vocab_size)
+
+    def check_ids(self, ids: list[int], param: str, allow_empty: bool = False) -> None:
+        """400 naming `param` if ids is empty (unless allowed) or holds an id outside [0, vocab)."""
+        vocab = self.vocab_size
+        if not ids and not allow_empty:
             raise bad_request(f"{param}: must not be empty", param)
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def check_n(self, n: int) -> None:
+        """n samples of one prompt run together in the engine, so n may not exceed max_running_requests
+        (the scheduler would reject it only after a stream's 200)."""
+        running = int(self.scheduler_info.get("max_running_requests") or 0)
+        if running and n > running:
+            raise bad_request(f"n: {n} samples exceed this server's --max-running-requests of {running}", "n")
 
     def check_lengths(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         """Same ruler as the scheduler: max_req_input_len for the prompt, the context for prompt + output.
@@ -293,6 +311,27 @@ class TokenizerManager:
             if check_leak:
                 raise internal("the scheduler did not answer the stats request in time") from None
             return self.last_stats
+
+    async def health(self, timeout: float) -> bool:
+        """The health probe's result, coalesced: at most one probe in flight (every caller meanwhile awaits
+        it) and its result reused for HEALTH_CACHE_S, so a flood of open /health calls costs the engine
+        at most one 1-token request per HEALTH_CACHE_S."""
+        if self._health_cache is not None and time.monotonic() - self._health_cache[0] < HEALTH_CACHE_S:
+            return self._health_cache[1]
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_once(timeout),
+                                                                       name="tm-health")
+        # shield: a caller that goes away (client disconnect) must not cancel the probe the others await
+        return await asyncio.shield(self._health_task)
+
+    async def _health_once(self, timeout: float) -> bool:
+        try:
+            ok = await self.health_probe(timeout)
+        except Exception:  # the probe could not even be sent: unhealthy, not a 500
+            log.exception("health probe failed")
+            ok = False
+        self._health_cache = (time.monotonic(), ok)
+        return ok
 
     async def health_probe(self, timeout: float) -> bool:
         """A real 1-token request (input_ids=[0], max_new_tokens=1) through the whole loop.

@@ -1,5 +1,6 @@
 """Bad input gets the right status and an OpenAI error object before any model work; the server keeps
-serving. Also: API key (401), the bounded queue (429 + Retry-After, decided before a stream's 200)."""
+serving. Also: API key (401), the bounded queue (429 + Retry-After, decided before a stream's 200), and
+n past --max-running-requests (400, also decided before a stream's 200)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import httpx
 import pytest
 from openai import OpenAI, RateLimitError
 
+from dsaserve.config import load_config
 from dsaserve.server.protocol import MAX_ERROR_CHARS
 from tests.server.harness import MODEL, admin_stats
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MSGS = [{"role": "user", "content": "hi"}]
+VOCAB = load_config(MODEL).vocab_size
+MAX_SEED = (1 << 63) - 1
+DEEP = 100_000  # nesting levels: far past json's recursion limit, far under the 8 MiB body cap
 
 
 def comp(**kw):
@@ -75,6 +80,19 @@ CASES = [
     ("nan_temperature", C, b'{"model": "glm-5.3-tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature",
      None),
     ("template_kwargs_clash", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs", None),
+    # a stop token id is an index into the logits: outside the vocabulary it must never reach the sampler
+    ("stop_token_id_far_outside_vocab", C, comp(min_tokens=1, stop_token_ids=[1_000_000_000]), 400,
+     "stop_token_ids", None),
+    ("stop_token_id_equal_to_vocab_size", CHAT, chat(stop_token_ids=[5, VOCAB]), 400, "stop_token_ids", None),
+    ("stop_token_id_outside_vocab_streaming", C, comp(stream=True, stop_token_ids=[VOCAB + 1]), 400,
+     "stop_token_ids", None),
+    ("stop_token_id_negative", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids.0", None),
+    # sample i of n draws with seed + i: the last one must still be a signed 64-bit seed
+    ("seed_plus_n_overflows", C, comp(n=2, seed=MAX_SEED), 400, "seed", None),
+    ("seed_plus_n_overflows_chat_stream", CHAT, chat(n=3, seed=MAX_SEED - 1, stream=True), 400, "seed", None),
+    ("deeply_nested_json", C, b"[" * 200_000, 400, None, None),
+    ("deeply_nested_balanced_json", CHAT, b'{"model": "glm-5.3-tiny", "messages": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+     400, None, None),
 ]
 
 
@@ -110,6 +128,17 @@ def test_the_matrix_is_large_and_the_server_still_serves_after_it(server):
     assert server.get("/health").status_code == 200
     stats = admin_stats(server)["stats"]
     assert stats["num_waiting"] == 0 and stats["num_running"] == 0  # nothing bad reached the scheduler queue
+
+
+def test_seed_at_the_edge_of_the_range_with_n_is_accepted(server):
+    r = _send(server, C, comp(n=2, seed=MAX_SEED - 1, max_tokens=2))  # seeds MAX_SEED - 1 and MAX_SEED
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def test_stop_token_id_inside_the_vocab_is_accepted(server):
+    r = _send(server, C, comp(stop_token_ids=[VOCAB - 1], min_tokens=1, max_tokens=2))
+    assert r.status_code == 200, r.text
 
 
 def test_oversized_body_gets_413_before_it_is_read(server):
@@ -183,3 +212,20 @@ def test_past_the_queue_bound_requests_get_429_with_retry_after(guarded):
             break
         time.sleep(0.05)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body", [(C, comp(n=2)), (C, comp(n=2, stream=True)), (CHAT, chat(n=2, stream=True))],
+                         ids=["completions", "completions_stream", "chat_stream"])
+def test_n_over_max_running_requests_is_400_before_any_work(guarded, path, body):
+    before = admin_stats_with_key(guarded)["stats"]["requests"]
+    r = httpx.post(guarded.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    err = _assert_error(r, 400, "n")
+    assert "--max-running-requests of 1" in err["message"]
+    assert r.headers["content-type"].startswith("application/json")  # not a 200 stream
+    assert admin_stats_with_key(guarded)["stats"]["requests"] == before  # nothing reached the scheduler
+
+
+def admin_stats_with_key(s) -> dict:
+    r = s.get("/admin/stats", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -1,7 +1,9 @@
-"""Readiness gate and shutdown: 503 while Starting, 200 once Up; /startup holds every phase; SIGTERM drains."""
+"""Readiness gate and shutdown: 503 while Starting, 200 once Up; health probes are coalesced; /startup holds
+every phase; SIGTERM drains."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,7 +13,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.server.harness import MODEL, alive
+from dsaserve.server.tokenizer_manager import HEALTH_CACHE_S
+from tests.server.harness import MODEL, admin_stats, alive
 
 READY_DELAY_S = 3.0
 
@@ -50,6 +53,26 @@ def test_health_is_503_while_starting_then_200_once_up(slow_start):
     assert slow_start.get("/health").json() == {"status": "ok"}
     assert slow_start.get("/startup").json()["state"] == "Up"
     assert slow_start.get("/v1/models").status_code == 200
+
+
+def test_concurrent_health_calls_share_one_engine_probe(server):
+    """/health is open (no API key): a burst must not turn into a burst of engine requests."""
+    server.wait_up()
+    time.sleep(HEALTH_CACHE_S + 0.2)  # any cached result has expired: this burst needs a fresh probe
+    before = admin_stats(server)["stats"]["requests"]  # the scheduler counts every request it admits
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return await asyncio.gather(*(c.get("/health") for _ in range(50)))
+
+    t0 = time.monotonic()
+    responses = asyncio.run(burst())
+    elapsed = time.monotonic() - t0
+    probes = admin_stats(server)["stats"]["requests"] - before
+    assert [r.status_code for r in responses] == [200] * 50
+    assert all(r.json() == {"status": "ok"} for r in responses)
+    # one probe in flight at a time, and its result reused for HEALTH_CACHE_S after it returns
+    assert 1 <= probes <= 1 + int(elapsed / HEALTH_CACHE_S), (probes, elapsed)
 
 
 def test_startup_manifest_holds_every_phase(slow_start, manifest_path):
