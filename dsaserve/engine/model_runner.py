@@ -188,6 +188,19 @@ class ModelRunner:
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
+    def _ledger_pool_prediction(self) -> dict:
+        """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""
+        from dsaserve.ledger.kv import indexer_bytes_per_token_layer, kv_bytes_per_token_layer
+
+        layers = self.model.kv_layer_ids
+        n_full = sum(self.cfg.is_full_indexer(i) for i in layers)
+        per_token = (kv_bytes_per_token_layer(self.cfg, self.kv_pool.layout) * len(layers)
+                     + indexer_bytes_per_token_layer(self.cfg, self.kv_pool.layout) * n_full)
+        budget = self.profile.kv_budget_bytes if self.profile else None
+        pages = budget // (per_token * PAGE_SIZE) if budget else self.kv_pool.num_pages
+        return {"bytes_per_token": per_token, "pages": pages, "tokens": pages * PAGE_SIZE,
+                "matches_pool": per_token == self.kv_pool.info().bytes_per_token and pages == self.kv_pool.num_pages}
+
     def manifest(self) -> dict:
         info = self.kv_pool.info()
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
@@ -195,6 +208,7 @@ class ModelRunner:
                 "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives},
                 "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
                 "memory_profile": self.profile.to_dict() if self.profile else None,
+                "kv_pool_ledger": self._ledger_pool_prediction(),
                 "kernels": describe_kernels(self.device),
                 "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
