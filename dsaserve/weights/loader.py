@@ -49,7 +49,14 @@ class LoadReport:
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "tensors_loaded": self.tensors_loaded,
                 "bytes_loaded": self.bytes_loaded, "shards": self.shards, "seconds": round(self.seconds, 3),
-                "not_loaded": dict(sorted(self.not_loaded.items()))}
+                "not_loaded": self.not_loaded_by_reason()}
+
+    def not_loaded_by_reason(self) -> dict[str, dict]:
+        """Skipped tensors grouped by why (a full list of 1000s of MTP/EP names helps nobody reading /startup)."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        for name, why in sorted(self.not_loaded.items()):
+            groups[why].append(name)
+        return {why: {"count": len(names), "examples": names[:3]} for why, names in groups.items()}
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
     for name, fname in weight_map.items():
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         if layer and int(layer.group(1)) in skip_layers:
-            report.not_loaded[name] = "MTP layer disabled (speculative decoding off)"
+            report.not_loaded[name] = "MTP layer not loaded (enable_mtp=False: the engine does not speculate yet)"
         elif name not in expected:
             unexpected.append(name)
         elif why := not_mine(name, placement):
