@@ -12,9 +12,11 @@ Plus readiness (`dsaserve_up`) and the startup manifest's seconds per phase.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -92,6 +94,40 @@ def _graph_counters(counters: dict[str, float]):
     yield fam
 
 
+class FirstVsSteadyTTFT:
+    """Cold-path visibility (note 000: "首请求 TTFT 与稳态 p50 的比值"): per prompt shape (power-of-two
+    bucket of prompt tokens), the TTFT of the first request of that shape against the median of the later
+    ones. A first/steady ratio well above 1 for a shape warmup covered points at a cold path."""
+
+    KEEP = 64  # later TTFTs kept per shape for the median
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        lab = ["prompt_bucket"]
+        self.first = Gauge("dsaserve_ttft_first_request_seconds", "TTFT of the first request of this prompt shape",
+                           lab, registry=registry)
+        self.steady = Gauge("dsaserve_ttft_steady_median_seconds", "median TTFT of later requests of this shape",
+                            lab, registry=registry)
+        self.ratio = Gauge("dsaserve_ttft_first_over_steady", "first-request TTFT / steady median, per shape",
+                           lab, registry=registry)
+        self.later: dict[str, deque[float]] = {}
+        self.first_seen: dict[str, float] = {}
+
+    @staticmethod
+    def bucket(prompt_tokens: int) -> str:
+        return f"le_{1 << max(prompt_tokens - 1, 0).bit_length()}"
+
+    def observe(self, seconds: float, prompt_tokens: int) -> None:
+        b = self.bucket(prompt_tokens)
+        if b not in self.first_seen:
+            self.first_seen[b], self.later[b] = seconds, deque(maxlen=self.KEEP)
+            self.first.labels(prompt_bucket=b).set(seconds)
+            return
+        self.later[b].append(seconds)
+        median = statistics.median(self.later[b])
+        self.steady.labels(prompt_bucket=b).set(median)
+        self.ratio.labels(prompt_bucket=b).set(self.first_seen[b] / median if median > 0 else 0.0)
+
+
 class ServerMetrics:
     def __init__(self, readiness: Any) -> None:
         disable_created_metrics()  # no `_created` series: they double the page and no dashboard reads them
@@ -114,6 +150,7 @@ class ServerMetrics:
                                registry=r)
         self.http_errors = Counter("dsaserve_http_errors", "error responses, by HTTP status", ["status"],
                                    registry=r)
+        self.first_vs_steady = FirstVsSteadyTTFT(r)
         self.engine = EngineCollector(readiness)
         r.register(self.engine)
 
@@ -125,8 +162,10 @@ class ServerMetrics:
     def request_aborted(self) -> None:
         self.aborted.inc()
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, prompt_tokens: int | None = None) -> None:
         self.ttft.observe(seconds)
+        if prompt_tokens is not None:
+            self.first_vs_steady.observe(seconds, prompt_tokens)
 
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)

@@ -52,6 +52,7 @@ class Handle:
     id: str
     arrival: float  # monotonic
     internal: bool = False
+    prompt_tokens: dict[str, int] = field(default_factory=dict)  # rid -> its prompt's length (TTFT by shape)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     subs: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (first choice index, n)
     open_samples: set[tuple[str, int]] = field(default_factory=set)
@@ -188,6 +189,7 @@ class TokenizerManager:
         for p_idx, prompt in enumerate(prompts):
             rid = f"{h.id}-{p_idx}"
             self._register(h, rid, p_idx * n, n)
+            h.prompt_tokens[rid] = len(prompt.ids)
             await self._to_sched.send(ipc.pack(ipc.GENERATE, rid=rid, input_ids=prompt.ids, sampling=sampling.to_dict(),
                                                detok={"prompt_tail": prompt.ids[-PROMPT_CONTEXT:], **detok},
                                                arrival_time=time.time()))
@@ -269,7 +271,7 @@ class TokenizerManager:
             if t.first is None:
                 t.first = now
                 if not h.internal:
-                    self.metrics.observe_ttft(now - h.arrival)
+                    self.metrics.observe_ttft(now - h.arrival, h.prompt_tokens.get(rid))
             elif not h.internal:
                 self.metrics.observe_itl((now - t.last) / len(item["ids"]))
             t.last = now

@@ -59,6 +59,11 @@ def test_counters_move_with_traffic(server, tokenizer):
     assert delta("dsaserve_engine_steps_total") >= 10
     assert value(after, "dsaserve_kv_pages_used") == 0 and value(after, "dsaserve_num_requests_running") == 0
     assert value(after, "dsaserve_kv_pages_cached") >= 2  # the prompt's full pages stay in the prefix cache
+    # first-vs-steady TTFT for the 130-token shape (bucket le_256): both requests observed, ratio = first/median
+    first = value(after, "dsaserve_ttft_first_request_seconds", prompt_bucket="le_256")
+    steady = value(after, "dsaserve_ttft_steady_median_seconds", prompt_bucket="le_256")
+    assert first > 0 and steady > 0
+    assert abs(value(after, "dsaserve_ttft_first_over_steady", prompt_bucket="le_256") - first / steady) < 1e-9
 
 
 def test_http_errors_are_counted_by_status(server):
