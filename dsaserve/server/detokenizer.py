@@ -20,7 +20,7 @@ import zmq
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.server.lifetime import die_with_parent, setup_child_logging
+from dsaserve.server.lifetime import start_child
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
@@ -117,9 +117,7 @@ class Detokenizer:
 
 
 def run(cfg: dict[str, Any]) -> None:
-    die_with_parent(cfg["parent_pid"])
-    log = setup_child_logging("detokenizer", cfg.get("log_level", "info"))
-    ends = ipc.Endpoints(**cfg["endpoints"])
+    log, ends = start_child("detokenizer", cfg)
     ctx = zmq.Context()
     pull = ipc.pull_socket(ctx, ends.detok_in)
     to_main = ipc.push_socket(ctx, ends.main_in)

@@ -44,3 +44,11 @@ def setup_child_logging(name: str, level: str) -> logging.Logger:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
                         stream=sys.stderr)
     return logging.getLogger(f"dsaserve.{name}")
+
+
+def start_child(name: str, cfg: dict) -> tuple[logging.Logger, object]:
+    """What every child does first: die with the parent, log under its name, read its endpoints."""
+    from dsaserve.server import ipc
+
+    die_with_parent(cfg["parent_pid"])
+    return setup_child_logging(name, cfg.get("log_level", "info")), ipc.Endpoints(**cfg["endpoints"])

@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from dsaserve.server import ipc
-from dsaserve.server.lifetime import die_with_parent, setup_child_logging
+from dsaserve.server.lifetime import start_child
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,7 @@ class SchedulerLoop:
 
 def run(cfg: dict[str, Any]) -> None:
     t_start = time.time()
-    die_with_parent(cfg["parent_pid"])
-    log = setup_child_logging("scheduler", cfg.get("log_level", "info"))
-    ends = ipc.Endpoints(**cfg["endpoints"])
+    log, ends = start_child("scheduler", cfg)
     ctx = zmq.Context()
     pull = ipc.pull_socket(ctx, ends.sched_in)
     to_detok = ipc.push_socket(ctx, ends.detok_in)
