@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.engine.counters import COUNTERS, Counters
+from dsaserve.ledger.causal import keys_scored, topk_selected
 from dsaserve.model.forward_batch import ForwardBatch
 
 
@@ -136,6 +137,7 @@ class CudaGraphRunner:
         for k, v in g.static_counts.items():
             COUNTERS.add(k, v)
         COUNTERS.add("kv_bytes_written", bs * pool.kv_bpt * n_kv)
-        COUNTERS.add("kv_bytes_read", sum(min(cfg.index_topk, s) for s in seq_lens) * pool.kv_bpt * n_kv)
+        COUNTERS.add("kv_bytes_read", sum(topk_selected(s - 1, 1, cfg.index_topk) for s in seq_lens)
+                     * pool.kv_bpt * n_kv)
         COUNTERS.add("indexer_bytes_written", bs * pool.idx_bpt * n_full)
-        COUNTERS.add("indexer_bytes_read", sum(seq_lens) * pool.idx_bpt * n_full)
+        COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - 1, 1) for s in seq_lens) * pool.idx_bpt * n_full)

@@ -11,27 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsaserve.config import ModelConfig
+from dsaserve.ledger.causal import keys_scored, topk_selected
 from dsaserve.ledger.collectives import row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
 from dsaserve.ledger.units import ceil_div
 from dsaserve.ledger.weights import WeightInventory, gemm_params_per_token, stored_per_gpu
-
-
-def keys_scored(prefix: int, tokens: int) -> int:
-    """Causal (query, key) pairs of `tokens` queries after `prefix` cached tokens: sum_{p} (p + 1)."""
-    return tokens * prefix + tokens * (tokens + 1) // 2
-
-
-def topk_selected(prefix: int, tokens: int, topk: int) -> int:
-    """Sum over the chunk's queries of min(topk, p + 1) (slots sparse MLA reads)."""
-    lo, hi = prefix + 1, prefix + tokens  # p + 1 ranges over lo..hi
-    below = max(min(hi, topk) - lo + 1, 0)  # terms still under top-k: sum of lo..min(hi, topk)
-    first = lo
-    last = lo + below - 1
-    s = (first + last) * below // 2 if below else 0
-    return s + (tokens - below) * topk
 
 
 @dataclass(frozen=True)

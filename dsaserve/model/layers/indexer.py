@@ -13,6 +13,7 @@ from torch import nn
 
 from dsaserve.config import ModelConfig
 from dsaserve.engine.counters import COUNTERS
+from dsaserve.ledger.causal import keys_scored
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import LayerNorm
@@ -46,12 +47,8 @@ class Indexer(nn.Module):
         # HF applies softmax_scale inside relu and n_heads^-0.5 to the weights; both are positive, so fold them
         w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         seq_lens, ext = b.host_lens()
-        COUNTERS.add("indexer_bytes_read", sum(_visible_keys(p, n) for p, n in zip(seq_lens, ext, strict=True))
+        COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - n, n) for s, n in zip(seq_lens, ext, strict=True))
                      * ctx.pool.idx_bpt)
         return ctx.ops.indexer_topk(q, w, cache, ctx.pool.layout, b.page_table, b.req_index, b.positions,
                                     self.topk, b.page_size, seq_lens, ext)
 
-
-def _visible_keys(seq_len: int, n_new: int) -> int:
-    """Keys scored by the n_new causal queries ending at seq_len: sum_{i} (seq_len - n_new + i + 1)."""
-    return n_new * (seq_len - n_new) + n_new * (n_new + 1) // 2

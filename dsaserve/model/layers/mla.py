@@ -14,6 +14,7 @@ from torch import nn
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.engine.counters import COUNTERS
+from dsaserve.ledger.causal import topk_selected
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear
@@ -29,7 +30,7 @@ def selected_slots(ctx: StepContext) -> int:
     if ctx.selected is None:
         seq_lens, ext = ctx.batch.host_lens()
         k = ctx.pool.cfg.index_topk
-        ctx.selected = sum(min(k, s - n + i + 1) for s, n in zip(seq_lens, ext, strict=True) for i in range(n))
+        ctx.selected = sum(topk_selected(s - n, n, k) for s, n in zip(seq_lens, ext, strict=True))
     return ctx.selected
 
 
