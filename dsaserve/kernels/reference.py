@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_latent
+from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_index_k, encode_latent
 
 FP8_BLOCK = 128
 
@@ -71,6 +71,11 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a:
     latent = torch.cat([nope, rope], dim=-1)
     kv_cache.index_copy_(0, slots, encode_latent(latent, layout, kv_lora_rank))
     return latent
+
+
+def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Indexer-key write: k [T, D] (k_norm + RoPE applied) encoded into the rows at `slots`."""
+    index_cache.index_copy_(0, slots, encode_index_k(k, layout))
 
 
 def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import torch
 
-from dsaserve.engine.kv_pool import encode_index_k
 from dsaserve.kernels import reference
 
 ENV_VAR = "DSASERVE_KERNELS"
@@ -31,15 +30,8 @@ OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "apply_rope", "mla_kv_wri
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
-def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
-    """Reference indexer-key write: k [T, D] (normed, RoPE applied) encoded into the rows at `slots`."""
-    index_cache.index_copy_(0, slots, encode_index_k(k, layout))
-
-
 def _reference_ops() -> dict[str, tuple[object, str]]:
-    ops = {name: (getattr(reference, name), "reference") for name in OPS if hasattr(reference, name)}
-    ops.setdefault("indexer_k_write", (indexer_k_write, "reference"))
-    return ops
+    return {name: (getattr(reference, name), "reference") for name in OPS}
 
 
 def gpu_kernels_usable(device: torch.device) -> tuple[bool, str]:
