@@ -81,7 +81,7 @@ def touched_weight_bytes(model, bs: int) -> float:
                 e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
                 total += e * (1 - (1 - k / e) ** bs) * m.expert_bytes
         attn = layer.self_attn
-        total += (attn.w_uk.numel() + attn.w_uv.numel()) * attn.w_uk.element_size()
+        total += (attn.w_uk.numel() + attn.w_uv_t.numel()) * attn.w_uk.element_size()
         if hasattr(layer.mlp, "gate"):
             total += layer.mlp.gate.weight.numel() * 2
     return total + model.lm_head.weight.numel() * model.lm_head.weight.element_size()

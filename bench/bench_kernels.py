@@ -198,7 +198,8 @@ def bench_moe(cfg, ceil, sweep):
         nbytes = touched * per_expert + 4 * t * h
         flops = 6.0 * t * k * h * inter
         bound = "hbm" if t <= 128 else "fp8_flops"
-        impl = "triton fp8-act " + ("A-operand" if t * k >= MOE.PREFILL_MIN_PAIRS else "swap-AB")
+        impl = "triton fp8-act " + ("A-operand" if t * k >= MOE.PREFILL_MIN_PAIRS else
+                                    "swap-AB, unsorted" if t * k <= MOE.UNSORTED_MAX_PAIRS else "swap-AB")
         sec = graph_time([lambda: MOE.fused_moe(x, w13, s13, w2, s2, tw, ids)], reps=10 if t > 128 else 20)
         record("fused_moe", f"E{e} H{h} I{inter} top{k} T={t} ({touched} experts)", impl, sec, nbytes, flops, bound,
                ceil)
@@ -207,11 +208,12 @@ def bench_moe(cfg, ceil, sweep):
                                                    cfg.routed_scaling_factor, True)] * 16)
             record("moe_route", f"E{e} top{k} T={t}", "torch ops", sec, 4 * t * e, 0, "hbm", ceil)
         if sweep and t in DECODE_T[::2] + DECODE_T[-1:]:
-            for bn, st, wp, sw, f8 in ((64, 4, 4, True, True), (128, 4, 4, True, True), (32, 4, 4, False, False)):
-                conf = {"block_n": bn, "num_stages": st, "num_warps": wp, "swap": sw, "fp8_act": f8}
+            for bn, st, wp, sw, f8 in ((64, 4, 4, "swap", True), (128, 4, 4, "swap", True), (32, 4, 4, "gemm", False),
+                                       (64, 4, 4, "unsorted", True)):
+                conf = {"block_n": bn, "num_stages": st, "num_warps": wp, "kernel": sw, "fp8_act": f8}
                 try:
                     sec = graph_time([lambda: MOE.fused_moe(x, w13, s13, w2, s2, tw, ids, config=conf)])
-                    record("sweep moe", f"T={t} bn{bn} st{st} w{wp} swap{sw} fp8act{f8}", "triton", sec, nbytes, flops,
+                    record("sweep moe", f"T={t} bn{bn} st{st} w{wp} {sw} fp8act{f8}", "triton", sec, nbytes, flops,
                            "hbm", ceil)
                 except Exception as ex:  # noqa: BLE001
                     print("sweep moe failed", conf, repr(ex)[:200])

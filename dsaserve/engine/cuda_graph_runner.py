@@ -60,13 +60,17 @@ class CudaGraphRunner:
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
                             torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones)
 
-    def _reset_padding(self, start: int) -> None:
-        self.input_ids[start:].zero_()
-        self.positions[start:].zero_()
-        self.seq_lens[start:].fill_(1)
-        self.req_index[start:] = torch.arange(start, self.max_bs, device=self.req_index.device)
-        self.page_table[start:].fill_(self.sink_page)
-        self.out_cache_loc[start:].fill_(self.sink_page * self.page_size)
+    def _reset_padding(self, start: int, end: int | None = None) -> None:
+        """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page."""
+        end = self.max_bs if end is None else end
+        if start >= end:
+            return
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.seq_lens[start:end].fill_(1)
+        self.req_index[start:end] = torch.arange(start, end, device=self.req_index.device)
+        self.page_table[start:end].fill_(self.sink_page)
+        self.out_cache_loc[start:end].fill_(self.sink_page * self.page_size)
 
     def capture(self) -> list[int]:
         """Warm each bucket eagerly (compiles kernels, records its weight bytes), then capture; largest first
@@ -112,7 +116,7 @@ class CudaGraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
-        self._reset_padding(bs)
+        self._reset_padding(bs, bucket)  # only this bucket's padding rows are read (none when bs == bucket)
         self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
         self.positions[:bs].copy_(batch.positions, non_blocking=True)
         self.req_index[:bs].copy_(batch.req_index, non_blocking=True)

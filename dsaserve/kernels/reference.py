@@ -43,6 +43,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's step: s = x + residual; returns (rms_norm(s), s)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a merged [gate | up] projection: x [.., 2I] -> silu(gate) * up [.., I]."""
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]) * x[..., inter:]
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """`apply_rope` written back into x (a view: the rope slice of q or of the indexer's q / k)."""
+    return x.copy_(apply_rope(x, cos, sin, interleaved))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate x [T, ..., R] by per-token angles; cos/sin are [T, R/2] (one angle per pair).
 
@@ -147,6 +165,13 @@ def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) -> None:
+    """counter (int64 scalar on ids' device) += how many distinct values in [0, num_values) ids holds; no
+    host sync, so it replays inside CUDA graphs (the `moe_experts_touched` counter)."""
+    hit = torch.zeros(num_values, dtype=torch.int64, device=ids.device)
+    counter += hit.index_fill_(0, ids.reshape(-1).clamp(0, num_values - 1), 1).sum()
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,

@@ -25,8 +25,9 @@ from dsaserve.kernels import reference
 ENV_VAR = "DSASERVE_KERNELS"
 CHOICES = ("auto", "reference")
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
-OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "apply_rope", "mla_kv_write", "indexer_k_write",
-       "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe")
+OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
+       "mla_kv_write", "indexer_k_write", "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe",
+       "count_distinct")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -49,7 +50,15 @@ def gpu_kernels_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
-    from dsaserve.kernels import triton_fp8_gemm, triton_indexer, triton_kv_write, triton_moe, triton_sparse_mla
+    from dsaserve.kernels import (
+        triton_elementwise,
+        triton_fp8_gemm,
+        triton_indexer,
+        triton_kv_write,
+        triton_moe,
+        triton_moe_route,
+        triton_sparse_mla,
+    )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -67,7 +76,12 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     ops.update({
         "fp8_linear": (linear, gemm),
         "fused_moe": (fused_moe, moe),
-        "moe_route": (triton_moe.moe_route, "torch ops (reference code, graph-capturable)"),
+        "moe_route": (triton_moe_route.moe_route, "triton fused sigmoid + group-limited top-k + normalise"),
+        "count_distinct": (triton_moe_route.count_distinct, "triton one-program count"),
+        "rms_norm": (triton_elementwise.rms_norm, "triton row kernel"),
+        "add_rms_norm": (triton_elementwise.add_rms_norm, "triton residual add + RMSNorm"),
+        "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
+        "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "indexer_topk": (triton_indexer.indexer_topk,
                          "triton paged FP8 scores + triton select (decode) / torch.topk (prefill)"),
         "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),

@@ -80,6 +80,24 @@ def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = Fals
     return q, s
 
 
+# ---- activations quantised by the kernel that produced them ------------------------------------------
+# A decode step's GEMM inputs mostly come out of a row kernel (RMSNorm, SiLU*up) that has the row in
+# registers anyway: it writes the e4m3 copy + scales beside the bf16 output (`triton_elementwise`) and
+# hangs them on the output tensor, so the GEMM skips its own quantiser launch (~30 launches per step).
+# Invariant: only a freshly produced tensor that nobody modifies in place carries the attachment.
+_FP8_ATTR = "_dsaserve_fp8_act"
+
+
+def attach_fp8(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Remember that (q, s) = `quant_act_fp8(y)` (same rule, same layout)."""
+    setattr(y, _FP8_ATTR, (q, s))
+    return y
+
+
+def cached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return getattr(x, _FP8_ATTR, None)
+
+
 # ---- the Triton block-scaled GEMM (skinny decode path; FP8-activation fallback for odd shapes) ---------
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split, n_kb,
@@ -97,10 +115,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split,
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W [N, K]
     bs_ptrs = bs_ptr + (offs_n // 128) * stride_bsn
-    kb0 = pid_s * kb_per_split
-    kb1 = tl.minimum(kb0 + kb_per_split, n_kb)
+    kb0 = pid_s * kb_per_split  # even K parts (`even_split`)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb0, kb1):
+    for i in range(0, kb_per_split):
+        kb = kb0 + i
         if EVEN_K:
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=mmask[:, None], other=0.0)
             b = tl.load(b_ptrs + kb * BLOCK_K, mask=nmask[None, :], other=0.0)
@@ -119,17 +137,42 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split,
 
 
 @triton.jit
-def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split, n_kb,
-                       stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
+def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, offs_m, mask, stride_cm,
+                   stride_pm, stride_ps):
+    """Store acc^T [BN, BM] to C, or, split K: park it in the fp32 workspace and let the last of the
+    tile's n_split programs (one atomic counter per tile) add the others' parts and store C, then reset
+    the counter for the next launch (so CUDA-graph replays need no memset). CUTLASS's serial split-K."""
+    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+    if n_split == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_off = offs_m[None, :] * stride_pm + offs_n[:, None]
+        tl.store(part_ptr + pid_s * stride_ps + p_off, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part is written before one thread signals (release is cumulative)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            for s in range(0, n_split):
+                if s != pid_s:
+                    acc += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, kb_per_split, n_kb, n_split,
+                       stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, stride_pm,
+                       stride_ps,
                        FMA: tl.constexpr, A_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decode GEMM with the weight as the row operand: C^T [BN, BM] = W [BN, BK] @ x^T [BK, BM] per K step.
 
-    W tiles are read row-major (K contiguous, 16-byte loads) and widened to bf16 in registers, where the
-    tensor cores take them as the A operand (swap-AB: the tiny token count is the MMA's N). FMA=True
-    (BLOCK_M == 1) skips the tensor cores: an elementwise fp32 multiply-accumulate reduced once at the end.
-    A_FP8: x comes quantised per (token, 128) (`quant_act_fp8`) and the FP8 tiles go to the tensor cores
-    as they are (no widening), the two scales applied to each K step's partial sums.
+    W tiles are read row-major (K contiguous, 16-byte loads); the tiny token count is the MMA's N
+    (swap-AB). A_FP8: x comes quantised per (token, 128) (`quant_act_fp8`) and the FP8 tiles go to the
+    tensor cores as they are, both scales applied to each K step's partial sums; otherwise the weight tile
+    is widened to bf16 (exact activations). FMA=True (BLOCK_M == 1) skips the tensor cores: an fp32
+    multiply-accumulate reduced once at the end. Split K reduces in the kernel (`_split_k_store`).
+    Quantising x in registers at each K step instead of by a separate kernel was measured 1.3-1.6x slower
+    on the H200 (the quantised tile's trip through shared memory stalls the weight stream).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -142,13 +185,13 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_spli
     w_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     bs_ptrs = bs_ptr + (offs_n // 128) * stride_bsn
-    kb0 = pid_s * kb_per_split
-    kb1 = tl.minimum(kb0 + kb_per_split, n_kb)
+    kb0 = pid_s * kb_per_split  # the splits divide the K blocks evenly (`skinny_gemm`)
     if FMA:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb in range(kb0, kb1):
+    for i in range(0, kb_per_split):
+        kb = kb0 + i
         if EVEN_K:
             w = tl.load(w_ptrs + kb * BLOCK_K, mask=nmask[:, None], other=0.0)
             a = tl.load(a_ptrs + kb * BLOCK_K, mask=mmask[:, None], other=0.0)
@@ -166,28 +209,52 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_spli
             acc += tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16))) * bs[:, None]
     if FMA:
         acc = tl.sum(acc2, axis=1)[:, None]
-    c_ptrs = c_ptr + pid_s * stride_cs + offs_m[None, :] * stride_cm + offs_n[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, offs_m,
+                   nmask[:, None] & mmask[None, :], stride_cm, stride_pm, stride_ps)
+
+
+MAX_SPLIT_TILES = 1 << 14
+
+
+def even_split(kblocks: int, want: int) -> int:
+    """The largest split <= want that divides the K blocks evenly (every program runs the same trip count,
+    which also keeps the loop bounds plain integers for the Triton interpreter)."""
+    return max(d for d in range(1, max(1, min(want, kblocks)) + 1) if kblocks % d == 0)
+_SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """One int32 arrival counter per output tile, zero between launches (the last program resets its own).
+    Made once per device, at the first (eager) call: warmup runs before any graph is captured."""
+    key = device.index
+    if key not in _SPLIT_COUNTERS:
+        _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTERS[key]
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma: bool, block_m: int, block_n: int,
                 split: int, num_warps: int, num_stages: int, out_dtype: torch.dtype,
-                a_fp8: bool = False) -> torch.Tensor:
-    """Decode path (`_fp8_skinny_kernel`) with an explicit tile config; fma needs block_m == 1."""
+                a_fp8: bool = False, act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode path (`_fp8_skinny_kernel`) with an explicit tile config; fma needs block_m == 1.
+    act: x already quantised (`cached_fp8`), used when a_fp8."""
     m, k = x.shape
     n = weight.shape[0]
-    a, a_s = quant_act_fp8(x) if a_fp8 else (x, x)
     kblocks = triton.cdiv(k, FP8_BLOCK)
-    kb_per_split = triton.cdiv(kblocks, split)
-    split = triton.cdiv(kblocks, kb_per_split)
-    c = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = even_split(kblocks, split) if tiles <= MAX_SPLIT_TILES else 1
+    kb_per_split = kblocks // split
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    _fp8_skinny_kernel[grid](a, a_s, weight, scale, c, m, n, k, kb_per_split, kblocks, a.stride(0),
-                             a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0, weight.stride(0),
-                             scale.stride(0), scale.stride(1), c.stride(0), c.stride(1), FMA=fma, A_FP8=a_fp8,
+    a, a_s = (act or quant_act_fp8(x)) if a_fp8 else (x, x)
+    c = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else c
+    _fp8_skinny_kernel[grid](a, a_s, weight, scale, c, part, split_counters(x.device), m, n, k, kb_per_split,
+                             kblocks, split, a.stride(0), a_s.stride(0) if a_fp8 else 0,
+                             a_s.stride(1) if a_fp8 else 0, weight.stride(0), scale.stride(0), scale.stride(1),
+                             c.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0, FMA=fma, A_FP8=a_fp8,
                              EVEN_K=(k % FP8_BLOCK == 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK,
                              num_warps=num_warps, num_stages=num_stages)
-    return c[0] if split == 1 else c.sum(0).to(out_dtype)
+    return c
 
 
 def skinny_config(m: int, n: int, k: int, sms: int) -> dict:
@@ -195,16 +262,21 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> dict:
 
     FP8 activations (swap-AB on FP8 tensor cores): measured faster than both bf16-activation variants
     (widening FP8 weights to bf16 in registers capped them near 2.2 TB/s) at every decode shape.
+    H200 sweep of the GLM-5.3 projections (bench/sweep_skinny.py, bench/RESULTS.md): split K only when the
+    N tiles leave SMs idle and K is long (o_proj 35.9 -> 32.4 us at split 4; at K = 2048 splitting lost:
+    idx_wq_b 8.5 vs 7.5 us unsplit), to at least 2 waves, rounding the split up to a divisor of the K blocks;
+    6 pipeline stages at one M block of 16.
     """
-    fma = False
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 128 if m > 32 else 64  # sweep at M = 64: 128-wide tiles 42.0 us, 64-wide 45.4 us
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     kblocks = triton.cdiv(k, FP8_BLOCK)
-    # split K when the N tiles alone leave SMs idle (small N: kv_a 576, indexer wk 128)
-    split = max(1, min(kblocks // 2, triton.cdiv(2 * sms, tiles))) if tiles < sms else 1
-    return {"fma": fma, "a_fp8": True, "block_m": block_m, "block_n": block_n, "split": split, "num_warps": 4,
-            "num_stages": 4}
+    split = 1
+    if tiles < sms and kblocks > 16:
+        want = min(triton.cdiv(2 * sms, tiles), kblocks // 2)  # each part keeps >= 2 K blocks
+        split = min((d for d in range(want, kblocks // 2 + 1) if kblocks % d == 0), default=even_split(kblocks, want))
+    return {"fma": False, "a_fp8": True, "block_m": block_m, "block_n": block_n, "split": split, "num_warps": 4,
+            "num_stages": 6 if block_m == 16 else 4}
 
 
 def triton_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, a_fp8: bool, block_m: int,
@@ -217,8 +289,8 @@ def triton_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, a_fp
     else:
         a, a_s = x, x  # a_s unused when A is bf16
     kblocks = triton.cdiv(k, FP8_BLOCK)
-    kb_per_split = triton.cdiv(kblocks, split)
-    split = triton.cdiv(kblocks, kb_per_split)
+    split = even_split(kblocks, split)
+    kb_per_split = kblocks // split
     c = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     _fp8_gemm_kernel[grid](a, a_s, weight, scale, c, m, n, k, kb_per_split, kblocks,
@@ -274,7 +346,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
             y = triton_gemm(x2, weight, weight_scale_inv, False, 64, 128, 1, 4, 3, x.dtype)
     elif m <= SMALL_M or (m <= SKINNY_MAX_M and not scaled_mm_ok(n, k, x2.device)):
         cfg = skinny_config(m, n, k, _sm_count(x2))
-        y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, **cfg)
+        y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, act=cached_fp8(x) if x.dim() == 2 else None,
+                        **cfg)
     elif scaled_mm_ok(n, k, x2.device):
         y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype)
     else:

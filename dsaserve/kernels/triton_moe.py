@@ -1,17 +1,17 @@
-"""GPU fused MoE: `fused_moe` and `moe_route` (request path stage 6, the routed experts of MoE layers).
+"""GPU fused MoE: `fused_moe` (request path stage 6, the routed experts of MoE layers).
 
 Owns: the GPU variant of `reference.fused_moe` and the token sort it needs. One call is
-  1. align: the T*k (token, expert) pairs sorted by expert, each expert's run padded to BLOCK_M, so every
-     M-block of the grouped GEMM belongs to one expert (SGLang's `moe_align_block_size`, here in torch ops
-     with static sizes: no host sync, no data-dependent shape, so it is CUDA-graph capturable);
+  1. route: up to UNSORTED_MAX_PAIRS (token, expert) pairs (decode), each GEMM program finds its expert's
+     pairs in registers (`_moe_unsorted_kernel`); above that, `moe_align` sorts the pairs by expert and
+     pads each expert's run to BLOCK_M, so every M-block belongs to one expert (SGLang's
+     `moe_align_block_size`, here in torch ops with static sizes: CUDA-graph capturable);
   2. GEMM1 (Triton, grouped): for each block, gate and up tiles of the expert's w13 at once, SiLU(gate)*up
      in the epilogue -> act [T*k, I] (gate/up never reach memory);
   3. GEMM2 (Triton, grouped): act @ w2[e]^T scaled by the pair's routing weight -> [T*k, H];
-  4. combine: the k rows of each token summed (one reduction; no atomics, so results are deterministic).
+  4. combine: the k rows of each token summed in fp32 (one kernel; no atomics: deterministic).
 FP8 experts: activations quantised per (token, 128-group) to e4m3 and FP8 tensor-core dots; decode-size
-batches use the swap-AB kernel (expert weight rows as the MMA's M), prefill the A-operand one. Dense
-(bf16) experts keep bf16 activations.
-`moe_route` is the reference's torch code: it is already graph-capturable (static-size topk/scatter).
+batches use the swap-AB kernels (expert weight rows as the MMA's M), prefill the A-operand one. Dense
+(bf16) experts keep bf16 activations. The router is `triton_moe_route.py`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels import reference
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, quant_act_fp8
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
 
 PREFILL_MIN_PAIRS = 4096  # T*k pairs from which the A-operand (prefill) kernel replaces the swap-AB one
-
-moe_route = reference.moe_route
+UNSORTED_MAX_PAIRS = 256  # T*k pairs up to which the swap-AB kernel needs no moe_align (ids in registers)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
@@ -118,21 +116,14 @@ def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, be
 
 
 @triton.jit
-def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, bexp_ptr, total_ptr,
-                       N, K, num_pairs, a_row_div, up_offset,
-                       stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
-                       stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
-                       A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Decode variant of `_moe_gemm_kernel`: the expert's weight rows are the MMA's A operand (swap-AB,
-    acc^T [BN, BM]), read row-major with 16-byte loads; widened to bf16 in registers (bf16 activations)
-    or fed as FP8 (A_FP8: activations quantised per (token, 128), both scales on each K step's sum)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    pmask = pairs < num_pairs
+def _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e, pairs, pmask, pid_n, N, K, a_row_div, up_offset,
+                 stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+                 stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
+                 A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N] slice of expert e's output for up to BLOCK_M of its pairs, swap-AB: the expert's
+    weight rows are the MMA's A operand (acc^T [BN, BM]), read row-major with 16-byte loads.
+    A_FP8: activations quantised beforehand (`quant_act_fp8`, scales at as_ptr), else bf16 activations
+    (the weight tiles widened)."""
     rows = (pairs // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -175,33 +166,90 @@ def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, 
     tl.store(c_ptrs, acc_g.to(c_ptr.dtype.element_ty), mask=pmask[None, :] & nmask[:, None])
 
 
+@triton.jit
+def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, bexp_ptr, total_ptr,
+                       N, K, num_pairs, a_row_div, up_offset,
+                       stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
+                       stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
+                       A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Decode variant of `_moe_gemm_kernel` over `moe_align`'s expert blocks (`_expert_tile`)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e, pairs, pairs < num_pairs, pid_n, N, K, a_row_div,
+                 up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+                 stride_bsk, stride_cm, GATED, MUL_WEIGHT, B_SCALED, A_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N, K, num_pairs, a_row_div,
+                         up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+                         stride_bsk, stride_cm,
+                         GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, A_FP8: tl.constexpr,
+                         PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Small decode batches without `moe_align`: program (n, e) finds expert e's pairs itself (all T*k ids
+    fit in registers) and runs them BLOCK_M at a time; an expert nobody chose exits at once. Saves the
+    align's ~12 small launches per MoE layer, which at batch 1 cost more than the sort does work."""
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    offs_p = tl.arange(0, PAIRS)
+    hit = (tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1) == e).to(tl.int32)
+    count = tl.sum(hit, axis=0)
+    if count == 0:
+        return
+    rank = tl.cumsum(hit, axis=0) - 1  # a hit's place among expert e's pairs, in pair order
+    for c0 in range(0, count, BLOCK_M):
+        slot = c0 + tl.arange(0, BLOCK_M)
+        pick = (hit[None, :] == 1) & (rank[None, :] == slot[:, None])
+        pairs = tl.sum(tl.where(pick, offs_p[None, :], 0), axis=1)
+        _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e.to(tl.int64), pairs, slot < count, pid_n, N, K,
+                     a_row_div, up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
+                     stride_bsn, stride_bsk, stride_cm, GATED, MUL_WEIGHT, B_SCALED, A_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _combine_k_kernel(x_ptr, y_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t] = sum_j x[t*k + j] in fp32, rounded once (the reference's sum(1, dtype=fp32).to(dtype))."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * H + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _block_m(pairs: int, experts: int) -> int:
     per_expert = pairs / max(experts, 1)
     return 16 if per_expert <= 16 else (32 if per_expert <= 32 else 64)
 
 
-def _grouped_gemm(a, a_s, w, w_s, out, tw, sorted_ids, bexp, total, n, k, a_row_div, gated, block_m, block_n,
-                  num_warps, num_stages, swap):
-    grid = (triton.cdiv(n, block_n), sorted_ids.numel() // block_m)
-    a_fp8 = a.dtype == torch.float8_e4m3fn
-    scaled = w_s is not None
-    if swap:
-        _moe_skinny_kernel[grid](
-            a, a_s if a_fp8 else a, w, w_s if scaled else w, out, tw if tw is not None else out, sorted_ids, bexp,
-            total, n, k, out.shape[0], a_row_div, n if gated else 0, a.stride(0), a_s.stride(0) if a_fp8 else 0,
-            a_s.stride(1) if a_fp8 else 0, w.stride(0), w.stride(1),
-            w_s.stride(0) if scaled else 0, w_s.stride(1) if scaled else 0, w_s.stride(2) if scaled else 0,
-            out.stride(0), GATED=gated, MUL_WEIGHT=tw is not None, B_SCALED=scaled, A_FP8=a_fp8,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages)
+def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_m, block_n, num_warps, num_stages,
+                  kernel):
+    """One grouped GEMM over the (token, expert) pairs. route: topk_ids (kernel "unsorted") or moe_align's
+    (sorted_ids, block_expert, total); a_s: the FP8 activations' scales, or None for bf16 activations."""
+    scaled, a_fp8 = w_s is not None, a_s is not None
+    ws = (w_s.stride(0), w_s.stride(1), w_s.stride(2)) if scaled else (0, 0, 0)
+    a_strides = (a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0)
+    common = dict(GATED=gated, MUL_WEIGHT=tw is not None, B_SCALED=scaled, A_FP8=a_fp8, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages)
+    tw = tw if tw is not None else out
+    w_s, a_s = (w_s if scaled else w), (a_s if a_fp8 else a)
+    if kernel == "unsorted":
+        ids = route.reshape(-1)
+        grid = (triton.cdiv(n, block_n), w.shape[0])
+        _moe_unsorted_kernel[grid](a, a_s, w, w_s, out, tw, ids, n, k, out.shape[0], a_row_div, n if gated else 0,
+                                   *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0),
+                                   PAIRS=triton.next_power_of_2(ids.numel()), **common)
         return
-    _moe_gemm_kernel[grid](
-        a, a_s if a_fp8 else a, w, w_s if scaled else w, out, tw if tw is not None else out, sorted_ids, bexp, total,
-        n, k, out.shape[0], a_row_div, n if gated else 0,
-        a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0,
-        w.stride(0), w.stride(1), w_s.stride(0) if scaled else 0, w_s.stride(1) if scaled else 0,
-        w_s.stride(2) if scaled else 0, out.stride(0),
-        GATED=gated, MUL_WEIGHT=tw is not None, A_FP8=a_fp8, B_SCALED=scaled,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages)
+    sorted_ids, bexp, total = route
+    grid = (triton.cdiv(n, block_n), sorted_ids.numel() // block_m)
+    args = (a, a_s, w, w_s, out, tw, sorted_ids, bexp, total, n, k, out.shape[0], a_row_div, n if gated else 0,
+            *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0))
+    (_moe_skinny_kernel if kernel == "swap" else _moe_gemm_kernel)[grid](*args, **common)
 
 
 def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
@@ -224,7 +272,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
               config: dict | None = None) -> torch.Tensor:
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) in x.dtype.
 
-    `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / swap.
+    `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
+    ("unsorted" | "swap" | "gemm").
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -232,23 +281,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     inter = two_i // 2
     pairs = t * top_k
     # H200 sweep (bench/RESULTS.md): decode = swap-AB kernel with FP8 activations (T=1: 150 us vs 195-250 us
-    # for the bf16-activation kernels; T=32: 394 vs 494 us); prefill = A-operand kernel, 64x64 tiles
-    cfg = {"block_m": _block_m(pairs, e), "block_n": 64, "num_warps": 4, "num_stages": 4, "swap": True,
-           "fp8_act": w13_scale is not None}
+    # for the bf16-activation kernels; T=32: 394 vs 494 us); prefill = A-operand kernel, 64x64 tiles.
+    # Up to UNSORTED_MAX_PAIRS pairs the swap-AB kernel finds each expert's pairs itself (no align launches)
+    fp8 = w13_scale is not None
+    cfg = {"block_m": _block_m(pairs, e), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
+           "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap"}
     if pairs >= PREFILL_MIN_PAIRS:
-        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4, swap=False)
+        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4, kernel="gemm")
     cfg.update(config or {})
-    bm, bn = cfg["block_m"], cfg["block_n"]
+    bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-              "swap": cfg["swap"]}
-    sorted_ids, bexp, total = moe_align(topk_ids, e, bm)
-    x = x.contiguous()
+              "kernel": kernel}
+    route = topk_ids if kernel == "unsorted" else moe_align(topk_ids, e, bm)
+    x = x.contiguous()  # the same tensor when contiguous: keeps its FP8 copy (`cached_fp8`)
     act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    a, a_s = quant_act_fp8(x) if cfg["fp8_act"] else (x, None)
+
+    def activations(v: torch.Tensor):  # (a, scales): FP8 per (token, 128) for FP8 experts
+        return (cached_fp8(v) or quant_act_fp8(v)) if fp8 and cfg["fp8_act"] else (v, None)
+
     act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
-    _grouped_gemm(a, a_s, w13, w13_scale, act, None, sorted_ids, bexp, total, inter, h, top_k, True, **launch)
-    a, a_s = quant_act_fp8(act) if cfg["fp8_act"] else (act, None)
+    _grouped_gemm(*activations(x), w13, w13_scale, act, None, route, inter, h, top_k, True, **launch)
     out = torch.empty(pairs, h, dtype=act_dtype, device=x.device)  # per-pair rows, summed in fp32 below
     tw = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(a, a_s, w2, w2_scale, out, tw, sorted_ids, bexp, total, h, inter, 1, False, **launch)
-    return out.view(t, top_k, h).sum(1, dtype=torch.float32).to(x.dtype)
+    _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t:
+        block = min(triton.next_power_of_2(h), 1024)
+        _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, h, TOP_K=top_k, BLOCK=block)
+    return y

@@ -36,9 +36,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(cfg, layer_id)
         self.mlp = MoE(cfg, f"{p}.mlp") if cfg.is_moe(layer_id) else DenseMLP(cfg, f"{p}.mlp", cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+    def forward(self, h: torch.Tensor, ctx: StepContext,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it); the caller's next norm adds the two (SGLang's layout:
+        each residual add is fused into the norm that follows it). residual None: h is the stream."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, ctx), residual)
+        return self.mlp(x, ctx), residual
 
 
 class MTPLayer(DecoderLayer):
@@ -55,7 +62,7 @@ class MTPLayer(DecoderLayer):
 
     def forward_mtp(self, next_embeds: torch.Tensor, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        return self.shared_head.norm(super().forward(h, ctx))
+        return self.shared_head.norm.add_forward(*super().forward(h, ctx))[0]
 
 
 class Backbone(nn.Module):
@@ -101,6 +108,10 @@ class DsaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, MLAAttention):
                 m.absorb(dtype)
+        if keep_fp8:  # GPU path: projections of one input become one GEMM (the reference keeps them apart)
+            for m in list(self.modules()):
+                if hasattr(m, "merge_projections"):
+                    m.merge_projections()
         if self.cfg.tie_word_embeddings:  # finalize made new Parameters: tie them again
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(self.cfg, device)
@@ -114,10 +125,10 @@ class DsaForCausalLM(nn.Module):
         """Main stack; returns final-normed hidden states [T, H] for every token of the batch."""
         COUNTERS.add("forward_steps")
         ctx = self._context(batch, pool)
-        h = self.model.embed_tokens(batch.input_ids)
+        h, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers[: self.cfg.num_hidden_layers]:
-            h = layer(h, ctx)
-        return self.model.norm(h)
+            h, residual = layer(h, ctx, residual)
+        return self.model.norm.add_forward(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

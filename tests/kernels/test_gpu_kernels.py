@@ -132,7 +132,9 @@ def test_fused_moe_matches_reference(gen, t, fp8):
     assert got.shape == ref.shape and torch.isfinite(got).all()
     bound = FP8A if fp8 else BF16  # FP8 experts quantise activations per (token, 128)
     assert _rel(got, ref) < bound, f"seed {gen.initial_seed()}"
-    for conf in ({"swap": False}, {"swap": True, "block_m": 16}, {"fp8_act": False}):  # the other variants
+    others = ({"kernel": "gemm"}, {"kernel": "swap", "block_m": 16}, {"kernel": "unsorted", "block_m": 16},
+              {"fp8_act": False}, {"kernel": "swap", "fp8_act": False})
+    for conf in others:  # every variant, whichever the dispatcher picked for this T
         other = moe.fused_moe(*args, config=conf)
         b = FP8A if fp8 and conf.get("fp8_act", True) else BF16
         assert _rel(other, ref) < b, f"seed {gen.initial_seed()} {conf}"
@@ -350,3 +352,91 @@ def test_fp8_linear_exact_activations_match_reference_to_bf16(gen, m):
     _poison()
     got = gemm.fp8_linear(x, w, s, exact_act=True)
     assert torch.isfinite(got).all() and _rel(got, R.fp8_linear(x, w, s)) < BF16, f"seed {gen.initial_seed()}"
+
+
+# ---- router, row-wise ops --------------------------------------------------------------------------
+SMALL_ROWS = 32  # triton_fp8_gemm.SMALL_M: decode-size outputs carry an FP8 copy
+BF16_ULP = dict(rtol=2 ** -6 * SLACK, atol=2 ** -6 * SLACK)  # one bf16 rounding apart (8-bit mantissa)
+
+
+@pytest.mark.parametrize("t,e,k,groups,keep", [(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1),
+                                               (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)])
+def test_moe_route_matches_reference(gen, t, e, k, groups, keep):
+    from dsaserve.kernels import triton_moe_route
+
+    logits, bias = _randn(t, e, gen=gen, scale=2.0), _randn(e, gen=gen, scale=0.1)
+    got_w, got_ids = triton_moe_route.moe_route(logits, bias, k, groups, keep, 2.5, True)
+    ref_w, ref_ids = R.moe_route(logits, bias, k, groups, keep, 2.5, True)
+    order_got, order_ref = got_ids.sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order_got.values, order_ref.values), f"seed {gen.initial_seed()}"
+    assert torch.allclose(got_w.gather(1, order_got.indices), ref_w.gather(1, order_ref.indices), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2048, 6144, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_and_residual_add_match_reference(gen, n, dtype):
+    from dsaserve.kernels import triton_elementwise as E
+
+    x, r = _randn(7, n, gen=gen, dtype=dtype), _randn(7, n, gen=gen, dtype=dtype)
+    w = _randn(n, gen=gen, dtype=dtype)
+    tol = BF16_ULP if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(E.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6), **tol)
+    y, s = E.add_rms_norm(x, r, w, 1e-6)
+    ref_y, ref_s = R.add_rms_norm(x, r, w, 1e-6)
+    if DEVICE == "cuda":  # the add rounds exactly as torch's (the interpreter truncates instead)
+        assert torch.equal(s, ref_s)
+    torch.testing.assert_close(s, ref_s, **tol)
+    torch.testing.assert_close(y, ref_y, **tol)
+
+
+def test_silu_and_mul_matches_reference(gen):
+    from dsaserve.kernels import triton_elementwise as E
+
+    x = _randn(5, 2 * 2500, gen=gen, dtype=torch.bfloat16)
+    torch.testing.assert_close(E.silu_and_mul(x), R.silu_and_mul(x), **BF16_ULP)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [0, 3, 64])
+def test_rope_inplace_matches_reference_on_a_view(gen, interleaved, heads):
+    from dsaserve.kernels import triton_elementwise as E
+
+    t = 6
+    full = _randn(t, *([heads] if heads else []), 192 + 64, gen=gen, dtype=torch.bfloat16)
+    ang = _randn(t, 32, gen=gen)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    want = full.clone()
+    want[..., 192:] = R.apply_rope(full[..., 192:], cos, sin, interleaved)
+    E.rope_inplace(full[..., 192:], cos, sin, interleaved)
+    torch.testing.assert_close(full, want, **BF16_ULP)
+    assert torch.equal(full[..., :192], want[..., :192])  # the rest of the row is untouched
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "silu_and_mul"])
+def test_row_kernels_attach_the_fp8_copy_the_gemm_would_make(gen, op):
+    from dsaserve.kernels import triton_elementwise as E
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    n = 2048
+    x = _randn(3, n if op != "silu_and_mul" else 2 * n, gen=gen, dtype=torch.bfloat16)
+    w = _randn(n, gen=gen, dtype=torch.bfloat16)
+    y = {"rms_norm": lambda: E.rms_norm(x, w, 1e-6), "add_rms_norm": lambda: E.add_rms_norm(x, x, w, 1e-6)[0],
+         "silu_and_mul": lambda: E.silu_and_mul(x)}[op]()
+    q, s = G.cached_fp8(y)
+    ref_q, ref_s = G.quant_act_fp8(y)
+    torch.testing.assert_close(s, ref_s)
+    assert (q.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
+    big = _randn(SMALL_ROWS + 1, n, gen=gen, dtype=torch.bfloat16)
+    assert G.cached_fp8(E.rms_norm(big, w, 1e-6)) is None  # prefill-size outputs carry none
+
+
+def test_count_distinct_matches_reference(gen):
+    from dsaserve.kernels import triton_moe_route as RT
+
+    ids = torch.randint(0, 40, (37, 8), generator=gen, device=DEVICE)
+    got = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    want = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        RT.count_distinct(ids, 64, got)
+        R.count_distinct(ids, 64, want)
+    assert int(got) == int(want) == 2 * int(ids.unique().numel())

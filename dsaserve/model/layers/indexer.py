@@ -8,6 +8,8 @@ reuse"). Slots are translated once here, so shared layers do no page-table work.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -31,21 +33,39 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, self.head_dim, q("wk"))
         self.k_norm = LayerNorm(self.head_dim)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, q("weights_proj"))
+        self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+        self.scale_folded = 1.0  # the factor already multiplied into weights_proj (finalize_scale)
         self.layer_id = -1
 
-    def _rope(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        rot = ctx.ops.apply_rope(x[..., : self.rope], ctx.cos, ctx.sin, self.interleaved)
-        return torch.cat([rot, x[..., self.rope:]], dim=-1)
+    def finalize_scale(self) -> None:
+        """GPU path, after loading: HF applies softmax_scale inside relu and n_heads^-0.5 to the weights; both
+        are positive, so they fold into one factor, and when it is a power of two (GLM-5.3: 32^-0.5 x
+        128^-0.5 = 2^-6) it folds exactly into the bf16 weights_proj weight: no per-step multiply or cast."""
+        mant, _ = math.frexp(self.weight_scale)
+        if mant == 0.5 and not self.weights_proj.quantized and self.scale_folded == 1.0:
+            self.weights_proj.weight.data.mul_(self.weight_scale)
+            self.scale_folded = self.weight_scale
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, Hi] per-head weights, both HF scales applied (fp32 on the reference path)."""
+        if self.scale_folded != 1.0:
+            return self.weights_proj(x)
+        return self.weights_proj(x).float() * self.weight_scale
+
+    def _rope(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        ctx.ops.rope_inplace(x[..., : self.rope], ctx.cos, ctx.sin, self.interleaved)
+        return x
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
+                k_raw: torch.Tensor | None = None) -> torch.Tensor:
+        """k_raw: wk(x) when the caller computed it in its merged projection (GPU path)."""
         b, t = ctx.batch, x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
-        k = self._rope(self.k_norm(self.wk(x)), ctx)
+        k = self._rope(self.k_norm(self.wk(x) if k_raw is None else k_raw), ctx)
         cache = ctx.pool.index_cache(self.layer_id)
         ctx.ops.indexer_k_write(cache, ctx.pool.layout, b.out_cache_loc, k)
         COUNTERS.add("indexer_bytes_written", t * ctx.pool.idx_bpt)
-        # HF applies softmax_scale inside relu and n_heads^-0.5 to the weights; both are positive, so fold them
-        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        w = self.head_weights(x)
         seq_lens, ext = b.host_lens()
         COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - n, n) for s, n in zip(seq_lens, ext, strict=True))
                      * ctx.pool.idx_bpt)

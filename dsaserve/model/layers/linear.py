@@ -16,6 +16,8 @@ from dsaserve.kernels import registry
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.weights.spec import scale_shape
 
+FP8_BLOCK = 128  # weight_scale_inv block (rows and columns)
+
 
 class Linear(nn.Module):
     """y = x W^T with W [out, in]; `quantized` says whether the checkpoint stores it as FP8."""
@@ -60,3 +62,40 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.quantized}"
+
+
+class MergedLinear(Linear):
+    """Several FP8 projections of the same input as one GEMM (one weight stream, one launch), e.g.
+    q_a + kv_a + the indexer's wk, or an MLP's gate + up. Each part's rows are padded to a whole 128-row
+    scale block (kv_a has 576 rows), so every part keeps its own block scales; `forward` returns each
+    part's columns as a view. Built after loading, on the GPU path only: the reference path keeps its
+    separate dense matmuls bit-for-bit."""
+
+    def __init__(self, parts: list[Linear]):
+        k = parts[0].in_features
+        rows = [-(-p.out_features // FP8_BLOCK) * FP8_BLOCK for p in parts]
+        super().__init__(k, sum(rows), quantized=True)
+        w = torch.zeros(sum(rows), k, dtype=torch.float8_e4m3fn, device=parts[0].weight.device)
+        self.slices: list[tuple[int, int]] = []
+        start = 0
+        for p, n in zip(parts, rows, strict=True):
+            w[start:start + p.out_features] = p.weight.data
+            self.slices.append((start, start + p.out_features))
+            start += n
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.cat([p.weight_scale_inv.data for p in parts]), requires_grad=False)
+        self.disk_bytes = sum(p.disk_bytes for p in parts)  # what the checkpoint holds; padding is not read
+        self.keep_fp8 = True
+
+    @staticmethod
+    def mergeable(parts: list[Linear]) -> bool:
+        return all(p.keep_fp8 and p.weight_scale_inv is not None and p.in_features == parts[0].in_features
+                   for p in parts)
+
+    def full_output(self, x: torch.Tensor) -> torch.Tensor:
+        """All parts' columns side by side (gate | up, for a fused SiLU*up)."""
+        return super().forward(x)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        y = super().forward(x)
+        return [y[..., a:b] for a, b in self.slices]

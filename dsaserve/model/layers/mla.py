@@ -17,7 +17,7 @@ from dsaserve.engine.counters import COUNTERS
 from dsaserve.ledger.causal import topk_selected
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
-from dsaserve.model.layers.linear import Linear
+from dsaserve.model.layers.linear import Linear, MergedLinear
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
@@ -58,31 +58,53 @@ class MLAAttention(nn.Module):
             self.indexer.layer_id = layer_id
         self.softmax_scale = mla_softmax_scale(cfg)
         self.w_uk: torch.Tensor | None = None  # [H, nope, kv_lora], set by absorb()
-        self.w_uv: torch.Tensor | None = None  # [H, v, kv_lora]
+        self.w_uv_t: torch.Tensor | None = None  # [H, kv_lora, v]
+        self.qkv_a: MergedLinear | None = None  # set by merge_projections() on the GPU path
 
     def absorb(self, dtype: torch.dtype) -> None:
         """Split kv_b_proj into W_uk / W_uv once, after loading (decode never expands K/V)."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        self.w_uk, self.w_uv = w[:, : self.nope].contiguous(), w[:, self.nope:].contiguous()
+        self.w_uk = w[:, : self.nope].contiguous()  # [H, nope, kv_lora]: q_nope [H, T, nope] @ -> [H, T, kv_lora]
+        self.w_uv_t = w[:, self.nope:].transpose(1, 2).contiguous()  # [H, kv_lora, v]: latent @ -> [H, T, v]
+
+    def merge_projections(self) -> None:
+        """GPU path, after loading: q_a, kv_a and (full layers) the indexer's wk read the same hidden state,
+        so they become one FP8 GEMM (`MergedLinear`); the separate weights are dropped."""
+        parts = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer is not None else [])
+        if not MergedLinear.mergeable(parts):
+            return
+        self.qkv_a = MergedLinear(parts)
+        self.q_a_proj = self.kv_a_proj_with_mqa = None
+        if self.indexer is not None:
+            self.indexer.wk = None
+            self.indexer.finalize_scale()
+
+    def _project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_a(x), kv_a(x), indexer wk(x) or None) — one merged GEMM on the GPU path."""
+        if self.qkv_a is not None:
+            q_a, kv_a, *k_idx = self.qkv_a(x)
+            return q_a, kv_a, k_idx[0] if k_idx else None
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, b, ops = x.shape[0], ctx.batch, ctx.ops
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a, k_idx = self._project_a(x)
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(t, self.n_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], ops.apply_rope(q[..., self.nope:], ctx.cos, ctx.sin, True)
+        q_nope, q_rope = q[..., : self.nope], ops.rope_inplace(q[..., self.nope:], ctx.cos, ctx.sin, True)
         kv_cache = ctx.pool.kv_cache(self.layer_id)
-        ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, self.kv_a_proj_with_mqa(x),
-                         self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
+        ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
+                         self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
         COUNTERS.add("kv_bytes_written", t * ctx.pool.kv_bpt)
         COUNTERS.add("weight_bytes_read", self.kv_b_proj.disk_bytes)  # read as the absorbed W_uk / W_uv
         if self.indexer is not None:
-            ctx.topk_slots = self.indexer(x, q_resid, ctx)
+            ctx.topk_slots = self.indexer(x, q_resid, ctx, k_idx)
         elif ctx.topk_slots is None:
             raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
         slots = ctx.topk_slots
         COUNTERS.add("kv_bytes_read", selected_slots(ctx) * ctx.pool.kv_bpt)
-        q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
+        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, kv_lora], a view
         latent = ops.sparse_mla_attention(q_abs, q_rope, kv_cache, ctx.pool.layout, slots, self.softmax_scale,
                                           self.kv_lora)
-        out = torch.einsum("thc,hvc->thv", latent, self.w_uv).reshape(t, self.n_heads * self.v_dim)
-        return self.o_proj(out)
+        out = torch.bmm(latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(t, self.n_heads * self.v_dim))

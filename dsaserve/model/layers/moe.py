@@ -19,7 +19,9 @@ from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
+from dsaserve.model.layers.linear import MergedLinear
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.weights.spec import is_not_converted, scale_shape
 
@@ -33,7 +35,16 @@ class DenseMLP(nn.Module):
         self.up_proj = column_parallel(cfg.hidden_size, inter, q("up_proj"), f"{prefix}.up_proj")
         self.down_proj = row_parallel(inter, cfg.hidden_size, q("down_proj"), f"{prefix}.down_proj", reduce_results)
 
+        self.gate_up: MergedLinear | None = None  # GPU path: gate + up as one GEMM (merge_projections)
+
+    def merge_projections(self) -> None:
+        if MergedLinear.mergeable([self.gate_proj, self.up_proj]) and self.gate_proj.out_features % 128 == 0:
+            self.gate_up = MergedLinear([self.gate_proj, self.up_proj])  # [gate | up]: no padding between
+            self.gate_proj = self.up_proj = None
+
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        if self.gate_up is not None:
+            return self.down_proj(get_ops(x.device).silu_and_mul(self.gate_up.full_output(x)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -45,11 +56,16 @@ class Router(nn.Module):
                                    requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
                                                     requires_grad=False)
+        self.weight_f32: torch.Tensor | None = None  # widened once after loading, not every step
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        self.weight_f32 = self.weight.data.float()
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         COUNTERS.add("weight_bytes_read", self.weight.numel() * 2 + self.e_score_correction_bias.numel() * 4)
-        logits = x.float() @ self.weight.float().t()  # HF routes in fp32
+        w = self.weight_f32 if self.weight_f32 is not None else self.weight.float()  # HF routes in fp32
+        logits = nn.functional.linear(x.float(), w)
         return ctx.ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                  c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
 
@@ -112,8 +128,7 @@ class Experts(nn.Module):
         if self.touched is None:
             self.touched = torch.zeros((), dtype=torch.int64, device=ids.device)
             DEVICE_EXPERT_COUNTERS.append(self)
-        hit = torch.zeros(self.w13.shape[0], dtype=torch.int64, device=ids.device)
-        self.touched += hit.index_fill_(0, ids.reshape(-1).clamp(0, self.w13.shape[0] - 1), 1).sum()
+        get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids

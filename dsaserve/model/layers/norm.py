@@ -1,11 +1,13 @@
-"""Norms: RMSNorm (HF semantics: normalise in fp32, cast, scale) and the indexer's k_norm LayerNorm."""
+"""Norms: RMSNorm (HF semantics: normalise in fp32, cast, scale), with the residual add fused in for the
+decoder's residual stream, and the indexer's k_norm LayerNorm. Kernels come from the registry (one launch
+each on the GPU)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dsaserve.kernels.reference import rms_norm
+from dsaserve.kernels.registry import get_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +20,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(self.weight.data.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return get_ops(x.device).rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the next norm in one pass."""
+        return get_ops(x.device).add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):

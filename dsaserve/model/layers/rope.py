@@ -57,12 +57,27 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class RotaryTables:
-    """cos/sin [T, rope/2] for arbitrary positions (one angle per rotated pair)."""
+    """cos/sin [T, rope/2] for arbitrary positions (one angle per rotated pair).
+
+    On a GPU the values for every position up to max_position_embeddings are computed once (a few tens of
+    MB) and a step gathers its rows: two launches instead of the ~8 elementwise kernels of computing them
+    per step. The table holds exactly what the per-step formula gives (same fp32 products, same rounding).
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         inv, self.attention_factor = inv_freq_and_attention_factor(cfg)
         self.inv_freq = inv.to(device)
+        self.max_positions = cfg.max_position_embeddings
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type == "cpu":  # the reference path computes what it needs
+            return self._compute(positions, dtype)
+        if dtype not in self.tables:  # first (eager) forward, before any graph capture
+            self.tables[dtype] = self._compute(torch.arange(self.max_positions, device=positions.device), dtype)
+        cos, sin = self.tables[dtype]
+        return cos.index_select(0, positions), sin.index_select(0, positions)

@@ -1,0 +1,81 @@
+"""Where a decode step's time goes (issue 5): per-kernel GPU time of one decode step, grouped by kernel.
+
+Run on the device:  PYTHONPATH=. python bench/profile_decode.py --out $OUT [--batches 1,32 --contexts 1024]
+For each (batch, context) it times the CUDA-graph replay (what serving runs) and profiles the same step
+under torch.profiler, both as a replay and eagerly. The table lists each kernel's µs per step and its
+share; "sum of kernels" beside the replay time shows how much of the step is gaps between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
+from dsaserve.engine.memory_profile import dummy_decode
+from dsaserve.engine.model_runner import ModelRunner
+
+
+def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
+    """[(kernel name, µs per step, launches per step)] sorted by time, and the summed kernel µs per step."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    time_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            time_us[ev.name[:90]] += ev.device_time / steps
+            calls[ev.name[:90]] += 1
+    rows = sorted(((n, t, calls[n] // steps) for n, t in time_us.items()), key=lambda r: -r[1])
+    return rows, sum(t for _, t, _ in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="glm-5.3-slice")
+    ap.add_argument("--out", default="profile-out")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--contexts", default="1024")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    ceilings = measure_ceilings()
+    pages = max(batches) * -(-(max(contexts) + 1) // 64) + 16
+    runner = ModelRunner(args.config, dtype="bfloat16", load_format="dummy", device="cuda", num_pages=pages,
+                         cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64, chunked_prefill_size=2048)
+    fill_pool(runner.kv_pool, runner.cfg)
+    report = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}
+    for ctx in contexts:
+        for bs in batches:
+            batch = dummy_decode(bs, ctx, runner.page_size, runner.device)
+            step = cuda_time(lambda b=batch: runner.forward(b))
+            bound = decode_bytes(runner, bs, ctx)["total"] / ceilings["copy_bytes_per_s"]
+            replay_rows, replay_sum = kernel_table(lambda b=batch: runner.forward(b))
+            eager_rows, eager_sum = kernel_table(lambda b=batch: runner.model(b, runner.kv_pool))
+            case = {"bs": bs, "ctx": ctx, "replay_ms": step * 1e3, "roofline_ms": bound * 1e3,
+                    "replay_kernel_sum_ms": replay_sum / 1e3, "eager_kernel_sum_ms": eager_sum / 1e3,
+                    "replay_kernels": replay_rows, "eager_kernels": eager_rows}
+            report["cases"].append(case)
+            print(f"\n== bs {bs} ctx {ctx}: replay {step * 1e3:.3f} ms, roofline {bound * 1e3:.3f} ms "
+                  f"({step / bound:.2f}x); kernels in replay {replay_sum / 1e3:.3f} ms, eager {eager_sum / 1e3:.3f} ms")
+            rows = replay_rows if replay_rows else eager_rows
+            print(f"{'us/step':>9} {'n':>4}  kernel ({'replay' if replay_rows else 'eager'})")
+            for name, t, n in rows[: args.top]:
+                print(f"{t:9.1f} {n:4d}  {name}")
+    (out / "profile_decode.json").write_text(json.dumps(report, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

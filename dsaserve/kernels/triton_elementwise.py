@@ -1,0 +1,165 @@
+"""GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
+and in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches).
+
+Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul` and
+`reference.rope_inplace`. Each takes its reference's rounding steps (fp32 math, a rounding to the
+activation dtype wherever the torch ops round), so the two differ only in the order of a sum and in
+the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also carry their FP8 copy for the next
+GEMM (`triton_fp8_gemm.attach_fp8`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
+each was 5-8 kernels (H200 profile, bench/RESULTS.md), which cost time and leave ~1 µs gaps between them.
+Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
+
+
+@triton.jit
+def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK: tl.constexpr):
+    """Row y [BLOCK] (already rounded to the activation dtype) -> e4m3 + one fp32 scale per 128 values:
+    `quant_act_fp8`'s rule and layout ([M, K] and [M, K/128], contiguous)."""
+    g = tl.reshape(y.to(tl.float32), [BLOCK // 128, 128])
+    scale = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12) / FP8_MAX_C
+    q = tl.reshape(tl.clamp(g / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv), [BLOCK])
+    offs = tl.arange(0, BLOCK)
+    tl.store(q_ptr + row * N + offs, q, mask=offs < N)
+    groups = tl.arange(0, BLOCK // 128)
+    tl.store(qs_ptr + row * (N // 128) + groups, scale, mask=groups < N // 128)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, stride_x, stride_r, stride_y,
+                     stride_s, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # s = x + residual, rounded to the activation dtype as torch's add would
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * inv).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (w * y).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if QUANT:
+        _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _fp8_outputs(rows: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for the FP8 copy a decode-size output carries to its GEMM (`attach_fp8`), or None."""
+    if rows > SMALL_M or n % FP8_BLOCK or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return (torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(rows, n // FP8_BLOCK, dtype=torch.float32, device=device))
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    rows, n = x2.shape
+    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    s = torch.empty_like(x2) if residual is not None else y
+    fp8 = _fp8_outputs(rows, n, y.dtype, x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *(fp8 or (y, y)), n, eps, x2.stride(0), r2.stride(0),
+                                  y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+    out = y.view(*x.shape[:-1], n)
+    if fp8 is not None and out.dim() == 2:
+        attach_fp8(out, *fp8)
+    return out, s.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GPU `reference.rms_norm`."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU `reference.add_rms_norm`: (rms_norm(x + residual), x + residual) in one pass."""
+    return _norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qs_ptr, N, stride_x, stride_y, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * BLOCK
+    offs = col0 + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+    act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)  # torch: silu rounds, then the mul
+    y = (act * u.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if QUANT:  # this block's 128-groups (BLOCK is a multiple of 128 here)
+        _store_fp8_groups(y, q_ptr + col0, qs_ptr + col0 // 128, row, N, BLOCK)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GPU `reference.silu_and_mul`: x [.., 2I] = [gate | up] -> silu(gate) * up [.., I]."""
+    x2 = _rows(x)
+    rows, n = x2.shape[0], x2.shape[-1] // 2
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), 2048)
+    fp8 = _fp8_outputs(rows, n, y.dtype, x.device) if n % block == 0 else None
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *(fp8 or (y, y)), n, x2.stride(0), y.stride(0),
+                                                       QUANT=fp8 is not None, BLOCK=block)
+    out = y.view(*x.shape[:-1], n)
+    if fp8 is not None and out.dim() == 2:
+        attach_fp8(out, *fp8)
+    return out
+
+
+@triton.jit
+def _rnd(v, ty: tl.constexpr):
+    return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, HALF)
+    hmask = offs_h[:, None] < H
+    base = x_ptr + t * stride_t + offs_h[:, None] * stride_h
+    if INTERLEAVED:  # pairs (2p, 2p+1) -> [evens' | odds'] (HF's GLM / DeepSeek main RoPE)
+        i1, i2 = 2 * offs_p, 2 * offs_p + 1
+    else:
+        i1, i2 = offs_p, offs_p + HALF
+    x1 = tl.load(base + i1[None, :], mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + i2[None, :], mask=hmask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_c + offs_p).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_c + offs_p).to(tl.float32)[None, :]
+    tl.debug_barrier()  # every load of this row is done before any store overwrites it (in place)
+    ty = x_ptr.dtype.element_ty  # each product rounded to the activation dtype, as the torch ops round
+    tl.store(base + offs_p[None, :], (_rnd(x1 * c, ty) - _rnd(x2 * s, ty)).to(ty), mask=hmask)
+    tl.store(base + HALF + offs_p[None, :], (_rnd(x2 * c, ty) + _rnd(x1 * s, ty)).to(ty), mask=hmask)
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """GPU `reference.rope_inplace`: x [T, R] or [T, H, R] (any strides, last one 1) rotated in place."""
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("rope_inplace: x, cos and sin need a unit last stride (and cos/sin alike)")
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    t, h, r = x3.shape
+    block_h = min(triton.next_power_of_2(h), 16)
+    if t:
+        _rope_kernel[(t, triton.cdiv(h, block_h))](x3, cos, sin, h, x3.stride(0), x3.stride(1), cos.stride(0),
+                                                  INTERLEAVED=interleaved, HALF=r // 2, BLOCK_H=block_h)
+    return x

@@ -1,0 +1,94 @@
+"""GPU MoE routing: `moe_route` in one launch (request path stage 6, the router of MoE layers).
+
+Owns: the GPU variant of `reference.moe_route` — sigmoid scores, the correction bias steering selection
+only, group-limited top-k (a group's score is the sum of its two best biased scores), the chosen scores
+normalised and scaled. One program per token holds all E experts in registers. As torch ops the same
+math was ~15 launches per MoE layer (~35 µs at batch 1 even inside a CUDA graph, bench/RESULTS.md).
+Ties pick the lower expert index; torch.topk leaves tie order unspecified, so only exact ties can differ.
+Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scaling,
+                      TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_E)[None, :]
+    valid = (g < N_GROUP) & (j < GROUP)
+    expert = g * GROUP + j  # [BLOCK_G, BLOCK_E]
+    logit = tl.load(logit_ptr + t * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
+    score = tl.sigmoid(logit)
+    choice = tl.where(valid, score + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
+    if N_GROUP > 1:
+        best = tl.max(choice, axis=1)
+        if GROUP > 1:
+            first = tl.argmax(choice, axis=1)
+            best += tl.max(tl.where(j == first[:, None], float("-inf"), choice), axis=1)
+        gsc = tl.where(tl.arange(0, BLOCK_G) < N_GROUP, best, float("-inf"))
+        keep = tl.zeros([BLOCK_G], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            pick = tl.arange(0, BLOCK_G) == tl.argmax(gsc, axis=0)
+            keep = keep | pick
+            gsc = tl.where(pick, float("-inf"), gsc)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_E])
+    flat_score = tl.reshape(score, [BLOCK_G * BLOCK_E])
+    flat_expert = tl.reshape(expert, [BLOCK_G * BLOCK_E])
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick = tl.arange(0, BLOCK_G * BLOCK_E) == tl.argmax(flat_choice, axis=0)
+        ids = tl.where(slot == k, tl.sum(tl.where(pick, flat_expert, 0), axis=0).to(tl.int64), ids)
+        weights = tl.where(slot == k, tl.sum(tl.where(pick, flat_score, 0.0), axis=0), weights)
+        flat_choice = tl.where(pick, float("-inf"), flat_choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    kmask = slot < TOP_K
+    tl.store(w_ptr + t * TOP_K + slot, weights * scaling, mask=kmask)
+    tl.store(id_ptr + t * TOP_K + slot, ids, mask=kmask)
+
+
+def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+              routed_scaling_factor: float, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU `reference.moe_route`: logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+    t, e = router_logits.shape
+    if e % n_group or not 0 < topk_group <= n_group or top_k > (e // n_group) * topk_group:
+        raise ValueError(f"moe_route: {e} experts in {n_group} groups, {topk_group} groups kept, top-{top_k}: "
+                         "not a valid routing")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    group = e // n_group
+    if t:
+        _moe_route_kernel[(t,)](logits, bias.float(), weights, ids, logits.stride(0), routed_scaling_factor,
+                                TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP=group,
+                                BLOCK_G=triton.next_power_of_2(n_group), BLOCK_E=triton.next_power_of_2(group),
+                                BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob)
+    return weights, ids
+
+
+@triton.jit
+def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.arange(0, E)
+    hit = tl.zeros([E], dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        hit = tl.maximum(hit, tl.max((ids[None, :] == e[:, None]).to(tl.int32), axis=1))
+    tl.atomic_add(counter_ptr, tl.sum(hit, axis=0).to(tl.int64))
+
+
+def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) -> None:
+    """GPU `reference.count_distinct`: counter (int64 scalar) += number of distinct values in ids, in one
+    launch (the `moe_experts_touched` counter, accumulated on the device inside CUDA graphs)."""
+    flat = ids.reshape(-1)
+    _count_distinct_kernel[(1,)](flat, flat.numel(), counter, E=triton.next_power_of_2(num_values), CHUNK=64)
