@@ -5,8 +5,8 @@ startup seconds per phase.
 Run on the device:  PYTHONPATH=. python bench/bench_gpu.py --out $OUT
 Every ratio printed is measured/bound from this one run: the copy bandwidth and GEMM rates are measured
 here first and used as the ceilings. Bytes a decode step must read = weights it touches (attention + dense
-MLPs + router + shared expert + the routed experts a uniform router hits: E(1-(1-k/E)^b) of them + lm_head)
-+ the KV rows sparse MLA gathers (min(topk, ctx) x 656 B x layers) + the indexer keys scored
+MLPs + router + shared expert + lm_head + the routed experts the step touched, as counted on the device by
+`moe_experts_touched`) + the KV rows sparse MLA gathers (min(topk, ctx) x 656 B x layers) + the indexer keys scored
 (ctx x 132 B x full layers), per request.
 """
 
@@ -24,7 +24,7 @@ from dsaserve.engine.kv_pool import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.layers.linear import Linear
-from dsaserve.model.layers.moe import Experts
+from dsaserve.model.layers.moe import Experts, fold_device_expert_counts
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -70,27 +70,28 @@ def fill_pool(pool, cfg) -> None:
                     torch.randn(len(slots), cfg.index_head_dim, device=slots.device), pool.layout)
 
 
-def touched_weight_bytes(model, bs: int) -> float:
-    """Bytes of weights a decode step of `bs` tokens reads (uniform routing for the expected expert count)."""
+def touched_weight_bytes(model, bs: int, expert_bytes: float | None = None) -> float:
+    """Bytes of weights a decode step of `bs` tokens reads. Routed experts: `expert_bytes` (what the step
+    measurably touched, `moe_experts_touched`), else the uniform-routing expectation E(1-(1-k/E)^bs)."""
     cfg, total = model.cfg, 0.0
     for layer in model.model.layers[: cfg.num_hidden_layers]:
         for m in layer.modules():
             if isinstance(m, Linear) and m is not layer.self_attn.kv_b_proj:  # kv_b is absorbed, read as W_uk/W_uv
                 total += m.disk_bytes
-            elif isinstance(m, Experts):
+            elif isinstance(m, Experts) and expert_bytes is None:
                 e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
                 total += e * (1 - (1 - k / e) ** bs) * m.expert_bytes
         attn = layer.self_attn
         total += (attn.w_uk.numel() + attn.w_uv_t.numel()) * attn.w_uk.element_size()
         if hasattr(layer.mlp, "gate"):
             total += layer.mlp.gate.weight.numel() * 2
-    return total + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total + (expert_bytes or 0.0) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
-def decode_bytes(runner, bs: int, ctx: int) -> dict:
+def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -> dict:
     cfg, pool = runner.cfg, runner.kv_pool
     n_full = len(cfg.full_indexer_layers)
-    w = touched_weight_bytes(runner.model, bs)
+    w = touched_weight_bytes(runner.model, bs, expert_bytes)
     kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
     idx = bs * (ctx + 1) * pool.idx_bpt * n_full
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
@@ -105,11 +106,14 @@ def bench_decode(runner, ceilings, batches, contexts) -> list[dict]:
                 rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
                 continue
             batch = dummy_decode(bs, ctx, runner.page_size, runner.device)
-            t = cuda_time(lambda b=batch: runner.forward(b))
-            need = decode_bytes(runner, bs, ctx)
+            fold_device_expert_counts(reset=True)
+            t = cuda_time(lambda b=batch: runner.forward(b), iters=20, warmup=3)
+            touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run
+            need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
             bound = need["total"] / ceilings["copy_bytes_per_s"]
             rows.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "roofline_ms": bound * 1e3, "ratio": t / bound,
-                         "tokens_per_s": bs / t, "bytes": need})
+                         "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
+                         "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]})
     return rows
 
 

@@ -65,10 +65,6 @@ def main() -> None:
     (args.out / "sweep_skinny.json").write_text(json.dumps(rows, indent=1))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def sweep_sparse_mla(out: Path) -> None:
     """Sparse MLA decode at batch 1 (GLM-5.3: 64 heads, 512 + 64 latent, top-2048, half the slots real)."""
     from dsaserve.engine.kv_pool import encode_latent
@@ -104,3 +100,7 @@ def sweep_sparse_mla(out: Path) -> None:
         print(f"sparse MLA T=1, {real} slots: auto {auto['us']:.1f} us | " +
               " | ".join(f"{r['config']} {r['us']:.1f}" for r in best), flush=True)
     (out / "sweep_sparse_mla.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
