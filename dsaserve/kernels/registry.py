@@ -63,7 +63,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
     if torch.cuda.get_device_capability(device) != (9, 0):
         gemm = "triton block-scaled GEMM, FP8 activations"
-    moe = "triton grouped GEMM (align + gate/up+SiLU + down) + sum, FP8 activations"
+    moe = "triton grouped GEMM (sort-free <= 256 pairs, else align; gate/up+SiLU, down) + combine, FP8 activations"
     linear, fused_moe = triton_fp8_gemm.fp8_linear, triton_moe.fused_moe
     flag = os.environ.get(FP8_ACT_ENV, "1").strip()
     if flag not in ("0", "1"):

@@ -33,7 +33,7 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, self.head_dim, q("wk"))
         self.k_norm = LayerNorm(self.head_dim)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, q("weights_proj"))
-        self.weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+        self.weight_scale = (self.n_heads * self.head_dim) ** -0.5  # = Hi^-0.5 x D^-0.5 (fp32-identical)
         self.scale_folded = 1.0  # the factor already multiplied into weights_proj (finalize_scale)
         self.layer_id = -1
 
