@@ -226,7 +226,8 @@ _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 def split_counters(device: torch.device) -> torch.Tensor:
     """One int32 arrival counter per output tile, zero between launches (the last program resets its own).
-    Made once per device, at the first (eager) call: warmup runs before any graph is captured."""
+    Made once per device, at the first (eager) call: warmup runs before any graph is captured. Shared by
+    every split GEMM, which is safe because they run one after another on the compute stream."""
     key = device.index
     if key not in _SPLIT_COUNTERS:
         _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
