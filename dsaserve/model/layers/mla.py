@@ -66,6 +66,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         self.w_uk = w[:, : self.nope].contiguous()  # [H, nope, kv_lora]: q_nope [H, T, nope] @ -> [H, T, kv_lora]
         self.w_uv_t = w[:, self.nope:].transpose(1, 2).contiguous()  # [H, kv_lora, v]: latent @ -> [H, T, v]
+        self.kv_b_proj.release_weight()
 
     def merge_projections(self) -> None:
         """GPU path, after loading: q_a, kv_a and (full layers) the indexer's wk read the same hidden state,
