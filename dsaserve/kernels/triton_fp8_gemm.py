@@ -150,11 +150,11 @@ def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, 
         tl.store(part_ptr + pid_s * stride_ps + p_off, acc, mask=mask)
         tl.debug_barrier()  # every thread's part is written before one thread signals (release is cumulative)
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == n_split - 1:
+        if arrived == n_split - 1:  # sum every part from the workspace in split order: deterministic
+            total = tl.zeros(acc.shape, dtype=tl.float32)  # whichever program happens to arrive last
             for s in range(0, n_split):
-                if s != pid_s:
-                    acc += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                total += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
@@ -221,6 +221,8 @@ def even_split(kblocks: int, want: int) -> int:
     """The largest split <= want that divides the K blocks evenly (every program runs the same trip count,
     which also keeps the loop bounds plain integers for the Triton interpreter)."""
     return max(d for d in range(1, max(1, min(want, kblocks)) + 1) if kblocks % d == 0)
+
+
 _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 

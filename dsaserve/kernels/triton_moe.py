@@ -292,7 +292,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
               "kernel": kernel}
-    route = topk_ids if kernel == "unsorted" else moe_align(topk_ids, e, bm)
+    if pairs == 0:
+        return torch.empty(t, h, dtype=x.dtype, device=x.device)
+    route = topk_ids.contiguous() if kernel == "unsorted" else moe_align(topk_ids, e, bm)
     x = x.contiguous()  # the same tensor when contiguous: keeps its FP8 copy (`cached_fp8`)
     act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 

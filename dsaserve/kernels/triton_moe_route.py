@@ -90,5 +90,5 @@ def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.c
 def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) -> None:
     """GPU `reference.count_distinct`: counter (int64 scalar) += number of distinct values in ids, in one
     launch (the `moe_experts_touched` counter, accumulated on the device inside CUDA graphs)."""
-    flat = ids.reshape(-1)
+    flat = ids.contiguous().view(-1)
     _count_distinct_kernel[(1,)](flat, flat.numel(), counter, E=triton.next_power_of_2(num_values), CHUNK=64)

@@ -440,3 +440,24 @@ def test_count_distinct_matches_reference(gen):
         RT.count_distinct(ids, 64, got)
         R.count_distinct(ids, 64, want)
     assert int(got) == int(want) == 2 * int(ids.unique().numel())
+
+
+def test_fused_moe_takes_an_empty_batch(gen):
+    moe = _ops()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, 1, e, h, inter, k)
+    out = moe.fused_moe(x[:0], w13, s13, w2, s2, tw[:0], ids[:0])
+    assert out.shape == (0, h)
+
+
+def test_split_k_parts_sum_to_the_unsplit_result(gen):
+    gemm = _ops()[0]
+    n, k = (640, 2048) if BIG else (192, 1024)
+    w, s = quantize_fp8_block(_randn(n, k, gen=gen))
+    x = _randn(3, k, gen=gen, dtype=torch.bfloat16)
+    conf = dict(fma=False, a_fp8=True, block_m=16, block_n=64, num_warps=4, num_stages=4)
+    one = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=1, **conf)
+    for split in (2, 4, 8):
+        got = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=split, **conf)
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-4)
+    assert int(gemm.split_counters(x.device).abs().sum()) == 0  # every tile's counter reset for the next launch

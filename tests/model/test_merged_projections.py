@@ -67,9 +67,9 @@ def test_rope_table_rows_equal_the_per_step_formula():
     cfg = load_config("deepseek-v3.2-tiny")  # YaRN: attention factor and ramped frequencies
     rot = RotaryTables(cfg)
     pos = torch.tensor([0, 1, 77, 4095, cfg.max_position_embeddings - 1])
-    table_cos, table_sin = rot._compute(torch.arange(cfg.max_position_embeddings), torch.bfloat16)
-    cos, sin = rot(pos, torch.bfloat16)
-    assert torch.equal(table_cos[pos], cos) and torch.equal(table_sin[pos], sin)
+    table_cos, table_sin = rot.table_rows(pos, torch.bfloat16)  # what the GPU path gathers
+    cos, sin = rot(pos, torch.bfloat16)  # what the CPU path computes
+    assert torch.equal(table_cos, cos) and torch.equal(table_sin, sin)
 
 
 @pytest.mark.parametrize("heads,dim,folds", [(32, 128, True), (16, 32, False)])

@@ -77,7 +77,12 @@ class RotaryTables:
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.device.type == "cpu":  # the reference path computes what it needs
             return self._compute(positions, dtype)
-        if dtype not in self.tables:  # first (eager) forward, before any graph capture
+        return self.table_rows(positions, dtype)
+
+    def table_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GPU path: rows of the table (built at the first, eager, forward: before any graph capture).
+        Positions must be below max_position_embeddings (the engine caps max_model_len there)."""
+        if dtype not in self.tables:
             self.tables[dtype] = self._compute(torch.arange(self.max_positions, device=positions.device), dtype)
         cos, sin = self.tables[dtype]
         return cos.index_select(0, positions), sin.index_select(0, positions)
