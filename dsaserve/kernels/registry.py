@@ -6,7 +6,7 @@ CUDA graph), each bound to the GPU variant (`kernels/triton_*.py`)
 when the device is CUDA, Triton imports and the GPU can run FP8 (compute capability >= 8.9), and to the
 reference otherwise. `DSASERVE_KERNELS=reference` forces the reference everywhere (debugging, bisecting a
 wrong answer); `DSASERVE_FP8_ACTIVATIONS=0` keeps the GPU FP8 GEMMs' activations bf16 (exact to bf16
-rounding, ~1.4x slower decode GEMMs: for greedy-equality runs against the CPU reference). The namespace's
+rounding, ~1.4x slower decode GEMMs: for comparing with the CPU reference, bench/logit_distance.py). The namespace's
 `impls` maps op -> implementation name, for the startup manifest.
 Triton is imported only here and only when it will be used: the CI's CPU torch wheel may not ship it.
 """

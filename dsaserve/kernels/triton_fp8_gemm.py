@@ -333,7 +333,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     """GPU `reference.fp8_linear`: y = x @ dequant(W)^T, x [M, K] -> [M, N] in x.dtype.
 
     exact_act keeps activations bf16 (FP8 weight tiles widened in registers; ~1.4x slower at decode): the
-    reference's numbers up to bf16 rounding, for greedy-equality checks against the CPU path.
+    reference's numbers up to bf16 rounding, for comparisons with the CPU path (bench/logit_distance.py).
     """
     _check(x, weight, weight_scale_inv)
     lead = x.shape[:-1]
