@@ -349,8 +349,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
             y = triton_gemm(x2, weight, weight_scale_inv, False, 64, 128, 1, 4, 3, x.dtype)
     elif m <= SMALL_M or (m <= SKINNY_MAX_M and not scaled_mm_ok(n, k, x2.device)):
         cfg = skinny_config(m, n, k, _sm_count(x2))
-        y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, act=cached_fp8(x) if x.dim() == 2 else None,
-                        **cfg)
+        y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, act=cached_fp8(x), **cfg)
     elif scaled_mm_ok(n, k, x2.device):
         y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype)
     else:

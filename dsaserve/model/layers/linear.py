@@ -79,9 +79,10 @@ class MergedLinear(Linear):
     separate dense matmuls bit-for-bit."""
 
     def __init__(self, parts: list[Linear]):
+        nn.Module.__init__(self)  # not Linear.__init__: its empty full-size weight would be thrown away
         k = parts[0].in_features
         rows = [-(-p.out_features // FP8_BLOCK) * FP8_BLOCK for p in parts]
-        super().__init__(k, sum(rows), quantized=True)
+        self.in_features, self.out_features, self.quantized = k, sum(rows), True
         w = torch.zeros(sum(rows), k, dtype=torch.float8_e4m3fn, device=parts[0].weight.device)
         self.slices: list[tuple[int, int]] = []
         start = 0
