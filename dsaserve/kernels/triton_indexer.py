@@ -7,9 +7,9 @@ Owns: the GPU variant of `reference.indexer_topk`, built to run inside a capture
      sum_h w[t,h] * relu(.) times the key's FP32 scale (scale > 0 commutes with relu); keys past the
      token's position (causal) and past the page table are written as -inf, never read;
   2. selection: decode-size batches use a Triton kernel (a row that sees <= topk keys takes them all;
-     otherwise a 16-way search finds the k-th largest score, then one compacting pass writes
-     physical slots); large prefill slices use torch.topk + a page-table gather. When max_seq <= topk
-     every visible key is selected and no score is computed.
+     otherwise a bisection, in registers up to 16K keys, finds the k-th largest score, then one
+     compacting pass writes physical slots); large prefill slices use torch.topk + a page-table gather.
+     When max_seq <= topk every visible key is selected and no score is computed.
 No host loop over requests and no host sync: `seq_lens` / `extend_lens` (host lists in the reference
 signature) are not needed, positions and req_index on the device say everything. The selection order is
 by score but unsorted (`sorted=False`): consumers (sparse MLA) are order-free. Long prefill chunks are
@@ -78,6 +78,7 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
     tl.store(out_ptrs, tl.where(valid, score, float("-inf")))
 
 
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 SELECT_MAX_ROWS = 512  # rows (tokens) up to which the Triton selection replaces torch.topk (decode)
 
 
@@ -117,26 +118,24 @@ def _select_in_registers(row, pt_ptr, out_row, pt_off, pos, n_cols, k, page_size
 
 @triton.jit
 def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k, page_size, stride_s, stride_pt,
-                        stride_o, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ROW_IN_REGS: tl.constexpr):
+                        stride_o, BLOCK: tl.constexpr, ROW_IN_REGS: tl.constexpr):
     """One row per program: the k largest scores' positions -> physical slots, in position order.
 
     A row whose token sees at most k keys takes them all (no scores are read). A row that fits in
     registers (ROW_IN_REGS) is loaded once and bisected there (`_select_in_registers`). A longer row is
-    searched on the order-preserving integer key in passes over L2: one for the row's min and max, then
-    passes that each count the keys at or above 16 evenly spaced thresholds, narrowing [lo, hi] 16x (at
-    most 8 passes for 32 bits; each pass is latency-bound, so fewer passes win). One pass writes every
-    position above the k-th plus the first (k - #above) ties, compacted with a prefix sum. -inf (not
+    bisected on the order-preserving integer key with 32 counting passes over L2. One pass then writes
+    every position above the k-th plus the first (k - #above) ties, compacted with a prefix sum. -inf (not
     visible) is never selected; unwritten outputs keep the caller's -1. Only the row's causal prefix is
     scanned: a graph captured for a long static context pays for the tokens' real contexts, not the bound.
-    H200, 8K keys: 65 µs per row for 32 bisection passes over L2, ~100 µs for a 256-bin histogram radix
-    select (nearly all keys share their top byte: its shared-memory atomics serialise).
+    H200, 8K keys per row: 46 µs in registers, 65 µs bisecting over L2; slower and dropped: a 256-bin
+    histogram radix select (~100 µs: nearly all keys share their top byte, so its shared-memory atomics
+    serialise) and 16-way counting passes over L2 (~114 µs).
     """
     t = tl.program_id(0).to(tl.int64)
     row = score_ptr + t * stride_s
     pos = tl.load(pos_ptr + t)
     req = tl.load(req_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    offs_c = tl.arange(0, CHUNK)
     if pos < k:  # every visible key is selected
         for c0 in range(0, pos + 1, 1024):
             j = c0 + tl.arange(0, 1024)
@@ -147,25 +146,17 @@ def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k,
         _select_in_registers(row, pt_ptr, out_ptr + t * stride_o, req * stride_pt, pos, n_cols, k, page_size, BLOCK)
         return
     n_scan = tl.minimum(tl.cdiv(pos + 1, BLOCK) * BLOCK, n_cols)  # past the position all is -inf
-    lo = tl.zeros([], dtype=tl.int64) + 2147483647
-    hi = tl.zeros([], dtype=tl.int64) - 2147483648
-    for c0 in range(0, n_scan, BLOCK):
-        j = c0 + offs
-        key = _order_key(tl.load(row + j, mask=j < n_cols, other=float("-inf")))
-        lo = tl.minimum(lo, tl.min(tl.where(j <= pos, key, 2147483647), axis=0))
-        hi = tl.maximum(hi, tl.max(key, axis=0))
-    # invariant: count(key >= lo) >= k > count(key > hi); each pass counts 16 thresholds in [lo, hi] at once
-    steps = tl.arange(1, 17).to(tl.int64)
-    while lo < hi:
-        step = (hi - lo) // 16 + 1
-        thr = lo + steps * step
-        cnt = tl.zeros([16], dtype=tl.int32)
-        for c0 in range(0, n_scan, CHUNK):
-            x = tl.load(row + c0 + offs_c, mask=c0 + offs_c < n_cols, other=float("-inf"))
-            cnt += tl.sum((_order_key(x)[None, :] >= thr[:, None]).to(tl.int32), axis=1)
-        best = tl.max(tl.where(cnt >= k, steps, 0), axis=0)  # the highest threshold still keeping k
-        lo = lo + best * step
-        hi = tl.minimum(hi, lo + step - 1)
+    lo = tl.zeros([], dtype=tl.int64) + (KEY_NEG_INF + 1)  # -inf (not visible) is never the k-th
+    hi = tl.zeros([], dtype=tl.int64) + 2147483647
+    for _ in range(32):  # bisection: one counting pass over the row (from L2) per bit
+        mid = lo + (hi - lo + 1) // 2
+        cnt = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, n_scan, BLOCK):
+            x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
+            cnt += tl.sum((_order_key(x) >= mid).to(tl.int32), axis=0)
+        take = cnt >= k
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
     n_gt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n_scan, BLOCK):
         x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
@@ -230,9 +221,8 @@ ROW_IN_REGS_MAX = 16384  # keys per row up to which the selection holds the row 
 
 def _select_config(max_seq: int) -> dict:
     if max_seq <= ROW_IN_REGS_MAX:
-        return {"BLOCK": triton.next_power_of_2(max_seq), "CHUNK": 16, "ROW_IN_REGS": True,
-                "num_warps": 16 if max_seq > 4096 else 8}
-    return {"BLOCK": 4096, "CHUNK": 512, "ROW_IN_REGS": False, "num_warps": 8}
+        return {"BLOCK": triton.next_power_of_2(max_seq), "ROW_IN_REGS": True, "num_warps": 16 if max_seq > 4096 else 8}
+    return {"BLOCK": 4096, "ROW_IN_REGS": False, "num_warps": 8}
 
 
 def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,

@@ -461,3 +461,27 @@ def test_split_k_parts_sum_to_the_unsplit_result(gen):
         got = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=split, **conf)
         torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-4)
     assert int(gemm.split_counters(x.device).abs().sum()) == 0  # every tile's counter reset for the next launch
+
+
+@pytest.mark.parametrize("n_keys,k", [(3000, 2048), (600, 64), (40, 64)])
+def test_topk_select_paths_pick_the_same_slots(gen, n_keys, k):
+    """The in-register bisection (rows up to 16K keys) and the L2 one (longer rows) on the same scores."""
+    idx = _ops()[1]
+    width = 4096
+    scores = _randn(2, width, gen=gen)
+    scores[:, 5:40] = scores[:, 50:51]  # a run of ties around any threshold
+    scores[:, n_keys:] = float("-inf")
+    table = torch.arange(width // 64, device=DEVICE).repeat(2, 1)
+    req, pos = torch.arange(2, device=DEVICE), torch.full((2,), n_keys - 1, device=DEVICE)
+    outs = []
+    for conf in ({"BLOCK": width, "ROW_IN_REGS": True}, {"BLOCK": 1024, "ROW_IN_REGS": False}):
+        out = torch.full((2, k), -1, dtype=torch.int64, device=DEVICE)
+        idx._topk_select_kernel[(2,)](scores, table, req, pos, out, width, k, 64, scores.stride(0), table.stride(0),
+                                      out.stride(0), **conf)
+        outs.append(out)
+    want = min(k, n_keys)
+    kth = scores[0, :n_keys].topk(want).values[-1]
+    for out in outs:
+        assert (out[:, :want] >= 0).all() and (out[:, want:] == -1).all()
+        assert (scores[0, out[0, :want]] >= kth).all()
+    assert torch.equal(outs[0], outs[1])
