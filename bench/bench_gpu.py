@@ -105,7 +105,7 @@ def bench_decode(runner, ceilings, batches, contexts) -> list[dict]:
             if bs * pages > runner.num_pages:
                 rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
                 continue
-            batch = dummy_decode(bs, ctx, runner.page_size, runner.device)
+            batch = dummy_decode(bs, ctx, runner.page_size, "cpu")  # a host batch, as the engine hands over
             fold_device_expert_counts(reset=True)
             t = cuda_time(lambda b=batch: runner.forward(b), iters=20, warmup=3)
             touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsaserve.engine.counters import COUNTERS, Counters
@@ -32,6 +33,9 @@ def decode_buckets(max_bs: int) -> list[int]:
     return sorted(set(out + [max_bs]))
 
 
+INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -46,13 +50,29 @@ class CudaGraphRunner:
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        self.input_ids, self.positions, self.req_index = z(max_bs), z(max_bs), z(max_bs)
-        self.seq_lens, self.extend_lens, self.out_cache_loc = z(max_bs), torch.ones_like(z(max_bs)), z(max_bs)
-        self.page_table = torch.full((max_bs, max_pages_per_req), sink_page, dtype=torch.int64, device=dev)
+        # The static inputs are views of one int64 buffer (5 per-token rows, then the page table), so a host
+        # batch reaches them in one H2D copy from a pinned twin: each CUDA call is host time the GPU idles
+        # through before the replay starts (~5-10 us each on the H200 host), and this was 14 of them.
+        self.inputs = torch.zeros(INPUT_ROWS * max_bs + max_bs * max_pages_per_req, dtype=torch.int64, device=dev)
+        self.host_inputs = torch.zeros_like(self.inputs, device="cpu")
+        if dev.type == "cuda":
+            self.host_inputs = self.host_inputs.pin_memory()
+        self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
+        self.host_np = self._views(self.host_inputs.numpy())  # numpy writes: ~10x less host time than torch's
+        self.staged = torch.cuda.Event() if dev.type == "cuda" else None  # the last H2D copy out of host_inputs
+        (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
+         self.page_table) = self._views(self.inputs)
+        self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
         self.graphs: dict[int, _Graph] = {}
         self.pool_handle = None
         self.capture_seconds = 0.0
+
+    def _views(self, buf):
+        """(input_ids, positions, req_index, seq_lens, out_cache_loc, page_table) inside buf (a tensor or
+        its numpy view)."""
+        n = self.max_bs
+        rows = [buf[i * n:(i + 1) * n] for i in range(INPUT_ROWS)]
+        return (*rows, buf[INPUT_ROWS * n:].reshape(n, self.max_pages))
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         ones = [1] * bs
@@ -60,17 +80,20 @@ class CudaGraphRunner:
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
                             torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones)
 
-    def _reset_padding(self, start: int, end: int | None = None) -> None:
-        """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page."""
+    def _reset_padding(self, start: int, end: int | None = None, host: bool = False) -> None:
+        """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page
+        (in the host staging buffer with host=True, else on the device)."""
         end = self.max_bs if end is None else end
         if start >= end:
             return
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.seq_lens[start:end].fill_(1)
-        self.req_index[start:end] = torch.arange(start, end, device=self.req_index.device)
-        self.page_table[start:end].fill_(self.sink_page)
-        self.out_cache_loc[start:end].fill_(self.sink_page * self.page_size)
+        ids, pos, req, lens, out, table = self.host_np if host else (
+            self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc, self.page_table)
+        ids[start:end] = 0
+        pos[start:end] = 0
+        lens[start:end] = 1
+        req[start:end] = np.arange(start, end) if host else torch.arange(start, end, device=req.device)
+        table[start:end] = self.sink_page
+        out[start:end] = self.sink_page * self.page_size
 
     def capture(self) -> list[int]:
         """Warm each bucket eagerly (compiles kernels, records its weight bytes), then capture; largest first
@@ -114,21 +137,45 @@ class CudaGraphRunner:
         return None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's logits rows. When every row samples (decode) they are a view of the graph's
+        output buffer: valid until the next replay (the engine samples before it builds the next step)."""
         bs = batch.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
-        self._reset_padding(bs, bucket)  # only this bucket's padding rows are read (none when bs == bucket)
-        self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(batch.positions, non_blocking=True)
-        self.req_index[:bs].copy_(batch.req_index, non_blocking=True)
-        self.seq_lens[:bs].copy_(batch.seq_lens, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc, non_blocking=True)
-        width = batch.page_table.shape[1]
-        self.page_table[:bs, :width].copy_(batch.page_table, non_blocking=True)
+        if batch.input_ids.is_cuda:
+            self._load_device(batch, bs, bucket)
+        else:
+            self._load_host(batch, bs, bucket)
         g = self.graphs[bucket]
         g.graph.replay()
         self._count(batch, g)
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
-        return g.logits.index_select(0, batch.logits_indices)
+        if batch.logits_indices.numel() == bs:  # every row, in order
+            return g.logits[:bs]
+        return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True))
+
+    def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
+        """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy."""
+        self.staged.synchronize()  # the previous step's copy has read the buffer (long since, when in step)
+        ids, pos, req, lens, out, table = self.host_np
+        ids[:bs] = batch.input_ids.numpy()
+        pos[:bs] = batch.positions.numpy()
+        req[:bs] = batch.req_index.numpy()
+        lens[:bs] = batch.seq_lens.numpy()
+        out[:bs] = batch.out_cache_loc.numpy()
+        table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
+        self._reset_padding(bs, bucket, host=True)  # only this bucket's padding rows are read
+        n = INPUT_ROWS * self.max_bs + bucket * self.max_pages
+        self.inputs[:n].copy_(self.host_inputs[:n], non_blocking=True)
+        self.staged.record()
+
+    def _load_device(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
+        """A batch already on the device: copy each field into the static buffers."""
+        self._reset_padding(bs, bucket)
+        for dst, src in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
+                         (self.req_index, batch.req_index), (self.seq_lens, batch.seq_lens),
+                         (self.out_cache_loc, batch.out_cache_loc)):
+            dst[:bs].copy_(src, non_blocking=True)
+        self.page_table[:bs, : batch.page_table.shape[1]].copy_(batch.page_table, non_blocking=True)
 
     def _count(self, batch: ForwardBatch, g: _Graph) -> None:
         """What the eager forward would have counted: bytes from host metadata, weights from warmup."""

@@ -176,15 +176,17 @@ class ModelRunner:
 
     # ---- steps -----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step."""
-        if batch.input_ids.device != self.device:
-            batch = batch.to(self.device)
+        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed step's may be
+        a view of the graph's output: read them before the next forward). A host batch goes to the device
+        here: into the graphs' static inputs in one copy, or field by field for an eager step."""
         if self.graphs is not None:
             reason = self.graphs.fallback_reason(batch)
             if reason is None:
                 return self.graphs.replay(batch)
             if reason != "prefill":
                 COUNTERS.add(f"eager_fallbacks.{reason}")
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 

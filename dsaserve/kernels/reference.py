@@ -36,6 +36,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     return (x.float() @ w.t()).to(x.dtype)
 
 
+def head_bmm(x: torch.Tensor, w: torch.Tensor, flatten: bool = False) -> torch.Tensor:
+    """Per-head GEMM of absorbed MLA: x [T, H, K] @ w [H, K, N] -> [T, H, N] (or [T, H*N] with flatten)."""
+    y = torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+    return y.reshape(y.shape[0], -1) if flatten else y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalise in fp32, cast back, then scale."""
     xf = x.float()
@@ -146,6 +152,11 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     return torch.einsum("thk,tkc->thc", probs, c).to(q_nope.dtype)
 
 
+def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
+    """The MoE router's logits as HF computes them: fp32 x [T, H] @ weight [E, H]^T -> [T, E] fp32."""
+    return F.linear(x.float(), weight_f32.float())
+
+
 def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
               routed_scaling_factor: float, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM routing: sigmoid scores; `bias` steers selection only; group-limited top-k.
@@ -175,8 +186,10 @@ def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) ->
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-              w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k].
+              w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k] (+ add, e.g. the
+    shared expert's output, after the sum is rounded to x.dtype).
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; FP8 with block scales, or dense when the
     scales are None (the CPU path dequantises once at load).
@@ -190,4 +203,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
         h = x[tok].float() @ a.float().t()
         h = F.silu(h[:, :inter]) * h[:, inter:]
         out.index_add_(0, tok, (h @ b.float().t()) * topk_weights[tok, slot, None].float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if add is None else out.to(x.dtype) + add

@@ -27,7 +27,7 @@ CHOICES = ("auto", "reference")
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe",
-       "count_distinct")
+       "count_distinct", "head_bmm", "router_logits")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -53,6 +53,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     from dsaserve.kernels import (
         triton_elementwise,
         triton_fp8_gemm,
+        triton_head_gemm,
         triton_indexer,
         triton_kv_write,
         triton_moe,
@@ -78,10 +79,14 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "fused_moe": (fused_moe, moe),
         "moe_route": (triton_moe_route.moe_route, "triton fused sigmoid + group-limited top-k + normalise"),
         "count_distinct": (triton_moe_route.count_distinct, "triton one-program count"),
+        "router_logits": (triton_moe_route.router_logits,
+                          f"triton fp32 GEMV (T<={triton_moe_route.ROUTER_GEMV_MAX_T}), else cuBLAS"),
         "rms_norm": (triton_elementwise.rms_norm, "triton row kernel"),
         "add_rms_norm": (triton_elementwise.add_rms_norm, "triton residual add + RMSNorm"),
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
+        "head_bmm": (triton_head_gemm.head_bmm,
+                     f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer.indexer_topk,
                          "triton paged FP8 scores + triton select (decode) / torch.topk (prefill)"),
         "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 
 @triton.jit
@@ -34,7 +35,9 @@ def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, stride_x, stride_r, stride_y,
-                     stride_s, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_s, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -76,7 +79,8 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *(fp8 or (y, y)), n, eps, x2.stride(0), r2.stride(0),
                                   y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+                                  BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
+                                  **pdl_args(x.device))
     out = y.view(*x.shape[:-1], n)
     if fp8 is not None and out.dim() == 2:
         attach_fp8(out, *fp8)
@@ -95,7 +99,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qs_ptr, N, stride_x, stride_y, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qs_ptr, N, stride_x, stride_y, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BLOCK
     offs = col0 + tl.arange(0, BLOCK)
@@ -119,7 +125,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     fp8 = _fp8_outputs(rows, n, y.dtype, x.device) if n % block == 0 else None
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *(fp8 or (y, y)), n, x2.stride(0), y.stride(0),
-                                                       QUANT=fp8 is not None, BLOCK=block)
+                                                       QUANT=fp8 is not None, BLOCK=block, **pdl_args(x.device))
     out = y.view(*x.shape[:-1], n)
     if fp8 is not None and out.dim() == 2:
         attach_fp8(out, *fp8)
@@ -133,7 +139,8 @@ def _rnd(v, ty: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_p = tl.arange(0, HALF)
@@ -162,5 +169,6 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     block_h = min(triton.next_power_of_2(h), 16)
     if t:
         _rope_kernel[(t, triton.cdiv(h, block_h))](x3, cos, sin, h, x3.stride(0), x3.stride(1), cos.stride(0),
-                                                  INTERLEAVED=interleaved, HALF=r // 2, BLOCK_H=block_h)
+                                                  INTERLEAVED=interleaved, HALF=r // 2, BLOCK_H=block_h,
+                                                  **pdl_args(x.device))
     return x

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside @triton.jit
@@ -48,7 +50,8 @@ def _sm_count(t: torch.Tensor) -> int:
 # ---- activation quantisation: [M, K] -> e4m3 [M_pad, K] + fp32 scales [M_pad, K/128] -------------------
 @triton.jit
 def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-                        GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
+                        GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     m = tl.program_id(0)
     g0 = tl.program_id(1) * GROUPS_PER_PROG
     offs_g = g0 + tl.arange(0, GROUPS_PER_PROG)
@@ -76,7 +79,8 @@ def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = Fals
     gpp = 4 if kg >= 4 else 1
     if mp > 0:
         _quant_group_kernel[(mp, triton.cdiv(kg, gpp))](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                                       s.stride(1), GROUP=FP8_BLOCK, GROUPS_PER_PROG=gpp)
+                                                       s.stride(1), GROUP=FP8_BLOCK, GROUPS_PER_PROG=gpp,
+                                                       **pdl_args(x.device))
     return q, s
 
 
@@ -103,7 +107,8 @@ def cached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split, n_kb,
                      stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
                      A_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -163,7 +168,7 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
                        stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, stride_pm,
                        stride_ps,
                        FMA: tl.constexpr, A_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Decode GEMM with the weight as the row operand: C^T [BN, BM] = W [BN, BK] @ x^T [BK, BM] per K step.
 
     W tiles are read row-major (K contiguous, 16-byte loads); the tiny token count is the MMA's N
@@ -174,6 +179,7 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
     Quantising x in registers at each K step instead of by a separate kernel was measured 1.3-1.6x slower
     on the H200 (the quantised tile's trip through shared memory stalls the weight stream).
     """
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -256,7 +262,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma:
                              a_s.stride(1) if a_fp8 else 0, weight.stride(0), scale.stride(0), scale.stride(1),
                              c.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0, FMA=fma, A_FP8=a_fp8,
                              EVEN_K=(k % FP8_BLOCK == 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
     return c
 
 
@@ -300,7 +306,7 @@ def triton_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, a_fp
                            a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0,
                            weight.stride(0), scale.stride(0), scale.stride(1), c.stride(0), c.stride(1),
                            A_FP8=a_fp8, EVEN_K=(k % FP8_BLOCK == 0), BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages)
+                           BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
     return c[0] if split == 1 else c.sum(0).to(out_dtype)
 
 

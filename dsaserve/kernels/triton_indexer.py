@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import opaque_index
+from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
 _LAYOUT = {"fp8_ds_mla": 0, "fp8_e4m3": 0, "bf16": 1, "fp32": 1}
@@ -33,10 +33,11 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
                         n_heads, head_dim, page_size, max_pages, skip_below,
                         stride_qt, stride_qh, stride_wt, stride_k, stride_ks, ks_off, stride_pt, stride_ot,
                         FP8: tl.constexpr, WORDS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_KV: tl.constexpr):
+                        BLOCK_KV: tl.constexpr, PDL: tl.constexpr = False):
     """WORDS (FP8 keys, head_dim % 64 == 0): keys read as int32 words (4 e4m3 values each; a 132-byte row
     is only 4-byte aligned, so this is the widest safe load) and byte plane j of every word is dotted with
     query columns j, j+4, ...: the dimension order of a dot product does not matter."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     kb = tl.program_id(1)
     offs_j = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
@@ -96,18 +97,30 @@ def _order_key(x):
 
 @triton.jit
 def _select_in_registers(row, pt_ptr, out_row, pt_off, pos, n_cols, k, page_size, BLOCK: tl.constexpr):
-    """k largest of one row held in registers: bisection on the key (32 block reductions, no memory
-    traffic), then ties taken in position order and the selection compacted by a prefix sum."""
+    """k largest of one row held in registers: a 4-way search on the key (no memory traffic), then ties
+    taken in position order and the selection compacted by a prefix sum.
+
+    Each step counts the keys at or above three thresholds in ONE block reduction (the three counts packed
+    in 21-bit fields of an int64: a row has at most 16K keys), so the 32-bit key range takes at most 16
+    reductions instead of a binary search's 32; the reduction's barrier, not the compares, is the cost.
+    """
     j = tl.arange(0, BLOCK)
     visible = (j <= pos) & (j < n_cols)
     key = _order_key32(tl.load(row + j, mask=visible, other=float("-inf")))  # int32: half the registers
     lo = tl.min(tl.where(visible, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(key, axis=0).to(tl.int64)
+    key64 = key.to(tl.int64)
     while lo < hi:  # invariant: count(key >= lo) >= k > count(key > hi)
-        mid = lo + (hi - lo + 1) // 2
-        take = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= k
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
+        span = hi - lo + 1
+        m1 = lo + (span + 3) // 4  # lo < m1 <= m2 <= m3 <= hi + 1
+        m2 = lo + (2 * span + 3) // 4
+        m3 = lo + (3 * span + 3) // 4
+        packed = tl.sum((key64 >= m1).to(tl.int64) + ((key64 >= m2).to(tl.int64) << 21)
+                        + ((key64 >= m3).to(tl.int64) << 42), axis=0)
+        c1, c2, c3 = packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42
+        new_lo = tl.where(c3 >= k, m3, tl.where(c2 >= k, m2, tl.where(c1 >= k, m1, lo)))
+        hi = tl.where(c3 >= k, hi, tl.where(c2 >= k, m3 - 1, tl.where(c1 >= k, m2 - 1, m1 - 1)))
+        lo = new_lo
     lo32 = lo.to(tl.int32)
     need = k - tl.sum((key > lo32).to(tl.int32), axis=0)
     eq = (key == lo32).to(tl.int32)
@@ -118,29 +131,31 @@ def _select_in_registers(row, pt_ptr, out_row, pt_off, pos, n_cols, k, page_size
 
 @triton.jit
 def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k, page_size, stride_s, stride_pt,
-                        stride_o, BLOCK: tl.constexpr, ROW_IN_REGS: tl.constexpr):
+                        stride_o, BLOCK: tl.constexpr, ROW_IN_REGS: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program: the k largest scores' positions -> physical slots, in position order.
 
     A row whose token sees at most k keys takes them all (no scores are read). A row that fits in
-    registers (ROW_IN_REGS) is loaded once and bisected there (`_select_in_registers`). A longer row is
+    registers (ROW_IN_REGS) is loaded once and searched there (`_select_in_registers`). A longer row is
     bisected on the order-preserving integer key with 32 counting passes over L2. One pass then writes
     every position above the k-th plus the first (k - #above) ties, compacted with a prefix sum. -inf (not
-    visible) is never selected; unwritten outputs keep the caller's -1. Only the row's causal prefix is
-    scanned: a graph captured for a long static context pays for the tokens' real contexts, not the bound.
-    H200, 8K keys per row: 46 µs in registers, 65 µs bisecting over L2; slower and dropped: a 256-bin
-    histogram radix select (~100 µs: nearly all keys share their top byte, so its shared-memory atomics
+    visible) is never selected. All k outputs of a row are written (-1 where nothing is selected). Only
+    the row's causal prefix is scanned: a graph captured for a long static context pays for the tokens'
+    real contexts, not the bound. H200, 8K keys per row: 46 µs for a binary search in registers (before
+    the 4-way one), 65 µs over L2; slower and dropped: a 256-bin histogram radix select (~100 µs: nearly
+    all keys share their top byte, so its shared-memory atomics
     serialise) and 16-way counting passes over L2 (~114 µs).
     """
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = score_ptr + t * stride_s
     pos = tl.load(pos_ptr + t)
     req = tl.load(req_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    if pos < k:  # every visible key is selected
-        for c0 in range(0, pos + 1, 1024):
+    if pos < k:  # every visible key is selected, the rest of the row is -1
+        for c0 in range(0, k, 1024):
             j = c0 + tl.arange(0, 1024)
             page = tl.load(pt_ptr + req * stride_pt + j // page_size, mask=j <= pos, other=0)
-            tl.store(out_ptr + t * stride_o + j, page * page_size + j % page_size, mask=j <= pos)
+            tl.store(out_ptr + t * stride_o + j, tl.where(j <= pos, page * page_size + j % page_size, -1), mask=j < k)
         return
     if ROW_IN_REGS:  # the whole row lives in registers: bisection costs a block reduction per step
         _select_in_registers(row, pt_ptr, out_ptr + t * stride_o, req * stride_pt, pos, n_cols, k, page_size, BLOCK)
@@ -211,7 +226,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
                               FP8=_LAYOUT[layout] == 0, WORDS=kq.dtype == torch.int32,
                               BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
                               BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv,
-                              num_warps=4, num_stages=2)
+                              num_warps=4, num_stages=2, **pdl_args(q.device))
     return out[:, :max_seq]
 
 
@@ -235,13 +250,14 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     t = q.shape[0]
     max_seq = page_table.shape[1] * page_size
     k = min(topk, max_seq)
-    out = torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
     step = max(1, min(t, SCORE_BUDGET // (4 * max(max_seq, 1))))
     if max_seq <= topk:  # every visible key is selected: no scores needed
+        out = torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
         j = torch.arange(max_seq, device=q.device)
         slots = page_table[req_index[:, None], j // page_size] * page_size + j % page_size
         out[:, :max_seq] = slots.masked_fill_(j[None, :] > positions[:, None], -1)
         return out
+    out = torch.empty((t, topk), dtype=torch.int64, device=q.device)  # k == topk here: every slot is written
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))
         select = t <= SELECT_MAX_ROWS
@@ -252,7 +268,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
             _topk_select_kernel[(o.shape[0],)](scores, page_table, req_index[sl], positions[sl], o, max_seq, k,
                                                page_size,
                                                scores.stride(0), page_table.stride(0), o.stride(0),
-                                               **_select_config(max_seq))
+                                               **_select_config(max_seq), **pdl_args(scores.device))
             continue
         vals, idx = scores.topk(k, dim=1, sorted=False)
         slots = page_table[req_index[sl, None], idx // page_size] * page_size + idx % page_size

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.engine.kv_pool import FP8_MAX, QUANT_GROUP
-from dsaserve.kernels.triton_utils import opaque_index
+from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 _LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 2, "fp8_e4m3": 3}
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside @triton.jit
@@ -25,7 +25,8 @@ FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside 
 def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_ptr, c32_ptr, c16_ptr, eps,
                          dc, half, stride_a, stride_cos, stride_sin, stride_lat, stride_c8, stride_c32, stride_c16,
                          cs_off, r_off, LAYOUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NG: tl.constexpr):
+                         NG: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < dc
@@ -103,13 +104,14 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a:
                                c32.stride(0), c16.stride(0), dc // 4, (dc + 4 * (dc // QUANT_GROUP)) // 2,
                                LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
                                BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP),
-                               num_warps=4)
+                               num_warps=4, **pdl_args(kv_a.device))
     return latent
 
 
 @triton.jit
 def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, stride_c8, stride_c32,
-                          stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -142,4 +144,4 @@ def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor,
     c8, c32, c16 = _views(index_cache)
     k = k if k.stride(-1) == 1 else k.contiguous()
     _index_k_write_kernel[(t,)](k, slots, c8, c32, c16, d, k.stride(0), c8.stride(0), c32.stride(0), c16.stride(0),
-                                LAYOUT=code, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+                                LAYOUT=code, BLOCK_D=triton.next_power_of_2(d), num_warps=1, **pdl_args(k.device))

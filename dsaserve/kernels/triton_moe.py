@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 PREFILL_MIN_PAIRS = 4096  # T*k pairs from which the A-operand (prefill) kernel replaces the swap-AB one
 UNSORTED_MAX_PAIRS = 256  # T*k pairs up to which the swap-AB kernel needs no moe_align (ids in registers)
@@ -57,11 +58,12 @@ def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, be
                      stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                      stride_cm,
                      GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_FP8: tl.constexpr, B_SCALED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """C[pair, n] = sum_k A[pair // a_row_div, k] * W_e[n, k] over the pairs of one expert block.
 
     GATED: W_e rows [n] (gate) and [up_offset + n] (up), C = silu(gate) * up. MUL_WEIGHT: C *= tw[pair].
     """
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -171,8 +173,10 @@ def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, 
                        N, K, num_pairs, a_row_div, up_offset,
                        stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                        stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
-                       A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Decode variant of `_moe_gemm_kernel` over `moe_align`'s expert blocks (`_expert_tile`)."""
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -189,10 +193,12 @@ def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N
                          up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
                          stride_bsk, stride_cm,
                          GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, A_FP8: tl.constexpr,
-                         PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Small decode batches without `moe_align`: program (n, e) finds expert e's pairs itself (all T*k ids
     fit in registers) and runs them BLOCK_M at a time; an expert nobody chose exits at once. Saves the
     align's ~12 small launches per MoE layer, which at batch 1 cost more than the sort does work."""
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
     offs_p = tl.arange(0, PAIRS)
@@ -211,15 +217,22 @@ def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N
 
 
 @triton.jit
-def _combine_k_kernel(x_ptr, y_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y[t] = sum_j x[t*k + j] in fp32, rounded once (the reference's sum(1, dtype=fp32).to(dtype))."""
+def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """y[t] = sum_j x[t*k + j] in fp32, rounded once (the reference's sum(1, dtype=fp32).to(dtype)), then
+    + add[t] rounded again as torch's add would (HAS_ADD: the shared expert's output, one launch fewer)."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * H + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(y_ptr.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32))
+        y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * H + offs, y, mask=mask)
 
 
 def _block_m(pairs: int, experts: int) -> int:
@@ -243,13 +256,13 @@ def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_
         grid = (triton.cdiv(n, block_n), w.shape[0])
         _moe_unsorted_kernel[grid](a, a_s, w, w_s, out, tw, ids, n, k, out.shape[0], a_row_div, n if gated else 0,
                                    *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0),
-                                   PAIRS=triton.next_power_of_2(ids.numel()), **common)
+                                   PAIRS=triton.next_power_of_2(ids.numel()), **common, **pdl_args(a.device))
         return
     sorted_ids, bexp, total = route
     grid = (triton.cdiv(n, block_n), sorted_ids.numel() // block_m)
     args = (a, a_s, w, w_s, out, tw, sorted_ids, bexp, total, n, k, out.shape[0], a_row_div, n if gated else 0,
             *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0))
-    (_moe_skinny_kernel if kernel == "swap" else _moe_gemm_kernel)[grid](*args, **common)
+    (_moe_skinny_kernel if kernel == "swap" else _moe_gemm_kernel)[grid](*args, **common, **pdl_args(a.device))
 
 
 def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
@@ -269,8 +282,8 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: dict | None = None) -> torch.Tensor:
-    """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) in x.dtype.
+              add: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
     ("unsorted" | "swap" | "gemm").
@@ -293,7 +306,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
               "kernel": kernel}
     if pairs == 0:
-        return torch.empty(t, h, dtype=x.dtype, device=x.device)
+        return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
     route = topk_ids.contiguous() if kernel == "unsorted" else moe_align(topk_ids, e, bm)
     x = x.contiguous()  # the same tensor when contiguous: keeps its FP8 copy (`cached_fp8`)
     act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -309,5 +322,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t:
         block = min(triton.next_power_of_2(h), 1024)
-        _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, h, TOP_K=top_k, BLOCK=block)
+        add = add.contiguous() if add is not None else None
+        _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, y if add is None else add, h, TOP_K=top_k, BLOCK=block,
+                                                      HAS_ADD=add is not None, **pdl_args(out.device))
     return y

@@ -1,9 +1,11 @@
-"""GPU MoE routing: `moe_route` in one launch (request path stage 6, the router of MoE layers).
+"""GPU MoE routing: the router GEMV and `moe_route`, one launch each (request path stage 6, MoE layers).
 
-Owns: the GPU variant of `reference.moe_route` — sigmoid scores, the correction bias steering selection
-only, group-limited top-k (a group's score is the sum of its two best biased scores), the chosen scores
-normalised and scaled. One program per token holds all E experts in registers. As torch ops the same
-math was ~15 launches per MoE layer (~35 µs at batch 1 even inside a CUDA graph, bench/RESULTS.md).
+Owns: the GPU variant of `reference.router_logits` (decode sizes: fp32 dot products in one launch,
+where x.float() + cuBLAS's GEMV were three per layer) and of `reference.moe_route`: sigmoid scores, the
+correction bias steering selection only, group-limited top-k (a group's score is the sum of its two best
+biased scores), the chosen scores normalised and scaled. One program per token holds all E experts in
+registers. As torch ops the same math was ~15 launches per MoE layer (~35 µs at batch 1 even inside a
+CUDA graph, bench/RESULTS.md).
 Ties pick the lower expert index; torch.topk leaves tie order unspecified, so only exact ties can differ.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
@@ -14,11 +16,53 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, e] = sum_k float(x[t, k]) * w[e, k] in fp32; program (t, block of BLOCK_E experts)."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = offs_e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
+                    other=0.0)
+        acc += w * x[None, :]
+    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1), mask=emask)
+
+
+ROUTER_GEMV_MAX_T = 32  # tokens up to which the Triton GEMV runs; larger batches are a real GEMM (cuBLAS)
+
+
+def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
+    """GPU `reference.router_logits`: x [T, H] (any float dtype) @ weight_f32 [E, H]^T -> [T, E] fp32."""
+    t, k = x.shape
+    e = weight_f32.shape[0]
+    plain = x.stride(-1) == 1 and weight_f32.stride(-1) == 1 and weight_f32.dtype == torch.float32
+    if t > ROUTER_GEMV_MAX_T or not plain:
+        return torch.nn.functional.linear(x.float(), weight_f32.float())
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    block_e = 2  # GLM-5.3's 256 experts: 128 programs per token, each streaming 2 rows (48 KB)
+    if t:
+        _router_logits_kernel[(t, triton.cdiv(e, block_e))](x, weight_f32, out, k, e, x.stride(0), weight_f32.stride(0),
+                                                            out.stride(0), BLOCK_E=block_e, BLOCK_K=512, num_warps=4,
+                                                            **pdl_args(x.device))
+    return out
+
 
 @triton.jit
 def _moe_route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scaling,
                       TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_E)[None, :]
@@ -72,12 +116,13 @@ def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
         _moe_route_kernel[(t,)](logits, bias.float(), weights, ids, logits.stride(0), routed_scaling_factor,
                                 TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP=group,
                                 BLOCK_G=triton.next_power_of_2(n_group), BLOCK_E=triton.next_power_of_2(group),
-                                BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob)
+                                BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, **pdl_args(logits.device))
     return weights, ids
 
 
 @triton.jit
-def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.constexpr):
+def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     e = tl.arange(0, E)
     hit = tl.zeros([E], dtype=tl.int32)
     for c0 in range(0, n, CHUNK):
@@ -91,4 +136,5 @@ def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) ->
     """GPU `reference.count_distinct`: counter (int64 scalar) += number of distinct values in ids, in one
     launch (the `moe_experts_touched` counter, accumulated on the device inside CUDA graphs)."""
     flat = ids.contiguous().view(-1)
-    _count_distinct_kernel[(1,)](flat, flat.numel(), counter, E=triton.next_power_of_2(num_values), CHUNK=64)
+    _count_distinct_kernel[(1,)](flat, flat.numel(), counter, E=triton.next_power_of_2(num_values), CHUNK=64,
+                                 **pdl_args(flat.device))

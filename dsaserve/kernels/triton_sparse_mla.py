@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_utils import opaque_index
+from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 _LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 1, "fp8_e4m3": 2}
 LOG2E = 1.4426950408889634
@@ -31,7 +31,8 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
                        stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                        r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                        LAYOUT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -102,12 +103,13 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
                            stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                            r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                            SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """fp8_ds_mla with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups kept apart.
 
     scores = sum_g s_g[key] * (q_g . c8_g[key]) and out_g = (p * s_g) @ c8_g: the e4m3 values reach the
     tensor cores exactly (e4m3 is a subset of bf16) and no FP32 copy of the gathered tile is made.
     """
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -171,7 +173,9 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
 
 @triton.jit
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, stride_ot, stride_oh,
-                    stride_ls, stride_lt, stride_xt, stride_xh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                    stride_ls, stride_lt, stride_xt, stride_xh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -259,15 +263,16 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     if cfg["grouped"] and layout == "fp8_ds_mla" and dc == 512:
         common.pop("NG")
         _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
-                                     softmax_scale * LOG2E, dr, *strides, **common)
+                                     softmax_scale * LOG2E, dr, *strides, **common, **pdl_args(q_nope.device))
     else:
         _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
                                  softmax_scale * LOG2E, dc, dr, *strides, LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
-                                 **common)
+                                 **common, **pdl_args(q_nope.device))
     if splits > 1:
         _combine_kernel[(t, h)](part, lse, out, splits, h, dc, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c, num_warps=4)
+                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=block_c, num_warps=4,
+                                **pdl_args(part.device))
     return out
 
 

@@ -6,16 +6,30 @@ was seen (PTX of the indexer kernel, offline sm_90 compile) to vectorise a maske
 132-byte-stride cache as 16-byte loads -> `misaligned address` on the H200. An index that went through
 an inline-asm move carries no divisibility facts, so the row base is only assumed as aligned as the
 (runtime-specialised) row stride makes it: 16-byte loads stay for 656-byte rows, byte loads for 132.
+
+Also owns programmatic dependent launch (PDL, Hopper+): every kernel takes a `PDL` constexpr and starts with
+`grid_dependency_sync(PDL)`; its launcher passes `**pdl_args(device)`. Launched with the PDL attribute,
+a kernel may be scheduled while the kernel before it still runs; its programs then wait (griddepcontrol.wait)
+until that kernel has finished and its writes are visible, and only then let the next kernel launch. So a
+decode step's ~150 back-to-back launches overlap their launch latency and block scheduling with the
+previous kernel's tail instead of paying it in the gap (CUDA graphs capture the programmatic edges).
+The wait comes first, before any load or store, so no kernel can read an input its producer has not
+finished or overwrite one its consumer still reads. DSASERVE_PDL=0 turns it off (for A/B runs).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no inline asm; it needs no such fence
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if INTERPRET:  # the interpreter has no inline asm; it needs no such fence
 
     @triton.jit
     def opaque_index(x):
@@ -26,3 +40,25 @@ else:
     @triton.jit
     def opaque_index(x):
         return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
+
+
+@triton.jit
+def grid_dependency_sync(PDL: tl.constexpr):
+    """Under PDL: wait for the previous kernel (all of it, writes visible), then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_supported(device_index: int, setting: str) -> bool:
+    return setting != "0" and not INTERPRET and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keywords for a kernel with a `PDL` constexpr: on for Hopper and newer, off elsewhere."""
+    if device.type != "cuda":
+        return {"PDL": False}
+    on = _pdl_supported(device.index if device.index is not None else torch.cuda.current_device(),
+                        os.environ.get("DSASERVE_PDL", "1"))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -485,3 +485,53 @@ def test_topk_select_paths_pick_the_same_slots(gen, n_keys, k):
         assert (out[:, :want] >= 0).all() and (out[:, want:] == -1).all()
         assert (scores[0, out[0, :want]] >= kth).all()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 40])
+def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, t):
+    """Absorbed-MLA per-head GEMMs: q_nope (a strided slice of q) @ W_uk -> [T, H, 512]; latent @ W_uv ->
+    [T, H*256] flattened for o_proj, with the FP8 copy o_proj's GEMM would make (decode sizes)."""
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_head_gemm as HG
+
+    _poison()
+    h, nope, rope, dc, v = (16, 192, 64, 512, 256) if BIG else (4, 48, 16, 128, 128)
+    q = _randn(t, h, nope + rope, gen=gen, dtype=torch.bfloat16)
+    w_uk = _randn(h, nope, dc, gen=gen, dtype=torch.bfloat16, scale=nope ** -0.5)
+    got = HG.head_bmm(q[..., :nope], w_uk)
+    assert got.shape == (t, h, dc)
+    assert _rel(got, R.head_bmm(q[..., :nope].float(), w_uk.float())) < BF16
+    latent = _randn(t, h, dc, gen=gen, dtype=torch.bfloat16)
+    w_uv = _randn(h, dc, v, gen=gen, dtype=torch.bfloat16, scale=dc ** -0.5)
+    flat = HG.head_bmm(latent, w_uv, flatten=True)
+    assert flat.shape == (t, h * v) and _rel(flat, R.head_bmm(latent.float(), w_uv.float(), flatten=True)) < BF16
+    if t <= SMALL_ROWS:
+        q8, s8 = G.cached_fp8(flat)
+        ref_q, ref_s = G.quant_act_fp8(flat)
+        torch.testing.assert_close(s8, ref_s)
+        assert (q8.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
+    else:
+        assert G.cached_fp8(flat) is None
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
+    """add= (the shared expert's output) is summed in the combine kernel exactly as a separate torch add."""
+    moe = _ops()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
+    shared = _randn(t, h, gen=gen, dtype=x.dtype)
+    assert torch.equal(moe.fused_moe(x, w13, s13, w2, s2, tw, ids, add=shared),
+                       moe.fused_moe(x, w13, s13, w2, s2, tw, ids) + shared)
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_router_logits_match_reference_in_fp32(gen, t):
+    from dsaserve.kernels import triton_moe_route as RT
+
+    e, h = (256, 6144) if BIG else (8, 256)
+    x = _randn(t, h, gen=gen, dtype=torch.bfloat16)
+    w = _randn(e, h, gen=gen, scale=h ** -0.5)
+    got = RT.router_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    torch.testing.assert_close(got, R.router_logits(x, w), rtol=1e-5, atol=1e-5)

@@ -104,8 +104,7 @@ class MLAAttention(nn.Module):
             raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
         slots = ctx.topk_slots
         COUNTERS.add("kv_bytes_read", selected_slots(ctx) * ctx.pool.kv_bpt)
-        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, kv_lora], a view
+        q_abs = ops.head_bmm(q_nope, self.w_uk)  # [T, H, kv_lora]
         latent = ops.sparse_mla_attention(q_abs, q_rope, kv_cache, ctx.pool.layout, slots, self.softmax_scale,
                                           self.kv_lora)
-        out = torch.bmm(latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(t, self.n_heads * self.v_dim))
+        return self.o_proj(ops.head_bmm(latent, self.w_uv_t, flatten=True))  # [T, H * v]

@@ -67,7 +67,7 @@ class Router(nn.Module):
         c = self.cfg
         COUNTERS.add("weight_bytes_read", self.weight.numel() * 2 + self.e_score_correction_bias.numel() * 4)
         w = self.weight_f32 if self.weight_f32 is not None else self.weight.float()  # HF routes in fp32
-        logits = nn.functional.linear(x.float(), w)
+        logits = ctx.ops.router_logits(x, w)
         return ctx.ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                  c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
 
@@ -132,10 +132,12 @@ class Experts(nn.Module):
             DEVICE_EXPERT_COUNTERS.append(self)
         get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed sum (+ add, summed in the same kernel on the GPU)."""
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
         self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids)
-        return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids)
+        return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add)
 
 
 DEVICE_EXPERT_COUNTERS: list[Experts] = []
@@ -171,6 +173,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, ctx)
         if self.a2a:
             return a2a_moe_forward(self, x, weights, ids, ctx)
+        if self.shared_experts is not None and self.group.size == 1:  # one device: the add rides the combine
+            return self.experts(x, weights, ids, ctx, add=self.shared_experts(x))
         out = self.experts(x, weights, ids, ctx)
         if self.shared_experts is None:
             return all_reduce(out, self.group)

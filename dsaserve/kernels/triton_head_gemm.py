@@ -1,0 +1,76 @@
+"""GPU per-head GEMM of weight-absorbed MLA at decode: q_nope @ W_uk and latent @ W_uv (request path stage 6).
+
+Owns: the GPU variant of `reference.head_bmm` for up to SMALL_M tokens (larger batches keep cuBLAS's
+bmm). At decode each head's product is a GEMV over its own bf16 weight slice (GLM-5.3: W_uk 64 x 192 x 512
+and W_uv 64 x 512 x 256 = 29 MB per layer), so the op is a weight stream. As a Triton kernel it joins the
+step's PDL chain (`triton_utils`) where cuBLAS's kernels broke it, writes [T, H, N] contiguous (no copy
+before o_proj), and, for the W_uv product, emits o_proj's FP8 input copy (`attach_fp8`): one program
+holds a whole 128-column quantisation group, so the quantiser launch before o_proj goes away.
+Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+
+
+@triton.jit
+def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, K, N, stride_xt, stride_xh, stride_wh, stride_wk,
+                      QUANT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """y[t, h, n] = sum_k x[t, h, k] * w[h, k, n]; program (h, n-block). y is [T, H*N] contiguous; QUANT
+    (BLOCK_N == 128, N % 128 == 0): also its e4m3 copy + one fp32 scale per (token, 128 columns)."""
+    grid_dependency_sync(PDL)
+    h = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    hn = tl.num_programs(0) * N
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < T
+    nmask = offs_n < N
+    x_ptrs = x_ptr + offs_t[:, None] * stride_xt + h * stride_xh + offs_k[None, :]
+    w_ptrs = w_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + offs_k < K
+        x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc += tl.dot(x, w)
+    y = acc.to(y_ptr.dtype.element_ty)
+    col = h * N + offs_n
+    tl.store(y_ptr + offs_t[:, None] * hn + col[None, :], y, mask=tmask[:, None] & nmask[None, :])
+    if QUANT:  # `quant_act_fp8`'s rule on the rounded output, its [T, H*N] / [T, H*N/128] layout
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-12) / FP8_MAX_C
+        q = tl.clamp(yf / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+        tl.store(q_ptr + offs_t[:, None] * hn + col[None, :], q, mask=tmask[:, None])
+        tl.store(qs_ptr + offs_t * (hn // 128) + (h * N + nb * BLOCK_N) // 128, scale, mask=tmask)
+
+
+def head_bmm(x: torch.Tensor, w: torch.Tensor, flatten: bool = False) -> torch.Tensor:
+    """GPU `reference.head_bmm`: x [T, H, K] (any strides, last one 1) @ w [H, K, N] -> [T, H, N], or
+    [T, H*N] with flatten (then, at decode size, carrying its FP8 copy for the next GEMM)."""
+    t, h, k = x.shape
+    n = w.shape[2]
+    if t > SMALL_M or x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
+        y = torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+        return y.reshape(t, h * n) if flatten else y
+    y = torch.empty(t, h * n, dtype=x.dtype, device=x.device)
+    quant = flatten and n % FP8_BLOCK == 0 and x.dtype in (torch.bfloat16, torch.float16)
+    fp8 = (torch.empty(t, h * n, dtype=torch.float8_e4m3fn, device=x.device),
+           torch.empty(t, h * n // FP8_BLOCK, dtype=torch.float32, device=x.device)) if quant else (y, y)
+    block_n = 128 if quant else 64
+    if t:
+        _head_gemm_kernel[(h, triton.cdiv(n, block_n))](x, w, y, *fp8, t, k, n, x.stride(0), x.stride(1), w.stride(0),
+                                                        w.stride(1), QUANT=quant, BLOCK_T=16 if t <= 16 else 32,
+                                                        BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=4,
+                                                        **pdl_args(x.device))
+    if not flatten:
+        return y.view(t, h, n)
+    return attach_fp8(y, *fp8) if quant else y
