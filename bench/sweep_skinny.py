@@ -80,9 +80,9 @@ def sweep_sparse_mla(out: Path) -> None:
         for s in slots:
             s[:, real:] = -1
         cases = [("auto", None)]
-        for bh, grouped, warps in ((16, False, 4), (32, False, 4), (64, True, 8)):
-            for splits in (4, 8, 16, 32):
-                for bk in (32, 64):
+        for bh, grouped, warps in ((16, False, 4), (16, False, 2), (32, False, 4), (64, True, 8)):
+            for splits in (8, 16, 32, 64):
+                for bk in (16, 32, 64):
                     cases.append((f"bh{bh} grouped{grouped} w{warps} splits{splits} bk{bk}",
                                   {"block_h": bh, "grouped": grouped, "num_warps": warps, "splits": splits,
                                    "block_k": bk}))

@@ -1,8 +1,11 @@
 """CUDA-graph decode runner (startup chain: "warmup" then "capture CUDA graphs"; every decode step after).
 
 Owns: one graph per decode batch bucket up to `cuda_graph_max_bs`, the static input buffers the graphs read
-(input_ids, positions, req_index, seq_lens, page_table, out_cache_loc), padding a batch up to its bucket,
-and the counters a replay cannot bump from Python (`graph_replays`, and the step's byte terms).
+(input_ids, positions, req_index, seq_lens, page_table, out_cache_loc) and their pinned host twin, padding
+a batch up to its bucket, and the counters a replay cannot bump from Python (`graph_replays`, and the
+step's byte terms). A step's host batch is written into the twin with numpy and reaches the device in
+one copy captured inside the graph, so a replayed step makes one CUDA call: on the H200's host every
+call is tens of µs the GPU idles through before a synchronous step starts (bench/RESULTS.md).
 
 Why the whole decode step fits in one graph (no piecewise split): the indexer's top-k runs on a static
 [bs, max_context] score buffer masked by each token's position, and slot translation reads the static
@@ -12,6 +15,7 @@ reserved sink page that no request owns.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +25,26 @@ import torch
 from dsaserve.engine.counters import COUNTERS, Counters
 from dsaserve.ledger.causal import keys_scored, topk_selected
 from dsaserve.model.forward_batch import ForwardBatch
+
+
+def _graph_h2d_copy_works(device: torch.device) -> bool:
+    """Whether a copy out of pinned host memory captures into a CUDA graph and, replayed, reads the host
+    memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
+    if os.environ.get("DSASERVE_GRAPH_H2D", "1") == "0":
+        return False
+    src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
+    dst = torch.zeros(8, dtype=torch.int64, device=device)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dst.copy_(src, non_blocking=True)
+        src.mul_(3)  # written after the capture: the replay must copy these values
+        graph.replay()
+        torch.cuda.synchronize(device)
+        return torch.equal(dst.cpu(), src)
+    except Exception:  # noqa: BLE001 - any capture error means: copy outside the graph
+        torch.cuda.synchronize(device)
+        return False
 
 
 def decode_buckets(max_bs: int) -> list[int]:
@@ -59,7 +83,10 @@ class CudaGraphRunner:
             self.host_inputs = self.host_inputs.pin_memory()
         self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
         self.host_np = self._views(self.host_inputs.numpy())  # numpy writes: ~10x less host time than torch's
-        self.staged = torch.cuda.Event() if dev.type == "cuda" else None  # the last H2D copy out of host_inputs
+        self.staged = torch.cuda.Event() if dev.type == "cuda" else None  # after the last replay: staging read
+        # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
+        # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
+        self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
          self.page_table) = self._views(self.inputs)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
@@ -111,6 +138,8 @@ class CudaGraphRunner:
             enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
             try:
                 with torch.cuda.graph(graph, pool=self.pool_handle):
+                    if self.copy_in_graph:
+                        self._copy_staged(bs)
                     logits, _ = self.model(self._static_batch(bs), self.pool)
             finally:
                 COUNTERS.enabled = enabled
@@ -141,12 +170,13 @@ class CudaGraphRunner:
         output buffer: valid until the next replay (the engine samples before it builds the next step)."""
         bs = batch.batch_size
         bucket = next(b for b in self.buckets if b >= bs)
-        if batch.input_ids.is_cuda:
+        if batch.input_ids.is_cuda and not self.copy_in_graph:
             self._load_device(batch, bs, bucket)
         else:
-            self._load_host(batch, bs, bucket)
+            self._load_host(batch if not batch.input_ids.is_cuda else batch.to("cpu"), bs, bucket)
         g = self.graphs[bucket]
         g.graph.replay()
+        self.staged.record()
         self._count(batch, g)
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
         if batch.logits_indices.numel() == bs:  # every row, in order
@@ -154,8 +184,9 @@ class CudaGraphRunner:
         return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True))
 
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
-        """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy."""
-        self.staged.synchronize()  # the previous step's copy has read the buffer (long since, when in step)
+        """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
+        itself when `copy_in_graph`)."""
+        self.staged.synchronize()  # the previous replay has read the buffer (long since, in a synchronous step)
         ids, pos, req, lens, out, table = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
@@ -164,9 +195,13 @@ class CudaGraphRunner:
         out[:bs] = batch.out_cache_loc.numpy()
         table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
         self._reset_padding(bs, bucket, host=True)  # only this bucket's padding rows are read
+        if not self.copy_in_graph:
+            self._copy_staged(bucket)
+
+    def _copy_staged(self, bucket: int) -> None:
+        """The per-token rows and the bucket's page-table rows: host staging -> the graph's inputs."""
         n = INPUT_ROWS * self.max_bs + bucket * self.max_pages
         self.inputs[:n].copy_(self.host_inputs[:n], non_blocking=True)
-        self.staged.record()
 
     def _load_device(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """A batch already on the device: copy each field into the static buffers."""
