@@ -535,3 +535,35 @@ def test_router_logits_match_reference_in_fp32(gen, t):
     got = RT.router_logits(x, w)
     assert got.dtype == torch.float32 and got.shape == (t, e)
     torch.testing.assert_close(got, R.router_logits(x, w), rtol=1e-5, atol=1e-5)
+
+
+def _position_ordered_topk(row: torch.Tensor, pos: int, k: int) -> torch.Tensor:
+    """The positions the selection must return: every key above the k-th, then ties in position order."""
+    vis = row[: pos + 1]
+    kth = vis.topk(k).values[-1]
+    above = (vis > kth).nonzero().squeeze(1)
+    ties = (vis == kth).nonzero().squeeze(1)[: k - len(above)]
+    return torch.sort(torch.cat([above, ties])).values
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "negative", "wide", "narrow", "relu_zeros"])
+@pytest.mark.parametrize("width", [512, 8192] if BIG else [512])
+def test_topk_select_in_registers_takes_the_kth_key_exactly(gen, kind, width):
+    """The histogram search finds the exact k-th key on rows that stress it: runs of ties, one value
+    everywhere, a range spanning many exponents, a range of a few ulps, zeros of both signs."""
+    idx = _ops()[1]
+    n, k = 4, (64 if width == 512 else 2048)
+    s = _randn(n, width, gen=gen)
+    s = {"ties": lambda: (s * 3).round(), "all_equal": lambda: torch.full_like(s, 1.5),
+         "negative": lambda: -s.abs() - 10, "wide": lambda: s * torch.exp(_randn(n, width, gen=gen) * 20),
+         "narrow": lambda: 1.0 + s * 1e-6, "relu_zeros": lambda: s.clamp(min=0) * torch.sign(_randn(n, width, gen=gen)),
+         "normal": lambda: s}[kind]()
+    pos = torch.randint(width // 2, width, (n,), generator=gen, device=DEVICE)
+    for r in range(n):
+        s[r, int(pos[r]) + 1:] = float("-inf")
+    table = torch.arange(width // 64, device=DEVICE).repeat(n, 1)
+    out = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    idx._topk_select_kernel[(n,)](s, table, torch.arange(n, device=DEVICE), pos, out, width, k, 64, s.stride(0),
+                                  table.stride(0), out.stride(0), BLOCK=width, ROW_IN_REGS=True)
+    for r in range(n):
+        assert torch.equal(out[r], _position_ordered_topk(s[r], int(pos[r]), k)), f"seed {gen.initial_seed()} row {r}"
