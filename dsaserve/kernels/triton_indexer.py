@@ -97,39 +97,31 @@ def _order_key(x):
 
 
 @triton.jit
-def _kth_largest_key(key, visible, k, NB: tl.constexpr):
-    """The k-th largest of the visible int32 keys (at least k of them), by narrowing [lo, hi] one
-    NB-bin histogram at a time: count(key >= lo) >= k > count(key > hi) = above holds throughout, and a
-    32-bit range takes at most 4 levels of 1024 bins (each a histogram, a suffix sum and two reductions)
-    where a binary search takes 32 block reductions and a 4-way one 16. Per key only int32 work: an
-    in-range key's offset from lo is exact as uint32 (hi - lo < 2^32); the scalars are int64.
-    """
-    lo = tl.min(tl.where(visible, key, 2147483647), axis=0).to(tl.int64)
-    hi = tl.max(tl.where(visible, key, -2147483648), axis=0).to(tl.int64)
-    above = tl.zeros([], dtype=tl.int32)
-    bins = tl.arange(0, NB)
-    while lo < hi:
-        width = (hi - lo) // NB + 1  # NB bins of `width` keys cover [lo, hi]
-        lo32 = lo.to(tl.int32)
-        inside = visible & (key >= lo32) & (key <= hi.to(tl.int32))
-        offset = (key - lo32).to(tl.uint32, bitcast=True)
-        b = tl.where(inside, offset // width.to(tl.uint32), 0).to(tl.int32)
-        at_least = tl.cumsum(tl.histogram(b, NB, mask=inside), axis=0, reverse=True) + above  # count(key >= bin)
-        top = tl.max(tl.where(at_least >= k, bins, 0), axis=0)  # the highest bin still holding the k-th
-        above = tl.where(top == NB - 1, above, tl.sum(tl.where(bins == top + 1, at_least, 0), axis=0))
-        lo = lo + top.to(tl.int64) * width
-        hi = tl.minimum(hi, lo + width - 1)
-    return lo
-
-
-@triton.jit
 def _select_in_registers(row, pt_ptr, out_row, pt_off, pos, n_cols, k, page_size, BLOCK: tl.constexpr):
-    """k largest of one row held in registers: the k-th largest key by histograms (`_kth_largest_key`,
-    no memory traffic), then ties taken in position order and the selection compacted by a prefix sum."""
+    """k largest of one row held in registers: a 4-way search on the key (no memory traffic), then ties
+    taken in position order and the selection compacted by a prefix sum.
+
+    Each step counts the keys at or above three thresholds in ONE block reduction (the three counts packed
+    in 21-bit fields of an int64: a row has at most 16K keys), so the 32-bit key range takes at most 16
+    reductions instead of a binary search's 32; the reduction's barrier, not the compares, is the cost.
+    """
     j = tl.arange(0, BLOCK)
     visible = (j <= pos) & (j < n_cols)
     key = _order_key32(tl.load(row + j, mask=visible, other=float("-inf")))  # int32: half the registers
-    lo = _kth_largest_key(key, visible, k, 1024)
+    lo = tl.min(tl.where(visible, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    key64 = key.to(tl.int64)
+    while lo < hi:  # invariant: count(key >= lo) >= k > count(key > hi)
+        span = hi - lo + 1
+        m1 = lo + (span + 3) // 4  # lo < m1 <= m2 <= m3 <= hi + 1
+        m2 = lo + (2 * span + 3) // 4
+        m3 = lo + (3 * span + 3) // 4
+        packed = tl.sum((key64 >= m1).to(tl.int64) + ((key64 >= m2).to(tl.int64) << 21)
+                        + ((key64 >= m3).to(tl.int64) << 42), axis=0)
+        c1, c2, c3 = packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42
+        new_lo = tl.where(c3 >= k, m3, tl.where(c2 >= k, m2, tl.where(c1 >= k, m1, lo)))
+        hi = tl.where(c3 >= k, hi, tl.where(c2 >= k, m3 - 1, tl.where(c1 >= k, m2 - 1, m1 - 1)))
+        lo = new_lo
     lo32 = lo.to(tl.int32)
     need = k - tl.sum((key > lo32).to(tl.int32), axis=0)
     eq = (key == lo32).to(tl.int32)
@@ -150,9 +142,9 @@ def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k,
     visible) is never selected. All k outputs of a row are written (-1 where nothing is selected). Only
     the row's causal prefix is scanned: a graph captured for a long static context pays for the tokens'
     real contexts, not the bound. H200, 8K keys per row: 46 µs for a binary search in registers (before
-    the 4-way one), 65 µs over L2; slower and dropped: a 256-bin histogram radix select (~100 µs: nearly
-    all keys share their top byte, so its shared-memory atomics
-    serialise) and 16-way counting passes over L2 (~114 µs).
+    the 4-way one, ~30 µs), 65 µs over L2; slower and dropped: `tl.histogram` searches (1024 bins, <= 4
+    levels: ~65 µs per row at 8K keys), a 256-bin histogram radix select (~100 µs: nearly all keys share
+    their top byte, so its shared-memory atomics serialise) and 16-way counting passes over L2 (~114 µs).
     """
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
