@@ -76,7 +76,7 @@ class CudaGraphRunner:
         dev = pool.kv_buffer.device
         # The static inputs are views of one int64 buffer (5 per-token rows, then the page table), so a host
         # batch reaches them in one H2D copy from a pinned twin: each CUDA call is host time the GPU idles
-        # through before the replay starts (~5-10 us each on the H200 host), and this was 14 of them.
+        # through before the replay starts (tens of us each on the H200's host), and this was 14 of them.
         self.inputs = torch.zeros(INPUT_ROWS * max_bs + max_bs * max_pages_per_req, dtype=torch.int64, device=dev)
         self.host_inputs = torch.zeros_like(self.inputs, device="cpu")
         if dev.type == "cuda":
@@ -186,7 +186,8 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        self.staged.synchronize()  # the previous replay has read the buffer (long since, in a synchronous step)
+        if self.staged is not None:  # the previous replay has read the buffer (long since, in a synchronous step)
+            self.staged.synchronize()
         ids, pos, req, lens, out, table = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
