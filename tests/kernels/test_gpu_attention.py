@@ -1,0 +1,272 @@
+"""GPU attention-side kernels against their references: the indexer (scores, top-k selection, slot
+translation), sparse MLA, the absorbed per-head GEMMs, and the KV / indexer-key writes.
+Set-up and error bounds: tests/kernels/gpu_common.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_index_k, encode_latent
+from dsaserve.kernels import reference as R
+from tests.kernels.gpu_common import (
+    BF16,
+    BIG,
+    DEVICE,
+    ENC_BYTES,
+    ENC_REL,
+    SLACK,
+    SMALL_ROWS,
+    gpu_modules,
+    poison_free_memory,
+    randn,
+    rel,
+    requires_gpu_kernels,
+)
+
+pytestmark = requires_gpu_kernels
+
+
+# ---- indexer top-k ---------------------------------------------------------------------------------
+def _indexer_case(gen, layout, seq_lens, ext, ps, hi, d):
+    n_pages = sum(-(-s // ps) for s in seq_lens) + 3
+    keys = randn(n_pages * ps, d, gen=gen)
+    cache = encode_index_k(keys, layout)
+    max_pages = max(-(-s // ps) for s in seq_lens) + 1  # one spare page: the static bound exceeds the need
+    perm = torch.randperm(n_pages, generator=gen, device=DEVICE)
+    table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int64, device=DEVICE)
+    used = 0
+    for r, s in enumerate(seq_lens):
+        n = -(-s // ps)
+        table[r, :n] = perm[used:used + n]
+        used += n
+    pos = torch.tensor([p for s, e in zip(seq_lens, ext, strict=True) for p in range(s - e, s)], device=DEVICE)
+    req = torch.tensor([r for r, e in enumerate(ext) for _ in range(e)], device=DEVICE)
+    q = randn(len(pos), hi, d, gen=gen, dtype=torch.bfloat16)
+    w = torch.rand(len(pos), hi, generator=gen, device=DEVICE)
+    return q, w, cache, table, req, pos
+
+
+def _check_topk(got, q, w, cache, layout, table, req, pos, topk, ps, seed):
+    keys = decode_index_k(cache, layout).double()
+    for t in range(len(pos)):
+        r, p = int(req[t]), int(pos[t])
+        j = torch.arange(p + 1, device=DEVICE)
+        slots = table[r, j // ps] * ps + j % ps
+        scores = ((q[t].double() @ keys[slots].t()).relu() * w[t, :, None].double()).sum(0)
+        row = got[t]
+        sel = row[row >= 0]
+        assert sel.numel() == min(topk, p + 1), f"seed {seed} token {t}"
+        assert sel.unique().numel() == sel.numel(), f"seed {seed} token {t}: duplicate slots"
+        pos_of = {int(s): i for i, s in enumerate(slots.tolist())}
+        assert all(int(s) in pos_of for s in sel), f"seed {seed} token {t}: slot outside the causal keys"
+        picked = scores[[pos_of[int(s)] for s in sel]]
+        kth = scores.topk(sel.numel())[0][-1]
+        # near-ties at the k-th score may go either way (fp32 accumulation order)
+        assert picked.min() >= kth - 1e-4 * scores.abs().max(), f"seed {seed} token {t}"
+
+
+@pytest.mark.parametrize("layout,topk", [("fp8_ds_mla", 256), ("bf16", 256), ("fp8_ds_mla", 2048)])
+def test_indexer_topk_selects_the_reference_keys(gen, layout, topk):
+    idx = gpu_modules()[1]
+    ps, hi, d = (64, 32, 128) if BIG else (16, 16, 32)
+    topk = topk if BIG else topk // 10  # 2048 / 204: more than the page table holds -> every visible key
+    seq_lens, ext = ([300, 1000, 77, 513], [1, 1, 77, 5]) if BIG else ([37, 5, 50], [3, 5, 1])
+    q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
+    poison_free_memory()
+    got = idx.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+    assert got.shape == (len(pos), topk) and got.dtype == torch.int64
+    _check_topk(got, q, w, cache, layout, table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+    same = sum(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(got, ref, strict=True))
+    assert same >= len(pos) - 1, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_indexer_topk_replays_from_a_cuda_graph(gen):
+    idx = gpu_modules()[1]
+    ps, hi, d, topk = 64, 32, 128, 128
+    seq_lens, ext = [700, 90, 300], [1, 1, 1]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    q.copy_(randn(*q.shape, gen=gen, dtype=q.dtype))
+    pos.copy_(torch.tensor([650, 40, 299], device=DEVICE))
+    graph.replay()
+    _check_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
+@pytest.mark.parametrize("n_keys,k", [(3000, 2048), (600, 64), (40, 64)])
+def test_topk_select_paths_pick_the_same_slots(gen, n_keys, k):
+    """The in-register bisection (rows up to 16K keys) and the L2 one (longer rows) on the same scores."""
+    idx = gpu_modules()[1]
+    width = 4096
+    scores = randn(2, width, gen=gen)
+    scores[:, 5:40] = scores[:, 50:51]  # a run of ties around any threshold
+    scores[:, n_keys:] = float("-inf")
+    table = torch.arange(width // 64, device=DEVICE).repeat(2, 1)
+    req, pos = torch.arange(2, device=DEVICE), torch.full((2,), n_keys - 1, device=DEVICE)
+    outs = []
+    for conf in ({"BLOCK": width, "ROW_IN_REGS": True}, {"BLOCK": 1024, "ROW_IN_REGS": False}):
+        out = torch.full((2, k), -1, dtype=torch.int64, device=DEVICE)
+        idx._topk_select_kernel[(2,)](scores, table, req, pos, out, width, k, 64, scores.stride(0), table.stride(0),
+                                      out.stride(0), **conf)
+        outs.append(out)
+    want = min(k, n_keys)
+    kth = scores[0, :n_keys].topk(want).values[-1]
+    for out in outs:
+        assert (out[:, :want] >= 0).all() and (out[:, want:] == -1).all()
+        assert (scores[0, out[0, :want]] >= kth).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+def _position_ordered_topk(row: torch.Tensor, pos: int, k: int) -> torch.Tensor:
+    """The positions the selection must return: every key above the k-th, then ties in position order."""
+    vis = row[: pos + 1]
+    kth = vis.topk(k).values[-1]
+    above = (vis > kth).nonzero().squeeze(1)
+    ties = (vis == kth).nonzero().squeeze(1)[: k - len(above)]
+    return torch.sort(torch.cat([above, ties])).values
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "negative", "wide", "narrow", "relu_zeros"])
+@pytest.mark.parametrize("width", [512, 8192] if BIG else [512])
+def test_topk_select_in_registers_takes_the_kth_key_exactly(gen, kind, width):
+    """The histogram search finds the exact k-th key on rows that stress it: runs of ties, one value
+    everywhere, a range spanning many exponents, a range of a few ulps, zeros of both signs."""
+    idx = gpu_modules()[1]
+    n, k = 4, (64 if width == 512 else 2048)
+    s = randn(n, width, gen=gen)
+    s = {"ties": lambda: (s * 3).round(), "all_equal": lambda: torch.full_like(s, 1.5),
+         "negative": lambda: -s.abs() - 10, "wide": lambda: s * torch.exp(randn(n, width, gen=gen) * 20),
+         "narrow": lambda: 1.0 + s * 1e-6, "relu_zeros": lambda: s.clamp(min=0) * torch.sign(randn(n, width, gen=gen)),
+         "normal": lambda: s}[kind]()
+    pos = torch.randint(width // 2, width, (n,), generator=gen, device=DEVICE)
+    for r in range(n):
+        s[r, int(pos[r]) + 1:] = float("-inf")
+    table = torch.arange(width // 64, device=DEVICE).repeat(n, 1)
+    out = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    idx._topk_select_kernel[(n,)](s, table, torch.arange(n, device=DEVICE), pos, out, width, k, 64, s.stride(0),
+                                  table.stride(0), out.stride(0), BLOCK=width, ROW_IN_REGS=True)
+    for r in range(n):
+        assert torch.equal(out[r], _position_ordered_topk(s[r], int(pos[r]), k)), f"seed {gen.initial_seed()} row {r}"
+
+
+# ---- sparse MLA ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp8_e4m3", "fp32"])
+@pytest.mark.parametrize("t", [1, 5, 200] if BIG else [1, 3])
+def test_sparse_mla_attention_matches_reference(gen, layout, t):
+    mla = gpu_modules()[4]
+    h, dc, dr, k, n_slots = (64, 512, 64, 2048, 4096) if BIG else (4, 128, 16, 40, 200)
+    latent = randn(n_slots, dc + dr, gen=gen)
+    cache = encode_latent(latent, layout, dc)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    slots[0, k // 3: k // 2] = -1  # a partly filled selection (short context)
+    qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+    poison_free_memory()
+    got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc)
+    ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc)
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
+    assert rel(got, ref) < BF16, f"seed {gen.initial_seed()}"
+    unsplit = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config={"splits": 1})
+    assert rel(unsplit, ref) < BF16, f"seed {gen.initial_seed()}"
+    if layout == "fp8_ds_mla":  # the generic (dequantise-first) kernel as well as the 4-group one
+        generic = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config={"grouped": False})
+        assert rel(generic, ref) < BF16, f"seed {gen.initial_seed()}"
+
+
+def test_sparse_mla_attention_gives_zeros_for_a_token_with_no_slots(gen):
+    mla = gpu_modules()[4]
+    latent = randn(50, 144, gen=gen)
+    cache = encode_latent(latent, "fp8_ds_mla", 128)
+    slots = torch.full((2, 32), -1, device=DEVICE)
+    slots[1, :5] = torch.arange(5)
+    qn, qr = randn(2, 4, 128, gen=gen, dtype=torch.bfloat16), randn(2, 4, 16, gen=gen, dtype=torch.bfloat16)
+    got = mla.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.1, 128)
+    assert got[0].eq(0).all()
+    ref = R.sparse_mla_attention(qn[1:], qr[1:], cache, "fp8_ds_mla", slots[1:], 0.1, 128)
+    assert rel(got[1:], ref) < BF16
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 40])
+def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, t):
+    """Absorbed-MLA per-head GEMMs: q_nope (a strided slice of q) @ W_uk -> [T, H, 512]; latent @ W_uv ->
+    [T, H*256] flattened for o_proj, with the FP8 copy o_proj's GEMM would make (decode sizes)."""
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_head_gemm as HG
+
+    poison_free_memory()
+    h, nope, rope, dc, v = (16, 192, 64, 512, 256) if BIG else (4, 48, 16, 128, 128)
+    q = randn(t, h, nope + rope, gen=gen, dtype=torch.bfloat16)
+    w_uk = randn(h, nope, dc, gen=gen, dtype=torch.bfloat16, scale=nope ** -0.5)
+    got = HG.head_bmm(q[..., :nope], w_uk)
+    assert got.shape == (t, h, dc)
+    assert rel(got, R.head_bmm(q[..., :nope].float(), w_uk.float())) < BF16
+    latent = randn(t, h, dc, gen=gen, dtype=torch.bfloat16)
+    w_uv = randn(h, dc, v, gen=gen, dtype=torch.bfloat16, scale=dc ** -0.5)
+    flat = HG.head_bmm(latent, w_uv, flatten=True)
+    assert flat.shape == (t, h * v) and rel(flat, R.head_bmm(latent.float(), w_uv.float(), flatten=True)) < BF16
+    if t <= SMALL_ROWS:
+        q8, s8 = G.cached_fp8(flat)
+        ref_q, ref_s = G.quant_act_fp8(flat)
+        torch.testing.assert_close(s8, ref_s)
+        assert (q8.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
+    else:
+        assert G.cached_fp8(flat) is None
+
+
+# ---- KV writes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("dims", [(512, 64), (128, 16)])
+def test_mla_kv_write_matches_reference_and_touches_only_its_slots(gen, layout, dims):
+    kvw = gpu_modules()[2]
+    dc, dr = dims
+    t, n_slots = (37, 128) if BIG else (5, 16)
+    kv_a = randn(t, dc + dr, gen=gen, dtype=torch.bfloat16)
+    wt = (torch.rand(dc, generator=gen, device=DEVICE) + 0.5).bfloat16()
+    ang = torch.rand(t, dr // 2, generator=gen, device=DEVICE) * 6
+    slots = torch.randperm(n_slots, generator=gen, device=DEVICE)[:t]
+    width = encode_latent(kv_a[:1].float(), layout, dc).shape[1]
+    poison = torch.randint(0, 256, (n_slots, width), generator=gen, device=DEVICE, dtype=torch.uint8)
+    ref_cache, got_cache = poison.clone(), poison.clone()
+    ref = R.mla_kv_write(ref_cache, layout, slots, kv_a, wt, 1e-5, ang.cos(), ang.sin(), dc)
+    got = kvw.mla_kv_write(got_cache, layout, slots, kv_a, wt, 1e-5, ang.cos(), ang.sin(), dc)
+    assert got.dtype == ref.dtype and rel(got, ref) < 5e-3 * SLACK, f"seed {gen.initial_seed()}"
+    others = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(got_cache[others], poison[others])
+    dref, dgot = decode_latent(ref_cache[slots], layout, dc), decode_latent(got_cache[slots], layout, dc)
+    assert torch.isfinite(dgot.float()).all()
+    # identical bytes except an occasional one-ulp rounding tie (rsqrt / division order)
+    assert rel(dgot.float(), dref.float()) < ENC_REL, f"seed {gen.initial_seed()}"
+    assert (got_cache[slots] != ref_cache[slots]).float().mean() < ENC_BYTES
+
+
+def test_mla_kv_write_skips_negative_slots(gen):
+    kvw = gpu_modules()[2]
+    kv_a = randn(3, 144, gen=gen, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 164, dtype=torch.uint8, device=DEVICE)
+    ang = torch.rand(3, 8, generator=gen, device=DEVICE)
+    kvw.mla_kv_write(cache, "fp8_ds_mla", torch.tensor([2, -1, 5], device=DEVICE), kv_a,
+                     torch.ones(128, dtype=torch.bfloat16, device=DEVICE), 1e-5, ang.cos(), ang.sin(), 128)
+    assert cache[[0, 1, 3, 4, 6, 7]].eq(0).all() and cache[[2, 5]].ne(0).any(dim=1).all()
+
+
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32"])
+def test_indexer_k_write_matches_the_pool_encoding(gen, layout):
+    kvw = gpu_modules()[2]
+    t, d, n_slots = 9, 128, 32
+    k = randn(t, d, gen=gen, dtype=torch.bfloat16)
+    slots = torch.randperm(n_slots, generator=gen, device=DEVICE)[:t]
+    width = encode_index_k(k[:1], layout).shape[1]
+    poison = torch.randint(0, 256, (n_slots, width), generator=gen, device=DEVICE, dtype=torch.uint8)
+    ref, got = poison.clone(), poison.clone()
+    ref.index_copy_(0, slots, encode_index_k(k, layout))
+    kvw.indexer_k_write(got, layout, slots, k)
+    others = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.equal(got[others], poison[others])
+    assert rel(decode_index_k(got[slots], layout).float(), decode_index_k(ref[slots], layout).float()) < ENC_REL
+    assert (got[slots] != ref[slots]).float().mean() < ENC_BYTES

@@ -1,0 +1,205 @@
+"""GPU GEMMs and MoE against their references: the FP8 block-scaled linear (skinny decode kernels,
+split K, exact activations), the fused MoE (grouped GEMMs, combine), the router GEMV and the routing.
+Set-up and error bounds: tests/kernels/gpu_common.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels import reference as R
+from dsaserve.weights.fp8 import quantize_fp8_block
+from tests.kernels.gpu_common import (
+    BF16,
+    BIG,
+    DEVICE,
+    FP8A,
+    gpu_modules,
+    poison_free_memory,
+    randn,
+    rel,
+    requires_gpu_kernels,
+)
+
+pytestmark = requires_gpu_kernels
+
+
+# ---- FP8 linear ------------------------------------------------------------------------------------
+GEMM_SHAPES = [(576, 6144), (2048, 1024), (300, 200)] if BIG else [(320, 256), (128, 200)]
+
+
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 64, 65, 300] if BIG else [1, 15, 70])
+def test_fp8_linear_matches_reference(gen, m, n, k):
+    gemm = gpu_modules()[0]
+    w, s = quantize_fp8_block(randn(n, k, gen=gen))
+    x = randn(m, k, gen=gen, dtype=torch.bfloat16)
+    poison_free_memory()
+    got = gemm.fp8_linear(x, w, s)
+    ref = R.fp8_linear(x, w, s)
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
+    assert rel(got, ref) < FP8A, f"seed {gen.initial_seed()}"  # every dispatched path quantises activations
+
+
+VARIANTS = {  # every decode kernel variant the dispatcher may pick, on its own
+    "fma": (dict(fma=True, block_m=1, block_n=64, num_warps=8, num_stages=3), BF16),
+    "swap-bf16": (dict(fma=False, block_m=16, block_n=64, num_warps=4, num_stages=4), BF16),
+    "swap-fp8": (dict(fma=False, a_fp8=True, block_m=16, block_n=64, num_warps=4, num_stages=4), FP8A),
+    "swap-fp8-split": (dict(fma=False, a_fp8=True, block_m=16, block_n=128, num_warps=4, num_stages=4, split=3), FP8A),
+}
+
+
+@pytest.mark.parametrize("variant,m", [(v, m) for v in VARIANTS for m in ([1] if v == "fma" else [1, 5, 16])])
+def test_fp8_skinny_variants_match_reference(gen, variant, m):
+    gemm = gpu_modules()[0]
+    conf, bound = VARIANTS[variant]
+    n, k = (640, 1152) if BIG else (320, 256)
+    w, s = quantize_fp8_block(randn(n, k, gen=gen))
+    x = randn(m, k, gen=gen, dtype=torch.bfloat16)
+    poison_free_memory()
+    got = gemm.skinny_gemm(x, w, s, out_dtype=torch.bfloat16, **{"split": 1, **conf})
+    assert torch.isfinite(got).all() and rel(got, R.fp8_linear(x, w, s)) < bound, f"seed {gen.initial_seed()}"
+
+
+# ---- fused MoE -------------------------------------------------------------------------------------
+def _moe_inputs(gen, t, e, h, inter, k, fp8=True):
+    w13, w2 = randn(e, 2 * inter, h, gen=gen, scale=0.05), randn(e, h, inter, gen=gen, scale=0.05)
+    s13 = s2 = None
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    tw, ids = R.moe_route(randn(t, e, gen=gen), torch.zeros(e, device=DEVICE), k, 1, 1, 2.5, True)
+    return x, w13, s13, w2, s2, tw, ids
+
+
+MOE = (16, 1024, 512, 8) if BIG else (8, 256, 128, 2)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 700] if BIG else [1, 9, 2100])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_fused_moe_matches_reference(gen, t, fp8):
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    args = _moe_inputs(gen, t, e, h, inter, k, fp8)
+    poison_free_memory()
+    got = moe.fused_moe(*args)
+    ref = R.fused_moe(*args)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    bound = FP8A if fp8 else BF16  # FP8 experts quantise activations per (token, 128)
+    assert rel(got, ref) < bound, f"seed {gen.initial_seed()}"
+    others = ({"kernel": "gemm"}, {"kernel": "swap", "block_m": 16}, {"kernel": "unsorted", "block_m": 16},
+              {"fp8_act": False}, {"kernel": "swap", "fp8_act": False})
+    for conf in others:  # every variant, whichever the dispatcher picked for this T
+        other = moe.fused_moe(*args, config=conf)
+        b = FP8A if fp8 and conf.get("fp8_act", True) else BF16
+        assert rel(other, ref) < b, f"seed {gen.initial_seed()} {conf}"
+
+
+def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(gen):
+    moe = gpu_modules()[3]
+    ids = torch.randint(0, 6, (37, 3), generator=gen, device=DEVICE)
+    sorted_ids, bexp, total = moe.moe_align(ids, 6, 16)
+    flat = ids.reshape(-1)
+    real = sorted_ids[sorted_ids < flat.numel()].long()
+    assert sorted(real.tolist()) == list(range(flat.numel()))
+    blocks = torch.arange(sorted_ids.numel(), device=DEVICE) // 16
+    live = sorted_ids < flat.numel()
+    assert torch.equal(flat[sorted_ids[live].long()], bexp[blocks[live]].long())
+    assert int(total) % 16 == 0 and int(total) >= flat.numel()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_fused_moe_replays_from_a_cuda_graph(gen):
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, 4, e, h, inter, k)
+    moe.fused_moe(x, w13, s13, w2, s2, tw, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w13, s13, w2, s2, tw, ids)
+    x2, *_, tw2, ids2 = _moe_inputs(gen, 4, e, h, inter, k)
+    x.copy_(x2), tw.copy_(tw2), ids.copy_(ids2)
+    graph.replay()
+    assert rel(out, R.fused_moe(x, w13, s13, w2, s2, tw, ids)) < FP8A, f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("m", [1, 40, 100])
+def test_fp8_linear_exact_activations_match_reference_to_bf16(gen, m):
+    gemm = gpu_modules()[0]
+    n, k = (640, 1152) if BIG else (320, 256)
+    w, s = quantize_fp8_block(randn(n, k, gen=gen))
+    x = randn(m, k, gen=gen, dtype=torch.bfloat16)
+    poison_free_memory()
+    got = gemm.fp8_linear(x, w, s, exact_act=True)
+    assert torch.isfinite(got).all() and rel(got, R.fp8_linear(x, w, s)) < BF16, f"seed {gen.initial_seed()}"
+
+
+def test_count_distinct_matches_reference(gen):
+    from dsaserve.kernels import triton_moe_route as RT
+
+    ids = torch.randint(0, 40, (37, 8), generator=gen, device=DEVICE)
+    got = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    want = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        RT.count_distinct(ids, 64, got)
+        R.count_distinct(ids, 64, want)
+    assert int(got) == int(want) == 2 * int(ids.unique().numel())
+
+
+def test_fused_moe_takes_an_empty_batch(gen):
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, 1, e, h, inter, k)
+    out = moe.fused_moe(x[:0], w13, s13, w2, s2, tw[:0], ids[:0])
+    assert out.shape == (0, h)
+
+
+def test_split_k_parts_sum_to_the_unsplit_result(gen):
+    gemm = gpu_modules()[0]
+    n, k = (640, 2048) if BIG else (192, 1024)
+    w, s = quantize_fp8_block(randn(n, k, gen=gen))
+    x = randn(3, k, gen=gen, dtype=torch.bfloat16)
+    conf = dict(fma=False, a_fp8=True, block_m=16, block_n=64, num_warps=4, num_stages=4)
+    one = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=1, **conf)
+    for split in (2, 4, 8):
+        got = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=split, **conf)
+        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-4)
+    assert int(gemm.split_counters(x.device).abs().sum()) == 0  # every tile's counter reset for the next launch
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
+    """add= (the shared expert's output) is summed in the combine kernel exactly as a separate torch add."""
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
+    shared = randn(t, h, gen=gen, dtype=x.dtype)
+    assert torch.equal(moe.fused_moe(x, w13, s13, w2, s2, tw, ids, add=shared),
+                       moe.fused_moe(x, w13, s13, w2, s2, tw, ids) + shared)
+
+
+@pytest.mark.parametrize("t,e,k,groups,keep", [(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1),
+                                               (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)])
+def test_moe_route_matches_reference(gen, t, e, k, groups, keep):
+    from dsaserve.kernels import triton_moe_route
+
+    logits, bias = randn(t, e, gen=gen, scale=2.0), randn(e, gen=gen, scale=0.1)
+    got_w, got_ids = triton_moe_route.moe_route(logits, bias, k, groups, keep, 2.5, True)
+    ref_w, ref_ids = R.moe_route(logits, bias, k, groups, keep, 2.5, True)
+    order_got, order_ref = got_ids.sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order_got.values, order_ref.values), f"seed {gen.initial_seed()}"
+    assert torch.allclose(got_w.gather(1, order_got.indices), ref_w.gather(1, order_ref.indices), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_router_logits_match_reference_in_fp32(gen, t):
+    from dsaserve.kernels import triton_moe_route as RT
+
+    e, h = (256, 6144) if BIG else (8, 256)
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    w = randn(e, h, gen=gen, scale=h ** -0.5)
+    got = RT.router_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    torch.testing.assert_close(got, R.router_logits(x, w), rtol=1e-5, atol=1e-5)

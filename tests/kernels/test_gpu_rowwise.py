@@ -1,0 +1,84 @@
+"""GPU row-wise kernels against their references (RMSNorm with the residual add, SiLU*up, in-place RoPE,
+the FP8 copy they attach for the next GEMM), and the registry binding the GPU kernels on CUDA.
+Set-up and error bounds: tests/kernels/gpu_common.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels import reference as R
+from tests.kernels.gpu_common import BF16_ULP, DEVICE, SMALL_ROWS, gpu_modules, randn, requires_gpu_kernels
+
+pytestmark = requires_gpu_kernels
+
+
+@pytest.mark.parametrize("n", [2048, 6144, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_and_residual_add_match_reference(gen, n, dtype):
+    from dsaserve.kernels import triton_elementwise as E
+
+    x, r = randn(7, n, gen=gen, dtype=dtype), randn(7, n, gen=gen, dtype=dtype)
+    w = randn(n, gen=gen, dtype=dtype)
+    tol = BF16_ULP if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(E.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6), **tol)
+    y, s = E.add_rms_norm(x, r, w, 1e-6)
+    ref_y, ref_s = R.add_rms_norm(x, r, w, 1e-6)
+    if DEVICE == "cuda":  # the add rounds exactly as torch's (the interpreter truncates instead)
+        assert torch.equal(s, ref_s)
+    torch.testing.assert_close(s, ref_s, **tol)
+    torch.testing.assert_close(y, ref_y, **tol)
+
+
+def test_silu_and_mul_matches_reference(gen):
+    from dsaserve.kernels import triton_elementwise as E
+
+    x = randn(5, 2 * 2500, gen=gen, dtype=torch.bfloat16)
+    torch.testing.assert_close(E.silu_and_mul(x), R.silu_and_mul(x), **BF16_ULP)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [0, 3, 64])
+def test_rope_inplace_matches_reference_on_a_view(gen, interleaved, heads):
+    from dsaserve.kernels import triton_elementwise as E
+
+    t = 6
+    full = randn(t, *([heads] if heads else []), 192 + 64, gen=gen, dtype=torch.bfloat16)
+    ang = randn(t, 32, gen=gen)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    want = full.clone()
+    want[..., 192:] = R.apply_rope(full[..., 192:], cos, sin, interleaved)
+    E.rope_inplace(full[..., 192:], cos, sin, interleaved)
+    torch.testing.assert_close(full, want, **BF16_ULP)
+    assert torch.equal(full[..., :192], want[..., :192])  # the rest of the row is untouched
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "silu_and_mul"])
+def test_row_kernels_attach_the_fp8_copy_the_gemm_would_make(gen, op):
+    from dsaserve.kernels import triton_elementwise as E
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    n = 2048
+    x = randn(3, n if op != "silu_and_mul" else 2 * n, gen=gen, dtype=torch.bfloat16)
+    w = randn(n, gen=gen, dtype=torch.bfloat16)
+    y = {"rms_norm": lambda: E.rms_norm(x, w, 1e-6), "add_rms_norm": lambda: E.add_rms_norm(x, x, w, 1e-6)[0],
+         "silu_and_mul": lambda: E.silu_and_mul(x)}[op]()
+    q, s = G.cached_fp8(y)
+    ref_q, ref_s = G.quant_act_fp8(y)
+    torch.testing.assert_close(s, ref_s)
+    assert (q.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
+    big = randn(SMALL_ROWS + 1, n, gen=gen, dtype=torch.bfloat16)
+    assert G.cached_fp8(E.rms_norm(big, w, 1e-6)) is None  # prefill-size outputs carry none
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the registry picks GPU kernels only on CUDA")
+def test_registry_binds_gpu_kernels_on_cuda(monkeypatch):
+    from dsaserve.kernels import registry
+
+    ops = registry.get_ops("cuda")
+    assert ops.impls["fused_moe"].startswith("triton") and ops.impls["sparse_mla_attention"].startswith("triton")
+    assert ops.fp8_linear is gpu_modules()[0].fp8_linear and ops.graph_safe
+    monkeypatch.setenv(registry.FP8_ACT_ENV, "0")
+    assert "bf16 activations" in registry.get_ops("cuda").impls["fp8_linear"]
+    monkeypatch.setenv(registry.ENV_VAR, "reference")
+    assert registry.get_ops("cuda").fp8_linear is R.fp8_linear
