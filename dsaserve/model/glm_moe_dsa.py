@@ -8,6 +8,8 @@ the loader's name table is the identity except for the stacked experts.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -25,6 +27,8 @@ from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.weights.spec import is_not_converted
+
+OVERLAP_ENV = "DSASERVE_OVERLAP_INDEXER"
 
 
 class DecoderLayer(nn.Module):
@@ -92,6 +96,7 @@ class DsaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryTables | None = None
         self.dtype = torch.float32
+        self._side_stream: torch.cuda.Stream | None = None
 
     @property
     def kv_layer_ids(self) -> list[int]:
@@ -118,7 +123,23 @@ class DsaForCausalLM(nn.Module):
 
     def _context(self, batch: ForwardBatch, pool: KVPool) -> StepContext:
         cos, sin = self.rotary(batch.positions, self.dtype)
-        return StepContext(batch, pool, cos, sin, get_ops(batch.input_ids.device))
+        ops = get_ops(batch.input_ids.device)
+        return StepContext(batch, pool, cos, sin, ops, side_stream=self._indexer_stream(batch, ops))
+
+    def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
+        """The side stream full layers run their indexer selection on (`MLAAttention._start_indexer`): GPU
+        kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
+        DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
+        if not ops.graph_safe or os.environ.get(OVERLAP_ENV, "1").strip() == "0":
+            return None
+        from dsaserve.kernels.triton_indexer import SELECT_MAX_ROWS  # Triton is importable: graph_safe
+
+        if batch.num_tokens > SELECT_MAX_ROWS:
+            return None
+        if self._side_stream is None or self._side_stream.device != batch.input_ids.device:
+            # high priority: the selection's programs go first when SMs free up (the GEMMs beside it fill them)
+            self._side_stream = torch.cuda.Stream(batch.input_ids.device, priority=-1)
+        return self._side_stream
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:

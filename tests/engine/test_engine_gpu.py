@@ -65,3 +65,23 @@ def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(monkeypa
     eager = eager.float()
     assert not replayed.isnan().any()
     assert (replayed - eager).norm() / eager.norm() < 1e-2  # same kernels; a race would be far off
+
+
+def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkeypatch):
+    """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
+    stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150
+    and 400 tokens make the tiny config (index_topk 8) select, so a read of the slots before the selection
+    finished, or of an input the main stream already reused, would change the logits."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    runner = ModelRunner("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
+    prompts, bases = [[3, 4] * 75, [9] * 400], [0, 8 * 64]
+    runner.forward(contiguous_batch(prompts, [0, 0], bases, runner.page_size))
+    step = contiguous_batch([[21], [22]], [len(p) for p in prompts], bases, runner.page_size)
+    overlapped = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    replayed = runner.forward(step).float()
+    monkeypatch.setenv("DSASERVE_OVERLAP_INDEXER", "0")
+    one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    for got in (overlapped, replayed):
+        assert (got - one_stream).norm() / one_stream.norm() < 1e-2

@@ -58,14 +58,24 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
                 k_raw: torch.Tensor | None = None) -> torch.Tensor:
-        """k_raw: wk(x) when the caller computed it in its merged projection (GPU path)."""
+        return self.select(*self.prepare(x, q_resid, ctx, k_raw), ctx)
+
+    def prepare(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
+                k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections and the indexer-K write -> (q [T, Hi, D], head weights [T, Hi]). k_raw: wk(x) when
+        the caller computed it in its merged projection (GPU path). Every GEMM of the indexer is here, so
+        `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream)."""
         b, t = ctx.batch, x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
         k = self._rope(self.k_norm(self.wk(x) if k_raw is None else k_raw), ctx)
         cache = ctx.pool.index_cache(self.layer_id)
         ctx.ops.indexer_k_write(cache, ctx.pool.layout, b.out_cache_loc, k)
         COUNTERS.add("indexer_bytes_written", t * ctx.pool.idx_bpt)
-        w = self.head_weights(x)
+        return q, self.head_weights(x)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Scores over the paged indexer cache and the top-k -> [T, index_topk] physical slots, -1 padded."""
+        b, cache = ctx.batch, ctx.pool.index_cache(self.layer_id)
         seq_lens, ext = b.host_lens()
         COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - n, n) for s, n in zip(seq_lens, ext, strict=True))
                      * ctx.pool.idx_bpt)
