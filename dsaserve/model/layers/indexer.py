@@ -3,7 +3,9 @@
 Owns: q_idx = wq_b(q_resid) -> [Hi, D], k_idx = LayerNorm(wk(h)) -> D, RoPE on the first `rope` dims
 (interleaved for GLM, rotate-half for DeepSeek-V3.2), the FP8 indexer-K write, and the per-head weights
 weights_proj(h) * Hi^-0.5 * D^-0.5. Shared layers reuse the slots this returns (stage 6, "indexer /
-reuse"). Slots are translated once here, so shared layers do no page-table work.
+reuse"). Slots are translated once here, so shared layers do no page-table work. Two entry points, no
+forward: `prepare` (every GEMM, the K write) on the compute stream, then `select` (scores + top-k), which
+MLAAttention may put on a side stream.
 """
 
 from __future__ import annotations
@@ -55,10 +57,6 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         ctx.ops.rope_inplace(x[..., : self.rope], ctx.cos, ctx.sin, self.interleaved)
         return x
-
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
-                k_raw: torch.Tensor | None = None) -> torch.Tensor:
-        return self.select(*self.prepare(x, q_resid, ctx, k_raw), ctx)
 
     def prepare(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
                 k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
