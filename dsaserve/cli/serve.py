@@ -45,11 +45,16 @@ def main(ns: argparse.Namespace) -> int:
     from dsaserve.engine.engine_args import EngineArgs
     from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
-    from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_checkpoint
+    from dsaserve.config import load_config
+    from dsaserve.distributed.parallel_state import free_port
+    from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_model_dir
 
     try:
         engine = EngineArgs.from_cli_args(ns)
-        model_dir = str(resolve_checkpoint(engine.model))
+        model_dir = str(resolve_model_dir(engine.model, engine.load_format))
+        engine.check_layout(load_config(model_dir))  # a bad layout or too few GPUs: refused before any spawn
+        if engine.world_size > 1 and not engine.dist_init_addr:
+            engine.dist_init_addr = f"127.0.0.1:{free_port()}"
         args = ServerArgs(
             model_dir=model_dir, served_model_name=ns.served_model_name or engine.model,
             engine_args={k: v for k, v in dataclasses.asdict(engine).items() if k != "model"},

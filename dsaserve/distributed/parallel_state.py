@@ -17,6 +17,7 @@ Layout (SGLang's, restricted to one model replica): world = max(tp, ep) ranks.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -89,6 +90,20 @@ def reset_parallel_state() -> None:
     set_parallel_state(ParallelState())
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group and go back to one rank (an Engine that closes, tests)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    reset_parallel_state()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the default rendezvous of ranks on one machine)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -145,11 +160,13 @@ def _check_sizes(tp_size: int, ep_size: int, world: int) -> None:
 
 
 def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
-                              device: torch.device | str = "cpu", init_method: str | None = None) -> ParallelState:
+                              device: torch.device | str = "cpu", init_method: str | None = None,
+                              rank: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                              dp_attention: bool = False) -> ParallelState:
     """Record the TP / EP layout (joining the process group first if needed) and return the new state."""
     world = max(tp_size, ep_size) if isinstance(tp_size, int) and isinstance(ep_size, int) else 0
     if world > 1:
-        init_distributed(world_size=world, device=device, init_method=init_method)
+        init_distributed(world_size=world, rank=rank, device=device, init_method=init_method, timeout_s=timeout_s)
     real_world = dist.get_world_size() if dist.is_initialized() else 1
     _check_sizes(tp_size, ep_size, real_world)
     if moe_a2a and ep_size != real_world:

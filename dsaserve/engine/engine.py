@@ -28,7 +28,8 @@ from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.kv_pool import KVPoolInfo
-from dsaserve.engine.request import EngineRequest, TokenDelta
+from dsaserve.engine.rank_group import RankGroup
+from dsaserve.engine.request import TokenDelta
 from dsaserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -86,12 +87,60 @@ class _Tracked:
 
 
 class Engine:
+    """With `tensor_parallel_size` / `expert_parallel_size` > 1 this process is rank 0 (the leader) and one
+    follower process per other rank is spawned here (engine/rank_worker.py); `close()` stops them."""
+
     def __init__(self, model: str = "glm-5.3-tiny", *, runner: Any = None, **engine_args: Any):
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.core = EngineCore(self.args, runner=runner)
+        self._followers = self._spawn_followers() if self.args.world_size > 1 and runner is None else []
+        try:
+            self.core = EngineCore(self.args, runner=runner, rank=0 if self._followers else None)
+            self.group = RankGroup(self.core, self.args.enable_dp_attention, self.args.dist_timeout)
+        except BaseException:
+            self._kill_followers()
+            raise
         self.tokenizer = self.core.tokenizer
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+
+    def _spawn_followers(self) -> list:
+        if self.args.nnodes > 1:
+            raise ValueError("--nnodes: the offline Engine runs on one machine; span nodes with `dsaserve serve`")
+        from dataclasses import asdict
+
+        from dsaserve.distributed.parallel_state import free_port
+        from dsaserve.engine.rank_worker import spawn_followers
+        from dsaserve.weights.checkpoint_cache import resolve_model_dir
+
+        self.args.model = str(resolve_model_dir(self.args.model, self.args.load_format))  # built once, here
+        if not self.args.dist_init_addr:
+            self.args.dist_init_addr = f"127.0.0.1:{free_port()}"
+        return spawn_followers(asdict(self.args), self.args.world_size)
+
+    def close(self) -> None:
+        """Stop the follower ranks (a no-op with one rank). The Engine is unusable afterwards."""
+        if self._followers and not self.group.stopped:
+            self.group.stop()
+            self.group.step()
+            for p in self._followers:
+                p.wait(timeout=30)
+        self._kill_followers()
+        if self._followers:
+            from dsaserve.distributed.parallel_state import shutdown_distributed
+
+            shutdown_distributed()
+
+    def _kill_followers(self) -> None:
+        for p in self._followers:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- low level ---------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -99,7 +148,7 @@ class Engine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, ids = self._tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.core.add_request(EngineRequest(rid, ids, params, time.time()))
+        self.group.add_request(rid, ids, params, time.time())
         has_text = self.tokenizer is not None
         detoks = [IncrementalDetokenizer.for_params(self.tokenizer, ids, params) if has_text else None
                   for _ in range(params.n)]
@@ -110,7 +159,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the (cumulative) outputs of the requests it touched."""
         touched: dict[str, RequestOutput] = {}
-        for d in self.core.step():
+        deltas, _ = self.group.step()
+        for d in deltas:
             tr = self._tracked.get(d.request_id)
             if tr is None:
                 continue
@@ -122,7 +172,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its outputs finish with finish_reason "abort"."""
-        return self.core.abort_request(request_id)
+        return self.group.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
         """Whether a request added here has not finished yet."""
@@ -150,7 +200,7 @@ class Engine:
                         pending.discard(out.request_id)
         finally:
             for rid in pending:  # an exception mid-way must not leave requests holding pages
-                self.core.abort_request(rid)
+                self.group.abort_request(rid)
                 self._tracked.pop(rid, None)
         return [final[r] for r in rids]
 
@@ -169,7 +219,7 @@ class Engine:
                         yield out
         finally:
             for rid in pending:
-                self.core.abort_request(rid)
+                self.group.abort_request(rid)
                 self._tracked.pop(rid, None)
 
     # ---- internals -------------------------------------------------------------------------------
@@ -186,7 +236,7 @@ class Engine:
                 rids.append(self.add_request(p, sp))
         except Exception:
             for rid in rids:  # all or nothing
-                self.core.abort_request(rid)
+                self.group.abort_request(rid)
                 self._tracked.pop(rid, None)
             raise
         return rids
@@ -216,7 +266,7 @@ class Engine:
             hit = detok.add(new_ids, final=d.finished, stop_terminated=d.finished and d.finish_reason == "stop")
             if hit is not None:
                 if finish is None:  # the core does not know text: end this sample there
-                    self.core.abort_request(d.request_id, d.index)
+                    self.group.abort_request(d.request_id, d.index)
                 finish, stop_reason = "stop", hit
                 used = detok.num_tokens - before  # ids after the one that completed the stop string are dropped
                 new_ids, new_lps = new_ids[:used], new_lps[:used] if new_lps else new_lps
@@ -228,3 +278,4 @@ class Engine:
             out.logprobs += new_lps
         if finish is not None:
             out.finish_reason, out.stop_reason = finish, stop_reason
+

@@ -11,6 +11,13 @@ Scheduler limits (vLLM v1 semantics):
   max_running_requests    requests holding KV pages at once (vLLM's max_num_seqs)
   max_model_len           context limit; default = the config's max_position_embeddings
 KV pool size: `num_pages` (pages of 64 tokens) or `kv_cache_bytes`; neither -> the runner's default.
+
+Parallel layout (SGLang's flags; docs/PARALLELISM.md): world = max(tp, ep) ranks over `nnodes` machines.
+  tensor_parallel_size (--tp)      attention / dense MLP / shared expert / vocab split over the world
+  expert_parallel_size (--ep)      routed experts split over ep ranks
+  enable_dp_attention              attention data-parallel: each rank schedules its own requests over its
+                                   own KV pool; the MoE layers exchange tokens (all-to-all) across ranks
+  nnodes / node_rank / dist_init_addr   the same ranks over several machines (node 0 serves HTTP)
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-DTYPES = ("float32", "bfloat16")
-_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format")
+DTYPES = ("auto", "float32", "bfloat16")
+_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr")
 DEVICES = ("cpu", "cuda")
 
 
@@ -32,7 +39,8 @@ def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
 class EngineArgs:
     model: str = _arg("checkpoint directory or built-in config name (made into a checkpoint on first use)",
                       "glm-5.3-tiny")
-    dtype: str = _arg("compute dtype of the model", "float32", choices=DTYPES)
+    dtype: str = _arg("compute dtype: auto = bfloat16 on cuda, float32 on cpu (the reference path)", "auto",
+                      choices=DTYPES)
     kv_layout: str = _arg("KV cache byte layout", "fp8_ds_mla",
                           choices=("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"))
     num_pages: int | None = _arg("KV pool size in pages of 64 tokens (default: from --kv-cache-bytes or "
@@ -53,6 +61,21 @@ class EngineArgs:
                                       type=float)
     cuda_graph_max_bs: int = _arg("largest decode batch captured in a CUDA graph", 64)
     disable_cuda_graph: bool = _arg("run every decode step eagerly", False)
+    load_mtp: bool = _arg("also load the MTP layer's weights", False)
+    # parallel layout (one process per rank; validated against the model before any weight is read)
+    tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
+    expert_parallel_size: int = _arg("expert-parallel ranks (routed experts split over them)", 1,
+                                     aliases=("--ep", "--ep-size"))
+    enable_dp_attention: bool = _arg("attention data-parallel over the ranks (each its own requests and KV "
+                                     "pool); MoE tokens exchanged by all-to-all; needs --ep = the world size", False)
+    moe_a2a: bool = _arg("routed experts via all-to-all dispatch/combine instead of one all-reduce (needs --ep "
+                         "= the world size; implied by --enable-dp-attention)", False)
+    nnodes: int = _arg("machines the ranks span", 1)
+    node_rank: int = _arg("this machine's index among --nnodes (node 0 serves HTTP)", 0)
+    dist_init_addr: str | None = _arg("host:port of node 0's torch.distributed rendezvous (default: a free "
+                                      "port on 127.0.0.1; required with --nnodes > 1)")
+    dist_timeout: float = _arg("seconds a rendezvous or a collective may wait before the rank fails", 600.0,
+                               type=float)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +108,50 @@ class EngineArgs:
                 raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"--seed: must be an integer, got {self.seed!r}")
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "expert_parallel_size", "nnodes"):
+            _positive(name, getattr(self, name))
+        for name in ("enable_dp_attention", "moe_a2a", "load_mtp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
+        tp, ep, world = self.tensor_parallel_size, self.expert_parallel_size, self.world_size
+        if tp not in (1, world):
+            raise ValueError(f"--tensor-parallel-size: {tp} must be 1 or the world size max(tp, ep) = {world}")
+        if world % ep:
+            raise ValueError(f"--expert-parallel-size: {ep} does not divide the world size {world}")
+        if (self.enable_dp_attention or self.moe_a2a) and ep != world:
+            what = "--enable-dp-attention" if self.enable_dp_attention else "--moe-a2a"
+            raise ValueError(f"{what}: needs --expert-parallel-size = the world size ({world}), got {ep}")
+        if world % self.nnodes:
+            raise ValueError(f"--nnodes: {self.nnodes} does not divide the {world} ranks")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank: {self.node_rank!r} is not in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr: required with --nnodes > 1 (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr: {self.dist_init_addr!r} is not host:port")
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
+                or self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout: must be a positive number of seconds, got {self.dist_timeout!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the model: max(tp, ep) (one replica; under DP-attention each is also an attention rank)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def dp_size(self) -> int:
+        """Attention data-parallel ranks, each with its own scheduler and KV pool (1 without DP-attention)."""
+        return self.world_size if self.enable_dp_attention else 1
 
     @property
     def chunk_size(self) -> int:
@@ -97,6 +164,28 @@ class EngineArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_dtype(self) -> str:
+        """`auto`: bfloat16 on a GPU (the checkpoints' non-FP8 dtype), float32 on the CPU reference path."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+    def check_layout(self, cfg: Any) -> None:
+        """The parallel layout against the model (heads, experts, 128-blocks), before any weight is read;
+        and, on cuda, the ranks of this node against the visible GPUs. ValueError naming field and numbers."""
+        from dsaserve.distributed.layout import check_layout
+
+        device = self.resolved_device()
+        check_layout(cfg, self.tensor_parallel_size, self.expert_parallel_size, self.enable_dp_attention,
+                     keep_fp8=device == "cuda")
+        if device == "cuda" and self.world_size > 1:
+            import torch
+
+            visible = torch.cuda.device_count()
+            if self.ranks_per_node > visible:
+                raise ValueError(f"--tensor-parallel-size/--expert-parallel-size: {self.ranks_per_node} ranks on "
+                                 f"this node, but only {visible} GPUs are visible")
+
     # ---- command line --------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -106,13 +195,14 @@ class EngineArgs:
                 continue
             default = f.default if f.default is not MISSING else None
             kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
+            names = (flag(f.name), *f.metadata.get("aliases", ()))
             if isinstance(default, bool):
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = f.metadata.get("type") or (str if f.name in _STR_FIELDS else int)
                 if f.metadata.get("choices"):
                     kw["choices"] = f.metadata["choices"]
-            parser.add_argument(flag(f.name), **kw)
+            parser.add_argument(*names, **kw)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -48,24 +48,18 @@ from dsaserve.model.sampler import Sampler
 __all__ = ["EngineCore", "EngineRequest", "TokenDelta", "SamplingParams", "EngineArgs"]
 
 
-def build_runner(args: EngineArgs) -> Any:
+def build_runner(args: EngineArgs, rank: int | None = None) -> Any:
     """The real ModelRunner for these args (imported here: tests inject a fake runner instead)."""
     from dsaserve.engine.model_runner import ModelRunner
 
-    return ModelRunner(args.model, dtype=args.dtype, kv_layout=args.kv_layout, num_pages=args.num_pages,
-                       kv_budget_bytes=args.kv_cache_bytes, device=args.resolved_device(), seed=args.seed,
-                       load_format=args.load_format, mem_fraction_static=args.mem_fraction_static,
-                       chunked_prefill_size=args.chunk_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       max_model_len=args.max_model_len, disable_cuda_graph=args.disable_cuda_graph,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_running_requests=args.max_running_requests)
+    return ModelRunner(args, rank=rank)
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, runner: Any | None = None):
+    def __init__(self, args: EngineArgs, runner: Any | None = None, rank: int | None = None):
         t0 = time.perf_counter()
         self.args = args
-        self.runner = runner if runner is not None else build_runner(args)
+        self.runner = runner if runner is not None else build_runner(args, rank)
         cfg = self.runner.cfg
         context = getattr(self.runner, "max_model_len", None) or args.max_model_len or cfg.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(
@@ -140,10 +134,14 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[TokenDelta]:
+    def step(self, idle_forward: bool = False) -> list[TokenDelta]:
+        """One scheduled forward and its deltas. `idle_forward`: with nothing scheduled, still run the model's
+        empty step (DP-attention: every rank takes part in every step's MoE collectives)."""
         deltas = self.scheduler.take_abort_deltas()
         sched = self.scheduler.schedule()
         if sched is None:
+            if idle_forward:
+                self.runner.forward_idle()
             return deltas
         batch = self.builder.build(sched)  # host tensors: the runner copies them to its device
         logits = self.runner.forward(batch)

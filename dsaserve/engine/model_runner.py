@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from dsaserve.distributed.parallel_state import initialize_model_parallel, local
 from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
+from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.kernels.registry import describe as describe_kernels
@@ -48,61 +50,48 @@ class _Timer:
 
 
 class ModelRunner:
-    def __init__(self, model: str, dtype: str = "float32", kv_layout: str = "fp8_ds_mla",
-                 num_pages: int | None = None, kv_budget_bytes: int | None = None, device: str = "cpu",
-                 seed: int = 0, load_format: str = "auto", enable_mtp: bool = False,
-                 mem_fraction_static: float = 0.88, chunked_prefill_size: int = 8192, cuda_graph_max_bs: int = 64,
-                 max_model_len: int | None = None, disable_cuda_graph: bool = False, cache_dir: str | None = None,
-                 graph_reserve_bytes: int = 1 << 30, max_num_batched_tokens: int | None = None,
-                 max_running_requests: int | None = None, tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
-                 dist_init_method: str | None = None):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: {kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format: {load_format!r} not one of auto, dummy")
-        if not 0.0 < mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static: {mem_fraction_static} must be in (0, 1)")
+    """One rank's device side, built from the EngineArgs (validated there, once). `rank` / `dist_init_method`
+    place this process in a multi-rank layout: default $RANK and `tcp://<--dist-init-addr>` (or env://)."""
+
+    def __init__(self, args: EngineArgs, rank: int | None = None, dist_init_method: str | None = None,
+                 graph_reserve_bytes: int = 1 << 30):
+        self.args = args
+        device = args.resolved_device()
         self.startup_time: dict[str, float] = {}
-        with _Timer(self.startup_time, "init_distributed"):  # RANK/WORLD_SIZE/MASTER_* or dist_init_method
-            self.parallel = initialize_model_parallel(tp_size, ep_size, moe_a2a, device, dist_init_method)
+        with _Timer(self.startup_time, "init_distributed"):
+            self.parallel = initialize_model_parallel(
+                args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
+                device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
+                dp_attention=args.enable_dp_attention)
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
-        self.dtype = DTYPES[dtype]
-        self.chunked_prefill_size, self.cuda_graph_max_bs = chunked_prefill_size, cuda_graph_max_bs
-        self.mem_fraction_static, self.graph_reserve_bytes = mem_fraction_static, graph_reserve_bytes
+        self.dtype = DTYPES[args.resolved_dtype()]
+        self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.cuda_graph_max_bs
+        self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
         self.profile: MemoryProfile | None = None
         self.graphs: CudaGraphRunner | None = None
         self.warmed_prefill: list[int] = []
         self.graph_error: str | None = None
-        self.compile_cache = CompileCache(cache_dir) if self.device.type == "cuda" else None
-        torch.manual_seed(seed)
+        self.compile_cache = CompileCache(None) if self.device.type == "cuda" else None
+        torch.manual_seed(args.seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
-            self.checkpoint, self.cfg = self._resolve(model, load_format)
-        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+            self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
+        args.check_layout(self.cfg)  # heads / experts / 128-blocks against the ranks: before any weight is read
+        self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings,
+                                 self.cfg.max_position_embeddings)
         with _Timer(self.startup_time, "load_weights"):
-            self.model, self.load_report = self._build_and_load(load_format, enable_mtp)
-        if self.device.type == "cuda" and num_pages is None and kv_budget_bytes is None:
-            with _Timer(self.startup_time, "memory_profile"):
-                # the largest step the scheduler may form: a full token budget, and every running row eager
-                self.profile = profile_memory(self.model, self.cfg, kv_layout, self.dtype, self.device,
-                                              self.model.kv_layer_ids,
-                                              max(chunked_prefill_size, max_num_batched_tokens or 0),
-                                              max(cuda_graph_max_bs, max_running_requests or 0),
-                                              mem_fraction_static, graph_reserve_bytes)
-            kv_budget_bytes = self.profile.kv_budget_bytes
-            if self.parallel.world_size > 1:  # every rank must hold the same pages: the smallest budget wins
-                budget = torch.tensor([kv_budget_bytes], dtype=torch.int64, device=self.device)
-                kv_budget_bytes = int(collectives.all_reduce(budget, self.parallel.world, op="min").item())
+            self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
+        kv_budget_bytes = args.kv_cache_bytes
+        if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
+            kv_budget_bytes = self._profile_memory()
         with _Timer(self.startup_time, "kv_pool"):
-            self.kv_pool = self._allocate_pool(kv_layout, num_pages, kv_budget_bytes)
+            self.kv_pool = self._allocate_pool(args.kv_layout, args.num_pages, kv_budget_bytes)
         with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
             with _Timer(self.startup_time, "warmup"):
-                self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [chunked_prefill_size],
+                self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size],
                                                      self.cfg.vocab_size)
-            if not disable_cuda_graph:
+            if not args.disable_cuda_graph:
                 with _Timer(self.startup_time, "cuda_graph_capture"):
                     self.graphs = self._capture_graphs()
         with _Timer(self.startup_time, "tokenizer"):
@@ -113,6 +102,28 @@ class ModelRunner:
         if self.compile_cache is not None:
             self.compile_cache.mark_up()
             COUNTERS.add_source(self.compile_cache.compiles_after_up)
+
+    @classmethod
+    def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
+                    **engine_args: Any) -> ModelRunner:
+        """`ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32", tensor_parallel_size=2)` (tests, bench)."""
+        return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method)
+
+    def _profile_memory(self) -> int:
+        """The KV budget the memory profile leaves; over ranks the smallest wins (every rank holds the same
+        pages, and under DP-attention every rank's pool must take the same requests)."""
+        a = self.args
+        with _Timer(self.startup_time, "memory_profile"):
+            # the largest step the scheduler may form: a full token budget, and every running row eager
+            self.profile = profile_memory(self.model, self.cfg, a.kv_layout, self.dtype, self.device,
+                                          self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
+                                          max(a.cuda_graph_max_bs, a.max_running_requests),
+                                          a.mem_fraction_static, self.graph_reserve_bytes)
+        budget = self.profile.kv_budget_bytes
+        if self.parallel.world_size > 1:
+            t = torch.tensor([budget], dtype=torch.int64, device=self.device)
+            budget = int(collectives.all_reduce(t, self.parallel.world, op="min").item())
+        return budget
 
     # ---- startup phases --------------------------------------------------------------------
     def _resolve(self, model: str, load_format: str) -> tuple[Path | None, ModelConfig]:
@@ -219,6 +230,11 @@ class ModelRunner:
                                "error": self.graph_error},
                 "warmed_prefill_chunks": self.warmed_prefill,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None}
+
+
+def _init_method(args: EngineArgs) -> str | None:
+    """--dist-init-addr host:port -> tcp://host:port (None: $MASTER_ADDR / $MASTER_PORT, env://)."""
+    return f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None
 
 
 def _fill_dummy(model: DsaForCausalLM) -> LoadReport:

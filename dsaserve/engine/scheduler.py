@@ -107,6 +107,10 @@ class Scheduler:
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["requests"] += 1
 
+    def check_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        """ValueError naming the field if `add_request` would refuse this request (nothing is added)."""
+        self._validate(request_id, prompt, sampling)
+
     def _validate(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")

@@ -20,7 +20,7 @@ import zmq
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.server.lifetime import start_child
+from dsaserve.engine.lifetime import start_child
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
@@ -117,7 +117,8 @@ class Detokenizer:
 
 
 def run(cfg: dict[str, Any]) -> None:
-    log, ends = start_child("detokenizer", cfg)
+    log = start_child("detokenizer", cfg)
+    ends = ipc.Endpoints(**cfg["endpoints"])
     ctx = zmq.Context()
     pull = ipc.pull_socket(ctx, ends.detok_in)
     to_main = ipc.push_socket(ctx, ends.main_in)

@@ -1,16 +1,19 @@
 """Launcher: process topology, readiness gate and shutdown of `dsaserve serve` (startup chain, note 000).
 
 Owns, in startup order: the IPC directory, the main process's tokenizer, binding the main PULL socket,
-spawning the scheduler and detokenizer processes (plain `python -m` subprocesses: nothing crosses by
-pickle, and both die with this process), the readiness state `Starting -> Up` (Up only when the
-scheduler has reported `scheduler_info` and the detokenizer its tokenizer; `Down` when either reports a
-fatal error or exits), the HTTP server (which listens from the start so `/health` can say 503), and
-shutdown: SIGTERM/SIGINT stop new work, in-flight requests drain for up to `drain_timeout_s`, then the
-children are terminated and the process exits 0.
+spawning one scheduler process per GPU rank of this node and the detokenizer (plain `python -m`
+subprocesses: nothing crosses by pickle, and all die with this process), the readiness state
+`Starting -> Up` (Up only when the leader scheduler has reported `scheduler_info` — which it does once every
+rank is built — and the detokenizer its tokenizer; `Down` when any child reports a fatal error or exits),
+the HTTP server (which listens from the start so `/health` can say 503), and shutdown: SIGTERM/SIGINT stop
+new work, in-flight requests drain for up to `drain_timeout_s`, then the children are terminated and the
+process exits 0.
 
-A failure before the server ever was Up (bad checkpoint, ...) exits with status 1; a failure after Up
-leaves the server reporting Down (503 on /health and generation, pending requests failed) so that an
-orchestrator sees it.
+Failing fast (as vLLM and SGLang): any child that dies — a rank killed, out of memory, stuck in a
+collective past `--dist-timeout` — turns the server Down at once (503, pending requests failed with the
+cause), and a moment later the process stops the other children and exits 1 with the cause, naming the
+rank, so that a supervisor restarts it. Nodes other than 0 (`--node-rank` > 0) run only their ranks: no
+HTTP, no tokenizer; they exit 1 as soon as one of their ranks exits.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ from dsaserve.server.tokenizer_manager import TokenizerManager
 
 log = logging.getLogger("dsaserve.server")
 
-CHILDREN = ("scheduler", "detokenizer")
-CHILD_MODULES = {"scheduler": "dsaserve.server.scheduler_process", "detokenizer": "dsaserve.server.detokenizer"}
+CHILDREN = ("scheduler", "detokenizer")  # the two that must report ready (the leader rank speaks for all)
+SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer"
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
+DOWN_EXIT_GRACE_S = 1.0  # after a fault: pending requests get their 503 / error event, then the process exits
 
 
 class State(enum.Enum):
@@ -143,35 +147,63 @@ def report_startup(args: ServerArgs, readiness: Readiness) -> None:
             f.write("\n")
 
 
-def spawn_child(name: str, args: ServerArgs, ends: Endpoints) -> subprocess.Popen:
-    cfg = {"parent_pid": os.getpid(), "endpoints": ends.to_dict(), "log_level": args.log_level,
-           "spawn_time": time.time(), "model_dir": args.model_dir,
+def rank_name(rank: int) -> str:
+    return "scheduler" if rank == 0 else f"scheduler rank {rank}"
+
+
+def local_ranks(args: ServerArgs) -> list[int]:
+    e = args.engine_args
+    world = max(e.get("tensor_parallel_size", 1), e.get("expert_parallel_size", 1))
+    per_node = world // e.get("nnodes", 1)
+    first = e.get("node_rank", 0) * per_node
+    return list(range(first, first + per_node))
+
+
+def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int | None = None) -> subprocess.Popen:
+    cfg = {"parent_pid": os.getpid(), "endpoints": ends.to_dict() if ends else None, "log_level": args.log_level,
+           "spawn_time": time.time(), "model_dir": args.model_dir, "rank": rank,
            "engine_args": {**args.engine_args, "model": args.model_dir}}
     env = dict(os.environ)
     # Idle OpenMP threads of torch must sleep, not spin: spinning threads of the scheduler starve the main
     # and detokenizer processes on a small CPU (measured: 64 batched requests took 26 s instead of 1.6 s
     # on 2 cores). A user's own setting wins.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return subprocess.Popen([sys.executable, "-m", CHILD_MODULES[name], json.dumps(cfg)], stdin=subprocess.DEVNULL,
-                            env=env)
+    if rank is not None:
+        e = args.engine_args
+        world = max(e.get("tensor_parallel_size", 1), e.get("expert_parallel_size", 1))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % (world // e.get("nnodes", 1))))
+    return subprocess.Popen([sys.executable, "-m", module, json.dumps(cfg)], stdin=subprocess.DEVNULL, env=env)
+
+
+def spawn_ranks(args: ServerArgs, ends: Endpoints | None, readiness: Readiness | None) -> dict[str, subprocess.Popen]:
+    children = {}
+    for rank in local_ranks(args):
+        children[rank_name(rank)] = spawn_child(SCHEDULER_MODULE, args, ends, rank)
+        if readiness is not None:
+            readiness.pids[rank_name(rank)] = children[rank_name(rank)].pid
+    return children
 
 
 async def watch_children(children: dict[str, subprocess.Popen], readiness: Readiness, server: _Server,
                          startup_timeout_s: float | None) -> None:
-    """A child that exits is a fatal fault: Down (and, before the server was ever Up, exit). So is a
-    startup chain that takes longer than --startup-timeout (a rank stuck in a rendezvous, say)."""
+    """A child that exits is a fatal fault: Down at once, then exit 1 (before Up: at once; after Up: once the
+    pending requests have had DOWN_EXIT_GRACE_S to get their error). So is a startup chain that takes longer
+    than --startup-timeout (a rank stuck in a rendezvous, say)."""
+    down_since: float | None = None
     while True:
         for name, proc in children.items():
             rc = proc.poll()
             if rc is not None and readiness.state is not State.DOWN:
-                readiness.mark_down(f"{name} process exited with code {rc}")
+                readiness.mark_down(f"{name} process (pid {proc.pid}) exited with code {rc}")
         waited = time.perf_counter() - readiness.t0
         if readiness.state is State.STARTING and startup_timeout_s is not None and waited > startup_timeout_s:
             readiness.mark_down(f"startup did not finish within --startup-timeout {startup_timeout_s:g} s")
-        if readiness.state is State.DOWN and "up" not in readiness.phases and not server.should_exit:
-            log.error("startup failed, exiting: %s", readiness.reason)
-            server.exit_code = 1
-            server.should_exit = True
+        if readiness.state is State.DOWN and not server.should_exit:
+            down_since = down_since if down_since is not None else time.perf_counter()
+            if "up" not in readiness.phases or time.perf_counter() - down_since >= DOWN_EXIT_GRACE_S:
+                log.error("exiting: %s", readiness.reason)
+                server.exit_code = 1
+                server.should_exit = True
         await asyncio.sleep(WATCH_PERIOD_S)
 
 
@@ -202,9 +234,9 @@ async def serve(args: ServerArgs) -> int:
     tm.bind()
     try:
         t = time.perf_counter()
-        for name in CHILDREN:
-            children[name] = spawn_child(name, args, tm.endpoints)
-            readiness.pids[name] = children[name].pid
+        children.update(spawn_ranks(args, tm.endpoints, readiness))
+        children["detokenizer"] = spawn_child(DETOKENIZER_MODULE, args, tm.endpoints)
+        readiness.pids["detokenizer"] = children["detokenizer"].pid
         readiness.phase("spawn_processes", t)
         tm.start()
         app = build_app(args, tm, readiness, metrics)
@@ -223,6 +255,33 @@ async def serve(args: ServerArgs) -> int:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
+def serve_ranks_only(args: ServerArgs) -> int:
+    """A node other than 0: its ranks, watched; exit 1 with the cause when one exits, 0 after SIGTERM."""
+    stopping = False
+
+    def on_signal(sig: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children = spawn_ranks(args, None, None)
+    log.info("node %s: ranks %s started", args.engine_args.get("node_rank"), ", ".join(children))
+    try:
+        while not stopping:
+            for name, proc in children.items():
+                rc = proc.poll()
+                if rc is not None:
+                    log.error("exiting: %s process (pid %s) exited with code %s", name, proc.pid, rc)
+                    return 1
+            time.sleep(WATCH_PERIOD_S)
+        return 0
+    finally:
+        stop_children(children)
+
+
 def run(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    if args.engine_args.get("node_rank", 0) > 0:
+        return serve_ranks_only(args)
     return asyncio.run(serve(args))

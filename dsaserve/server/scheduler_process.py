@@ -1,13 +1,18 @@
-"""Scheduler process: owns the EngineCore (model + KV pool) and steps it (request path stages 2-10,
-startup chain from "load weights" to "scheduler_info").
+"""Scheduler process: one per GPU rank; owns that rank's EngineCore (model shard + KV pool) and steps it in
+lockstep with the other ranks (request path stages 2-10, startup chain from "init distributed" to
+"scheduler_info").
 
-Owns: building the EngineCore (the whole device-side startup chain happens inside it), reporting
-`scheduler_info` with per-phase `startup_time` to the main process (that report is what lets the server
-go Up), and the loop: take every queued message (generate / abort / stats), step the core while it has
-work, and send the step's token deltas to the detokenizer. A request is `register`ed with the
-detokenizer (stop strings, prompt tail, ...) on the same socket, and so always before, its first delta.
-Any exception in the loop is reported as `fatal` and ends the process: the main process then turns Down
-and fails every pending request instead of leaving it hanging.
+Owns: building the EngineCore (the whole device-side startup chain happens inside it, including the
+rendezvous), and the loop. Rank 0 is the leader: it alone holds ZMQ sockets — it takes every queued
+message (generate / abort / stats), validates new requests, hands them to the RankGroup (which shares
+them with the other ranks and steps every rank; engine/rank_group.py), and sends the step's token deltas
+to the detokenizer. A request is `register`ed with the detokenizer (stop strings, prompt tail, ...) on the
+same socket, and so always before, its first delta. The leader reports `scheduler_info` — with every
+rank's startup phases, weights, pool and graph buckets, and the slowest rank — once every rank is built;
+that report lets the server go Up. A follower rank only steps.
+
+Any exception is reported as `fatal` (naming the rank) and ends the process; the main process then turns
+Down, fails every pending request and exits.
 
 Test hook: `DSASERVE_TEST_READY_DELAY_S` sleeps before reporting ready, so tests can observe Starting.
 """
@@ -24,13 +29,13 @@ from typing import Any
 
 import zmq
 
+from dsaserve.engine.lifetime import start_child
 from dsaserve.server import ipc
-from dsaserve.server.lifetime import start_child
 
 log = logging.getLogger(__name__)
 
 READY_DELAY_ENV = "DSASERVE_TEST_READY_DELAY_S"
-IDLE_POLL_MS = 50  # how long an idle loop waits for a message before looking again
+IDLE_POLL_MS = 50  # how long an idle leader waits for a message before the next (empty) iteration
 
 
 def plain(obj: Any) -> Any:
@@ -46,48 +51,55 @@ def plain(obj: Any) -> Any:
     return str(obj)
 
 
-def build_core(engine_args: dict[str, Any]) -> Any:
-    from dsaserve.engine.engine_args import EngineArgs
-    from dsaserve.engine.engine_core import EngineCore
-
-    return EngineCore(EngineArgs.from_kwargs(**engine_args))
+def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """DP-attention: the ranks' scheduler stats summed (pages, requests and tokens add across pools)."""
+    out = dict(per_rank[0])
+    for other in per_rank[1:]:
+        for k, v in other.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out.get(k), (int, float)):
+                out[k] = out[k] + v
+    return out
 
 
 class SchedulerLoop:
-    """The message handling and stepping of one scheduler process (sockets injected for clarity)."""
+    """The leader's message handling and stepping (sockets injected for clarity)."""
 
-    def __init__(self, core: Any, pull: zmq.Socket, to_detok: zmq.Socket, to_main: zmq.Socket) -> None:
+    def __init__(self, group: Any, pull: zmq.Socket, to_detok: zmq.Socket, to_main: zmq.Socket) -> None:
         from dsaserve.engine.counters import COUNTERS
-        from dsaserve.engine.request import EngineRequest
         from dsaserve.engine.sampling_params import SamplingParams
 
-        self.core, self.pull, self.to_detok, self.to_main = core, pull, to_detok, to_main
+        self.group, self.core = group, group.core
+        self.pull, self.to_detok, self.to_main = pull, to_detok, to_main
         self.counters = COUNTERS
-        self.EngineRequest, self.SamplingParams = EngineRequest, SamplingParams
+        self.SamplingParams = SamplingParams
 
     def run_forever(self) -> None:
         while True:
             self.run_once()
 
+    def busy(self) -> bool:
+        return self.core.has_unfinished() or any(getattr(self.group, "busy", ()))
+
     def run_once(self) -> None:
-        busy = self.core.has_unfinished()
         register: list[dict[str, Any]] = []
         drop: list[str] = []
-        for msg in ipc.drain(self.pull, 0 if busy else IDLE_POLL_MS):
-            self.handle(msg, register, drop)
-        deltas = self.core.step() if self.core.has_unfinished() else []
+        stats_qids: list[tuple[str, bool]] = []
+        for msg in ipc.drain(self.pull, 0 if self.busy() else IDLE_POLL_MS):
+            self.handle(msg, register, drop, stats_qids)
+        deltas, stats = self.group.step()
+        for qid, check_leak in stats_qids:
+            self.to_main.send(ipc.pack(ipc.STATS, qid=qid, **self.stats(stats, check_leak)))
         if register or deltas or drop:
             self.to_detok.send(ipc.pack(ipc.BATCH, register=register, drop=drop,
                                         deltas=[self._delta(d) for d in deltas]))
 
-    def handle(self, msg: dict[str, Any], register: list[dict[str, Any]], drop: list[str]) -> None:
+    def handle(self, msg: dict[str, Any], register: list, drop: list, stats_qids: list) -> None:
         kind = msg["t"]
         if kind == ipc.GENERATE:
             rid = msg["rid"]
             try:
                 sampling = self.SamplingParams.from_dict(msg["sampling"])
-                self.core.add_request(self.EngineRequest(rid, list(msg["input_ids"]), sampling,
-                                                         msg.get("arrival_time") or time.time()))
+                self.group.add_request(rid, list(msg["input_ids"]), sampling, msg.get("arrival_time") or time.time())
             except (ValueError, TypeError, KeyError) as e:  # the core stays usable after a rejected request
                 self.to_main.send(ipc.pack(ipc.REJECT, rid=rid, message=str(e)))
                 return
@@ -95,7 +107,8 @@ class SchedulerLoop:
         elif kind == ipc.ABORT:
             self.abort(msg["rid"], msg.get("index"), drop)
         elif kind == ipc.STATS_REQ:
-            self.to_main.send(ipc.pack(ipc.STATS, qid=msg["qid"], **self.stats(bool(msg.get("check_leak")))))
+            self.group.want_stats()
+            stats_qids.append((msg["qid"], bool(msg.get("check_leak"))))
 
     def abort(self, rid: str, index: int | None, drop: list[str]) -> None:
         """Abort a whole request (index None: the client went away) or one sample (its stop string matched).
@@ -103,15 +116,16 @@ class SchedulerLoop:
         Only a whole request is dropped from the detokenizer: after a one-sample abort its siblings still
         stream, and the detokenizer already ended that sample itself."""
         try:
-            self.core.abort_request(rid, index)
+            self.group.abort_request(rid, index)
         except ValueError as e:  # a sample index the request does not have: a bug upstream, not a reason to die
             log.error("abort %s: %s", rid, e)
             return
         if index is None:
             drop.append(rid)
 
-    def stats(self, check_leak: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"stats": plain(self.core.stats()), "counters": plain(self.counters.snapshot())}
+    def stats(self, per_rank: list[dict[str, Any]], check_leak: bool) -> dict[str, Any]:
+        merged = merge_stats(per_rank) if per_rank else self.core.stats()
+        out: dict[str, Any] = {"stats": plain(merged), "counters": plain(self.counters.snapshot())}
         if check_leak:
             try:
                 self.core.check_no_leak()
@@ -127,41 +141,77 @@ class SchedulerLoop:
                 "cached_tokens": d.cached_tokens}
 
 
+def rank_reports(group: Any) -> list[dict[str, Any]]:
+    """Every rank's startup phases, weights, KV pool and graph buckets (an all-gather over the ranks)."""
+    import msgpack
+
+    from dsaserve.engine.rank_group import all_gather_bytes
+
+    m = group.core.manifest()
+    mine = plain({"rank": group.rank, "pid": os.getpid(), "device": m.get("device"),
+                  "startup_time": m.get("startup_time"), "weights": m.get("weights"), "kv_pool": m.get("kv_pool"),
+                  "cuda_graph_buckets": (m.get("cuda_graph") or {}).get("buckets")})
+    if group.group is None:
+        return [mine]
+    return [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(msgpack.packb(mine), group.group)]
+
+
+def scheduler_info(group: Any, cfg: dict[str, Any], t_start: float) -> dict[str, Any]:
+    core = group.core
+    info = plain(core.scheduler_info)
+    info["startup_time"] = {"scheduler_spawn": round(t_start - cfg.get("spawn_time", t_start), 4),
+                            **info.get("startup_time", {})}
+    info["manifest"] = plain(core.manifest())
+    ranks = rank_reports(group)
+    info["ranks"] = ranks
+    totals = {r["rank"]: sum((r.get("startup_time") or {}).values()) for r in ranks}
+    info["slowest_rank"] = max(totals, key=totals.get)
+    return info
+
+
+def _fatal(to_main: zmq.Socket | None, who: str, message: str) -> None:
+    log.error("%s: %s", who, message)
+    if to_main is not None:
+        to_main.send(ipc.pack(ipc.FATAL, who=who, message=message[-2000:]))
+        time.sleep(0.2)  # let the message leave before the process (and its socket) goes away
+    sys.exit(1)
+
+
 def run(cfg: dict[str, Any]) -> None:
     t_start = time.time()
-    log, ends = start_child("scheduler", cfg)
+    rank = int(cfg.get("rank", 0))
+    who = "scheduler" if rank == 0 else f"scheduler rank {rank}"
+    start_child("scheduler" if rank == 0 else f"rank{rank}", cfg)
     ctx = zmq.Context()
-    pull = ipc.pull_socket(ctx, ends.sched_in)
-    to_detok = ipc.push_socket(ctx, ends.detok_in)
-    to_main = ipc.push_socket(ctx, ends.main_in)
+    ends = ipc.Endpoints(**cfg["endpoints"]) if cfg.get("endpoints") else None
+    to_main = ipc.push_socket(ctx, ends.main_in) if ends else None
     try:
-        core = build_core(cfg["engine_args"])
-        info = plain(core.scheduler_info)
-        info["startup_time"] = {"scheduler_spawn": round(t_start - cfg.get("spawn_time", t_start), 4),
-                                **info.get("startup_time", {})}
-        if hasattr(core, "manifest"):
-            info["manifest"] = plain(core.manifest())
+        from dsaserve.engine.rank_group import RankGroup
+
+        group = RankGroup.build(cfg["engine_args"], rank)
+        info = scheduler_info(group, cfg, t_start)
         delay = float(os.environ.get(READY_DELAY_ENV, "0") or 0)
-        if delay > 0:
+        if delay > 0 and rank == 0:
             log.warning("%s=%s: delaying readiness (tests only)", READY_DELAY_ENV, delay)
             time.sleep(delay)
             info["startup_time"]["test_ready_delay"] = delay
     except Exception as e:
-        to_main.send(ipc.pack(ipc.FATAL, who="scheduler", message=f"startup failed: {type(e).__name__}: {e}"))
         log.exception("startup failed")
-        time.sleep(0.2)  # let the message leave before the process (and its socket) goes away
-        sys.exit(1)
-    info["pid"] = os.getpid()
-    to_main.send(ipc.pack(ipc.READY, who="scheduler", info=info))
-    log.info("ready: max_req_input_len=%s", info.get("max_req_input_len"))
+        _fatal(to_main, who, f"startup failed: {type(e).__name__}: {e}")
     try:
-        SchedulerLoop(core, pull, to_detok, to_main).run_forever()
+        if rank == 0:
+            pull = ipc.pull_socket(ctx, ends.sched_in)
+            to_detok = ipc.push_socket(ctx, ends.detok_in)
+            info["pid"] = os.getpid()
+            to_main.send(ipc.pack(ipc.READY, who="scheduler", info=info))
+            log.info("ready: max_req_input_len=%s, %d rank(s)", info.get("max_req_input_len"), len(info["ranks"]))
+            SchedulerLoop(group, pull, to_detok, to_main).run_forever()
+        else:
+            from dsaserve.engine.rank_group import run_follower
+
+            run_follower(group)
     except Exception:
-        msg = traceback.format_exc()
-        log.error("scheduler loop died:\n%s", msg)
-        to_main.send(ipc.pack(ipc.FATAL, who="scheduler", message=msg[-2000:]))
-        time.sleep(0.2)
-        sys.exit(1)
+        _fatal(to_main, who, f"loop died: {traceback.format_exc()}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 from dsaserve.config import builtin_config_names, load_config
 from dsaserve.weights.spec import checkpoint_specs
+from dsaserve.weights.tokenizer_builder import write_tokenizer
 
 CACHE_ENV = "DSASERVE_CACHE_DIR"
 MAX_GB_ENV = "DSASERVE_MAX_CHECKPOINT_GB"
@@ -116,6 +117,23 @@ def _build(name: str) -> Path:
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str | os.PathLike, load_format: str = "auto") -> Path:
+    """What the server's processes read: the checkpoint, or — for `--load-format dummy` with a built-in name —
+    a directory with only its config.json and tokenizer (the full-size configs' weights would be ~0.7 TB)."""
+    text = os.fspath(model)
+    if load_format != "dummy" or Path(text).expanduser().is_dir() or text not in builtin_config_names():
+        return resolve_checkpoint(model)
+    cfg = load_config(text)
+    target = cache_root() / "configs" / text
+    config_json = cfg.to_json() + "\n"
+    if not (target / "config.json").is_file() or (target / "config.json").read_text() != config_json:
+        target.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.parent / f".{text}.lock"):
+            write_tokenizer(cfg, target)
+            (target / "config.json").write_text(config_json)
     return target
 
 

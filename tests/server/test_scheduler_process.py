@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
+from dsaserve.engine.rank_group import RankGroup
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.server import ipc
 from dsaserve.server.scheduler_process import SchedulerLoop
@@ -14,12 +15,12 @@ from tests.engine.fake_runner import FakeRunner
 
 def _loop() -> SchedulerLoop:
     core = EngineCore(EngineArgs.from_kwargs(model="glm-5.3-tiny"), runner=FakeRunner())
-    return SchedulerLoop(core, None, None, None)  # handle() needs no socket unless a request is rejected
+    return SchedulerLoop(RankGroup(core), None, None, None)  # handle() needs no socket unless a request is rejected
 
 
 def _handle(loop: SchedulerLoop, kind: str, **fields) -> tuple[list, list]:
     register, drop = [], []
-    loop.handle(ipc.unpack(ipc.pack(kind, **fields)), register, drop)
+    loop.handle(ipc.unpack(ipc.pack(kind, **fields)), register, drop, [])
     return register, drop
 
 

@@ -1,5 +1,5 @@
-"""Child-process lifetime: a server's scheduler and detokenizer die with the main process (startup chain,
-"spawn processes").
+"""Child-process lifetime: a server's scheduler ranks and detokenizer, and an offline Engine's follower ranks,
+die with the process that spawned them (startup chain, "spawn processes").
 
 Owns: the two guards every child installs first thing. Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes
 the kernel kill the child when its parent dies (even by SIGKILL, when no cleanup code can run); a
@@ -46,9 +46,7 @@ def setup_child_logging(name: str, level: str) -> logging.Logger:
     return logging.getLogger(f"dsaserve.{name}")
 
 
-def start_child(name: str, cfg: dict) -> tuple[logging.Logger, object]:
-    """What every child does first: die with the parent, log under its name, read its endpoints."""
-    from dsaserve.server import ipc
-
+def start_child(name: str, cfg: dict) -> logging.Logger:
+    """What every child does first: die with the parent, log under its name."""
     die_with_parent(cfg["parent_pid"])
-    return setup_child_logging(name, cfg.get("log_level", "info")), ipc.Endpoints(**cfg["endpoints"])
+    return setup_child_logging(name, cfg.get("log_level", "info"))
