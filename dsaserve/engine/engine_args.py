@@ -121,6 +121,8 @@ class EngineArgs:
             raise ValueError(f"--tensor-parallel-size: {tp} must be 1 or the world size max(tp, ep) = {world}")
         if world % ep:
             raise ValueError(f"--expert-parallel-size: {ep} does not divide the world size {world}")
+        if self.enable_dp_attention and world == 1:
+            raise ValueError("--enable-dp-attention: needs several ranks to spread attention over (--ep N, N > 1)")
         if (self.enable_dp_attention or self.moe_a2a) and ep != world:
             what = "--enable-dp-attention" if self.enable_dp_attention else "--moe-a2a"
             raise ValueError(f"{what}: needs --expert-parallel-size = the world size ({world}), got {ep}")

@@ -190,18 +190,21 @@ async def watch_children(children: dict[str, subprocess.Popen], readiness: Readi
     pending requests have had DOWN_EXIT_GRACE_S to get their error). So is a startup chain that takes longer
     than --startup-timeout (a rank stuck in a rendezvous, say)."""
     down_since: float | None = None
+    exited: dict[str, str] = {}  # every child seen dead: the root cause is often a rank, not who reported first
     while True:
         for name, proc in children.items():
             rc = proc.poll()
-            if rc is not None and readiness.state is not State.DOWN:
-                readiness.mark_down(f"{name} process (pid {proc.pid}) exited with code {rc}")
+            if rc is not None and name not in exited:
+                exited[name] = f"{name} process (pid {proc.pid}) exited with code {rc}"
+                readiness.mark_down(exited[name])
         waited = time.perf_counter() - readiness.t0
         if readiness.state is State.STARTING and startup_timeout_s is not None and waited > startup_timeout_s:
             readiness.mark_down(f"startup did not finish within --startup-timeout {startup_timeout_s:g} s")
         if readiness.state is State.DOWN and not server.should_exit:
             down_since = down_since if down_since is not None else time.perf_counter()
             if "up" not in readiness.phases or time.perf_counter() - down_since >= DOWN_EXIT_GRACE_S:
-                log.error("exiting: %s", readiness.reason)
+                others = [why for why in exited.values() if why not in readiness.reason]
+                log.error("exiting: %s", "; ".join([readiness.reason, *others]))
                 server.exit_code = 1
                 server.should_exit = True
         await asyncio.sleep(WATCH_PERIOD_S)

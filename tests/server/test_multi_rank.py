@@ -1,0 +1,111 @@
+"""`dsaserve serve` over several ranks on the CPU (gloo): TP2, EP2 and DP-attention + EP2 answer through the real
+openai client with the greedy tokens of one rank; two "nodes" (two launchers on loopback) serve as one; a
+killed rank brings the server down with its name; a layout that cannot be exact is refused before any spawn.
+
+fp32 KV and float32 weights: TP / EP only reorder sums, so greedy tokens of the tiny model agree exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from openai import OpenAI
+
+from tests.server.harness import MODEL, START_TIMEOUT_S, ServerProcess, alive, free_port
+
+EXACT = ("--kv-layout", "fp32", "--device", "cpu", "--dtype", "float32")
+PROMPTS = [[5, 6, 7, 8, 9] * 8, [11, 12, 13] * 12, list(range(40, 75))]
+EXIT_S = 5.0  # a killed rank must bring the server down within this
+
+
+def greedy(server: ServerProcess) -> list[tuple[str, list[str]]]:
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    out = []
+    for p in PROMPTS:
+        c = client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True}).choices[0]
+        out.append((c.text, list(c.logprobs.tokens)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> list[tuple[str, list[str]]]:
+    s = ServerProcess(tmp_path_factory.mktemp("one"), *EXACT)
+    try:
+        s.wait_up()
+        return greedy(s)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2"), ("--enable-dp-attention", "--ep", "2")],
+                         ids=["tp2", "ep2", "dp2_ep2"])
+def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path, one_rank, layout):
+    s = ServerProcess(tmp_path, *EXACT, *layout)
+    try:
+        s.wait_up()
+        assert greedy(s) == one_rank
+        startup = s.get("/startup").json()
+        ranks = startup["scheduler_info"]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["startup_time"]["load_weights"] > 0 and r["kv_pool"]["num_pages"] > 0 for r in ranks)
+        assert startup["scheduler_info"]["slowest_rank"] in (0, 1)
+        assert {"scheduler", "scheduler rank 1"} <= set(startup["processes"])
+    finally:
+        assert s.stop() == 0
+
+
+def test_two_nodes_on_loopback_serve_as_one(tmp_path, one_rank):
+    addr = f"127.0.0.1:{free_port()}"
+    multi = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    node1 = subprocess.Popen([sys.executable, "-m", "dsaserve", "serve", "--model", MODEL, *EXACT, *multi,
+                              "--node-rank", "1", "--log-level", "warning"],
+                             stdout=open(tmp_path / "node1.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    node0 = ServerProcess(tmp_path, *EXACT, *multi, "--node-rank", "0")
+    try:
+        node0.wait_up()
+        assert greedy(node0) == one_rank
+        assert node1.poll() is None
+    finally:
+        assert node0.stop() == 0
+        try:  # node 0 gone, node 1's rank loses its peer and node 1 exits on its own, naming the rank
+            assert node1.wait(timeout=60) == 1
+        finally:
+            node1.kill()
+    assert "scheduler rank 1 process" in (tmp_path / "node1.log").read_text()
+
+
+def test_killing_a_rank_brings_the_server_down_naming_it(tmp_path):
+    s = ServerProcess(tmp_path, *EXACT, "--tp", "2")
+    s.wait_up()
+    pids = s.pids()
+    t0 = time.monotonic()
+    os.kill(pids["scheduler rank 1"], signal.SIGKILL)
+    rc = s.proc.wait(timeout=30)
+    elapsed = time.monotonic() - t0
+    assert rc == 1 and elapsed < EXIT_S, (rc, elapsed)
+    assert "scheduler rank 1 process" in s.log_tail() and "exited with code -9" in s.log_tail()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
+        time.sleep(0.05)
+    assert not [n for n, p in pids.items() if alive(p)], "orphan processes"
+    s.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--tp", "3"), "num_attention_heads"),
+    (("--ep", "3"), "n_routed_experts"),
+    (("--tp", "4", "--ep", "3"), "--expert-parallel-size: 3 does not divide"),
+    (("--enable-dp-attention",), "--enable-dp-attention: needs several ranks"),
+    (("--enable-dp-attention", "--tp", "2"), "--enable-dp-attention: needs --expert-parallel-size"),
+    (("--nnodes", "2", "--tp", "2"), "--dist-init-addr"),
+])
+def test_a_layout_that_cannot_be_exact_is_refused_before_any_spawn(flags, message):
+    r = subprocess.run([sys.executable, "-m", "dsaserve", "serve", "--model", MODEL, "--device", "cpu", *flags],
+                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
