@@ -21,6 +21,9 @@ def test_worked_step_terms():
     assert st.term("kv").bytes == 4 * 2048 * 656 * 78
     assert st.term("indexer").bytes == 4 * 131_072 * 132 * 21
     assert st.term("moe_a2a").calls == 150
+    # this rank's 4 tokens x 8 copies x 6144 x (1 + 2) B x 75 MoE layers, 7/8 of it over NVLink
+    assert st.term("moe_a2a").bytes == pytest.approx(75 * 4 * 8 * 6144 * 3 * 7 / 8)
+    assert st.term("moe_a2a").time_s == pytest.approx(75 * 4 * 8 * 6144 * 3 * 7 / 8 / 450e9 + 150 * 5e-6)
     assert st.serial_s == pytest.approx(sum(t.time_s for t in st.terms))
     assert st.overlapped_s <= st.serial_s
 
@@ -72,3 +75,4 @@ def test_first_request_section_builds_for_a_prompt_without_prefix_hit():
     li = LedgerInputs(load_config("glm-5.3"), Deployment(tp=8), PRESETS["h200"], Workload(prompt=8192, prefix_hit=0))
     rows = {r["quantity"]: r["value"] for r in section(li).rows}
     assert rows["steady TTFT (prefix hit)"] == pytest.approx(rows["cold TTFT (empty prefix cache)"])
+
