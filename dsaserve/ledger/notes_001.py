@@ -148,7 +148,7 @@ def _collectives(c: NoteContext) -> list[Figure]:
           note_text="2.83", unit="GB", ledger=_sum_msg(a2a)),
         F(id="001.coll.a2a_step_nvlink", where=w, quantity="dispatch + combine per step on NVLink (787 GB/s)",
           note_text="3.6", unit="ms", ledger=_t(a2a, hw, asm), default=a2a_default,
-          default_why=f"the ledger's default: one rank sends its own ceil(256/8) = "
+          default_why=f"one rank sends its own ceil(256/8) = "
                       f"{a2a_tokens(NOTE_DP_EP8, dflt, 256)} tokens' copies, {_sum_msg(a2a_rank) / MB:.1f} MB, 7/8 "
                       f"of them off the GPU: {sum(r.wire_bytes for r in a2a_rank) / MB:.1f} MB / 450 GB/s + "
                       f"{sum(r.calls for r in a2a_rank)} x 5 us"),
