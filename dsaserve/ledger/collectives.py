@@ -14,22 +14,38 @@ from dataclasses import dataclass
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
+from dsaserve.ledger.units import ceil_div
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def wire_factor(kind: str, n: int) -> float:
-    """Bytes a rank sends per message byte: ring all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n,
-    all-to-all 1 (every (token, expert) copy counted, the notes' sender total)."""
+    """Bytes a rank sends over its link per message byte: ring all-reduce 2(n-1)/n, all-gather /
+    reduce-scatter (n-1)/n, all-to-all (n-1)/n (the message is every (token, expert) copy of the rank's
+    tokens; with experts spread evenly 1/n of the copies stay on the rank)."""
     if n <= 1:
         return 0.0
     if kind == "all_reduce":
         return 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    if kind == "all_to_all":
-        return 1.0
     raise ValueError(f"collective kind {kind!r} unknown ({', '.join(KINDS)})")
+
+
+def a2a_tokens(dep: Deployment, asm: Assumptions, tokens: int, one_request: bool = False) -> int:
+    """Tokens whose (token, expert) copies one rank dispatches in a forward over `tokens` tokens.
+
+    Under DP-attention a rank holds only its own requests: a decode batch spreads over the DP ranks
+    (ceil(b/dp)), while one request's prefill chunk sits whole on one rank. Without DP-attention every rank
+    holds all tokens after the o_proj all-reduce, and the EP group scatters them before dispatch (each rank
+    sends ceil(T/ep): engine/expert_parallel.a2a_moe_forward, SGLang's DeepEP path). `a2a_count=deployment`
+    counts all tokens, every sender summed: the notes' table.
+    """
+    if asm.a2a_count == "deployment":
+        return tokens
+    if dep.dp_attention:
+        return tokens if one_request else ceil_div(tokens, dep.dp)
+    return ceil_div(tokens, dep.ep)
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,12 @@ def row_time(row: CollectiveRow, hw: Hardware, asm: Assumptions, link: str = "nv
 
 
 def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, logits_rows: int | None = None,
-              mtp: bool = False) -> list[CollectiveRow]:
+              mtp: bool = False, one_request: bool = False) -> list[CollectiveRow]:
     """Collectives of one forward over `tokens` tokens of the whole deployment (decode: b; prefill: chunk).
 
     `logits_rows` = rows the lm_head computes (decode: b; prefill chunk: 1 per request, 0 mid-prompt).
+    `one_request`: the tokens are one request's (a prefill chunk), so under DP-attention one rank holds them
+    all. MoE dispatch / combine rows are one rank's: see `a2a_tokens`.
     """
     h, n = cfg.hidden_size, dep.tp
     layers = cfg.num_hidden_layers + (len(cfg.mtp_layer_ids) if mtp else 0)
@@ -94,12 +112,14 @@ def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, 
         rows.append(CollectiveRow("dense-layer MLP all-reduce", "all_reduce", n_dense, act, n,
                                   f"first_k_dense_replace={n_dense}: row-parallel down_proj"))
     if dep.ep > 1:
-        k = cfg.num_experts_per_tok
+        k, sent = cfg.num_experts_per_tok, a2a_tokens(dep, asm, tokens, one_request)
+        whose = "all senders' tokens" if asm.a2a_count == "deployment" else "this rank's tokens"
         rows.append(CollectiveRow("MoE dispatch (FP8)", "all_to_all", n_moe,
-                                  tokens * k * h * asm.dispatch_bytes, dep.ep,
-                                  f"every token to its {k} experts' ranks (sender total)"))
+                                  sent * k * h * asm.dispatch_bytes, dep.ep,
+                                  f"{sent:,} tokens ({whose}) to their {k} experts' ranks"))
         rows.append(CollectiveRow("MoE combine (BF16)", "all_to_all", n_moe,
-                                  tokens * k * h * asm.combine_bytes, dep.ep, f"{k} expert outputs back per token"))
+                                  sent * k * h * asm.combine_bytes, dep.ep,
+                                  f"{k} expert outputs back per token, {sent:,} tokens ({whose})"))
     elif n_moe:
         rows.append(CollectiveRow("MoE output all-reduce", "all_reduce", n_moe, act, n,
                                   "experts TP-split: every rank holds 1/TP of each expert"))

@@ -110,6 +110,10 @@ class Assumptions:
                         "(note's worked example, 156 calls)", ("once", "per_layer"))
     dp_embed_allreduce: bool = _a(False, "DP-attention: embedding still vocab-parallel (one more all-reduce, the "
                                   "note's '1+1+78+3')")
+    a2a_count: str = _a("rank", "MoE dispatch / combine bytes: 'rank' = one rank's own tokens (ceil(b/dp) under "
+                        "DP-attention, ceil(b/ep) scattered over the EP group otherwise), what it puts on its "
+                        "link; 'deployment' = all b tokens' copies, every sender summed (the notes' b x 8 x 6144)",
+                        ("rank", "deployment"))
     act_bytes: int = _a(2, "BF16 hidden states on the wire")
     dispatch_bytes: int = _a(1, "FP8 tokens in MoE dispatch (DeepEP)")
     combine_bytes: int = _a(2, "BF16 expert outputs in MoE combine")

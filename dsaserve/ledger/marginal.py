@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsaserve.config import ModelConfig
-from dsaserve.ledger.collectives import CollectiveRow, hidden_reduction_rows, row_time, step_plan
+from dsaserve.ledger.collectives import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
@@ -64,6 +64,17 @@ def _rows_term(key: str, name: str, rows: list[CollectiveRow], hw: Hardware, asm
     return Term(key, name, wire, sum(r.calls for r in rows), sum(row_time(r, hw, asm) for r in rows), why)
 
 
+def _a2a_why(cfg: ModelConfig, dep: Deployment, asm: Assumptions, batch: int, rows: list[CollectiveRow]) -> str:
+    if not rows:
+        return "no EP: none"
+    sent, n = a2a_tokens(dep, asm, batch), dep.ep
+    per = (f"top-{cfg.num_experts_per_tok} x hidden x ({asm.dispatch_bytes} + {asm.combine_bytes}) B per MoE "
+           "layer")
+    if asm.a2a_count == "deployment":
+        return f"all b = {batch:,} tokens, every sender summed (a2a_count=deployment) x {per}"
+    return f"this rank's {sent:,} of b = {batch:,} tokens x {per}; {n - 1}/{n} of the copies leave the GPU"
+
+
 def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Hardware, asm: Assumptions,
                 kv_layout: str, batch: int, context: int) -> DecodeStep:
     plan = step_plan(cfg, dep, asm, batch, logits_rows=batch)
@@ -80,8 +91,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     terms = (
         _rows_term("reductions", "hidden-size reductions", red, hw, asm,
                    "embedding / per-layer all-reduce or DP gather + reduce-scatter, at b x hidden x 2 B"),
-        _rows_term("moe_a2a", "MoE dispatch + combine", a2a, hw, asm,
-                   "b x top-k x hidden x (1 + 2) B per MoE layer" if a2a else "no EP: none"),
+        _rows_term("moe_a2a", "MoE dispatch + combine", a2a, hw, asm, _a2a_why(cfg, dep, asm, batch, a2a)),
         Term("kv", "main KV read", kv_bytes, 0, kv_bytes / hw.hbm_bw,
              f"{req_gpu} requests/GPU x top-{selected} slots x {per_tok.main_per_layer} B x {per_tok.kv_layers} "
              f"layers" + (" / TP (layer split)" if share < 1 else "")),

@@ -3,9 +3,10 @@
 Owns: the `Figure` record (note, place, quantity, the note's text and value, the ledger's value under the
 note's own stated inputs, the agreement band, and the reason when they differ), the inputs the notes
 state (H200 at 141 GB / 4.8 TB/s, NVLink "ring effective" 787 GB/s, IB 25 GB/s, 0.85 static share,
-TP8 layer-split KV, every expert touched), and `note_figures()` which evaluates both catalogues
-(`notes_000.py`, `notes_001.py`). The ledger's own defaults differ in places; a figure then also carries
-`default` (the ledger's value under its defaults) and why. Pure Python.
+TP8 layer-split KV, every expert touched, dispatch / combine over all b tokens), and `note_figures()` which
+evaluates both catalogues (`notes_000.py`, `notes_001.py`, `notes_001_worked.py`). The ledger's own
+defaults differ in places; a figure then also carries `default` (the ledger's value under its defaults)
+and why. Where the note contradicts its own numbers a figure carries `note_own` and differs. Pure Python.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Figure:
     tol: float | None = None  # agreement band in display units (default: half a unit in the last digit)
     default: float | None = None  # the ledger under its own defaults, where those differ from the note's inputs
     default_why: str = ""
+    # the figure recomputed from the note's own other numbers (SI): outside the note's band, the note
+    # contradicts itself, and the figure differs even where the ledger's value happens to fall in the band
+    note_own: float | None = None
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -62,10 +66,18 @@ class Figure:
         lo, hi = self.bounds
         return hi if lo == float("-inf") else (lo + hi) / 2
 
+    def _in_band(self, value: float) -> bool:
+        lo, hi = self.bounds
+        return lo <= value <= hi
+
+    @property
+    def consistent(self) -> bool:
+        """The note's figure follows from the note's own numbers (True where that was not checked)."""
+        return self.note_own is None or self._in_band(self.note_own)
+
     @property
     def agrees(self) -> bool:
-        lo, hi = self.bounds
-        return lo <= self.ledger <= hi
+        return self._in_band(self.ledger) and self.consistent
 
     @property
     def status(self) -> str:
@@ -83,8 +95,10 @@ NOTE_HW = Hardware(
              "nvlink_bw": "note 001: 'ring 有效带宽约 787GB/s' (= 900 GB/s x 7/8)",
              "ib_bw": "note 001: 'IB(200Gb/s ≈ 25GB/s)'",
              "nvlink_overhead_s": "note 001's byte tables: '忽略协议开销'"})
+# a2a_count="deployment": the notes' table counts dispatch / combine as b x 8 x 6144 over the whole
+# deployment's b ("发送方视角"), not one rank's ceil(b/dp) tokens.
 NOTE_ASM = Assumptions(comm_basis="message", expert_routing="all", moe_dense_tp_size=1, mla_kv="split",
-                       indexer_q_tile=32, mem_fraction_static=0.85)
+                       indexer_q_tile=32, mem_fraction_static=0.85, a2a_count="deployment")
 NOTE_TP8 = Deployment(tp=8)
 NOTE_DP_EP8 = Deployment(tp=8, ep=8, dp_attention=True)
 

@@ -81,7 +81,9 @@ def _kv(c: NoteContext) -> list[Figure]:
         F(id="000.kv.per_token", where=w, quantity="KV per token, all layers", note_text="53940", unit="B",
           ledger=kv.total),
         F(id="000.kv.request_1m", where=w, quantity="KV of one 1M-token request", note_text="53.9", unit="GB",
-          ledger=kv.total * M_TOKENS, reason=two20 + " (the note blames page alignment and metadata instead)"),
+          ledger=kv.total * M_TOKENS,
+          reason=two20 + ": the whole gap is 10^6 against 2^20 tokens, the 'token 计算方式' the note itself names "
+                 "(2^20 is a whole number of 64-token pages, so page alignment adds nothing)"),
         F(id="000.prefill.main_1m", where="长 prefill 的第一条", quantity="main KV written by a 1M prefill",
           note_text="53.9", unit="GB", ledger=kv.main * M_TOKENS,
           reason="51,168 B x 2^20 = 53.65 GB of main KV; 53.9 GB is the note's main + indexer total (53,940 B) "

@@ -1,9 +1,10 @@
 """Note 001 ("系列总账") figure by figure: the note's number, the ledger's, and why they differ.
 
 Owns: the catalogue of note 001's arithmetic — model constants, scheduler and block-table sizes, the
-decode-step collective table (TP8 / DP-attention + EP8 / PD), bytes -> time on NVLink and IB, the worked
-step (batch 32, 128K), marginal cost per token, the LM-head gather, page and prefix-hash counts, indexer
-reuse, the 1M chunked prefill and the KV-layout shares. Each entry is computed by the ledger's own
+decode-step collective table (TP8 / DP-attention + EP8 / PD), bytes -> time on NVLink and IB, marginal
+cost per token, the LM-head gather (whose figures match GLM-4's 151,552-token vocabulary), page and
+prefix-hash counts, indexer reuse, the 1M chunked prefill and the KV-layout shares; the worked step
+(batch 32, 128K) is notes_001_worked.py. Each entry is computed by the ledger's own
 functions under the inputs the note states (notes.NOTE_HW / NOTE_ASM). Pure Python.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-from dsaserve.ledger.collectives import hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.config import ModelConfig
+from dsaserve.ledger import notes_001_worked
+from dsaserve.ledger.collectives import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Workload
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.kv import block_table_bytes, kv_bytes_per_token_layer, kv_capacity, prefix_hit
-from dsaserve.ledger.marginal import decode_step
 from dsaserve.ledger.notes import NOTE_DP_EP8, NOTE_TP8, Figure, NoteContext
 from dsaserve.ledger.prefill import chunked_prefill
 from dsaserve.ledger.timeline import decode_launches, operator_list
@@ -24,6 +26,7 @@ from dsaserve.ledger.units import GB, M_TOKENS, MB
 from dsaserve.ledger.weights import active_params_per_token, step_read_per_gpu, stored_per_gpu
 
 F = partial(Figure, note="001")
+GLM4_VOCAB = 151_552  # GLM-4's vocabulary: the one every LM-head figure of note 001 matches
 WIRE = "the ledger's default: ring wire bytes 2(n-1)/n x M per rank over 450 GB/s each way + 5 us per call (h200)"
 
 
@@ -36,8 +39,8 @@ def _t(rows, hw, asm) -> float:
 
 
 def figures(c: NoteContext) -> list[Figure]:
-    return (_constants(c) + _scheduler(c) + _collectives(c) + _bytes_to_time(c) + _worked(c) + _marginal(c)
-            + _output(c) + _indexer(c) + _prefill(c) + _layout(c))
+    return (_constants(c) + _scheduler(c) + _collectives(c) + _bytes_to_time(c) + notes_001_worked.figures(c)
+            + _marginal(c) + _output(c) + _indexer(c) + _prefill(c) + _layout(c))
 
 
 def _constants(c: NoteContext) -> list[Figure]:
@@ -110,8 +113,8 @@ def _collectives(c: NoteContext) -> list[Figure]:
     dp83 = hidden_reduction_rows(step_plan(cfg, NOTE_DP_EP8, replace(asm, dp_embed_allreduce=True), 256))
     dflt = Assumptions()
     tp_default = _t(hidden_reduction_rows(step_plan(cfg, NOTE_TP8, dflt, 256)), PRESETS["h200"], dflt)
-    a2a_default = _t([r for r in step_plan(cfg, NOTE_DP_EP8, dflt, 256) if r.kind == "all_to_all"],
-                     PRESETS["h200"], dflt)
+    a2a_rank = [r for r in step_plan(cfg, NOTE_DP_EP8, dflt, 256) if r.kind == "all_to_all"]
+    a2a_default = _t(a2a_rank, PRESETS["h200"], dflt)
     kv = c.kv()
     w = "一次 decode step 的集合通信总账"
     return [
@@ -145,7 +148,10 @@ def _collectives(c: NoteContext) -> list[Figure]:
           note_text="2.83", unit="GB", ledger=_sum_msg(a2a)),
         F(id="001.coll.a2a_step_nvlink", where=w, quantity="dispatch + combine per step on NVLink (787 GB/s)",
           note_text="3.6", unit="ms", ledger=_t(a2a, hw, asm), default=a2a_default,
-          default_why="the ledger's default: 2.83 GB / 450 GB/s + 150 x 5 us"),
+          default_why=f"one rank sends its own ceil(256/8) = "
+                      f"{a2a_tokens(NOTE_DP_EP8, dflt, 256)} tokens' copies, {_sum_msg(a2a_rank) / MB:.1f} MB, 7/8 "
+                      f"of them off the GPU: {sum(r.wire_bytes for r in a2a_rank) / MB:.1f} MB / 450 GB/s + "
+                      f"{sum(r.calls for r in a2a_rank)} x 5 us"),
         F(id="001.pd.main_per_token", where=w, quantity="main KV per token, 78 layers (fp8_ds_mla)",
           note_text="51.2", unit="KB", ledger=kv.main),
         F(id="001.pd.main_1m", where=w, quantity="main KV of a 1M request", note_text="53.7", unit="GB",
@@ -188,84 +194,6 @@ def _bytes_to_time(c: NoteContext) -> list[Figure]:
           note_text="4", unit="x", ledger=wire_factor("all_reduce", 2) / wire_factor("all_reduce", 8),
           reason="a ring all-reduce sends 2(n-1)/n of the message per rank: 1.0 at TP2, 1.75 at TP8, so TP2 moves "
                  "0.57x the bytes per rank, not 4x; the note's 4 is 8/2 GPUs"),
-    ]
-
-
-def _worked(c: NoteContext) -> list[Figure]:
-    cfg, hw = c.cfg, c.hw
-    asm = replace(c.asm, dp_gather="per_layer")  # the worked example counts 78 gathers + 78 scatters
-    plan = step_plan(cfg, NOTE_DP_EP8, asm, 32, logits_rows=32)
-    dp = [r for r in plan if r.kind in ("all_gather", "reduce_scatter") and not r.point.startswith("vocab")]
-    a2a = [r for r in plan if r.kind == "all_to_all"]
-    lm = [r for r in plan if r.point.startswith("vocab")]
-    kv656, kv576 = c.kv().main, c.kv("fp8_e4m3").main
-    sel = cfg.index_topk
-    idx_tok = 128 * 1024 * c.kv().indexer
-    step = decode_step(cfg, c.inv, NOTE_DP_EP8, hw, asm, "fp8_ds_mla", 32, 128 * 1024)
-    weights = step.term("weights").bytes
-    replicated = sum(v for k, v in stored_per_gpu(c.inv, NOTE_DP_EP8, asm).items()
-                     if k not in ("experts", "embed", "lm_head"))
-    times = {"dp": _t(dp, hw, asm) + sum(r.calls for r in dp) * 5e-6,  # the note adds 0.8 ms of launches here
-             "a2a": _t(a2a, hw, asm), "kv": 32 * sel * kv656 / hw.hbm_bw, "idx": 32 * idx_tok / hw.hbm_bw,
-             "w": weights / hw.hbm_bw, "lm": _t(lm, hw, asm)}
-    total = sum(times.values())
-    w = "算例:batch 32、128K 上下文的单步分解"
-    layout = (f"the note reads {sel} x 576 B x 78 (the fp8_e4m3 layout) while the pool stores 656 B/token/layer "
-              f"(fp8_ds_mla): {sel * kv656 / MB:.1f} MB/token; --kv-layout fp8_e4m3 gives {sel * kv576 / MB:.1f} MB")
-    scale = "the ledger reads the indexer's FP32 scale with each key (132 B); the note uses 128 B"
-    return [
-        F(id="001.worked.dp_bytes", where=w, quantity="DP all-gather + reduce-scatter bytes, b=32", note_text="61",
-          unit="MB", ledger=_sum_msg(dp)),
-        F(id="001.worked.dp_calls", where=w, quantity="DP all-gather + reduce-scatter calls", note_text="156",
-          unit="", ledger=sum(r.calls for r in dp)),
-        F(id="001.worked.dp_time", where=w, quantity="DP gather/scatter transfer on NVLink", note_text="78",
-          unit="us", ledger=_t(dp, hw, asm)),
-        F(id="001.worked.dp_launch", where=w, quantity="156 calls x 5 us", note_text="0.8", unit="ms",
-          ledger=sum(r.calls for r in dp) * 5e-6),
-        F(id="001.worked.a2a_bytes", where=w, quantity="dispatch + combine bytes, b=32", note_text="339", unit="MB",
-          ledger=_sum_msg(a2a),
-          reason=f"75 x 32 x 8 x 6144 x (1 + 2) B = {_sum_msg(a2a) / MB:.1f} MB (= {_sum_msg(a2a) / 2**20:.1f} MiB); "
-                 "339 MB matches the note's 0.43 ms x 787 GB/s, not the product"),
-        F(id="001.worked.a2a_calls", where=w, quantity="dispatch + combine calls", note_text="150", unit="",
-          ledger=sum(r.calls for r in a2a)),
-        F(id="001.worked.a2a_time", where=w, quantity="dispatch + combine on NVLink", note_text="0.43", unit="ms",
-          ledger=_t(a2a, hw, asm), reason="follows from 353.9 MB (not 339 MB) at 787 GB/s"),
-        F(id="001.worked.kv_per_token", where=w, quantity="main KV read per request (top-2048, 78 layers)",
-          note_text="92", unit="MB", ledger=sel * kv656, reason=layout),
-        F(id="001.worked.kv_step", where=w, quantity="main KV read, 32 requests on one GPU", note_text="2.9",
-          unit="GB", ledger=32 * sel * kv656, reason=layout),
-        F(id="001.worked.kv_time", where=w, quantity="main KV read time (4.8 TB/s)", note_text="0.6", unit="ms",
-          ledger=times["kv"], reason=layout),
-        F(id="001.worked.idx_per_token", where=w, quantity="indexer read per request at 128K", note_text="352",
-          unit="MB", ledger=idx_tok, reason=scale),
-        F(id="001.worked.idx_step", where=w, quantity="indexer read, 32 requests", note_text="11.3", unit="GB",
-          ledger=32 * idx_tok, reason=scale),
-        F(id="001.worked.idx_time", where=w, quantity="indexer read time", note_text="2.4", unit="ms",
-          ledger=times["idx"]),
-        F(id="001.worked.replicated", where=w, quantity="replicated (non-expert) weights per GPU",
-          note_text="18", unit="GB", ledger=replicated,
-          reason="attention 12.9 + shared experts 2.8 + dense MLP 0.7 + router 0.2 + indexer 0.2 GB = 16.8 GB; "
-                 "18 GB needs the 1.9 GB lm_head unsharded"),
-        F(id="001.worked.weights", where=w, quantity="weights read per GPU per step", note_text="109", unit="GB",
-          ledger=weights, reason="90.6 GB of experts + 16.8 GB replicated + 0.24 GB lm_head shard = 107.7 GB; "
-                                 "the note rounds both parts up (91 + 18)"),
-        F(id="001.worked.weights_time", where=w, quantity="weight read time (4.8 TB/s)", note_text="23", unit="ms",
-          ledger=times["w"], tol=0.7, default=decode_step(cfg, c.inv, NOTE_DP_EP8, PRESETS["h200"],
-                                                          Assumptions(), "fp8_ds_mla", 32, 128 * 1024
-                                                          ).term("weights").time_s,
-          default_why="the ledger's default expert_routing=uniform: 32 tokens touch 1-(1-8/256)^32 = 64% of "
-                      "experts; moe_dense_tp_size=tp splits the dense/shared MLPs"),
-        F(id="001.worked.lm_bytes", where=w, quantity="LM-head gather (32 x 154,880 x 4 x 7/8)", note_text="17",
-          unit="MB", ledger=lm[0].wire_bytes),
-        F(id="001.worked.lm_time", where=w, quantity="LM-head gather time", note_text="20", unit="us",
-          ledger=lm[0].wire_bytes / hw.nvlink_bw, tol=5),
-        F(id="001.worked.weights_share", where=w, quantity="weight read share of the step", note_text="85",
-          unit="%", ledger=times["w"] / total, tol=2.5),
-        F(id="001.worked.indexer_share", where=w, quantity="indexer read share of the step", note_text="10",
-          unit="%", ledger=times["idx"] / total, tol=2.5),
-        F(id="001.worked.rest_share", where=w, quantity="communication + KV + indexer share", note_text="<15",
-          unit="%", ledger=1 - times["w"] / total,
-          reason="the note's own rows add up to 4 + 2 + 3 + 10 = 19 %, not under 15 %"),
     ]
 
 
@@ -314,18 +242,28 @@ def _marginal(c: NoteContext) -> list[Figure]:
 
 def _output(c: NoteContext) -> list[Figure]:
     cfg, hw, asm = c.cfg, c.hw, c.asm
-    g192 = [r for r in step_plan(cfg, NOTE_TP8, asm, 192) if r.point.startswith("vocab")]
-    g16 = [r for r in step_plan(cfg, NOTE_TP8, asm, 16) if r.point.startswith("vocab")]
+    g192, g16 = (_lm_gather(cfg, asm, b) for b in (192, 16))
+    glm4 = replace(cfg, vocab_size=GLM4_VOCAB)
+    o192, o16 = (_lm_gather(glm4, asm, b) for b in (192, 16))
     w = "输出侧:GPU 之外的两笔账"
+    vocab = (f"every LM-head figure of the note matches a vocabulary of {GLM4_VOCAB:,} (GLM-4's) exactly: "
+             f"192 x {GLM4_VOCAB:,} x 4 B x 7/8 = {o192 / MB:.2f} MB ('102', {o192 / hw.nvlink_bw * 1e3:.3f} ms "
+             f"at 787 GB/s: '0.13'), 16 x {GLM4_VOCAB:,} x 4 B x 7/8 = {o16 / MB:.2f} MB ('8.5'); GLM-5.3's "
+             f"vocabulary is {cfg.vocab_size:,}")
     return [
         F(id="001.lm.b192_bytes", where=w, quantity="LM-head gather at B=192 (x 7/8 ring)", note_text="102",
-          unit="MB", ledger=g192[0].wire_bytes,
-          reason="192 x 154,880 x 4 B x 7/8 = 104.1 MB (message 119 MB); the note's 102 = 12 x its 8.5 MB"),
+          unit="MB", ledger=g192,
+          reason=f"192 x {cfg.vocab_size:,} x 4 B x 7/8 = {g192 / MB:.1f} MB; {vocab}"),
         F(id="001.lm.b192_time", where=w, quantity="LM-head gather time at B=192", note_text="0.13", unit="ms",
-          ledger=g192[0].wire_bytes / hw.nvlink_bw),
+          ledger=g192 / hw.nvlink_bw),
         F(id="001.lm.b16_bytes", where=w, quantity="LM-head gather at B=16", note_text="8.5", unit="MB",
-          ledger=g16[0].wire_bytes, reason="16 x 154,880 x 4 B x 7/8 = 8.67 MB"),
+          ledger=g16, reason=f"16 x {cfg.vocab_size:,} x 4 B x 7/8 = {g16 / MB:.2f} MB; {vocab}"),
     ]
+
+
+def _lm_gather(cfg: ModelConfig, asm: Assumptions, rows: int) -> float:
+    """Bytes one rank sends in the vocab all-gather of `rows` logits rows under TP8 (ring, 7/8)."""
+    return next(r.wire_bytes for r in step_plan(cfg, NOTE_TP8, asm, rows) if r.point.startswith("vocab"))
 
 
 def _indexer(c: NoteContext) -> list[Figure]:
@@ -355,8 +293,10 @@ def _prefill(c: NoteContext) -> list[Figure]:
     a2a = [r for r in plan if r.kind == "all_to_all"]
     gemm = p.total("gemm_flops") + p.total("attn_flops")
     flops = gemm + p.total("indexer_flops")
-    bound = sum(x.lower_bound_s for x in chunked_prefill(cfg, c.inv, NOTE_DP_EP8, c.h200, Assumptions(),
-                                                         Workload()).chunks)
+    dflt = chunked_prefill(cfg, c.inv, NOTE_DP_EP8, c.h200, Assumptions(), Workload())
+    bound = sum(x.lower_bound_s for x in dflt.chunks)
+    # the ledger's default q-tile (what --sections prefill_totals prints), and every query re-reading every key
+    q1 = chunked_prefill(cfg, c.inv, NOTE_DP_EP8, c.h200, Assumptions(indexer_q_tile=1), Workload())
     w = "一次 1M prefill"
     split = (f"2 x {(ch.gemm_flops / 2 / 32768) / 1e9:.2f} B GEMM params x 32,768 = {ch.gemm_flops / 1e15:.2f} PFLOP "
              f"+ sparse-MLA core 2 x 64 heads x (576 + 512) x 2,048 slots x 78 layers x 32,768 = "
@@ -370,8 +310,9 @@ def _prefill(c: NoteContext) -> list[Figure]:
           note_text="94", unit="PFLOP", ledger=p.total("indexer_flops"), tol=1,
           reason="2^20(2^20+1)/2 pairs x 32 heads x 128 x 2 x 21 = 94.6 PFLOP; the note truncates to 94"),
         F(id="001.prefill.indexer_read", where=w, quantity="indexer K read, q-tile 32, 132 B", note_text="47",
-          unit="TB", ledger=p.total("indexer_read"), tol=1, default=p.total("indexer_read") * asm.indexer_q_tile,
-          default_why="depends on --indexer-q-tile: 1 (every query re-reads every key) gives 32x more"),
+          unit="TB", ledger=p.total("indexer_read"), tol=1, default=dflt.total("indexer_read"),
+          default_why=f"--indexer-q-tile {Assumptions().indexer_q_tile} (the default); q-tile 1 (every query "
+                      f"re-reads every key) gives {q1.total('indexer_read') / 1e12:.0f} TB"),
         F(id="001.prefill.kv_write_chunk", where=w, quantity="main KV written per chunk", note_text="1.7",
           unit="GB", ledger=ch.kv_write),
         F(id="001.prefill.kv_write_total", where=w, quantity="main KV written, 1M", note_text="53.7", unit="GB",

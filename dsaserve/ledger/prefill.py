@@ -84,7 +84,7 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         attn = slot_flops * topk_selected(prefix, t, cfg.index_topk)
         idx = idx_pair * pairs
         idx_read = pairs * per_tok.indexer / asm.indexer_q_tile
-        plan = step_plan(cfg, dep, asm, t, logits_rows=1 if last else 0, mtp=asm.speculative)
+        plan = step_plan(cfg, dep, asm, t, logits_rows=1 if last else 0, mtp=asm.speculative, one_request=True)
         compute = (gemm / dep.n_gpus / hw.fp8_flops + attn / dep.n_gpus / hw.bf16_flops
                    + idx / idx_ranks / hw.fp8_flops) / eff
         memory = (idx_read / idx_ranks + t * per_tok.total * share + weights_gpu) / hw.hbm_bw

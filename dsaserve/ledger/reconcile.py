@@ -184,8 +184,7 @@ def _collectives(cfg: ModelConfig, shape: RunShape, steps: list[list[Row]]) -> d
     for s in steps:
         for r in step_plan(cfg, dep, asm, sum(x.new for x in s), logits_rows=len(s)):
             calls[r.kind] = calls.get(r.kind, 0) + r.calls
-            per_rank = r.total_message / (r.ranks if r.kind == "all_to_all" else 1)  # a2a: this rank's input
-            nbytes[r.kind] = nbytes.get(r.kind, 0) + per_rank
+            nbytes[r.kind] = nbytes.get(r.kind, 0) + r.total_message  # a2a rows are already this rank's input
     out = {}
     for kind in sorted(set(calls) | {"all_reduce", "all_gather"}):
         out[f"collective_calls.{kind}"] = _exact(calls.get(kind, 0), f"TP{shape.tp}: see the collectives section"

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from dsaserve.ledger.collectives import (
     CollectiveRow,
+    a2a_tokens,
     hidden_reduction_rows,
     pd_transfer_bytes,
     row_time,
@@ -102,7 +103,8 @@ def bytes_to_time(li: LedgerInputs) -> Section:
     tp_name, dp_name = list(plans)
     cases = [(f"b=1 {tp_name} reductions", hidden_reduction_rows(step_plan(li.cfg, plans[tp_name], li.asm, 1))),
              (f"b=256 {tp_name} reductions", hidden_reduction_rows(step_plan(li.cfg, plans[tp_name], li.asm, 256))),
-             (f"b=256 {dp_name} dispatch + combine, one layer",
+             (f"b=256 {dp_name} dispatch + combine, one layer, one rank's "
+              f"{a2a_tokens(plans[dp_name], li.asm, 256)} tokens",
               [replace(r, calls=1) for r in step_plan(li.cfg, plans[dp_name], li.asm, 256) if r.kind == "all_to_all"])]
     for name, rs in cases:
         calls = sum(r.calls for r in rs)

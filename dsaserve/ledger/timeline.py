@@ -21,7 +21,7 @@ class Stage:
     name: str
     work: str
     side: str  # where it runs
-    module: str  # dsaserve module (DESIGN.md "The request path")
+    module: str  # dsaserve modules that exist (tests check every path), or "not built yet" and why
     collective: str  # the collective at this stage, if any
 
 
@@ -37,13 +37,15 @@ STAGES: tuple[Stage, ...] = (
     Stage(5, "embed", "vocab-parallel lookup", "GPU", "model/layers/embedding.py", "embedding all-reduce (TP)"),
     Stage(6, "layers", "RMSNorm, A-proj, norm+RoPE+KV write, indexer / reuse, sparse MLA, MoE", "GPU",
           "model/glm_moe_dsa.py, model/layers/*", "per-layer reductions, MoE dispatch/combine"),
-    Stage(7, "speculate", "MTP draft and verify", "GPU", "engine/mtp.py", "as stage 6, for the MTP layer"),
+    Stage(7, "speculate", "MTP draft and verify", "GPU",
+          "not built yet (the MTP layer's forward: model/glm_moe_dsa.py)", "as stage 6, for the MTP layer"),
     Stage(8, "lm head", "vocab-parallel GEMM + logits gather", "GPU", "model/layers/embedding.py",
           "vocab all-gather"),
     Stage(9, "sample", "temperature/top-k/top-p, penalties, grammar mask, MTP acceptance", "GPU (+CPU mask)",
-          "model/sampler.py, engine/grammar.py", ""),
+          "model/sampler.py; grammar mask not built yet (server/openai_serving.py refuses JSON response_format)",
+          ""),
     Stage(10, "output", "incremental detokenize, stop strings, streaming, free/cache KV", "CPU",
-          "server/detokenizer.py, engine/scheduler.py", ""),
+          "server/detokenizer.py, engine/detokenizer.py, engine/scheduler.py", ""),
 )
 
 

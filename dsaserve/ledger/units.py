@@ -18,11 +18,13 @@ CONVENTIONS: dict[str, str] = {
     "tokens": "'1M tokens' = 2^20 = 1,048,576 tokens, '128K' = 2^17; a bare number is exact",
     "comm_bytes": "communication bytes are sender totals: the bytes a rank puts on its link",
     "ring": "ring all-reduce moves 2(n-1)/n of the message per rank; ring all-gather / reduce-scatter (n-1)/n; "
-            "all-to-all dispatch/combine count every (token, expert) copy (the notes' sender total)",
+            "MoE dispatch/combine: the message is every (token, expert) copy of the rank's own tokens "
+            "(ceil(b/dp) under DP-attention), (n-1)/n of it leaves the GPU",
     "message": "'message' = the note's single-call size (e.g. b x hidden x 2 B); 'wire' = what a rank sends",
     "time": "time = bytes / bandwidth + calls x per-collective overhead; lower bounds assume perfect overlap",
     "flops": "FLOP counts a multiply-add as 2; dense (not 2:4-sparse) datasheet FLOP/s",
-    "batch": "batch b = decode requests in one step across the whole deployment (the notes' b)",
+    "batch": "batch b = decode requests in one step across the whole deployment (the notes' b); "
+             "under DP-attention each rank attends and dispatches ceil(b/dp) of them",
 }
 
 

@@ -42,6 +42,20 @@ def test_json_flags_reach_the_report(capsys):
     assert list(d["sections"]) == ["kv_capacity", "prefill_totals"]
 
 
+def test_dp_attention_decode_step_and_bytes_to_time_count_one_ranks_tokens(capsys):
+    rc, out, _ = _run(capsys, "--json", "--tp", "8", "--ep", "8", "--dp-attention", "--batch", "32",
+                      "--sections", "decode_step,bytes_to_time")
+    assert rc == 0
+    d = json.loads(out)["sections"]
+    a2a = next(r for r in d["decode_step"]["rows"] if r["term"] == "MoE dispatch + combine")
+    sent = 75 * 4 * 8 * 6144 * 3  # ceil(32/8) = 4 tokens per DP rank
+    assert a2a["bytes"] == pytest.approx(sent * 7 / 8)  # 38.7 MB leaves the GPU (was the deployment's 353.9 MB)
+    assert a2a["time_s"] == pytest.approx(sent * 7 / 8 / 450e9 + 150 * 5e-6)
+    layer = next(r for r in d["bytes_to_time"]["rows"] if "dispatch" in r["case"])
+    assert layer["message"] == 32 * 8 * 6144 * 3  # b = 256: one rank's ceil(256/8) = 32 tokens, one layer
+    assert layer["wire"] == pytest.approx(32 * 8 * 6144 * 3 * 7 / 8)
+
+
 def test_markdown_and_out_file(capsys, tmp_path):
     out_file = tmp_path / "ledger.md"
     rc, out, _ = _run(capsys, "--markdown", "--sections", "pd_transfer", "--out", str(out_file))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.ledger.collectives import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import PRESETS
 
@@ -16,7 +16,7 @@ TP8, DPEP8 = Deployment(tp=8), Deployment(tp=8, ep=8, dp_attention=True)
 def test_ring_factors():
     assert wire_factor("all_reduce", 8) == 2 * 7 / 8
     assert wire_factor("all_gather", 8) == wire_factor("reduce_scatter", 8) == 7 / 8
-    assert wire_factor("all_to_all", 8) == 1.0
+    assert wire_factor("all_to_all", 8) == 7 / 8  # 1/8 of the (token, expert) copies stay on the rank
     assert wire_factor("all_reduce", 1) == 0.0
     with pytest.raises(ValueError, match="broadcastx"):
         wire_factor("broadcastx", 8)
@@ -38,8 +38,11 @@ def test_dp_attention_ep8_table_rows():
     assert by["attention output reduce-scatter"].calls == 78
     assert by["dense-layer MLP all-reduce"].calls == 3
     assert by["MoE dispatch (FP8)"].calls == by["MoE combine (BF16)"].calls == 75
-    assert by["MoE dispatch (FP8)"].message_bytes == 256 * 8 * 6144
-    assert by["MoE combine (BF16)"].message_bytes == 256 * 8 * 6144 * 2
+    # one rank dispatches only its own ceil(256/8) = 32 tokens' copies
+    assert by["MoE dispatch (FP8)"].message_bytes == 32 * 8 * 6144
+    assert by["MoE combine (BF16)"].message_bytes == 32 * 8 * 6144 * 2
+    notes = {r.point: r for r in step_plan(GLM, DPEP8, Assumptions(a2a_count="deployment"), 256)}
+    assert notes["MoE dispatch (FP8)"].message_bytes == 256 * 8 * 6144  # the notes' table: all b tokens
     assert "embedding (vocab-parallel)" not in by
     per_layer = step_plan(GLM, DPEP8, Assumptions(dp_gather="per_layer", dp_embed_allreduce=True), 32)
     assert sum(r.calls for r in per_layer if r.kind in ("all_gather", "reduce_scatter") and r.point[0] != "v") == 156
@@ -71,3 +74,22 @@ def test_ep_must_divide_the_experts():
 
     with pytest.raises(ValueError, match="--ep: 3 does not divide n_routed_experts 256"):
         LedgerInputs(GLM, Deployment(tp=8, ep=3), PRESETS["h200"])
+
+
+def test_dispatch_counts_one_ranks_own_tokens():
+    asm = Assumptions()
+    assert a2a_tokens(DPEP8, asm, 32) == 4  # DP-attention: 32 requests over 8 ranks
+    assert a2a_tokens(DPEP8, asm, 33) == 5  # the busiest rank holds ceil(33/8)
+    assert a2a_tokens(DPEP8, asm, 32768, one_request=True) == 32768  # one request's prefill chunk: one rank
+    assert a2a_tokens(Deployment(tp=8, ep=8), asm, 33) == 5  # TP attention: tokens scattered over the EP group
+    assert a2a_tokens(DPEP8, Assumptions(a2a_count="deployment"), 33) == 33
+
+
+def test_worked_step_dispatch_and_combine_per_gpu():
+    # `dsaserve ledger --tp 8 --ep 8 --dp-attention --batch 32`: one rank sends 75 layers x 4 tokens x 8 copies
+    # x 6144 x (1 + 2) B, and 7/8 of it leaves the GPU
+    a2a = [r for r in step_plan(GLM, DPEP8, Assumptions(), 32) if r.kind == "all_to_all"]
+    assert sum(r.total_message for r in a2a) == 75 * 4 * 8 * 6144 * 3 == 44_236_800
+    assert sum(r.wire_bytes for r in a2a) == pytest.approx(44_236_800 * 7 / 8)
+    t = sum(row_time(r, PRESETS["h200"], Assumptions()) for r in a2a)
+    assert t == pytest.approx(38_707_200 / 450e9 + 150 * 5e-6)  # 0.836 ms, not 1.536 ms

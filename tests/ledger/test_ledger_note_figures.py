@@ -9,6 +9,7 @@ and the figure must carry the reason the report prints.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import glm_arithmetic as g
 import pytest
@@ -21,10 +22,15 @@ POOL85, POOL95 = 0.85 * 141e9 - g.W_TP8, 0.95 * 141e9 - g.W_TP8
 TOK_GPU = math.floor(POOL85 / (53_940 / 8 * 64)) * 64
 LAUNCHES = 1 + 6 * 78 + 2 * 21 + 3 * 75 + 78 + 2  # operator list: embed + per-layer ops + lm_head + sample
 
-# worked step (batch 32, 128K) under the note's inputs, as the ledger sums it for the shares
-_T = {"dp": 156 * 32 * H * 2 / NV + 156 * 5e-6, "a2a": 75 * 32 * 8 * H * 3 / NV, "kv": 32 * 2048 * 656 * 78 / HBM,
-      "idx": 32 * 131_072 * 132 * 21 / HBM, "w": W_DP / HBM, "lm": 32 * V * 4 / NV}
+# worked step (batch 32, 128K) under the note's inputs, as the ledger sums it for the shares: one GPU of the
+# DP-attention deployment attends ceil(32/8) = 4 requests and dispatches its own 4 tokens' copies
+REQ = 4
+_T = {"dp": 156 * 32 * H * 2 / NV + 156 * 5e-6, "a2a": 75 * REQ * 8 * H * 3 / NV,
+      "kv": REQ * 2048 * 656 * 78 / HBM, "idx": REQ * 131_072 * 132 * 21 / HBM, "w": W_DP / HBM, "lm": 32 * V * 4 / NV}
 _STEP = sum(_T.values())
+# the note's own times of that table (ms): its '<15 %' checked against them
+NOTE_REST = (0.078 + 0.8 + 0.43 + 0.6 + 2.4 + 0.02) / (0.078 + 0.8 + 0.43 + 0.6 + 2.4 + 0.02 + 23)
+GLM4_V = 151_552  # GLM-4's vocabulary
 
 # id: (note text as written, the ledger's value in SI units or None if only bounds are checked, status)
 EXPECTED: dict[str, tuple[str, float | None, str]] = {
@@ -83,18 +89,18 @@ EXPECTED: dict[str, tuple[str, float | None, str]] = {
     "001.worked.a2a_calls": ("150", 150, "agrees"),
     "001.worked.a2a_time": ("0.43", 75 * 32 * 8 * H * 3 / NV, "differs"),
     "001.worked.kv_per_token": ("92", 2048 * 656 * 78, "differs"),
-    "001.worked.kv_step": ("2.9", 32 * 2048 * 656 * 78, "differs"),
-    "001.worked.kv_time": ("0.6", 32 * 2048 * 656 * 78 / HBM, "differs"),
+    "001.worked.kv_step": ("2.9", REQ * 2048 * 656 * 78, "differs"),
+    "001.worked.kv_time": ("0.6", REQ * 2048 * 656 * 78 / HBM, "differs"),
     "001.worked.idx_per_token": ("352", 131_072 * 132 * 21, "differs"),
-    "001.worked.idx_step": ("11.3", 32 * 131_072 * 132 * 21, "differs"),
-    "001.worked.idx_time": ("2.4", 32 * 131_072 * 132 * 21 / HBM, "agrees"),
+    "001.worked.idx_step": ("11.3", REQ * 131_072 * 132 * 21, "differs"),
+    "001.worked.idx_time": ("2.4", REQ * 131_072 * 132 * 21 / HBM, "differs"),
     "001.worked.replicated": ("18", g.REPLICATED, "differs"),
     "001.worked.weights": ("109", W_DP, "differs"),
     "001.worked.weights_time": ("23", W_DP / HBM, "agrees"),
     "001.worked.lm_bytes": ("17", 32 * V * 4 * 7 / 8, "agrees"),
     "001.worked.lm_time": ("20", 32 * V * 4 * 7 / 8 / NV, "agrees"),
-    "001.worked.weights_share": ("85", _T["w"] / _STEP, "agrees"),
-    "001.worked.indexer_share": ("10", _T["idx"] / _STEP, "agrees"),
+    "001.worked.weights_share": ("85", _T["w"] / _STEP, "differs"),
+    "001.worked.indexer_share": ("10", _T["idx"] / _STEP, "differs"),
     "001.worked.rest_share": ("<15", 1 - _T["w"] / _STEP, "differs"),
     "001.marginal.tp_per_token": ("1.9", 157 * H * 2, "agrees"),
     "001.marginal.dp_per_token": ("1", 82 * H * 2, "agrees"),
@@ -210,7 +216,7 @@ def test_figures_that_depend_on_the_ledgers_own_conventions_also_carry_the_defau
     # TP8 b=256 reductions: the note's 0.63 ms is message bytes / 787 GB/s; the ledger's default is ring wire bytes
     f = FIGURES["001.coll.tp8_b256_nvlink"]
     assert f.default == pytest.approx(157 * 256 * H * 2 * 1.75 / 450e9 + 157 * 5e-6)
-    assert FIGURES["001.prefill.indexer_read"].default == pytest.approx(g.INDEXER_READ_Q32 * 32)
+
 
 
 def test_docs_list_every_figure_that_differs():
@@ -219,3 +225,60 @@ def test_docs_list_every_figure_that_differs():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "LEDGER.md").read_text()
     missing = [f.id for f in FIGURES.values() if not f.agrees and f"`{f.id}`" not in doc]
     assert not missing, f"docs/LEDGER.md lacks the differing figures {missing}"
+
+
+def test_dispatch_and_combine_defaults_are_one_ranks_own_tokens():
+    # the note's table counts all b tokens' copies; one DP rank sends its ceil(b/8) tokens', 7/8 of them off the GPU
+    worked = FIGURES["001.worked.a2a_time"]
+    assert worked.default == pytest.approx(75 * 4 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * 5e-6)  # 0.836 ms
+    assert FIGURES["001.worked.a2a_bytes"].default == pytest.approx(75 * 4 * 8 * H * 3 * 7 / 8)
+    b256 = FIGURES["001.coll.a2a_step_nvlink"]
+    assert b256.default == pytest.approx(75 * 32 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * 5e-6)
+
+
+def test_worked_step_reads_report_the_notes_own_8x():
+    for fid in ("kv_step", "kv_time", "idx_step", "idx_time", "indexer_share", "weights_share"):
+        f = FIGURES[f"001.worked.{fid}"]
+        assert "ceil(32/8) = 4 requests" in f.reason and "(8x)" in f.reason, fid
+    # the note's 2.4 ms is 32 requests x 352 MB / 4.8 TB/s; one GPU reads 4 requests' keys (of 132 B)
+    assert FIGURES["001.worked.idx_time"].ledger == pytest.approx(4 * 131_072 * 132 * 21 / HBM)
+    assert FIGURES["001.worked.idx_time"].ledger < 2.4e-3 / 7
+
+
+def test_rest_share_differs_because_the_notes_own_times_give_15_8_percent():
+    f = FIGURES["001.worked.rest_share"]
+    assert f.note_own == pytest.approx(NOTE_REST) and round(NOTE_REST, 3) == 0.158
+    lo, hi = f.bounds
+    assert lo <= f.ledger <= hi  # one GPU's 5.6 % sits under 15 % ...
+    assert not f.consistent and f.status == "differs"  # ... but the note's '<15 %' contradicts its own times
+    assert "15.8%" in f.reason
+
+
+def test_indexer_read_default_is_the_default_q_tile_and_names_q_tile_1():
+    from dsaserve.ledger.sections_notes import notes_check
+
+    f = FIGURES["001.prefill.indexer_read"]
+    assert f.default == pytest.approx(g.INDEXER_READ_Q32)  # q-tile 32: 47.62 TB, what prefill_totals prints
+    why = notes_check([f]).rows[0]["why"]
+    assert round(g.INDEXER_READ_Q32 / 1e12, 2) == 47.62 and "ledger default 47.62 TB" in why
+    assert f"{g.INDEXER_READ_Q32 * 32 / 1e12:.0f} TB" in why  # q-tile 1: 1524 TB, labelled as such
+
+
+def test_lm_head_figures_match_glm4s_vocabulary_exactly():
+    hand = {"001.lm.b192_bytes": 192 * GLM4_V * 4 * 7 / 8, "001.lm.b16_bytes": 16 * GLM4_V * 4 * 7 / 8,
+            "001.lm.b192_time": 192 * GLM4_V * 4 * 7 / 8 / NV, "001.worked.lm_bytes": 32 * GLM4_V * 4 * 7 / 8}
+    for fid, value in hand.items():
+        assert replace(FIGURES[fid], ledger=value).agrees, f"{fid}: {value} outside the note's {FIGURES[fid].bounds}"
+    for fid in ("001.lm.b192_bytes", "001.lm.b16_bytes"):
+        assert "151,552 (GLM-4's)" in FIGURES[fid].reason and f"{hand['001.lm.b16_bytes'] / 1e6:.2f} MB" \
+            in FIGURES[fid].reason
+
+
+def test_replicated_and_request_1m_reasons_add_up():
+    rep = FIGURES["001.worked.replicated"].reason
+    assert f"{g.REPLICATED / 1e9:.2f} + {g.LM_HEAD / 1e9:.2f} = {(g.REPLICATED + g.LM_HEAD) / 1e9:.2f} GB" in rep
+    assert "18.73 GB" in rep
+    assert "10^6 against 2^20 tokens" in FIGURES["000.kv.request_1m"].reason
+    # the whole gap: the ledger's bytes per token over 10^6 tokens instead of 2^20 give the note's 53.9 GB
+    req = FIGURES["000.kv.request_1m"]
+    assert req.ledger == 53_940 * g.G and replace(req, ledger=req.ledger / g.G * 10**6).agrees

@@ -146,3 +146,13 @@ def test_reconcile_runs_the_tiny_engine_and_matches_the_prediction(tmp_path, cap
     assert rc == 0, [r for r in rows.values() if r["ok"] is False]
     again = load_run(saved)  # the saved run reconciles offline to the same verdict
     assert again.shape.prompt_lens == (5, 17, 70) and all(r.ok is not False for r in again.rows())
+
+
+def test_all_to_all_bytes_are_rank_zeros_own_chunk_of_the_tokens():
+    # engine/expert_parallel.a2a_moe_forward: rank 0 sends the (token, expert) pairs of its ceil(T/ep) tokens
+    def a2a(prompt: int) -> float:
+        return predict_run(TINY, RunShape((prompt,), 1, tp=2, ep=2))["collective_bytes.all_to_all"].value
+
+    assert a2a(5) == a2a(6)  # ceil(5/2) = ceil(6/2) = 3 tokens
+    assert a2a(7) == pytest.approx(a2a(6) * 4 / 3)  # ceil(7/2) = 4
+    assert a2a(6) == 4 * 3 * 2 * 256 * (1 + 2)  # 4 MoE layers x 3 tokens x top-2 x hidden 256 x (FP8 + BF16)
