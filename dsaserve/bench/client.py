@@ -91,9 +91,11 @@ class _Stream:
             grown = int(usage.get("completion_tokens", 0)) - self.usage_tokens
             self.usage_tokens += grown
             if choices:  # continuous usage: this chunk's tokens are the growth
+                self.rec.empty_text_chunks += bool(grown) and not any(_has_text(c) for c in choices)
                 return grown
         counts = [chunk_tokens(c) for c in choices]
         if any(c is not None for c in counts):
+            self.rec.empty_text_chunks += not any(_has_text(c) for c in choices)
             return sum(c or 0 for c in counts)
         if any(_has_text(c) for c in choices):
             self.rec.counted_by_text = True

@@ -35,6 +35,7 @@ class Record:
     output_tokens: int = 0  # the server's usage.completion_tokens (else the chunks' sum)
     e2el: float = 0.0
     counted_by_text: bool = False  # some chunk had no token count (no logprobs / usage): counted as 1 token
+    empty_text_chunks: int = 0  # token-carrying chunks whose text was empty (partial UTF-8, special tokens)
 
     @property
     def ttft(self) -> float | None:
@@ -108,11 +109,13 @@ def summarize(records: list[Record], duration: float, pcts: list[float]) -> dict
         "total_token_throughput": per_s(n_in + n_out),
         "requests_counted_by_text": sum(r.counted_by_text for r in ok),
         "requests_short_of_max_tokens": sum(r.output_tokens < r.expected_output for r in ok),
+        "empty_text_chunks": sum(r.empty_text_chunks for r in ok),
     }
     for name, values in metric_values(records).items():
         out.update(stats(name, values, pcts))
     out.update({
-        "input_lens": [r.input_len for r in records], "output_lens": [r.output_tokens for r in records],
+        "input_lens": [r.input_len for r in records], "max_tokens": [r.expected_output for r in records],
+        "output_lens": [r.output_tokens for r in records],
         "ttfts": [r.ttft for r in records], "tpots": [r.tpot for r in records], "e2els": [r.e2el for r in records],
         "itls": [r.itls for r in records], "errors": [r.error for r in records],
     })
