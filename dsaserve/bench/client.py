@@ -26,6 +26,7 @@ from dsaserve.bench.datasets import BenchRequest
 from dsaserve.bench.metrics import Record
 
 TOKEN_COUNTS = ("logprobs", "usage")
+TICK_S = 1.0  # progress refresh while waiting
 REQUESTS_METRIC = "dsaserve_requests_received_total"  # generation requests the server accepted (HTTP)
 
 
@@ -142,9 +143,11 @@ async def send(client: Any, url: str, body: dict[str, Any], req: BenchRequest, h
 async def run_load(url: str, headers: dict[str, str], work: list[tuple[BenchRequest, dict[str, Any]]], *,
                    request_rate: float, max_concurrency: int | None, seed: int, timeout: float,
                    on_done: Callable[[Record], None] | None = None,
-                   on_tokens: Callable[[int], None] | None = None) -> tuple[list[Record], float]:
+                   on_tokens: Callable[[int], None] | None = None,
+                   on_tick: Callable[[], None] | None = None) -> tuple[list[Record], float]:
     """Send every request: Poisson arrivals at request_rate (inf: all at once), at most max_concurrency in
-    flight. Returns the records in request order and the run's duration (first send to last end)."""
+    flight. Returns the records in request order and the run's duration (first send to last end). on_tick
+    runs every TICK_S meanwhile (a progress bar's clock keeps moving while nothing arrives)."""
     import random
 
     import httpx
@@ -161,13 +164,23 @@ async def run_load(url: str, headers: dict[str, str], work: list[tuple[BenchRequ
             return rec
 
         tasks = []
+        ticker = asyncio.ensure_future(_tick(on_tick)) if on_tick else None
         t0 = time.perf_counter()
         for i, (req, body) in enumerate(work):
             tasks.append(asyncio.ensure_future(one(req, body)))
             if request_rate != float("inf") and i + 1 < len(work):
                 await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals, as vLLM
         records = await asyncio.gather(*tasks)
-        return list(records), time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        if ticker:
+            ticker.cancel()
+        return list(records), duration
+
+
+async def _tick(fn: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        fn()
 
 
 def server_info(base: str, headers: dict[str, str]) -> tuple[str, int]:

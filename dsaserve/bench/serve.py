@@ -89,7 +89,7 @@ class Run:
             per_req = (lambda rec: bar.update(1)) if unit == "req" else None
             return asyncio.run(run_load(self.url, self.headers, work, request_rate=rate, max_concurrency=concurrency,
                                         seed=self.ns.seed, timeout=self.ns.timeout, on_done=per_req,
-                                        on_tokens=per_token))
+                                        on_tokens=per_token, on_tick=bar.refresh))
 
 
 def main_serve(ns: argparse.Namespace) -> int:
