@@ -38,7 +38,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="generate max_tokens whatever the model samples")
     s.add_argument("--token-counts", choices=TOKEN_COUNTS, default="logprobs",
                    help="how each chunk's tokens are counted (see dsaserve/bench/client.py)")
-    s.add_argument("--first-request", action="store_true", help="first request vs later ones of the same shape")
+    s.add_argument("--first-request", action="store_true",
+                   help="first request vs later ones of the same shape (random ids, --input-len / --output-len)")
     s.add_argument("--percentiles", default="99", help="percentiles in the table (and the JSON)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--api-key", default=None)
@@ -132,7 +133,7 @@ def first_request(run: Run) -> dict[str, Any]:
     steady = summarize(recs, duration, run.pcts)
     _print(report.format_table(steady, run.pcts, "Steady State (one at a time)"), report.warnings(steady))
     out: dict[str, Any] = {"server_requests_before": served, "first": first, "steady": steady}
-    if first["completed"] and steady["completed"]:
+    if first["completed"] and steady["median_ttft_ms"] > 0 and steady["median_e2el_ms"] > 0:
         for key in ("ttft", "e2el"):
             out[f"{key}_first_over_steady_median"] = first[f"mean_{key}_ms"] / steady[f"median_{key}_ms"]
         print(f"first / steady median: TTFT x{out['ttft_first_over_steady_median']:.2f}  "
