@@ -1,48 +1,84 @@
-"""`dsaserve bench serve` against a real server: counts agree with the server's own metrics; percentiles are
-ordered; `--first-request` reports first vs steady; `bench step` runs the engine's script."""
+"""`dsaserve bench serve` against a real server on the tiny random-weight model: tokens are counted, not text
+(its tokens often decode to no text, and no request fails for that); output lengths are as asked with
+--ignore-eos; token counts agree with the server's own metrics; TPOT is consistent with E2EL and TTFT; the
+table prints the JSON's numbers; the datasets' lengths reach the server; `--first-request` warns about a
+server that already served requests and reports first vs steady; `bench step` runs the engine's script."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from dsaserve.bench import report
+from dsaserve.bench.datasets import make_requests
 from dsaserve.cli import main
 from tests.server.harness import scrape, value, wait_idle
 
+TOKENS = ("dsaserve_generation_tokens_total", "dsaserve_prompt_tokens_total")
 
-def test_bench_serve_reports_latencies_and_throughput(server, tmp_path, capsys):
+
+def _bench(server, tmp_path, *args: str) -> tuple[int, dict, dict[str, float]]:
+    """Run bench serve; (exit code, its JSON, how much each server token counter grew)."""
     wait_idle(server)
     _, before = scrape(server)
     out = tmp_path / "bench.json"
-    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "12", "--input-len", "40",
-               "--output-len", "8", "--random-range-ratio", "0.5", "--max-concurrency", "4",
-               "--request-rate", "50", "--json", str(out)])
-    assert rc == 0
-    assert "Serving Benchmark Result" in capsys.readouterr().out
-    r = json.loads(out.read_text())
+    rc = main(["bench", "serve", "--base-url", server.url, "--json", str(out), *args])
     _, after = scrape(server)
-    assert r["completed"] == 12 and r["failed"] == 0
+    return rc, json.loads(out.read_text()), {k: value(after, k) - value(before, k) for k in TOKENS}
+
+
+def test_bench_serve_counts_tokens_not_text(server, tmp_path, capsys):
+    rc, r, grown = _bench(server, tmp_path, "--num-prompts", "12", "--input-len", "40", "--output-len", "8",
+                          "--range-ratio", "0.5", "--max-concurrency", "4", "--request-rate", "50")
+    assert rc == 0 and r["completed"] == 12 and r["failed"] == 0 and set(r["errors"]) == {""}
+    assert r["empty_text_chunks"] > 0  # random weights: some tokens decode to no text, and they still count
+    assert r["output_lens"] == r["max_tokens"] and r["requests_short_of_max_tokens"] == 0  # --ignore-eos
+    assert r["requests_counted_by_text"] == 0  # every chunk said how many tokens it carried
     # the client's token counts are the server's
-    assert r["total_output_tokens"] == value(after, "dsaserve_generation_tokens_total") - \
-        value(before, "dsaserve_generation_tokens_total")
-    assert r["total_input_tokens"] == value(after, "dsaserve_prompt_tokens_total") - \
-        value(before, "dsaserve_prompt_tokens_total")
-    assert 20 * 12 <= r["total_input_tokens"] <= 60 * 12  # random lengths within ±50 %
+    assert r["total_output_tokens"] == sum(r["max_tokens"]) == grown["dsaserve_generation_tokens_total"]
+    assert r["total_input_tokens"] == sum(r["input_lens"]) == grown["dsaserve_prompt_tokens_total"]
+    assert all(20 <= n <= 60 for n in r["input_lens"]) and all(4 <= n <= 12 for n in r["max_tokens"])
+    for ttft, tpot, e2el, itl, n in zip(r["ttfts"], r["tpots"], r["e2els"], r["itls"], r["output_lens"], strict=True):
+        assert 0 < ttft < e2el and tpot >= 0
+        assert ttft + tpot * (n - 1) == pytest.approx(e2el)  # TPOT = (E2EL - TTFT) / (tokens - 1)
+        assert len(itl) == n - 1 and sum(itl) <= e2el - ttft + 1e-9  # one gap per token after the first
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        s = r[metric]
-        assert 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"], (metric, s)
-    assert r["ttft"]["p50_ms"] < r["e2el"]["p50_ms"]
-    assert r["request_throughput"] > 0 and r["output_throughput"] > 0
+        assert 0 < r[f"median_{metric}_ms"] <= r[f"p99_{metric}_ms"], metric
+    out = capsys.readouterr().out
+    assert "============ Serving Benchmark Result ============" in out
+    parsed = report.parse_table(out)
+    rows = [(label, key, fmt) for label, key, fmt in report.table_rows(r, [99.0]) if label]
+    assert len(rows) == len(parsed) == 22
+    for label, key, fmt in rows:  # the table prints the JSON's numbers (an infinite rate is "inf" in JSON)
+        number = float(r[key]) if isinstance(r[key], str) else r[key]
+        assert parsed[label] == float(format(number, fmt)), label
 
 
-def test_bench_serve_chat_endpoint_and_first_request_mode(server, tmp_path):
-    out = tmp_path / "first.json"
-    rc = main(["bench", "serve", "--base-url", server.url, "--endpoint", "chat", "--first-request",
-               "--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--json", str(out)])
-    assert rc == 0
-    r = json.loads(out.read_text())
-    assert r["first"]["ok"] and r["first"]["output_tokens"] == 6
+def test_bench_serve_sharegpt_like_lengths_reach_the_server(server, tmp_path):
+    rc, r, grown = _bench(server, tmp_path, "--dataset", "sharegpt-like", "--num-prompts", "4",
+                          "--sharegpt-output-len", "2", "--max-concurrency", "2", "--seed", "5")
+    vocab = server.get("/startup").json()["scheduler_info"]["vocab_size"]
+    sent = make_requests("sharegpt-like", 4, input_len=1, output_len=1, range_ratio=0.0, vocab=vocab,
+                         as_text=False, seed=5, fixed_output_len=2)
+    assert rc == 0 and r["failed"] == 0 and r["input_lens"] == [q.input_len for q in sent]
+    assert r["output_lens"] == [2] * 4
+    assert r["total_input_tokens"] == grown["dsaserve_prompt_tokens_total"]
+
+
+def test_bench_serve_chat_first_request_warns_and_reports(server, tmp_path, capsys):
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1", "--input-len", "4",
+                 "--output-len", "2", "--disable-tqdm"]) == 0  # the server has now served a request for sure
+    capsys.readouterr()
+    rc, r, _ = _bench(server, tmp_path, "--endpoint", "chat", "--first-request", "--num-prompts", "4",
+                      "--input-len", "16", "--output-len", "6")
+    assert rc == 0 and r["server_requests_before"] >= 1
+    err = capsys.readouterr().err
+    assert "WARNING: the server has already served" in err
+    assert "first request: 16 tokens in, 6 out" in err and "steady requests" in err  # progress as it goes
+    assert r["first"]["completed"] == 1 and r["first"]["output_lens"] == [6]
     assert r["steady"]["completed"] == 4 and r["steady"]["total_output_tokens"] == 24
-    assert r["ttft_first_over_steady_p50"] > 0
+    assert r["ttft_first_over_steady_median"] > 0
 
 
 def test_bench_serve_counts_failures_instead_of_crashing(server, tmp_path):
