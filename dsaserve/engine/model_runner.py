@@ -55,7 +55,7 @@ class ModelRunner:
                  max_model_len: int | None = None, disable_cuda_graph: bool = False, cache_dir: str | None = None,
                  graph_reserve_bytes: int = 1 << 30, max_num_batched_tokens: int | None = None,
                  max_running_requests: int | None = None, tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
-                 dist_init_method: str | None = None):
+                 dist_init_method: str | None = None, enable_dp_attention: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
         if kv_layout not in KV_LAYOUTS:
@@ -66,7 +66,8 @@ class ModelRunner:
             raise ValueError(f"mem_fraction_static: {mem_fraction_static} must be in (0, 1)")
         self.startup_time: dict[str, float] = {}
         with _Timer(self.startup_time, "init_distributed"):  # RANK/WORLD_SIZE/MASTER_* or dist_init_method
-            self.parallel = initialize_model_parallel(tp_size, ep_size, moe_a2a, device, dist_init_method)
+            self.parallel = initialize_model_parallel(tp_size, ep_size, moe_a2a, device, dist_init_method,
+                                                      dp_attention=enable_dp_attention)
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
         self.dtype = DTYPES[dtype]
         self.chunked_prefill_size, self.cuda_graph_max_bs = chunked_prefill_size, cuda_graph_max_bs
@@ -150,6 +151,9 @@ class ModelRunner:
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
+        if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
+            COUNTERS.add("eager_fallbacks.moe_a2a", 0)
+            return None
         if not getattr(get_ops(self.device), "graph_safe", False):
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
             return None
@@ -189,6 +193,11 @@ class ModelRunner:
             batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
+
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
+        with zero tokens (`DsaForCausalLM.forward_idle`), so theirs never hang."""
+        self.model.forward_idle(mtp_layer)
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""

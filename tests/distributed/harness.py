@@ -80,7 +80,11 @@ def run_scenario(runner: ModelRunner, decode_tokens: list[list[int]]) -> dict:
         before = COUNTERS.snapshot()
         logits.append(runner.forward(batch))
         decode.append(_collective_delta(before))
-    return {"logits": logits, "prefill": prefill, "decode": decode, "mtp_logits": _mtp_logits(runner, prompts[0])}
+    # one token over 2 ranks: the a2a modes leave rank 1 an empty token chunk (the GPU ZeroDivisionError case);
+    # it rewrites request 0's first decode slot with the same token, so later reads are unchanged
+    single = runner.forward(contiguous_batch([[decode_tokens[0][0]]], [len(prompts[0])], BASES[:1]))
+    return {"logits": logits, "prefill": prefill, "decode": decode, "mtp_logits": _mtp_logits(runner, prompts[0]),
+            "single_token": single}
 
 
 def _mtp_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
@@ -106,6 +110,15 @@ def reference(name: str, n_decode: int) -> tuple[dict, list[list[int]]]:
         last = runner.forward(batch)
     # the scenario rewrites exactly the slots the greedy run wrote, with the same tokens: reuse the runner
     return run_scenario(runner, tokens), tokens
+
+
+def run_ranks(worker_fn, n_decode: int, out: Path) -> tuple[dict, list[dict]]:
+    """The single-rank references of every config, then `worker_fn` on 2 ranks: (refs, what each rank saved)."""
+    refs, tokens = {}, {}
+    for name in CONFIGS:
+        refs[name], tokens[name] = reference(name, n_decode)
+    spawn(worker_fn, 2, tokens, str(out))
+    return refs, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _collectives_probe(rank: int) -> dict:
