@@ -3,12 +3,14 @@ the config field and the numbers; the full models pass at TP8 and DP8+EP8 and fi
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from importlib import resources
 
 import pytest
 
-from dsaserve.config import load_config
+from dsaserve.config import config_from_dict, load_config
 from dsaserve.distributed.layout import check_layout
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.weights import inventory, stored_per_gpu
@@ -59,3 +61,32 @@ def test_check_layout_needs_no_torch():
             "from dsaserve.config import load_config; check_layout(load_config('glm-5.3'), 8, 8, True); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+GiB = 1 << 30
+H200_TOTAL_GIB, MEM_FRACTION, GRAPH_RESERVE_GIB = 139, 0.88, 1
+ACTIVATIONS_GIB = 12  # assumed peak of the memory profile (the slice measured 10.7 GiB at a 32K chunk)
+X2_LAYOUTS = [(Deployment(tp=2, ep=2, dp_attention=True), Assumptions(dp_moe="a2a", speculative=True)),
+              (Deployment(tp=2, ep=2), Assumptions(speculative=True))]
+
+
+def _kv_pool_gib(cfg, dep, asm) -> float:
+    """The memory profile's formula with the ledger's weights per GPU (the MTP layer loaded)."""
+    weights = sum(stored_per_gpu(inventory(cfg), dep, asm).values())
+    return (H200_TOTAL_GIB * MEM_FRACTION - GRAPH_RESERVE_GIB - ACTIVATIONS_GIB) - weights / GiB
+
+
+def test_glm_x2_keeps_glm_shapes_and_leaves_40_gib_of_kv_per_h200_at_ep2():
+    x2, full = load_config("glm-5.3-x2"), load_config("glm-5.3")
+    same = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "index_topk",
+            "first_k_dense_replace", "vocab_size")
+    assert {k: getattr(x2, k) for k in same} == {k: getattr(full, k) for k in same}
+    assert x2.indexer_types == full.indexer_types[: x2.num_hidden_layers]  # full/shared pattern kept
+    for dep, asm in X2_LAYOUTS:
+        check_layout(x2, dep.tp, dep.ep, dep.dp_attention, keep_fp8=True)
+        assert _kv_pool_gib(x2, dep, asm) >= 40, dep.topology
+    # as many layers as fit: one more leaves DP-attention2+EP2 under 40 GiB
+    raw = json.loads((resources.files("dsaserve.configs") / "glm-5.3-x2.json").read_text())
+    bigger = config_from_dict(raw | {"num_hidden_layers": x2.num_hidden_layers + 1})
+    assert _kv_pool_gib(bigger, *X2_LAYOUTS[0]) < 40
