@@ -60,6 +60,11 @@ class ParallelState:
         return self.world_size if self.dp_attention else 1
 
     @property
+    def dp_rank(self) -> int:
+        """Which attention data-parallel rank this is (the TokenizerManager routes requests by it)."""
+        return self.rank if self.dp_attention else 0
+
+    @property
     def tp_rank(self) -> int:
         return self.tp_group.rank
 
@@ -80,6 +85,7 @@ class ParallelState:
         return {"world_size": self.world_size, "rank": self.rank, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
                 "ep_size": self.ep_size, "ep_rank": self.ep_rank, "moe_tp_size": self.moe_tp_size,
                 "moe_a2a": self.moe_a2a, "dp_attention": self.dp_attention, "dp_size": self.dp_size,
+                "dp_rank": self.dp_rank,
                 "backend": self.backend}
 
 
@@ -151,11 +157,10 @@ def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool 
     dp_attention: every rank runs attention, dense MLPs, shared experts, embedding and lm_head on its own
     batch; routed experts are split over all ranks (ep_size = world; tp_size 1 or the world size) and the MoE
     layers exchange tokens by all-to-all (moe_a2a is implied)."""
-    world = max(tp_size, ep_size) if isinstance(tp_size, int) and isinstance(ep_size, int) else 0
-    if world > 1:
-        init_distributed(world_size=world, device=device, init_method=init_method)
+    lay = check_sizes(tp_size, ep_size, dp_attention, "tp_size", "ep_size")  # before any rendezvous
+    if lay.world > 1:
+        init_distributed(world_size=lay.world, device=device, init_method=init_method)
     real_world = dist.get_world_size() if dist.is_initialized() else 1
-    lay = check_sizes(tp_size, ep_size, dp_attention, "tp_size", "ep_size")
     if real_world != lay.world:
         raise ValueError(f"tp_size {tp_size} / ep_size {ep_size}: need world_size = max(tp, ep) = "
                          f"{lay.world} ranks, the process group has {real_world}")

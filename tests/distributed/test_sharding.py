@@ -180,4 +180,8 @@ def test_bad_parallel_arguments_are_named(monkeypatch):
         initialize_model_parallel(tp_size=2)
     with pytest.raises(ValueError, match="tp_size: must be a positive integer"):
         initialize_model_parallel(tp_size=0)
+    with pytest.raises(ValueError, match="--enable-dp-attention: needs ep_size = the world size 2"):
+        initialize_model_parallel(tp_size=2, dp_attention=True)  # refused before any rendezvous
+    with pytest.raises(ValueError, match="tp_size 2: must be 1 or the world size 4"):
+        initialize_model_parallel(tp_size=2, ep_size=4)
     assert initialize_model_parallel(1, 1).world_size == 1  # the single-rank default needs no group
