@@ -161,6 +161,8 @@ class DsaForCausalLM(nn.Module):
         if self.parallel.world_size > 1 and not self.parallel.dp_attention:
             raise RuntimeError("forward_idle: only DP-attention ranks run their own batches; TP/EP ranks must "
                                "all run the same forward")
+        if mtp_layer is not None and not self.with_mtp:
+            raise RuntimeError("forward_idle: this model was built without its MTP layer")
         COUNTERS.add("idle_steps")
         main = self.cfg.num_hidden_layers
         layers = self.model.layers[:main] if mtp_layer is None else [self.model.layers[main + mtp_layer]]
