@@ -1,8 +1,8 @@
 """Expert parallelism for the routed experts of MoE layers (stage 6, "MoE").
 
-Owns the two ways a rank's experts meet the tokens; routing itself is replicated (every rank computes the
-same top-k from the same hidden states, so every rank also knows every other rank's send and receive
-counts without exchanging them):
+Owns the three ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
+computes the same top-k from the same hidden states, so every rank also knows every other rank's send and
+receive counts without exchanging them); in the third, each rank routes only its own tokens:
 
   simple EP (default): every rank runs its own experts on all tokens — pairs routed elsewhere get weight 0
     on local expert 0 — and the MoE layer's one all-reduce (the same call TP needs anyway) sums the parts.
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dsaserve.distributed.collectives import all_gather, all_to_all, reduce_scatter
+from dsaserve.distributed.parallel_state import Group
 from dsaserve.distributed.sharding import ExpertPlacement, Shard
 from dsaserve.kernels.reference import dequant_fp8_weight
 
@@ -122,14 +123,14 @@ def _unpack(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return rows, ids, buf[:, body + 4:].contiguous().view(torch.float32)[:, 0]
 
 
-def _exchange_counts(send: torch.Tensor, g) -> list[int]:
+def _exchange_counts(send: torch.Tensor, g: Group) -> list[int]:
     """all_to_all of per-destination pair counts: what every rank is about to send me."""
     recv = all_to_all(send, [1] * g.size, [1] * g.size, g)
     return recv.tolist()
 
 
-def dp_exchange(experts: nn.Module, group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                ctx) -> torch.Tensor:
+def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                ctx: object) -> torch.Tensor:
     """Routed sum [T, H] of this rank's own tokens (T may be 0) via count exchange + dispatch + combine."""
     g, p = group, experts.placement
     t, k = ids.shape
@@ -148,7 +149,8 @@ def dp_exchange(experts: nn.Module, group, x: torch.Tensor, weights: torch.Tenso
     return out.index_add_(0, send_tok, back.float()).to(x.dtype)
 
 
-def idle_exchange(experts: nn.Module, group, hidden: int, dtype: torch.dtype, device: torch.device, ctx) -> None:
+def idle_exchange(experts: nn.Module, group: Group, hidden: int, dtype: torch.dtype, device: torch.device,
+                  ctx: object) -> None:
     """A rank with no tokens this step: the same three all_to_all calls with nothing of its own to send."""
     k = 1  # any k: zero pairs
     dp_exchange(experts, group, torch.empty(0, hidden, dtype=dtype, device=device),
