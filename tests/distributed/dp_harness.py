@@ -21,7 +21,7 @@ import torch
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
-from tests.distributed.harness import BASES, CONFIGS, _collective_delta, _mtp_logits, prompts_for
+from tests.distributed.harness import BASES, _collective_delta, _mtp_logits, prompts_for
 
 OWNED = ([0, 2], [1])  # rank -> requests
 IDLE_DECODE = 1  # the decode step at which the ranks take turns idling
@@ -69,11 +69,27 @@ def run_dp_scenario(runner: ModelRunner, rank: int, tokens: list[list[int]]) -> 
     return log
 
 
-def dp_worker(rank: int, init_method: str, refs: dict, out_dir: str) -> None:
+def _prefill_rows(cfg, reqs: list[int]) -> torch.Tensor:
+    """Row indices of the reference prefill (3 prompts back to back) that belong to `reqs`, in their order."""
+    lens = [len(p) for p in prompts_for(cfg)]
+    starts = [sum(lens[:r]) for r in range(len(lens))]
+    return torch.cat([torch.arange(starts[r], starts[r] + lens[r]) for r in reqs])
+
+
+def expected_logits(ref: dict, cfg, rank: int, what: tuple) -> torch.Tensor:
+    """What the single-rank reference computed for this rank's requests at the step `what`."""
+    if what[0] == "prefill":
+        return ref["logits"][0][_prefill_rows(cfg, OWNED[rank])]
+    if what[0] == "decode":
+        return ref["logits"][1 + what[1]][OWNED[rank]]
+    return ref["mtp_logits"]
+
+
+def dp_worker(rank: int, init_method: str, refs: dict, out_dir: str, runner_kw: dict) -> None:
     results: dict = {}
-    for name in CONFIGS:
+    for name in refs:
         runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True, dist_init_method=init_method, ep_size=2,
-                             enable_dp_attention=True)
+                             enable_dp_attention=True, **runner_kw)
         results[name] = {"steps": run_dp_scenario(runner, rank, refs[name]),
                          "parallel": runner.manifest()["parallel"], "not_loaded": runner.load_report.not_loaded}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")

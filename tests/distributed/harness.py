@@ -90,15 +90,15 @@ def run_scenario(runner: ModelRunner, decode_tokens: list[list[int]]) -> dict:
 def _mtp_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     """The MTP layer over one prompt (fresh slots past the scenario's), logits at every position."""
     base = [12 * 64]
-    _, hidden = runner.model(contiguous_batch([prompt], [0], base), runner.kv_pool)
+    _, hidden = runner.model(contiguous_batch([prompt], [0], base).to(runner.device), runner.kv_pool)
     batch = contiguous_batch([prompt[1:]], [0], base)
     batch.logits_indices = torch.arange(len(prompt) - 1)
-    return runner.model.forward_mtp(batch, runner.kv_pool, hidden[:-1])
+    return runner.model.forward_mtp(batch.to(runner.device), runner.kv_pool, hidden[:-1])
 
 
-def reference(name: str, n_decode: int) -> tuple[dict, list[list[int]]]:
+def reference(name: str, n_decode: int, **runner_kw) -> tuple[dict, list[list[int]]]:
     """The single-rank model: its scenario with its own greedy tokens as the decode inputs."""
-    runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True)
+    runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True, **runner_kw)
     prompts = prompts_for(runner.cfg)
     batch = contiguous_batch(prompts, [0] * len(prompts), BASES)
     last = runner.forward(batch)
@@ -112,12 +112,14 @@ def reference(name: str, n_decode: int) -> tuple[dict, list[list[int]]]:
     return run_scenario(runner, tokens), tokens
 
 
-def run_ranks(worker_fn, n_decode: int, out: Path) -> tuple[dict, list[dict]]:
-    """The single-rank references of every config, then `worker_fn` on 2 ranks: (refs, what each rank saved)."""
+def run_ranks(worker_fn, n_decode: int, out: Path, configs: tuple[str, ...] = CONFIGS,
+              **runner_kw) -> tuple[dict, list[dict]]:
+    """The single-rank references of `configs`, then `worker_fn` on 2 ranks (ModelRunner keywords runner_kw for
+    both, e.g. device="cuda"): (refs, what each rank saved)."""
     refs, tokens = {}, {}
-    for name in CONFIGS:
-        refs[name], tokens[name] = reference(name, n_decode)
-    spawn(worker_fn, 2, tokens, str(out))
+    for name in configs:
+        refs[name], tokens[name] = reference(name, n_decode, **runner_kw)
+    spawn(worker_fn, 2, tokens, str(out), runner_kw)
     return refs, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -138,11 +140,12 @@ def _collectives_probe(rank: int) -> dict:
     return out
 
 
-def worker(rank: int, init_method: str, refs: dict, out_dir: str) -> None:
+def worker(rank: int, init_method: str, refs: dict, out_dir: str, runner_kw: dict) -> None:
     results: dict = {}
-    for name in CONFIGS:
+    for name in refs:
         for mode, kwargs in MODES.items():
-            runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True, dist_init_method=init_method, **kwargs)
+            runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True, dist_init_method=init_method, **kwargs,
+                                 **runner_kw)
             res = run_scenario(runner, refs[name])
             res["not_loaded"] = runner.load_report.not_loaded
             res["bytes_loaded"] = runner.load_report.bytes_loaded

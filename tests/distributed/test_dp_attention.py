@@ -7,12 +7,11 @@ Scenario: tests/distributed/dp_harness.py. float32 weights, fp32 KV.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dsaserve.config import load_config
 from dsaserve.ledger.collectives import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
-from tests.distributed.dp_harness import OWNED, dp_worker
+from tests.distributed.dp_harness import dp_worker, expected_logits
 from tests.distributed.harness import CONFIGS, prompts_for, run_ranks
 
 N_DECODE = 3
@@ -27,21 +26,6 @@ def runs(tmp_path_factory):
     return run_ranks(dp_worker, N_DECODE, tmp_path_factory.mktemp("dp_ranks"))
 
 
-def _prefill_rows(cfg, reqs: list[int]) -> torch.Tensor:
-    """Row indices of the reference prefill (3 prompts back to back) that belong to `reqs`, in their order."""
-    lens = [len(p) for p in prompts_for(cfg)]
-    starts = [sum(lens[:r]) for r in range(len(lens))]
-    return torch.cat([torch.arange(starts[r], starts[r] + lens[r]) for r in reqs])
-
-
-def _expected(ref: dict, cfg, rank: int, what: tuple) -> torch.Tensor:
-    if what[0] == "prefill":
-        return ref["logits"][0][_prefill_rows(cfg, OWNED[rank])]
-    if what[0] == "decode":
-        return ref["logits"][1 + what[1]][OWNED[rank]]
-    return ref["mtp_logits"]
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_each_rank_gets_the_single_rank_logits_of_its_own_requests(runs, name):
     refs, ranks = runs
@@ -53,7 +37,7 @@ def test_each_rank_gets_the_single_rank_logits_of_its_own_requests(runs, name):
             if s["what"][0] == "idle":
                 assert s["logits"] is None
                 continue
-            err = (s["logits"] - _expected(refs[name], cfg, rank, s["what"])).abs().max().item()
+            err = (s["logits"] - expected_logits(refs[name], cfg, rank, s["what"])).abs().max().item()
             assert err < ATOL, (name, rank, i, s["what"], err)
 
 
