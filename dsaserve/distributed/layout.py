@@ -1,10 +1,10 @@
 """Layout validation: can this model be split this way? Answered before any process group or weight exists.
 
 Owns: `check_layout(cfg, tp, ep, dp_attention, keep_fp8)` (raises ValueError naming the flag, the config
-field and the numbers), the size rules of a layout (`check_sizes`), and the split arithmetic both use
-(`Layout`). Pure Python, no torch: EngineArgs-level validation calls it with only a ModelConfig, and
-`parallel_state.validate_for_model` calls it again when the model is built (startup chain: "spawn / init
-distributed" -> here -> "load weights").
+field and the numbers), the size rules of a layout (`check_sizes`), ranks against visible GPUs
+(`check_gpu_count`), and the split arithmetic they use (`Layout`). Pure Python, no torch: EngineArgs-level
+validation calls it with only a ModelConfig, and `parallel_state.validate_for_model` calls it again when the
+model is built (startup chain: "spawn / init distributed" -> here -> "load weights").
 
 Layouts (SGLang's, one model replica over world = max(tp, ep) ranks):
   TP        tp = world: attention heads, dense MLPs, shared experts and the vocab split tp ways.
@@ -134,3 +134,15 @@ def check_layout(cfg: ModelConfig, tp: int = 1, ep: int = 1, dp_attention: bool 
     if keep_fp8 and cfg.quantization is not None:
         check_fp8_blocks(cfg, lay)
     return lay
+
+
+def check_gpu_count(lay: Layout, visible: int, nnodes: int = 1) -> int:
+    """Ranks per node for `lay` over `nnodes` machines; ValueError naming both counts if the GPUs are short."""
+    _positive("--nnodes", nnodes)
+    if lay.world % nnodes:
+        raise ValueError(f"--nnodes {nnodes}: does not divide the {lay.world} ranks of {lay.flags}")
+    per_node = lay.world // nnodes
+    if per_node > visible:
+        raise ValueError(f"{lay.flags}: needs {per_node} GPUs per node ({lay.world} ranks over {nnodes} node(s)), "
+                         f"this node sees {visible}")
+    return per_node

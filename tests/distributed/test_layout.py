@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 
 from dsaserve.config import config_from_dict, load_config
-from dsaserve.distributed.layout import check_layout
+from dsaserve.distributed.layout import Layout, check_gpu_count, check_layout
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.weights import inventory, stored_per_gpu
 
@@ -44,6 +44,16 @@ def test_fp8_block_alignment_only_binds_the_gpu_path():
     assert check_layout(load_config("glm-5.3"), 4, 2).moe_tp == 2  # 1024-row expert parts: whole blocks
 
 
+def test_more_ranks_than_gpus_names_both_counts():
+    assert check_gpu_count(Layout(8, 8, True), visible=8) == 8
+    assert check_gpu_count(Layout(8, 8), visible=4, nnodes=2) == 4
+    with pytest.raises(ValueError, match=r"--tp 8 --ep 8 --enable-dp-attention: needs 8 GPUs per node \(8 ranks "
+                                         r"over 1 node\(s\)\), this node sees 2"):
+        check_gpu_count(Layout(8, 8, True), visible=2)
+    with pytest.raises(ValueError, match="--nnodes 3: does not divide the 8 ranks"):
+        check_gpu_count(Layout(8, 1), visible=8, nnodes=3)
+
+
 @pytest.mark.parametrize("name", ["glm-5.3", "deepseek-v3.2"])
 @pytest.mark.parametrize(("dep", "asm"), [
     (Deployment(tp=8), Assumptions(speculative=True)),
@@ -57,7 +67,7 @@ def test_full_models_pass_validation_and_fit_an_h200(name, dep, asm):
 
 
 def test_check_layout_needs_no_torch():
-    code = ("import sys; from dsaserve.distributed.layout import check_layout; "
+    code = ("import sys; from dsaserve.distributed.layout import Layout, check_gpu_count, check_layout; "
             "from dsaserve.config import load_config; check_layout(load_config('glm-5.3'), 8, 8, True); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
