@@ -218,9 +218,10 @@ def main() -> None:
     result["ceilings"] = ceilings = measure_ceilings()
     print("ceilings", {k: f"{v:.3e}" for k, v in ceilings.items()}, flush=True)
     t0 = time.perf_counter()
-    runner = ModelRunner(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
+    runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
                          cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64,
-                         chunked_prefill_size=max(int(x) for x in args.prefill.split(",")))
+                         chunked_prefill_size=max(int(x) for x in args.prefill.split(",")),
+                         max_num_batched_tokens=max(int(x) for x in args.prefill.split(",")))
     result["startup_wall_s"] = time.perf_counter() - t0
     result["manifest"] = runner.manifest()
     print("startup", runner.startup_time, flush=True)

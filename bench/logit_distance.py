@@ -19,7 +19,8 @@ from dsaserve.model.forward_batch import contiguous_batch
 
 
 def last_logits(model: str, device: str, dtype: str, layout: str, prompts: list[list[int]]) -> torch.Tensor:
-    runner = ModelRunner(model, dtype=dtype, kv_layout=layout, device=device, num_pages=16, disable_cuda_graph=True)
+    runner = ModelRunner.from_kwargs(model, dtype=dtype, kv_layout=layout, device=device, num_pages=16,
+                                     disable_cuda_graph=True)
     return torch.cat([runner.forward(contiguous_batch([p], [0], [0], runner.page_size)).float().cpu()
                       for p in prompts])
 

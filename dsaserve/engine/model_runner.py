@@ -25,7 +25,7 @@ from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
-from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
@@ -105,9 +105,12 @@ class ModelRunner:
 
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
-                    **engine_args: Any) -> ModelRunner:
-        """`ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32", tensor_parallel_size=2)` (tests, bench)."""
-        return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method)
+                    graph_reserve_bytes: int = 1 << 30, **engine_args: Any) -> ModelRunner:
+        """`ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32", tensor_parallel_size=2)` (tests, bench):
+        EngineArgs by keyword, on the CPU unless `device` is given."""
+        engine_args.setdefault("device", "cpu")
+        return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method,
+                   graph_reserve_bytes=graph_reserve_bytes)
 
     def _profile_memory(self) -> int:
         """The KV budget the memory profile leaves; over ranks the smallest wins (every rank holds the same
@@ -161,6 +164,9 @@ class ModelRunner:
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
+        if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
+            COUNTERS.add("eager_fallbacks.moe_a2a", 0)
+            return None
         if not getattr(get_ops(self.device), "graph_safe", False):
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
             return None
@@ -200,6 +206,11 @@ class ModelRunner:
             batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
+
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
+        with zero tokens (`DsaForCausalLM.forward_idle`), so theirs never hang."""
+        self.model.forward_idle(mtp_layer)
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""

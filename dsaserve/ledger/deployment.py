@@ -108,6 +108,10 @@ class Assumptions:
                                 "1 = replicated, the notes' '18 GB replicated part')")
     dp_gather: str = _a("once", "DP-attention: hidden all-gather once per step (note's table) or per layer "
                         "(note's worked example, 156 calls)", ("once", "per_layer"))
+    dp_moe: str = _a("gather", "DP-attention MLP side: 'gather' = the notes' table (hidden all-gather, per-layer "
+                     "reduce-scatter, dense MLPs / shared experts / lm_head TP-split); 'a2a' = dsaserve's engine "
+                     "(all but the routed experts replicated; per MoE layer a count all-to-all, dispatch, combine)",
+                     ("gather", "a2a"))
     dp_embed_allreduce: bool = _a(False, "DP-attention: embedding still vocab-parallel (one more all-reduce, the "
                                   "note's '1+1+78+3')")
     a2a_count: str = _a("rank", "MoE dispatch / combine bytes: 'rank' = one rank's own tokens (ceil(b/dp) under "

@@ -9,6 +9,7 @@ the loader's name table is the identity except for the stacked experts.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -150,6 +151,26 @@ class DsaForCausalLM(nn.Module):
         for layer in self.model.layers[: self.cfg.num_hidden_layers]:
             h, residual = layer(h, ctx, residual)
         return self.model.norm.add_forward(h, residual)[0]
+
+    @torch.inference_mode()
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: this rank has no tokens while the others run `forward` (or, with mtp_layer=k,
+        `forward_mtp(k=k)`): make exactly the collectives of that forward with zero tokens — per MoE layer
+        the count exchange, dispatch and combine (nothing else in a DP-attention forward communicates) —
+        and run this rank's experts on what others send. One rank: nothing to do."""
+        if self.parallel.world_size > 1 and not self.parallel.dp_attention:
+            raise RuntimeError("forward_idle: only DP-attention ranks run their own batches; TP/EP ranks must "
+                               "all run the same forward")
+        if mtp_layer is not None and not self.with_mtp:
+            raise RuntimeError("forward_idle: this model was built without its MTP layer")
+        COUNTERS.add("idle_steps")
+        main = self.cfg.num_hidden_layers
+        layers = self.model.layers[:main] if mtp_layer is None else [self.model.layers[main + mtp_layer]]
+        device = self.model.embed_tokens.weight.device
+        ctx = SimpleNamespace(ops=get_ops(device))  # the experts only need the kernels
+        for layer in layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.forward_idle(self.dtype, device, ctx)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -164,12 +164,12 @@ def test_keeping_fp8_with_a_split_that_cuts_fp8_blocks_names_the_layer_and_tp(la
 
 def test_layouts_that_do_not_divide_the_model_are_refused(layout):
     cfg = load_config(GLM)
-    with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by tp_size = 3"):
+    with pytest.raises(ValueError, match="--tp 3: num_attention_heads 4 is not divisible by 3"):
         validate_for_model(cfg, _state(3, 0, 3, 1))
-    with pytest.raises(ValueError, match="n_routed_experts = 8 is not divisible by ep_size = 3"):
+    with pytest.raises(ValueError, match="--ep 3: n_routed_experts 8 is not divisible by 3"):
         validate_for_model(cfg, _state(3, 0, 1, 3))
     layout(3, 0, 3, 1)
-    with pytest.raises(ValueError, match="tp_size = 3"):
+    with pytest.raises(ValueError, match="--tp 3: num_attention_heads"):
         DsaForCausalLM(cfg, with_mtp=False)
 
 
@@ -180,4 +180,8 @@ def test_bad_parallel_arguments_are_named(monkeypatch):
         initialize_model_parallel(tp_size=2)
     with pytest.raises(ValueError, match="tp_size: must be a positive integer"):
         initialize_model_parallel(tp_size=0)
+    with pytest.raises(ValueError, match="--enable-dp-attention: needs ep_size = the world size 2"):
+        initialize_model_parallel(tp_size=2, dp_attention=True)  # refused before any rendezvous
+    with pytest.raises(ValueError, match="tp_size 2: must be 1 or the world size 4"):
+        initialize_model_parallel(tp_size=2, ep_size=4)
     assert initialize_model_parallel(1, 1).world_size == 1  # the single-rank default needs no group

@@ -53,7 +53,7 @@ def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(monkeypa
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.model.forward_batch import contiguous_batch
 
-    runner = ModelRunner("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
     prompts = [[5, 6, 7, 8, 9] * 20, [11, 12, 13] * 7, [3] * 150]
     bases = [0, 4 * 64, 8 * 64]
     runner.forward(contiguous_batch(prompts, [0] * 3, bases, runner.page_size))  # prefill, eager
@@ -75,7 +75,7 @@ def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkey
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.model.forward_batch import contiguous_batch
 
-    runner = ModelRunner("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
     prompts, bases = [[3, 4] * 75, [9] * 400], [0, 8 * 64]
     runner.forward(contiguous_batch(prompts, [0, 0], bases, runner.page_size))
     step = contiguous_batch([[21], [22]], [len(p) for p in prompts], bases, runner.page_size)
