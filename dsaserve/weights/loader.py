@@ -9,8 +9,9 @@ it is copied: one pass over its bytes), a tensor the index places in a shard tha
 truncated/corrupt shard, an index naming a missing file, and any tensor neither consumed nor on the
 explicit not-loaded list (the index and coverage rules are `checkpoint_check`'s, shared with `serve`'s
 torch-free pre-flight). Every failure is a one-line `CheckpointError` naming the tensor or file.
-Under expert parallelism `not_mine()` puts other ranks' experts on that list (with the owning rank) and `route()` maps a kept expert to its local slot; under tensor parallelism a parameter
-that carries `.shard` (set by its layer) receives only its slice of the checkpoint tensor.
+Under expert parallelism `not_mine()` puts other ranks' experts on that list (with the owning rank)
+and `route()` maps a kept expert to its local slot; under tensor parallelism a parameter that carries
+`.shard` (set by its layer) receives only its slice of the checkpoint tensor.
 """
 
 from __future__ import annotations
