@@ -294,8 +294,8 @@ def builtin_config_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("dsaserve.configs").iterdir() if p.name.endswith(".json"))
 
 
-def _read_json_object(p: Path) -> dict[str, Any]:
-    """config.json as a dict; random bytes, bad JSON or a non-object name the file (a ConfigError)."""
+def read_json_object(p: Path) -> dict[str, Any]:
+    """A config.json (or tokenizer_config.json) as a dict; bad bytes, bad JSON or a non-object name the file."""
     try:
         raw = json.loads(p.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -314,7 +314,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if p.is_file():
         try:
-            return config_from_dict(_read_json_object(p), name=p.parent.name)
+            return config_from_dict(read_json_object(p), name=p.parent.name)
         except ConfigError as e:
             raise ConfigError(str(e) if str(e).startswith(str(p)) else f"{p}: {e}") from None
     name = str(name_or_path)

@@ -43,13 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     from dsaserve.engine.engine_args import EngineArgs
+    from dsaserve.errors import CheckpointError
     from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
-    from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_checkpoint
+    from dsaserve.weights.checkpoint_cache import resolve_checkpoint
+    from dsaserve.weights.checkpoint_check import check_checkpoint
 
     try:
         engine = EngineArgs.from_cli_args(ns)
         model_dir = str(resolve_checkpoint(engine.model))
+        if engine.load_format != "dummy":  # a broken checkpoint fails here, in one line, before any child starts
+            check_checkpoint(model_dir)
         args = ServerArgs(
             model_dir=model_dir, served_model_name=ns.served_model_name or engine.model,
             engine_args={k: v for k, v in dataclasses.asdict(engine).items() if k != "model"},
@@ -58,7 +62,11 @@ def main(ns: argparse.Namespace) -> int:
             max_request_bytes=ns.max_request_bytes, health_timeout_s=ns.health_timeout,
             drain_timeout_s=ns.drain_timeout, startup_timeout_s=ns.startup_timeout, log_level=ns.log_level,
             manifest_json=ns.manifest_json)
-    except (ValueError, CheckpointResolveError) as e:
-        print(f"dsaserve serve: {e}", file=sys.stderr)
+    except ValueError as e:  # a bad flag, or a CheckpointError naming the file or tensor
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except CheckpointError as e:  # raised in this process (its tokenizer); the scheduler's come back as FATAL
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
+        return 2

@@ -175,7 +175,7 @@ def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: i
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"{path.name}: cannot read shard ({e})") from None
+        raise CheckpointError(f"{path}: cannot read shard ({e})") from None
     with handle as f:
         present = set(f.keys())  # noqa: SIM118
         for name in names:
