@@ -73,6 +73,14 @@ def test_every_bash_line_is_one_this_file_knows():
     assert [line for line in bash_lines() if not line.startswith(known)] == []
 
 
+def test_every_file_the_readme_points_to_is_in_the_repository():
+    paths = set(re.findall(r"\]\(([^)#:]+)\)", README))  # markdown links
+    paths |= {p for p in re.findall(r"`([\w./-]+\.(?:md|py))`", README) if "/" in p}  # `docs/X.md`, `bench/x.py`
+    paths = {p if (REPO / p).exists() or p.startswith(("docs/", "bench/", "tests/", "../")) else f"dsaserve/{p}"
+             for p in paths}
+    assert sorted(p for p in paths if not (REPO / p).exists()) == []
+
+
 def test_the_readme_test_line_is_what_ci_runs():
     install = [line for line in bash_lines() if line.startswith("python3 -m venv .venv")]
     assert len(install) == 2 and install[1].endswith(".venv/bin/python -m pytest tests")
