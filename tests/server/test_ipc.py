@@ -74,13 +74,16 @@ def test_make_ipc_dir_removes_the_dirs_of_dead_servers_and_keeps_live_ones(tmp_p
     assert live.exists() and fresh_unowned.exists() and other.exists() and new.exists()
 
 
-def test_an_unowned_dir_with_a_listening_socket_is_kept(tmp_path):
+def test_an_unowned_dir_with_a_listening_socket_is_kept():
     import socket
+    import tempfile
+    from pathlib import Path
 
-    d = tmp_path / (ipc.IPC_DIR_PREFIX + "older-but-serving")
-    d.mkdir()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.bind(str(d / "main_in"))
-        s.listen(1)
-        os.utime(d, (0, 0))
-        assert ipc.stale_ipc_dirs(tmp_path) == []
+    with tempfile.TemporaryDirectory() as root:  # short: a socket path has at most 107 bytes
+        d = Path(root) / (ipc.IPC_DIR_PREFIX + "old")
+        d.mkdir()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(str(d / "main_in"))
+            s.listen(1)
+            os.utime(d, (0, 0))
+            assert ipc.stale_ipc_dirs(Path(root)) == []
