@@ -9,8 +9,6 @@ file or the tensor; the `generate` / `serve` entry points print it as `error: <m
 
 from __future__ import annotations
 
-CHECKPOINT_EXIT_CODE = 2  # exit status of `dsaserve generate` / `dsaserve serve` on a CheckpointError
-
 
 class CheckpointError(ValueError):
     """The checkpoint on disk does not match what the model needs; the one-line message names the file/tensor."""
