@@ -317,6 +317,8 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
             return config_from_dict(read_json_object(p), name=p.parent.name)
         except ConfigError as e:
             raise ConfigError(str(e) if str(e).startswith(str(p)) else f"{p}: {e}") from None
+        except (TypeError, AttributeError, KeyError) as e:  # a field of the wrong JSON type (a map for a list...)
+            raise ConfigError(f"{p}: malformed config ({type(e).__name__}: {e})") from None
     name = str(name_or_path)
     res = resources.files("dsaserve.configs") / f"{name}.json"
     if not res.is_file():
