@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsaserve generate: error: {e}", file=sys.stderr)
         return 2
     kw = {k: v for k, v in engine_args.__dict__.items() if k != "model"}
-    engine = Engine(engine_args.model, **kw)
     try:
+        engine = Engine(engine_args.model, **kw)  # a broken checkpoint: a one-line CheckpointError (a ValueError)
         t0 = time.perf_counter()
         out = engine.generate(prompt, params)[0]
         seconds = time.perf_counter() - t0

@@ -45,13 +45,17 @@ def main(ns: argparse.Namespace) -> int:
     from dsaserve.config import load_config
     from dsaserve.distributed.parallel_state import free_port
     from dsaserve.engine.engine_args import EngineArgs
+    from dsaserve.errors import CheckpointError
     from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
-    from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_model_dir
+    from dsaserve.weights.checkpoint_cache import resolve_model_dir
+    from dsaserve.weights.checkpoint_check import check_checkpoint
 
     try:
         engine = EngineArgs.from_cli_args(ns)
         model_dir = str(resolve_model_dir(engine.model, engine.load_format))
+        if engine.load_format != "dummy":  # a broken checkpoint fails here, in one line, before any child starts
+            check_checkpoint(model_dir)
         engine.check_layout(load_config(model_dir))  # a bad layout or too few GPUs: refused before any spawn
         if engine.world_size > 1 and not engine.dist_init_addr:
             engine.dist_init_addr = f"127.0.0.1:{free_port()}"
@@ -63,7 +67,11 @@ def main(ns: argparse.Namespace) -> int:
             max_request_bytes=ns.max_request_bytes, health_timeout_s=ns.health_timeout,
             drain_timeout_s=ns.drain_timeout, startup_timeout_s=ns.startup_timeout, log_level=ns.log_level,
             manifest_json=ns.manifest_json)
-    except (ValueError, CheckpointResolveError) as e:
-        print(f"dsaserve serve: {e}", file=sys.stderr)
+    except ValueError as e:  # a bad flag, or a CheckpointError naming the file or tensor
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except CheckpointError as e:  # raised in this process (its tokenizer); the scheduler's come back as FATAL
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
+        return 2

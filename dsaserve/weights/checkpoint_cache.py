@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.config import builtin_config_names, load_config
+from dsaserve.errors import CheckpointError
+from dsaserve.weights.checkpoint_check import INDEX_FILE
 from dsaserve.weights.spec import checkpoint_specs
 from dsaserve.weights.tokenizer_builder import write_tokenizer
 
@@ -31,10 +33,9 @@ DEFAULT_MAX_GB = 16.0  # fits glm-5.3-slice (10.7 GB) and the tiny configs; refu
 CACHE_SEED = 0
 STAMP_FILE = "dsaserve_checkpoint.json"
 WRITER_VERSION = 1  # bump when checkpoint_writer's values or layout change, so caches rebuild
-INDEX_FILE = "model.safetensors.index.json"  # HF's shard index name, as checkpoint_writer writes it
 
 
-class CheckpointResolveError(ValueError):
+class CheckpointResolveError(CheckpointError):
     """--model names neither a checkpoint directory nor a built-in config that can be cached."""
 
 
