@@ -27,6 +27,7 @@ from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
@@ -186,9 +187,15 @@ class ModelRunner:
             return None, None
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
-        cfg_path = self.checkpoint / "tokenizer_config.json"
-        template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
+        path, cfg_path = self.checkpoint / "tokenizer.json", self.checkpoint / "tokenizer_config.json"
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
+        try:
+            template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
+        except (ValueError, AttributeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: not a valid tokenizer_config.json ({e})") from None
         return tok, template
 
     # ---- steps -----------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,7 @@ import uvicorn
 
 from dsaserve.server.api import build_app
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.server.ipc import Endpoints
+from dsaserve.server.ipc import Endpoints, make_ipc_dir
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.server_args import ServerArgs
 from dsaserve.server.tokenizer_manager import TokenizerManager
@@ -64,6 +63,7 @@ class Readiness:
         self.t0 = time.perf_counter()
         self.state = State.STARTING
         self.reason = ""
+        self.kind: str | None = None
         self.draining = False
         self.info: dict[str, dict[str, Any]] = {}
         self.phases: dict[str, float] = {}
@@ -96,10 +96,11 @@ class Readiness:
             for cb in self.on_up:
                 cb()
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, kind: str | None = None) -> None:
+        """`kind` "checkpoint": a broken checkpoint found by a rank (exit 2 before Up, like the CLI's own check)."""
         if self.state is State.DOWN:
             return
-        self.state, self.reason = State.DOWN, reason[:2000]
+        self.state, self.reason, self.kind = State.DOWN, reason[:2000], kind
         log.error("server is Down: %s", reason)
         for cb in self.on_down:
             cb(reason)
@@ -206,6 +207,9 @@ async def watch_children(children: dict[str, subprocess.Popen], readiness: Readi
                 others = [why for why in exited.values() if why not in readiness.reason]
                 log.error("exiting: %s", "; ".join([readiness.reason, *others]))
                 server.exit_code = 1
+                if readiness.kind == "checkpoint" and "up" not in readiness.phases:
+                    print(f"dsaserve serve: error: {readiness.reason.split(': ', 1)[-1]}", file=sys.stderr)
+                    server.exit_code = 2
                 server.should_exit = True
         await asyncio.sleep(WATCH_PERIOD_S)
 
@@ -225,11 +229,11 @@ def stop_children(children: dict[str, subprocess.Popen]) -> None:
 
 async def serve(args: ServerArgs) -> int:
     readiness = Readiness()
-    ipc_dir = tempfile.mkdtemp(prefix="dsaserve-ipc-")
-    children: dict[str, subprocess.Popen] = {}
     t = time.perf_counter()
     tok = HFTokenizer(args.model_dir)
     readiness.phase("main_tokenizer", t)
+    ipc_dir = make_ipc_dir()  # after the tokenizer: a broken tokenizer must leave nothing behind
+    children: dict[str, subprocess.Popen] = {}
     metrics = ServerMetrics(readiness)
     tm = TokenizerManager(tok, Endpoints.in_dir(ipc_dir), readiness, metrics, args.max_queued_requests)
     readiness.on_down.append(tm.fail_all)

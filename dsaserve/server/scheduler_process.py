@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from dsaserve.engine.lifetime import start_child
+from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
 
 log = logging.getLogger(__name__)
@@ -169,10 +170,10 @@ def scheduler_info(group: Any, cfg: dict[str, Any], t_start: float) -> dict[str,
     return info
 
 
-def _fatal(to_main: zmq.Socket | None, who: str, message: str) -> None:
+def _fatal(to_main: zmq.Socket | None, who: str, message: str, kind: str | None = None) -> None:
     log.error("%s: %s", who, message)
     if to_main is not None:
-        to_main.send(ipc.pack(ipc.FATAL, who=who, message=message[-2000:]))
+        to_main.send(ipc.pack(ipc.FATAL, who=who, message=message[-2000:], cause=kind))
         time.sleep(0.2)  # let the message leave before the process (and its socket) goes away
     sys.exit(1)
 
@@ -195,6 +196,8 @@ def run(cfg: dict[str, Any]) -> None:
             log.warning("%s=%s: delaying readiness (tests only)", READY_DELAY_ENV, delay)
             time.sleep(delay)
             info["startup_time"]["test_ready_delay"] = delay
+    except CheckpointError as e:  # one line naming the file or tensor: no traceback
+        _fatal(to_main, who, str(e), kind="checkpoint")
     except Exception as e:
         log.exception("startup failed")
         _fatal(to_main, who, f"startup failed: {type(e).__name__}: {e}")

@@ -254,7 +254,7 @@ class TokenizerManager:
                 self._close_sub(h, msg["rid"])
                 h.queue.put_nowait(bad_request(msg.get("message", "rejected by the scheduler")))
         elif kind == ipc.FATAL:
-            self.readiness.mark_down(f"{msg.get('who')} failed: {msg.get('message', '')}")
+            self.readiness.mark_down(f"{msg.get('who')} failed: {msg.get('message', '')}", msg.get("cause"))
 
     def _close_sub(self, h: Handle, rid: str) -> None:
         self.handles.pop(rid, None)

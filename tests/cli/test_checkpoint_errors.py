@@ -51,8 +51,6 @@ def test_a_random_bytes_config_is_one_line_from_the_installed_command(ckpt):
     _one_error_line(r.stderr, "serve", pattern)
 
 
-@pytest.mark.xfail(strict=True, reason="launcher/scheduler_process wiring (lead): a scheduler CheckpointError at "
-                   "startup must end `serve` with exit 2 and the child's one-line message")
 def test_serve_refuses_a_nan_scale_in_one_line(ckpt):
     pattern = nan_scale(ckpt)  # structurally perfect: only the scheduler's loader sees it
     r = subprocess.run([sys.executable, "-m", "dsaserve", "serve", "--model", str(ckpt), "--port", str(free_port()),
