@@ -228,8 +228,10 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def guarded(server_factory):
-    # one running request at a time and no queue: the second concurrent request is over the bound
-    return server_factory("--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "0")
+    # one running request at a time and no queue: the second concurrent request is over the bound; the key
+    # comes from the environment (DSASERVE_API_KEY, issue 20.8b), the flag is tested in test_server_args
+    return server_factory("--max-running-requests", "1", "--max-queued-requests", "0",
+                          env={"DSASERVE_API_KEY": KEY})
 
 
 def test_api_key_guards_every_route_but_health_and_metrics(guarded):
