@@ -88,7 +88,7 @@ class Scheduler:
         self._abort_deltas: list[TokenDelta] = []
         self._seq = itertools.count()
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0)
+                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -359,7 +359,7 @@ class Scheduler:
             self._abort_deltas.append(req.delta(True))
         if all(r.status is ReqStatus.FINISHED for r in group):
             del self.groups[request_id]
-        self.counters["aborted"] += 1
+        self.counters["aborted" if index is None else "aborted_samples"] += 1  # whole request / one sample
         return True
 
     def _shrink_reservation(self, leader: Req) -> None:
@@ -382,11 +382,12 @@ class Scheduler:
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            # used + cached + free == total; in_prefix_cache overlaps used (live requests share cached pages)
             "kv_pages_total": self.cfg.num_pages,
             "kv_pages_used": self.cfg.num_pages - free - evictable,
-            "kv_pages_cached": self.cache.num_cached,
-            "kv_pages_evictable": evictable,
+            "kv_pages_cached": evictable,
             "kv_pages_free": free,
+            "kv_pages_in_prefix_cache": self.cache.num_cached,
             "evicted_pages": self.cache.evicted_pages,
             **self.counters,
         }

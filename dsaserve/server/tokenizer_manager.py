@@ -194,6 +194,7 @@ class TokenizerManager:
                               SamplingParams(max_tokens=1, temperature=0.0, logprobs=0), 1, logprobs=True,
                               internal=True)
         h = await self.submit(req)
+        self.metrics.health_probe_sent()
         try:
             async with asyncio.timeout(timeout):
                 while True:
