@@ -6,8 +6,9 @@ schema errors as OpenAI error objects (400, never FastAPI's 422), the optional B
 in constant time; `/health` and `/metrics` stay open for probes and scrapers), and the readiness gate:
 generation and `/v1/models` answer 503 unless the server is Up, `/health` is 503 while Starting and
 afterwards 200 only when a real 1-token request comes back through the whole loop in time (probes are
-coalesced in the TokenizerManager, so the open route cannot queue engine work past the bound), and
-bodies that are not JSON (including JSON nested past the decoder's recursion limit) as 400.
+coalesced in the TokenizerManager, so the open route cannot queue engine work past the bound; a failed
+probe names its reason), and bodies that are not JSON (including JSON nested past the decoder's
+recursion limit), not strict UTF-8, or holding a lone surrogate escape (named by its field) as 400.
 """
 
 from __future__ import annotations

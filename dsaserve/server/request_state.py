@@ -119,7 +119,6 @@ class Handle:
     subs: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (first choice index, prompt tokens)
     open_samples: set[tuple[str, int]] = field(default_factory=set)
     timing: dict[tuple[str, int], SampleTiming] = field(default_factory=dict)
-    pages: int = 0  # KV pages its samples hold at most (admission)
 
     def __post_init__(self) -> None:
         self.usage = Usage(self.req.prompts, self.req.n)
