@@ -34,6 +34,7 @@ class Processor:
         self.tok = tok
         self.info = scheduler_info
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.token_bytes = max(int(tok.max_token_bytes), 4)  # a walk over the vocabulary: once, at startup
 
     # ---- the two endpoints --------------------------------------------------------------------
     async def completion(self, req: CompletionRequest) -> GenerateRequest:
@@ -129,7 +130,7 @@ class Processor:
     @cached_property
     def max_text_bytes(self) -> int:
         """No text longer than this can tokenize to max_req_input_len tokens or fewer."""
-        return int(self.info()["max_req_input_len"]) * max(self.tok.max_token_bytes, 4) * BYTES_SLACK
+        return int(self.info()["max_req_input_len"]) * self.token_bytes * BYTES_SLACK
 
     def _check_text_bytes(self, size: int, param: str) -> None:
         if size > self.max_text_bytes:
