@@ -132,7 +132,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.readiness.draining:  # a second signal: stop now (a second Ctrl-C: without waiting)
-            self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
+            self.force_exit = self.force_exit or sig == signal.SIGINT
             self.should_exit = True
             return
         self.readiness.draining = True
