@@ -126,6 +126,12 @@ class HFTokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of B bytes has at least B / this many tokens (the door's
+        bound on prompt text before tokenizing it)."""
+        return max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+
     # ---- chat template ------------------------------------------------------------------------
     @cached_property
     def _compiled(self) -> jinja2.Template:

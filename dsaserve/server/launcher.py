@@ -6,8 +6,9 @@ subprocesses: nothing crosses by pickle, and all die with this process), the rea
 `Starting -> Up` (Up only when the leader scheduler has reported `scheduler_info` — which it does once every
 rank is built — and the detokenizer its tokenizer; `Down` when any child reports a fatal error or exits),
 the HTTP server (which listens from the start so `/health` can say 503), and shutdown: SIGTERM/SIGINT stop
-new work, in-flight requests drain for up to `drain_timeout_s`, then the children are terminated and the
-process exits 0.
+new work (503 error objects while the listener stays open), in-flight requests drain for up to
+`drain_timeout_s` and those left end with an error object (a stream: an SSE error event and [DONE]), then
+the children are terminated and the process exits 0.
 
 Failing fast (as vLLM and SGLang): any child that dies — a rank killed, out of memory, stuck in a
 collective past `--dist-timeout` — turns the server Down at once (503, pending requests failed with the
@@ -48,6 +49,7 @@ SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsa
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
 DOWN_EXIT_GRACE_S = 1.0  # after a fault: pending requests get their 503 / error event, then the process exits
+FLUSH_S = 5  # after the drain: responses still being written get this long before uvicorn cancels them
 
 
 class State(enum.Enum):
@@ -124,18 +126,29 @@ class Readiness:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but a signal means: stop taking work, drain, exit 0 (not re-raise the signal afterwards)."""
+    """uvicorn, but a signal means: answer new requests 503 while in-flight ones drain (tm.drain: up to
+    --drain-timeout, then the rest end with an error object), then exit 0 (not re-raise the signal)."""
 
-    def __init__(self, config: uvicorn.Config, readiness: Readiness) -> None:
+    def __init__(self, config: uvicorn.Config, readiness: Readiness, tm: TokenizerManager, drain_s: float) -> None:
         super().__init__(config)
-        self.readiness = readiness
+        self.readiness, self.tm, self.drain_s = readiness, tm, drain_s
+        self.loop = asyncio.get_running_loop()
+        self.drain_task: asyncio.Future | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.readiness.draining = True
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
+        if self.readiness.draining:  # a second signal: stop now (a second Ctrl-C: without waiting)
+            self.force_exit = self.force_exit or sig == signal.SIGINT
             self.should_exit = True
+            return
+        self.readiness.draining = True
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            await self.tm.drain(self.drain_s)
+            self.should_exit = True
+
+        self.drain_task = asyncio.ensure_future(drain_then_exit())
 
 
 def report_startup(args: ServerArgs, readiness: Readiness) -> None:
@@ -248,8 +261,8 @@ async def serve(args: ServerArgs) -> int:
         tm.start()
         app = build_app(args, tm, readiness, metrics)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                                timeout_graceful_shutdown=int(args.drain_timeout_s), access_log=False)
-        server = _Server(config, readiness)
+                                timeout_graceful_shutdown=FLUSH_S, access_log=False)
+        server = _Server(config, readiness, tm, args.drain_timeout_s)
         server.exit_code = 0
         watcher = asyncio.get_running_loop().create_task(watch_children(children, readiness, server,
                                                                          args.startup_timeout_s))
