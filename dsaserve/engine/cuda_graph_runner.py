@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsaserve.engine.counters import COUNTERS, Counters
-from dsaserve.ledger.causal import keys_scored, topk_selected
+from dsaserve.common.causal import keys_scored, topk_selected
+from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.model.forward_batch import ForwardBatch
 
 

@@ -19,6 +19,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS
+
 DTYPES = ("float32", "bfloat16")
 _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format")
 DEVICES = ("cpu", "cuda")
@@ -33,8 +35,7 @@ class EngineArgs:
     model: str = _arg("checkpoint directory or built-in config name (made into a checkpoint on first use)",
                       "glm-5.3-tiny")
     dtype: str = _arg("compute dtype of the model", "float32", choices=DTYPES)
-    kv_layout: str = _arg("KV cache byte layout", "fp8_ds_mla",
-                          choices=("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"))
+    kv_layout: str = _arg("KV cache byte layout", DEFAULT_KV_LAYOUT, choices=ENGINE_KV_LAYOUTS)
     num_pages: int | None = _arg("KV pool size in pages of 64 tokens (default: from --kv-cache-bytes or "
                                  "the runner's default)")
     kv_cache_bytes: int | None = _arg("KV pool size in bytes (main KV + indexer K)")

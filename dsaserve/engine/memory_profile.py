@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.engine.counters import COUNTERS
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.kv_layout import KVLayout
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 
@@ -59,7 +60,7 @@ def indexer_score_budget() -> int:
     return SCORE_BUDGET
 
 
-def profile_memory(model, cfg, layout: str, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
+def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
     """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
     torch.cuda.synchronize()

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
-from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
@@ -58,8 +59,7 @@ class ModelRunner:
                  dist_init_method: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} not one of {', '.join(DTYPES)}")
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: {kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
+        kv_layout = get_kv_layout(kv_layout)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: {load_format!r} not one of auto, dummy")
         if not 0.0 < mem_fraction_static < 1.0:
@@ -136,7 +136,7 @@ class ModelRunner:
         model.finalize(self.dtype, self.device, keep_fp8)
         return model.eval(), report
 
-    def _allocate_pool(self, layout: str, num_pages: int | None, budget: int | None) -> KVPool:
+    def _allocate_pool(self, layout: KVLayout, num_pages: int | None, budget: int | None) -> KVPool:
         layers = self.model.kv_layer_ids
         if num_pages is None:
             if budget is None:

@@ -3,8 +3,8 @@
 Owns: the `Figure` record (note, place, quantity, the note's text and value, the ledger's value under the
 note's own stated inputs, the agreement band, and the reason when they differ), the inputs the notes
 state (H200 at 141 GB / 4.8 TB/s, NVLink "ring effective" 787 GB/s, IB 25 GB/s, 0.85 static share,
-TP8 layer-split KV, every expert touched), and `note_figures()` which evaluates both catalogues
-(`notes_000.py`, `notes_001.py`). The ledger's own defaults differ in places; a figure then also carries
+TP8 layer-split KV, every expert touched) that both catalogues (`notes_000.py`, `notes_001.py`) import;
+`note_catalogue.py` evaluates them. The ledger's own defaults differ in places; a figure then also carries
 `default` (the ledger's value under its defaults) and why. Pure Python.
 """
 
@@ -109,14 +109,3 @@ class NoteContext:
     def h200(self) -> Hardware:
         return PRESETS["h200"]
 
-
-def note_figures(ctx: NoteContext | None = None) -> list[Figure]:
-    from dsaserve.ledger import notes_000, notes_001
-
-    ctx = ctx or NoteContext()
-    figs = notes_001.figures(ctx) + notes_000.figures(ctx)
-    ids = [f.id for f in figs]
-    dupes = {i for i in ids if ids.count(i) > 1}
-    if dupes:
-        raise AssertionError(f"duplicate figure ids: {sorted(dupes)}")
-    return figs

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-from dsaserve.ledger.collectives import hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.ledger.collective_plan import hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Workload
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.kv import block_table_bytes, kv_bytes_per_token_layer, kv_capacity, prefix_hit

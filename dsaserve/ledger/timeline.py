@@ -43,7 +43,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(9, "sample", "temperature/top-k/top-p, penalties, grammar mask, MTP acceptance", "GPU (+CPU mask)",
           "model/sampler.py, engine/grammar.py", ""),
     Stage(10, "output", "incremental detokenize, stop strings, streaming, free/cache KV", "CPU",
-          "server/detokenizer.py, engine/scheduler.py", ""),
+          "server/detokenizer_process.py, engine/scheduler.py", ""),
 )
 
 

@@ -13,13 +13,12 @@ import os
 import torch
 from torch import nn
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
-from dsaserve.model.layers.context import StepContext
+from dsaserve.model.layers.context import PagedKV, StepContext
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import MLAAttention
@@ -121,7 +120,7 @@ class DsaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(self.cfg, device)
 
-    def _context(self, batch: ForwardBatch, pool: KVPool) -> StepContext:
+    def _context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
         cos, sin = self.rotary(batch.positions, self.dtype)
         ops = get_ops(batch.input_ids.device)
         return StepContext(batch, pool, cos, sin, ops, side_stream=self._indexer_stream(batch, ops))
@@ -142,7 +141,7 @@ class DsaForCausalLM(nn.Module):
         return self._side_stream
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, pool: PagedKV) -> torch.Tensor:
         """Main stack; returns final-normed hidden states [T, H] for every token of the batch."""
         COUNTERS.add("forward_steps")
         ctx = self._context(batch, pool)
@@ -156,13 +155,13 @@ class DsaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch, pool: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [L, V] fp32 for batch.logits_indices, pre-norm-free final hidden [T, H])."""
         hidden = self.forward_hidden(batch, pool)
         return self.compute_logits(hidden[batch.logits_indices]), hidden
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, pool: PagedKV, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP layer k: batch.input_ids are the *next* tokens, prev_hidden the main model's final hidden
         states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V]."""
         if not self.with_mtp:

@@ -42,7 +42,7 @@ from dsaserve.server.tokenizer_manager import TokenizerManager
 log = logging.getLogger("dsaserve.server")
 
 CHILDREN = ("scheduler", "detokenizer")
-CHILD_MODULES = {"scheduler": "dsaserve.server.scheduler_process", "detokenizer": "dsaserve.server.detokenizer"}
+CHILD_MODULES = {"scheduler": "dsaserve.server.scheduler_process", "detokenizer": "dsaserve.server.detokenizer_process"}
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
 

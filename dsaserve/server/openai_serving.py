@@ -22,7 +22,7 @@ from typing import Any
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dsaserve.engine.sampling_params import MAX_N, SamplingParams
+from dsaserve.common.sampling_params import MAX_N, SamplingParams
 from dsaserve.server.hf_tokenizer import ChatTemplateError
 from dsaserve.server.protocol import (
     APIError,

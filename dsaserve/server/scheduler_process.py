@@ -57,9 +57,9 @@ class SchedulerLoop:
     """The message handling and stepping of one scheduler process (sockets injected for clarity)."""
 
     def __init__(self, core: Any, pull: zmq.Socket, to_detok: zmq.Socket, to_main: zmq.Socket) -> None:
-        from dsaserve.engine.counters import COUNTERS
+        from dsaserve.common.counters import COUNTERS
+        from dsaserve.common.sampling_params import SamplingParams
         from dsaserve.engine.request import EngineRequest
-        from dsaserve.engine.sampling_params import SamplingParams
 
         self.core, self.pull, self.to_detok, self.to_main = core, pull, to_detok, to_main
         self.counters = COUNTERS

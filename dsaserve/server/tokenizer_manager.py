@@ -26,8 +26,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dsaserve.engine.detokenizer import PROMPT_CONTEXT
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.engine.incremental_detokenizer import PROMPT_CONTEXT
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.protocol import APIError, bad_request, internal, unavailable

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.distributed.collectives import all_gather, all_reduce
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import mark_sharded, tp_shard
-from dsaserve.engine.counters import COUNTERS
 
 
 class Embedding(nn.Module):

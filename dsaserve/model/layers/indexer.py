@@ -15,9 +15,9 @@ import math
 import torch
 from torch import nn
 
+from dsaserve.common.causal import keys_scored
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.ledger.causal import keys_scored
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import LayerNorm

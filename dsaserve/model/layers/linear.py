@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.counters import COUNTERS
+from dsaserve.common.counters import COUNTERS
 from dsaserve.kernels import registry
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.weights.spec import scale_shape

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common.causal import topk_selected
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.ledger.causal import topk_selected
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear, MergedLinear

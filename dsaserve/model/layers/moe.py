@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.collectives import all_reduce
 from dsaserve.distributed.expert_parallel import a2a_moe_forward, finalize_deferred_experts, local_routes
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
