@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT
 from dsaserve.ledger.reconcile import RunRecord, RunShape
 
 DEFAULT_PROMPTS = (5, 17, 70)  # a sub-page prompt, a mid-page one, one past a page boundary
@@ -29,7 +30,7 @@ def _pool_info(eng: Any) -> dict[str, Any]:
 
 
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,
-               max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = "fp8_ds_mla", dtype: str = "float32",
+               max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = DEFAULT_KV_LAYOUT, dtype: str = "float32",
                device: str = "cpu", **engine_args: Any) -> RunRecord:
     from dsaserve.common.counters import COUNTERS
     from dsaserve.common.sampling_params import SamplingParams

@@ -15,13 +15,13 @@ reserved sink page that no request owns.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from dsaserve.common import envs
 from dsaserve.common.causal import keys_scored, topk_selected
 from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.model.forward_batch import ForwardBatch
@@ -30,7 +30,7 @@ from dsaserve.model.forward_batch import ForwardBatch
 def _graph_h2d_copy_works(device: torch.device) -> bool:
     """Whether a copy out of pinned host memory captures into a CUDA graph and, replayed, reads the host
     memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
-    if os.environ.get("DSASERVE_GRAPH_H2D", "1") == "0":
+    if not envs.DSASERVE_GRAPH_H2D:
         return False
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
     dst = torch.zeros(8, dtype=torch.int64, device=device)

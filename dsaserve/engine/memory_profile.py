@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout
 from dsaserve.engine.kv_pool import KVPool
@@ -111,7 +112,7 @@ class CompileCache:
     present before startup and entries created during it (misses: kernels compiled by this start)."""
 
     def __init__(self, cache_dir: str | Path | None):
-        root = Path(cache_dir or os.environ.get("DSASERVE_CACHE_DIR") or "~/.cache/dsaserve").expanduser()
+        root = Path(cache_dir or envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
         self.dir = root / "triton"
         self.dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))

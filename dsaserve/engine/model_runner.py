@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
@@ -218,7 +219,8 @@ class ModelRunner:
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
                                "error": self.graph_error},
                 "warmed_prefill_chunks": self.warmed_prefill,
-                "compile_cache": self.compile_cache.report() if self.compile_cache else None}
+                "compile_cache": self.compile_cache.report() if self.compile_cache else None,
+                "env": envs.set_switches()}
 
 
 def _fill_dummy(model: DsaForCausalLM) -> LoadReport:

@@ -8,11 +8,10 @@ the loader's name table is the identity except for the stacked experts.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
@@ -26,8 +25,6 @@ from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.weights.spec import is_not_converted
-
-OVERLAP_ENV = "DSASERVE_OVERLAP_INDEXER"
 
 
 class DecoderLayer(nn.Module):
@@ -129,7 +126,7 @@ class DsaForCausalLM(nn.Module):
         """The side stream full layers run their indexer selection on (`MLAAttention._start_indexer`): GPU
         kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
         DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
-        if not ops.graph_safe or os.environ.get(OVERLAP_ENV, "1").strip() == "0":
+        if not ops.graph_safe or not envs.DSASERVE_OVERLAP_INDEXER:
             return None
         from dsaserve.kernels.triton_indexer import SELECT_MAX_ROWS  # Triton is importable: graph_safe
 

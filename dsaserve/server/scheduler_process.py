@@ -24,12 +24,12 @@ from typing import Any
 
 import zmq
 
+from dsaserve.common import envs
 from dsaserve.server import ipc
 from dsaserve.server.lifetime import start_child
 
 log = logging.getLogger(__name__)
 
-READY_DELAY_ENV = "DSASERVE_TEST_READY_DELAY_S"
 IDLE_POLL_MS = 50  # how long an idle loop waits for a message before looking again
 
 
@@ -141,9 +141,9 @@ def run(cfg: dict[str, Any]) -> None:
                                 **info.get("startup_time", {})}
         if hasattr(core, "manifest"):
             info["manifest"] = plain(core.manifest())
-        delay = float(os.environ.get(READY_DELAY_ENV, "0") or 0)
+        delay = float(envs.DSASERVE_TEST_READY_DELAY_S or 0)
         if delay > 0:
-            log.warning("%s=%s: delaying readiness (tests only)", READY_DELAY_ENV, delay)
+            log.warning("DSASERVE_TEST_READY_DELAY_S=%s: delaying readiness (tests only)", delay)
             time.sleep(delay)
             info["startup_time"]["test_ready_delay"] = delay
     except Exception as e:

@@ -184,8 +184,8 @@ def test_registry_on_cpu_binds_every_op_to_the_reference(monkeypatch):
     assert registry.describe("cpu")["_fallback_reason"] == "device cpu"
 
 
-def test_registry_rejects_an_unknown_kernel_choice(monkeypatch):
-    monkeypatch.setenv(registry.ENV_VAR, "fastest")
+def test_registry_rejects_an_unknown_kernel_choice(set_switch):
+    set_switch(registry.ENV_VAR, "fastest")
     with pytest.raises(ValueError, match=registry.ENV_VAR):
         registry.get_ops("cpu")
 
