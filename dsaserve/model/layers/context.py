@@ -37,5 +37,4 @@ class StepContext:
     sin: torch.Tensor
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
-    selected: int | None = None  # slots sparse MLA reads per layer this step (host-side count, cached)
     side_stream: torch.cuda.Stream | None = None  # full layers' indexer selection overlaps the q path here

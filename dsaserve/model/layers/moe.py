@@ -65,7 +65,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        COUNTERS.add("weight_bytes_read", self.weight.numel() * 2 + self.e_score_correction_bias.numel() * 4)
         w = self.weight_f32 if self.weight_f32 is not None else self.weight.float()  # HF routes in fp32
         logits = ctx.ops.router_logits(x, w)
         return ctx.ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
