@@ -28,20 +28,25 @@ def _on_unless_zero(raw: str) -> bool:
     return raw.strip() != "0"
 
 
+def _on_unless_exactly_zero(raw: str) -> bool:
+    return raw != "0"
+
+
 def _text(raw: str) -> str | None:
     return raw or None
 
 
 SWITCHES: dict[str, Switch] = {
-    "DSASERVE_KERNELS": Switch("auto", lambda raw: raw.strip().lower() or "auto",
-                               "'reference': the PyTorch reference kernels everywhere (debugging, bisecting)"),
+    "DSASERVE_KERNELS": Switch(
+        "auto", lambda raw: raw.strip().lower() or "auto",
+        "'reference': the PyTorch reference kernels everywhere (debugging, bisecting)"),
     "DSASERVE_FP8_ACTIVATIONS": Switch("1", str.strip, "'0': the GPU FP8 GEMMs keep their activations bf16"),
-    "DSASERVE_PDL": Switch(True, _on_unless_zero, "'0': launch the Triton kernels without programmatic "
-                                                  "dependent launch"),
-    "DSASERVE_GRAPH_H2D": Switch(True, lambda raw: raw != "0", "'0': copy a replayed step's inputs outside "
-                                                               "its CUDA graph"),
-    "DSASERVE_OVERLAP_INDEXER": Switch(True, _on_unless_zero, "'0': the full layers' indexer selection on the "
-                                                              "compute stream, not on a side stream"),
+    "DSASERVE_PDL": Switch(
+        True, _on_unless_exactly_zero, "'0': launch the Triton kernels without programmatic dependent launch"),
+    "DSASERVE_GRAPH_H2D": Switch(
+        True, _on_unless_exactly_zero, "'0': copy a replayed step's inputs outside its CUDA graph"),
+    "DSASERVE_OVERLAP_INDEXER": Switch(
+        True, _on_unless_zero, "'0': the full layers' indexer selection on the compute stream, not a side stream"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
