@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.common.kv_codec import encode_index_k, encode_latent
+from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.layers.linear import Linear

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.common.kv_codec import encode_index_k, encode_latent
+from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_fp8_gemm as G

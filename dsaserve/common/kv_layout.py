@@ -15,7 +15,8 @@ ledger (`ledger/deployment.py`, `ledger/kv.py`) all read. Per token per layer (G
                         quantised layout allows)
   indexer       132 B = 128 FP8 + 1 FP32 scale (full indexer layers only; BF16 / FP32 keys in the bf16 /
                         fp32 debugging layouts)
-Pure Python (the ledger and the HTTP process import it); the torch codec is `kv_codec.py`.
+Pure Python but for the codec methods, which import torch when first called (the ledger and the HTTP
+process import this module without torch).
 """
 
 from __future__ import annotations
@@ -88,26 +89,66 @@ class KVLayout:
         """One token over `kv_layers` main-KV layers and `indexer_layers` full indexer layers."""
         return self.kv_bytes_per_token(dims) * kv_layers + self.indexer_bytes_per_token(dims) * indexer_layers
 
-    # the codec (torch): quantise on write, dequantise on read
+    # the codec: quantise on write, dequantise on read. Only these need torch, imported when first called, so
+    # the ledger and the HTTP process use the rest without it. The Triton writes reproduce them exactly.
     def encode_latent(self, latent: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-        from dsaserve.common import kv_codec
+        """latent [T, kv_lora_rank + rope] -> uint8 rows [T, kv_bytes_per_token]."""
+        import torch
 
-        return kv_codec.encode_latent(latent, self, kv_lora_rank)
+        t = latent.shape[0]
+        if self.plain_dtype:
+            return latent.to(getattr(torch, self.plain_dtype)).contiguous().view(torch.uint8).view(t, -1)
+        if self.latent == "e4m3":
+            return latent.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous().view(torch.uint8)
+        q, scale = _quant_fp8(latent[:, :kv_lora_rank], QUANT_GROUP)
+        rope = latent[:, kv_lora_rank:].to(torch.bfloat16).contiguous()
+        return torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8),
+                          rope.view(torch.uint8)], dim=1)
 
     def decode_latent(self, rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-        from dsaserve.common import kv_codec
+        """uint8 rows [N, bytes] -> float32 latent [N, kv_lora_rank + rope] (bf16/fp32 layouts keep dtype)."""
+        import torch
 
-        return kv_codec.decode_latent(rows, self, kv_lora_rank)
+        if self.plain_dtype:
+            return rows.contiguous().view(getattr(torch, self.plain_dtype))
+        if self.latent == "e4m3":
+            return rows.contiguous().view(torch.float8_e4m3fn).float()
+        ng = math.ceil(kv_lora_rank / QUANT_GROUP)
+        q = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float()
+        scale = rows[:, kv_lora_rank: kv_lora_rank + 4 * ng].contiguous().view(torch.float32)
+        nope = q.view(rows.shape[0], -1) * scale.repeat_interleave(QUANT_GROUP, dim=1)[:, :kv_lora_rank]
+        rope = rows[:, kv_lora_rank + 4 * ng:].contiguous().view(torch.bfloat16).float()
+        return torch.cat([nope, rope], dim=1)
 
     def encode_index_k(self, k: torch.Tensor) -> torch.Tensor:
-        from dsaserve.common import kv_codec
+        """Indexer keys [T, D] -> uint8 rows: FP8 + FP32 scale (132 B), or plain bf16/fp32 in debug layouts."""
+        import torch
 
-        return kv_codec.encode_index_k(k, self)
+        if self.plain_dtype:
+            return k.to(getattr(torch, self.plain_dtype)).contiguous().view(torch.uint8).view(k.shape[0], -1)
+        q, scale = _quant_fp8(k, k.shape[-1])
+        return torch.cat([q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
 
     def decode_index_k(self, rows: torch.Tensor) -> torch.Tensor:
-        from dsaserve.common import kv_codec
+        import torch
 
-        return kv_codec.decode_index_k(rows, self)
+        if self.plain_dtype:
+            return rows.contiguous().view(getattr(torch, self.plain_dtype))
+        d = rows.shape[1] - 4
+        return rows[:, :d].contiguous().view(torch.float8_e4m3fn).float() * rows[:, d:].contiguous().view(torch.float32)
+
+
+def _quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-`group` FP8 quantisation: (fp8 values, float32 scales [.., ceil(D/group)]); scale =
+    max(amax, 1e-12) / 448, values clamped to +-448, round to nearest."""
+    import torch
+
+    d = x.shape[-1]
+    ng = math.ceil(d / group)
+    xf = torch.nn.functional.pad(x.float(), (0, ng * group - d)).view(*x.shape[:-1], ng, group)
+    scale = (xf.abs().amax(-1).clamp(min=1e-12) / FP8_MAX)
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(*x.shape[:-1], ng * group)[..., :d], scale
 
 
 FP8_DS_MLA = KVLayout("fp8_ds_mla", "ds_mla")
@@ -132,3 +173,20 @@ def get_kv_layout(layout: str | KVLayout, field: str = "kv_layout", engine: bool
     if found is None or found.name not in choices:
         raise ValueError(f"{field}: {layout!r} not one of {', '.join(choices)}")
     return found
+
+
+# the codec by layout name or object (the reference kernels, tests and benchmarks pass either)
+def encode_latent(latent: torch.Tensor, layout: KVLayout | str, kv_lora_rank: int) -> torch.Tensor:
+    return get_kv_layout(layout).encode_latent(latent, kv_lora_rank)
+
+
+def decode_latent(rows: torch.Tensor, layout: KVLayout | str, kv_lora_rank: int) -> torch.Tensor:
+    return get_kv_layout(layout).decode_latent(rows, kv_lora_rank)
+
+
+def encode_index_k(k: torch.Tensor, layout: KVLayout | str) -> torch.Tensor:
+    return get_kv_layout(layout).encode_index_k(k)
+
+
+def decode_index_k(rows: torch.Tensor, layout: KVLayout | str) -> torch.Tensor:
+    return get_kv_layout(layout).decode_index_k(rows)

@@ -7,7 +7,7 @@ implementation per op once, at startup, by device. Same signature on both sides.
 Conventions shared by all ops:
 - FP8 weights are float8_e4m3fn [N, K] with `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)]
   (DeepSeek/GLM block scaling): w[n, k] = q[n, k] * s[n // 128, k // 128].
-- KV rows are the byte layouts of `common/kv_layout.py` (a KVLayout; codec `common/kv_codec.py`);
+- KV rows are the byte layouts of `common/kv_layout.py` (a KVLayout, which also holds the codec);
   slot = page * page_size + offset; -1 = no slot.
 - RoPE is HF's: interleaved pairs (GLM main + indexer, DeepSeek main) produce [evens' | odds'] halves;
   non-interleaved (DeepSeek indexer) is rotate-half.
@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsaserve.common.kv_codec import decode_index_k, decode_latent, encode_index_k, encode_latent
-from dsaserve.common.kv_layout import KVLayout
+from dsaserve.common.kv_layout import KVLayout, decode_index_k, decode_latent, encode_index_k, encode_latent
 
 FP8_BLOCK = 128
 

@@ -3,8 +3,8 @@
 Owns: the GPU variants of `reference.mla_kv_write` (RMSNorm of the nope part, interleaved RoPE of the rope
 part, the latent returned, and the row encoded into the paged cache at its slot: one Triton program per
 token, one launch, nothing round-trips through memory) and of the indexer-key write (FP8 e4m3 + one FP32
-scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows
-`common/kv_codec.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
+scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows the codec of
+`common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
 Slots < 0 are skipped, so padded rows of a captured decode batch write nothing.
 """
 
@@ -120,7 +120,7 @@ def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
     x = tl.load(k_ptr + t * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
-    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (kv_codec.encode_index_k)
+    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (KVLayout.encode_index_k)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
         q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
         tl.store(c8_ptr + slot * stride_c8 + offs, q.to(tl.uint8, bitcast=True), mask=mask)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dsaserve.common.kv_codec import decode_index_k, decode_latent, encode_index_k, encode_latent
+from dsaserve.common.kv_layout import decode_index_k, decode_latent, encode_index_k, encode_latent
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import registry
 from dsaserve.weights.fp8 import quantize_fp8_block
