@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.engine.kv_pool import encode_index_k, encode_latent
+from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.layers.linear import Linear
@@ -234,7 +234,7 @@ def main() -> None:
     print("decode", [(d["bs"], d["ctx"], round(d.get("step_ms", -1), 3), round(d.get("ratio", -1), 2))
                      for d in result["decode"]], flush=True)
     result["prefill"] = bench_prefill(runner, ceilings, [int(x) for x in args.prefill.split(",")])
-    from dsaserve.engine.counters import COUNTERS
+    from dsaserve.common.counters import COUNTERS
 
     result["counters"] = COUNTERS.snapshot()
     dump()

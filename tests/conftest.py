@@ -38,3 +38,21 @@ def tiny_checkpoint():
     from dsaserve.weights.checkpoint_cache import resolve_checkpoint
 
     return lambda name: resolve_checkpoint(name)
+
+
+@pytest.fixture
+def set_switch(monkeypatch):
+    """set_switch(name, value) sets a DSASERVE_* switch for one test (None unsets it). The package reads its
+    switches once (dsaserve/common/envs.py), so they are read again here, and after the test."""
+    from dsaserve.common import envs
+
+    def set_(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        envs.reload()
+
+    yield set_
+    monkeypatch.undo()
+    envs.reload()

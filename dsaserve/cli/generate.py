@@ -51,9 +51,9 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsaserve.common.sampling_params import SamplingParams
     from dsaserve.engine.engine import Engine
     from dsaserve.engine.engine_args import EngineArgs
-    from dsaserve.engine.sampling_params import SamplingParams
 
     try:
         prompt: str | list[int] = args.prompt if args.prompt is not None else parse_ids(args.prompt_ids)

@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 
+from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
@@ -85,7 +87,7 @@ class ModelRunner:
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
         with _Timer(self.startup_time, "kv_pool"):
-            self.kv_pool = self._allocate_pool(args.kv_layout, args.num_pages, kv_budget_bytes)
+            self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
         with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
@@ -119,7 +121,7 @@ class ModelRunner:
         a = self.args
         with _Timer(self.startup_time, "memory_profile"):
             # the largest step the scheduler may form: a full token budget, and every running row eager
-            self.profile = profile_memory(self.model, self.cfg, a.kv_layout, self.dtype, self.device,
+            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.cuda_graph_max_bs, a.max_running_requests),
                                           a.mem_fraction_static, self.graph_reserve_bytes)
@@ -151,7 +153,7 @@ class ModelRunner:
         model.finalize(self.dtype, self.device, keep_fp8)
         return model.eval(), report
 
-    def _allocate_pool(self, layout: str, num_pages: int | None, budget: int | None) -> KVPool:
+    def _allocate_pool(self, layout: KVLayout, num_pages: int | None, budget: int | None) -> KVPool:
         layers = self.model.kv_layer_ids
         if num_pages is None:
             if budget is None:
@@ -247,7 +249,8 @@ class ModelRunner:
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
                                "error": self.graph_error},
                 "warmed_prefill_chunks": self.warmed_prefill,
-                "compile_cache": self.compile_cache.report() if self.compile_cache else None}
+                "compile_cache": self.compile_cache.report() if self.compile_cache else None,
+                "env": envs.set_switches()}
 
 
 def _init_method(args: EngineArgs) -> str | None:

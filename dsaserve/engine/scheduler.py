@@ -30,10 +30,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta
-from dsaserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     kmask = offs_k < K
     x = tl.load(x_ptr + m * stride_xm + offs_k, mask=kmask & (m < M), other=0.0).to(tl.float32)
-    # same rule as kv_pool._quant_fp8: scale = max(amax, 1e-12) / 448, padding rows quantise to zeros
+    # same rule as kv_layout._quant_fp8: scale = max(amax, 1e-12) / 448, padding rows quantise to zeros
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX_C
     q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
     tl.store(q_ptr + m * stride_qm + offs_k, q, mask=kmask)

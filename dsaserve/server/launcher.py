@@ -45,7 +45,7 @@ from dsaserve.server.tokenizer_manager import TokenizerManager
 log = logging.getLogger("dsaserve.server")
 
 CHILDREN = ("scheduler", "detokenizer")  # the two that must report ready (the leader rank speaks for all)
-SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer"
+SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer_process"
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
 DOWN_EXIT_GRACE_S = 1.0  # after a fault: pending requests get their 503 / error event, then the process exits

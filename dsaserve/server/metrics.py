@@ -80,7 +80,7 @@ class EngineCollector(Collector):
         for key, (name, help_) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=float(stats.get(key, 0) or 0))
         yield from _graph_counters(counters)
-        fam = GaugeMetricFamily("dsaserve_engine_counter", "engine COUNTERS (engine/counters.py), by name",
+        fam = GaugeMetricFamily("dsaserve_engine_counter", "engine COUNTERS (common/counters.py), by name",
                                 labels=["name"])
         for k in sorted(counters):
             fam.add_metric([k], float(counters[k]))

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dsaserve.engine.sampling_params import MAX_N
+from dsaserve.common.sampling_params import MAX_N
 from dsaserve.server.processor import Processor
 from dsaserve.server.protocol import (
     APIError,

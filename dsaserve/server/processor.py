@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.server.hf_tokenizer import ChatTemplateError, HFTokenizer
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from dsaserve.server.request_state import GenerateRequest, Prompt

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsaserve.engine.detokenizer import PROMPT_CONTEXT
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.engine.incremental_detokenizer import PROMPT_CONTEXT
 from dsaserve.server.protocol import APIError, UsageInfo
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.protocol import APIError, internal, unavailable

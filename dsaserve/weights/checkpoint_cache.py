@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dsaserve.common import envs
 from dsaserve.config import builtin_config_names, load_config
 from dsaserve.errors import CheckpointError
 from dsaserve.weights.checkpoint_check import INDEX_FILE
@@ -49,11 +50,11 @@ def write_checkpoint(*args: Any, **kwargs: Any) -> Any:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/dsaserve").expanduser()
+    return Path(envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
 
 
 def _max_bytes() -> float:
-    raw = os.environ.get(MAX_GB_ENV)
+    raw = envs.DSASERVE_MAX_CHECKPOINT_GB
     if raw is None:
         return DEFAULT_MAX_GB * 1e9
     try:

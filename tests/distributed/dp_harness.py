@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.engine.counters import COUNTERS
+from dsaserve.common.counters import COUNTERS
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
 from tests.distributed.harness import BASES, _collective_delta, _mtp_logits, prompts_for

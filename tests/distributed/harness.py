@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import get_parallel_state, reset_parallel_state
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import step_plan
+from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from tests.distributed.dp_harness import dp_worker, expected_logits
 from tests.distributed.harness import CONFIGS, prompts_for, run_ranks

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.distributed.expert_parallel import dp_exchange, idle_exchange
 from dsaserve.distributed.parallel_state import initialize_model_parallel
-from dsaserve.engine.counters import COUNTERS
 from tests.distributed.harness import spawn
 
 E, H, K = 8, 6, 2  # experts 0-3 on rank 0, 4-7 on rank 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import (
@@ -23,9 +24,8 @@ from dsaserve.distributed.parallel_state import (
     validate_for_model,
 )
 from dsaserve.distributed.sharding import Shard, require_fp8_aligned
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
-from dsaserve.ledger.collectives import wire_factor as ledger_wire_factor
+from dsaserve.ledger.collective_plan import wire_factor as ledger_wire_factor
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.weights.fp8 import quantize_fp8_block
 from dsaserve.weights.loader import load_checkpoint

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import step_plan
+from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from tests.distributed.harness import CONFIGS, MODES, run_ranks, worker
 

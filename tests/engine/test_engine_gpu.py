@@ -46,7 +46,7 @@ def test_prefix_cache_and_decode_graphs_are_used_on_cuda():
     eng.core.check_no_leak()
 
 
-def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(monkeypatch):
+def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(set_switch):
     """A host batch reaches the graph's static inputs through the pinned staging copy (bucket 4 for 3 rows:
     one padding row), and the replayed kernels (launched with PDL on Hopper) give the eager step's logits,
     launched without PDL: a kernel reading its producer's output before it is complete would differ."""
@@ -60,14 +60,14 @@ def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(monkeypa
     step = contiguous_batch([[21], [22], [23]], [len(p) for p in prompts], bases, runner.page_size)
     replayed = runner.forward(step).clone()
     assert runner.graphs is not None and step.input_ids.device.type == "cpu"
-    monkeypatch.setenv("DSASERVE_PDL", "0")
+    set_switch("DSASERVE_PDL", "0")
     eager, _ = runner.model(step.to("cuda"), runner.kv_pool)
     eager = eager.float()
     assert not replayed.isnan().any()
     assert (replayed - eager).norm() / eager.norm() < 1e-2  # same kernels; a race would be far off
 
 
-def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkeypatch):
+def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch):
     """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
     stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150
     and 400 tokens make the tiny config (index_topk 8) select, so a read of the slots before the selection
@@ -81,7 +81,7 @@ def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkey
     step = contiguous_batch([[21], [22]], [len(p) for p in prompts], bases, runner.page_size)
     overlapped = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
     replayed = runner.forward(step).float()
-    monkeypatch.setenv("DSASERVE_OVERLAP_INDEXER", "0")
+    set_switch("DSASERVE_OVERLAP_INDEXER", "0")
     one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
     for got in (overlapped, replayed):
         assert (got - one_stream).norm() / one_stream.norm() < 1e-2

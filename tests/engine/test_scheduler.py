@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest
-from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy
 
 GREEDY = dict(temperature=0.0)

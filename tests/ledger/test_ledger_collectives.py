@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.ledger.collective_plan import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import PRESETS
 

@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.server import ipc
 from dsaserve.server.protocol import APIError
 from dsaserve.server.request_state import GenerateRequest, Prompt

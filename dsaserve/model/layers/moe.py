@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.collectives import all_reduce
 from dsaserve.distributed.expert_parallel import (
@@ -25,7 +26,6 @@ from dsaserve.distributed.expert_parallel import (
 )
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
@@ -73,7 +73,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        COUNTERS.add("weight_bytes_read", self.weight.numel() * 2 + self.e_score_correction_bias.numel() * 4)
         w = self.weight_f32 if self.weight_f32 is not None else self.weight.float()  # HF routes in fp32
         logits = ctx.ops.router_logits(x, w)
         return ctx.ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,

@@ -4,7 +4,7 @@ Owns: the per-step collective plan for pure TP, DP-attention + EP and TP + EP (n
 step 的集合通信总账"), the PD handoff per request, and bytes -> time (per-rank ring bytes over the
 per-direction link bandwidth plus a fixed per-call overhead; or the notes' message-bytes method).
 Request-path stages it predicts: 5 (embedding all-reduce), 6 (per-layer reductions, MoE dispatch /
-combine), 8 (vocab all-gather). Names of kinds match `collective_calls.<kind>` of engine/counters.py.
+combine), 8 (vocab all-gather). Names of kinds match `collective_calls.<kind>` of common/counters.py.
 """
 
 from __future__ import annotations
