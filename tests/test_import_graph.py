@@ -13,8 +13,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsaserve"
-FLOORS = ("root", "cli", "server", "engine", "model", "ledger", "weights", "distributed", "kernels", "config",
-          "common")
+FLOORS = ("root", "cli", "bench", "server", "engine", "model", "ledger", "weights", "distributed", "kernels", "config",
+          "errors", "common")
 
 
 def _folder(module: str) -> str:
