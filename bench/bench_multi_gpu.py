@@ -65,20 +65,31 @@ def replay_collectives(delta: dict, group) -> float:
                           for d in every)
             calls.append((kind, n, max(int(message // 2), group.size)))
 
+    bufs = [(kind, n, torch.ones(elems, dtype=torch.bfloat16, device="cuda")) for kind, n, elems in calls]
+
     def run() -> None:
-        for kind, n, elems in calls:
-            x = torch.ones(elems, dtype=torch.bfloat16, device="cuda")
+        for kind, n, x in bufs:
             for _ in range(n):
-                if kind == "all_reduce":
-                    collectives.all_reduce(x, group)
-                elif kind == "all_gather":
-                    collectives.all_gather(x[: max(elems // group.size, 1)], group)
-                elif kind == "reduce_scatter":
-                    collectives.reduce_scatter(x[: elems - elems % group.size or group.size], group)
-                elif kind == "all_to_all":
-                    per = max(elems // group.size, 1)
-                    collectives.all_to_all(x[: per * group.size], [per] * group.size, [per] * group.size, group)
-    return cuda_time(run, iters=5, warmup=1)
+                _one_collective(kind, x, group)
+    run()  # NCCL's first call of a shape sets up its channels: not inside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()  # replayed as the decode graphs run them: no per-call host launch
+    with torch.cuda.graph(graph):
+        run()
+    return cuda_time(graph.replay, iters=10, warmup=2)
+
+
+def _one_collective(kind: str, x: torch.Tensor, group) -> None:
+    n = group.size
+    if kind == "all_reduce":
+        collectives.all_reduce(x, group)
+    elif kind == "all_gather":
+        collectives.all_gather(x[: max(x.numel() // n, 1)], group)
+    elif kind == "reduce_scatter":
+        collectives.reduce_scatter(x[: x.numel() - x.numel() % n], group)
+    elif kind == "all_to_all":
+        per = x.numel() // n
+        collectives.all_to_all(x[: per * n], [per] * n, [per] * n, group)
 
 
 def ledger_comm_s(cfg, layout: dict, tokens: int) -> float:
