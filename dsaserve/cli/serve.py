@@ -42,11 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from dsaserve.config import load_config
+    from dsaserve.distributed.parallel_state import free_port
     from dsaserve.engine.engine_args import EngineArgs
     from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
-    from dsaserve.config import load_config
-    from dsaserve.distributed.parallel_state import free_port
     from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_model_dir
 
     try:

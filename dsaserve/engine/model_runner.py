@@ -25,7 +25,7 @@ from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
-from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops

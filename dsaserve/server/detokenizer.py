@@ -18,9 +18,9 @@ from typing import Any
 import zmq
 
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.lifetime import start_child
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.engine.lifetime import start_child
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
