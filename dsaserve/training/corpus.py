@@ -111,19 +111,22 @@ class Split:
 
 
 def load_split(heldout_permille: int = DEFAULT_HELDOUT_PERMILLE, max_files: int | None = None,
-               root: Path | None = None) -> Split:
-    """Documents of the train and held-out split (max_files: the first N files only, for micro runs)."""
+               root: Path | None = None, heldout_only: bool = False) -> Split:
+    """Documents of the train and held-out split (max_files: the first N files only, for micro runs;
+    heldout_only: skip reading the train files, as `dsaserve eval` needs only the held-out ones)."""
     root = root or stdlib_root()
     recipe = CorpusRecipe(sys.version.split()[0], str(root), heldout_permille, max_files)
     split = Split([], [], recipe)
     files = list_files(root)
     for rel in files[:max_files] if max_files else files:
+        held = is_heldout(rel, heldout_permille)
+        if heldout_only and not held:
+            continue
         try:
             text = (root / rel).read_bytes().decode("utf-8")
         except (UnicodeDecodeError, OSError):
             recipe.skipped_not_utf8 += 1
             continue
-        held = is_heldout(rel, heldout_permille)
         chats = list(chat_documents(rel, text))
         (split.heldout if held else split.train).extend([text, *chats])
         n = len(text.encode())
@@ -147,3 +150,10 @@ def tokens_of(tokenizer, docs: list[str], eos_id: int) -> list[int]:
         out.extend(enc.ids)
         out.append(eos_id)
     return out
+
+
+def windows(stream: list[int], length: int, n: int) -> list[list[int]]:
+    """n evenly spaced, non-overlapping windows of `length` tokens (fewer if the stream is short)."""
+    n = max(min(n, len(stream) // length), 0)
+    step = len(stream) // max(n, 1)
+    return [stream[i * step: i * step + length] for i in range(n)]
