@@ -71,6 +71,9 @@ def make_plan(a: EvalArgs) -> Plan:
     if gpu and "cpu_ref" in a.groups:
         p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
         p.pairs.append(("GPU vs CPU reference", base.name, f"cpu:{a.kv_layout}"))
+    # most telling first: a run cut short (a time limit) still answers the main questions
+    order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]
+    p.settings.sort(key=lambda s: order.index(s.name) if s.name in order else len(order))
     return p
 
 
@@ -140,13 +143,18 @@ def run_eval(a: EvalArgs, log=print) -> dict:
     report_path = Path(a.model) / "train_report.json"
     baselines = json.loads(report_path.read_text()).get("baselines") if report_path.is_file() else None
     out = {"model": str(a.model), "device": a.device, "data": info, "baselines": baselines, "results": {},
-           "comparisons": []}
+           "comparisons": [], "errors": {}}
     with tempfile.TemporaryDirectory(prefix="dsaserve-eval-") as tmp:
         for s in plan.settings:
             t0 = time.perf_counter()
             context = max(a.window_len, a.prompt_len + a.max_tokens)
-            variant = make_variant(a.model, s.variant, tmp, context)
-            r = run_setting(str(variant), s, wins, prompts, a.max_tokens, a.batch)
+            try:
+                variant = make_variant(a.model, s.variant, tmp, context)
+                r = run_setting(str(variant), s, wins, prompts, a.max_tokens, a.batch)
+            except Exception as e:  # one broken setting must not hide the answers of the others
+                out["errors"][s.name] = f"{type(e).__name__}: {e}"[:2000]
+                log(f"{s.name}: FAILED {out['errors'][s.name]}")
+                continue
             r["seconds"] = round(time.perf_counter() - t0, 2)
             out["results"][s.name] = r
             out["comparisons"] = compare(out["results"], plan.pairs)
@@ -154,4 +162,6 @@ def run_eval(a: EvalArgs, log=print) -> dict:
             if a.json_path:
                 Path(a.json_path).write_text(json.dumps(out, indent=1) + "\n")
     log(table(out["results"], out["comparisons"], baselines))
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(out, indent=1) + "\n")
     return out

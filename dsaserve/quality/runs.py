@@ -85,7 +85,7 @@ def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
         mb.logits_indices = torch.arange(mb.num_tokens)
         keep = torch.cat([torch.arange(o, o + len(w) - 1) for o, w in zip(_offsets(chunk), chunk, strict=True)])
         mtp = runner.model.forward_mtp(mb.to(runner.device), runner.kv_pool, hidden[keep.to(hidden.device)]) \
-            if runner.model.with_mtp else None
+            if runner.model.with_mtp and min(map(len, chunk)) > 2 else None
         for r, (o, w) in enumerate(zip(_offsets(chunk), chunk, strict=True)):
             tgt = torch.tensor(w[1:], device=logp.device)
             nll -= float(logp[o:o + len(w) - 1].gather(1, tgt[:, None]).sum())
