@@ -135,7 +135,9 @@ def _indexer_scores(self, hidden_states, q_resid, position_embeddings, attention
     k_rot, k_pass = torch.split(self.k_norm(self.wk(hs)).unsqueeze(2), [rope, d - rope], dim=-1)
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+    # one GEMM per sequence ([S*H, D] x [D, T]) instead of HF's broadcast, which materialises K S times
+    scores = torch.bmm(q.reshape(b, s * self.n_heads, d).float(), k.transpose(-1, -2).float())
+    scores = F.relu(scores.view(b, s, self.n_heads, -1) * self.softmax_scale)  # [B, S, H, T] as in HF
     weights = self.weights_proj(hs.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
     index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
     if attention_mask.dtype == torch.bool:

@@ -86,3 +86,21 @@ def test_packaged_builtin_wins_over_the_random_cache(tmp_path, monkeypatch):
     write_checkpoint(load_config("glm-5.3-tiny"), tmp_path / "glm-5.3-mini")
     assert checkpoint_cache.resolve_checkpoint("glm-5.3-mini") == tmp_path / "glm-5.3-mini"
     assert checkpoint_cache.packaged_checkpoint("../x") is None
+
+
+def test_trainable_indexer_selects_what_hf_selects():
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
+
+    from dsaserve.training.hf_model import _indexer_scores
+
+    cfg = load_config("glm-5.3-tiny")
+    torch.manual_seed(1)
+    model = MiniLM(cfg)
+    ix = model.indexer.indexers[0]
+    s = 40
+    h, qr = torch.randn(2, s, cfg.hidden_size), torch.randn(2, s, cfg.q_lora_rank)
+    pe = model.lm.model.rotary_emb(h, torch.arange(s)[None])
+    mask = torch.full((s, s), float("-inf")).triu(1)[None]
+    ours = _indexer_scores(ix, h, qr, pe, mask).topk(cfg.index_topk).indices.sort(-1).values
+    ref = GlmMoeDsaIndexer.forward(ix, h, qr, pe, mask, None).sort(-1).values
+    assert torch.equal(ours.int(), ref)
