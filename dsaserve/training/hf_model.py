@@ -10,8 +10,11 @@ GLM-5 / DeepSeek-V3.2 rather than like a plain causal LM:
     distribution (summed over heads, averaged over the full layer and the shared layers that reuse its
     top-k), on detached inputs so this loss reaches only the indexer; over the selected set once sparse,
     over every causal position during the dense warm-up (`set_index_topk`);
-  - aux-loss-free load balancing (DeepSeek-V3): after each step every router's e_score_correction_bias
-    moves by `rate * sign(mean load - load)`; HF keeps it as a buffer and never updates it.
+  - load balancing as DeepSeek-V3: after each step every router's e_score_correction_bias moves by
+    `rate * sign(mean load - load)` (HF keeps it as a buffer and never updates it), plus the complementary
+    balance loss sum_i f_i P_i (f_i: expert i's share of the picks x E/K, P_i: its mean normalised score),
+    here over the whole batch and with a larger weight: in a run of minutes Adam grows the router weights
+    faster than a bias alone can follow, and all tokens end up with the same two experts.
 """
 
 from __future__ import annotations
@@ -226,15 +229,28 @@ class RouterBalancer:
         self.rate = rate
         self.gates = [m for m in model.modules() if isinstance(m, GlmMoeDsaTopkRouter)]
         self.counts = [torch.zeros(g.num_experts, device=g.weight.device) for g in self.gates]
+        self.aux: list[torch.Tensor] = []
         for g, c in zip(self.gates, self.counts, strict=True):
             g.register_forward_hook(self._hook(c))
             g.forward = _fp32(g.forward)  # as dsaserve's router: fp32 logits even under bf16 autocast
 
     def _hook(self, counts: torch.Tensor):
-        def hook(_module, _inp, out):
-            if torch.is_grad_enabled():
-                counts.add_(torch.bincount(out[2].flatten(), minlength=counts.numel()).to(counts.dtype))
+        def hook(module, _inp, out):
+            if not torch.is_grad_enabled():
+                return
+            logits, _, idx = out
+            picks = torch.bincount(idx.flatten(), minlength=counts.numel()).to(counts.dtype)
+            counts.add_(picks)
+            scores = logits.sigmoid()
+            share = (scores / scores.sum(-1, keepdim=True)).mean(0)  # P_i
+            f = picks * module.num_experts / max(idx.numel(), 1)  # f_i: 1.0 each when balanced
+            self.aux.append((f * share).sum())
         return hook
+
+    def pop_aux(self) -> torch.Tensor | None:
+        """The balance loss of the forward since the last call, averaged over the MoE layers (1.0 = balanced)."""
+        aux, self.aux = self.aux, []
+        return torch.stack(aux).mean() if aux else None
 
     @torch.no_grad()
     def step(self) -> float:

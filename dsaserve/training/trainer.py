@@ -46,7 +46,8 @@ class TrainArgs:
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     dense_frac: float = 0.1
-    balance_rate: float = 5e-3
+    balance_rate: float = 1e-2
+    balance_loss: float = 1e-2
     heldout_permille: int = corpus.DEFAULT_HELDOUT_PERMILLE
     max_files: int | None = None
     eval_windows: int = 64
@@ -180,6 +181,9 @@ def run_loop(a: TrainArgs, model: MiniLM, stream: torch.Tensor, held: torch.Tens
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = model(x)
         loss = out.lm + a.mtp_weight * out.mtp + (out.indexer_kl if out.indexer_kl is not None else 0)
+        aux = balancer.pop_aux()
+        if aux is not None:
+            loss = loss + a.balance_loss * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -194,7 +198,7 @@ def run_loop(a: TrainArgs, model: MiniLM, stream: torch.Tensor, held: torch.Tens
             per_step = (clock() - t_calib) / 10
             n_evals = budget / per_step / a.eval_every + 2
             total = step + max(int((budget - (clock() - t_loop) - n_evals * t_eval) / per_step), 1)
-            log(f"timing: {per_step * 1e3:.0f} ms/step, {a.batch_size * a.seq_len / per_step / 1e3:.0f}k tok/s "
+            log(f"timing: {per_step * 1e3:.0f} ms/step, {a.batch_size * a.seq_len / per_step:.0f} tok/s "
                 f"-> {total} steps in {a.minutes} min")
         if step % a.log_every == 0 or step == total:
             n = sums.pop("n")
@@ -233,11 +237,31 @@ def export(a: TrainArgs, cfg, model: MiniLM, tok, split, train_ids, held_ids, cu
     reloaded = load_mini(out).to(device)
     windows = _windows(torch.tensor(held_ids, dtype=torch.int32, device=device), a.seq_len, a.eval_windows)
     summary["heldout_fp8_export"] = evaluate(reloaded, windows, device.type == "cuda")
+    summary["samples"] = samples(reloaded, tok)
+    for prompt, text in summary["samples"].items():
+        log(f"sample {prompt!r} -> {text!r}")
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     summary.update(export_bytes=size, total_seconds=round(clock(), 1), args=asdict(a))
     (out / "train_report.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"exported to {out}: {size / 1e6:.1f} MB; FP8 export heldout {summary['heldout_fp8_export']}; "
         f"total {summary['total_seconds']}s")
+
+
+SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ",
+                  "[gMASK]<sop><|user|>\nWhat does `json.dumps` do?<|assistant|>\n")
+
+
+@torch.no_grad()
+def samples(model: MiniLM, tok, n: int = 48) -> dict[str, str]:
+    """Greedy continuations through HF's own generate (its indexer, its KV cache) of the exported weights."""
+    device = next(model.parameters()).device
+    out = {}
+    for prompt in SAMPLE_PROMPTS:
+        ids = torch.tensor([tok.encode(prompt).ids], device=device)
+        gen = model.lm.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tok.token_to_id(EOS),
+                                pad_token_id=tok.token_to_id(EOS))
+        out[prompt] = tok.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
