@@ -73,6 +73,7 @@ def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
     """Mean next-token loss over the windows; MTP top-1 accuracy (token t+2) and greedy acceptance (MTP's
     argmax at t equals the main model's argmax at t+1, the token it drafts for)."""
     nll = n = acc = accept = n_mtp = 0.0
+    mtp_error = None
     for i in range(0, len(wins), batch):
         chunk = wins[i:i + batch]
         bases = _bases([len(w) for w in chunk])
@@ -84,8 +85,12 @@ def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
         mb = contiguous_batch([w[1:] for w in chunk], [0] * len(chunk), bases)
         mb.logits_indices = torch.arange(mb.num_tokens)
         keep = torch.cat([torch.arange(o, o + len(w) - 1) for o, w in zip(_offsets(chunk), chunk, strict=True)])
-        mtp = runner.model.forward_mtp(mb.to(runner.device), runner.kv_pool, hidden[keep.to(hidden.device)]) \
-            if runner.model.with_mtp and min(map(len, chunk)) > 2 else None
+        mtp = None
+        if runner.model.with_mtp and min(map(len, chunk)) > 2 and mtp_error is None:
+            try:  # the MTP columns are extra: a failure there must not cost the perplexity
+                mtp = runner.model.forward_mtp(mb.to(runner.device), runner.kv_pool, hidden[keep.to(hidden.device)])
+            except Exception as e:  # noqa: BLE001
+                mtp_error = f"{type(e).__name__}: {e}"[:500]
         for r, (o, w) in enumerate(zip(_offsets(chunk), chunk, strict=True)):
             tgt = torch.tensor(w[1:], device=logp.device)
             nll -= float(logp[o:o + len(w) - 1].gather(1, tgt[:, None]).sum())
@@ -99,6 +104,8 @@ def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
     out = {"loss": round(loss, 5), "ppl": round(math.exp(loss), 4), "tokens": int(n)}
     if n_mtp:
         out.update(mtp_acc=round(acc / n_mtp, 4), mtp_accept=round(accept / n_mtp, 4))
+    if mtp_error:
+        out["mtp_error"] = mtp_error
     return out
 
 
