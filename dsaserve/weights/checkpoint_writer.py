@@ -35,7 +35,7 @@ from dsaserve.weights.tokenizer_builder import write_tokenizer
 
 SHARD_TARGET_BYTES = 5 * 10**9  # HF `max_shard_size="5GB"`, the size the GLM-5 / DeepSeek releases use
 INDEX_FILE = "model.safetensors.index.json"
-_STORAGE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -100,7 +100,8 @@ def plan_shards(cfg: ModelConfig, num_shards: int | None = None) -> list[list[Te
     return _partition(units, n)
 
 
-def _tensor_seed(seed: int, name: str) -> int:
+def tensor_generator_seed(seed: int, name: str) -> int:
+    """Each tensor's own generator seed: a tensor's values never depend on which others were drawn first."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -119,11 +120,12 @@ def _init_std(cfg: ModelConfig, spec: TensorSpec) -> tuple[float, float]:
     return 0.0, 1.0 / math.sqrt(spec.shape[-1])  # linears incl. router gate and indexer weights_proj
 
 
-def random_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
-    """The float32 values of one weight (before storage-dtype conversion)."""
-    g = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+def random_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """The float32 values of one weight (before storage-dtype conversion); `gen` (already seeded with
+    `tensor_generator_seed`) draws them on its device instead of the CPU (`--load-format dummy`)."""
+    g = gen if gen is not None else torch.Generator().manual_seed(tensor_generator_seed(seed, spec.name))
     mean, std = _init_std(cfg, spec)
-    return torch.randn(spec.shape, generator=g, dtype=torch.float32).mul_(std).add_(mean)
+    return torch.randn(spec.shape, generator=g, dtype=torch.float32, device=g.device).mul_(std).add_(mean)
 
 
 def _shard_tensors(shard: list[TensorSpec], values: Callable[[TensorSpec], torch.Tensor]
@@ -137,8 +139,8 @@ def _shard_tensors(shard: list[TensorSpec], values: Callable[[TensorSpec], torch
             t, scale = quantize_fp8_block(values(spec))
             scales[spec.name + "_scale_inv"] = scale
         else:
-            t = values(spec).to(_STORAGE[spec.dtype])
-        if tuple(t.shape) != spec.shape or t.dtype != _STORAGE[spec.dtype]:
+            t = values(spec).to(STORAGE_DTYPES[spec.dtype])
+        if tuple(t.shape) != spec.shape or t.dtype != STORAGE_DTYPES[spec.dtype]:
             raise RuntimeError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, spec says {spec.dtype} {spec.shape}")
         yield spec.name, t
     if scales:
