@@ -31,17 +31,11 @@ def main(ns: argparse.Namespace) -> int:
     from dsaserve.config import load_config
     from dsaserve.distributed.parallel_state import free_port
     from dsaserve.engine.engine_args import EngineArgs
-<<<<<<< HEAD
-    from dsaserve.server.launcher import run
-    from dsaserve.server.server_args import ServerArgs
-    from dsaserve.weights.checkpoint_cache import CheckpointResolveError, resolve_model_dir
-=======
     from dsaserve.errors import CheckpointError
     from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
     from dsaserve.weights.checkpoint_cache import resolve_model_dir
     from dsaserve.weights.checkpoint_check import check_checkpoint
->>>>>>> main
 
     try:
         engine = EngineArgs.from_cli_args(ns)

@@ -17,11 +17,7 @@ from typing import Any
 
 import zmq
 
-<<<<<<< HEAD:dsaserve/server/detokenizer.py
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
-=======
 from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
->>>>>>> main:dsaserve/server/detokenizer_process.py
 from dsaserve.engine.lifetime import start_child
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
