@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.engine.kv_pool import PAGE_SIZE
 from dsaserve.kernels.registry import FP8_ACT_ENV
 from dsaserve.model.forward_batch import contiguous_batch
@@ -38,8 +39,10 @@ class Setting:
 
 @contextlib.contextmanager
 def fp8_activations(on: bool) -> Iterator[None]:
+    """DSASERVE_FP8_ACTIVATIONS set for the block (envs snapshots the environment: reloaded both ways)."""
     old = os.environ.get(FP8_ACT_ENV)
     os.environ[FP8_ACT_ENV] = "1" if on else "0"
+    envs.reload()
     try:
         yield
     finally:
@@ -47,6 +50,7 @@ def fp8_activations(on: bool) -> Iterator[None]:
             os.environ.pop(FP8_ACT_ENV, None)
         else:
             os.environ[FP8_ACT_ENV] = old
+        envs.reload()
 
 
 def open_runner(model_dir: str, s: Setting, max_tokens: int):
