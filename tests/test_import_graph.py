@@ -14,8 +14,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsaserve"
-FLOORS = ("root", "cli", "bench", "quality", "server", "engine", "model", "ledger", "training", "weights", "distributed",
-          "kernels", "config", "errors", "common")
+FLOORS = ("root", "cli", "bench", "quality", "server", "engine", "model", "ledger", "training", "weights",
+          "distributed", "kernels", "config", "errors", "common")
 
 
 def _folder(module: str) -> str:

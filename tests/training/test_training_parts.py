@@ -115,4 +115,4 @@ def test_fp8_activation_switch_is_seen_by_the_registry_and_restored():
         assert envs.DSASERVE_FP8_ACTIVATIONS == "0"
     with fp8_activations(True):
         assert envs.DSASERVE_FP8_ACTIVATIONS == "1"
-    assert envs.DSASERVE_FP8_ACTIVATIONS == before
+    assert before == envs.DSASERVE_FP8_ACTIVATIONS
