@@ -1,6 +1,6 @@
 """`dsaserve eval`: held-out perplexity and greedy agreement between numerics settings.
 
-    dsaserve eval --model DIR                          # every comparison that applies to this machine
+    dsaserve eval                                      # the built-in glm-5.3-mini, every comparison that applies
     dsaserve eval --model DIR --groups kv,sparse --json out.json --windows 8 --prompts 10
 
 Comparisons (each setting's perplexity on the checkpoint's held-out split, and how many greedy
@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
     d = EvalArgs(model="")
     p = subparsers.add_parser("eval", help="held-out perplexity and greedy agreement between settings",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (with tokenizer.json)")
+    p.add_argument("--model", default="glm-5.3-mini",
+                   help="checkpoint directory (with tokenizer.json) or built-in name (default: glm-5.3-mini)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--kv-layout", default=d.kv_layout, choices=("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"),
                    help="KV layout of the base setting")

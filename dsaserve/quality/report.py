@@ -138,6 +138,9 @@ def table(results: dict[str, dict], rows: list[dict], baselines: dict | None) ->
 
 
 def run_eval(a: EvalArgs, log=print) -> dict:
+    from dsaserve.weights.checkpoint_cache import resolve_checkpoint
+
+    a.model = str(resolve_checkpoint(a.model))  # a directory, or a built-in name (the packaged glm-5.3-mini)
     wins, prompts, info = heldout_data(a)
     plan = make_plan(a)
     report_path = Path(a.model) / "train_report.json"
