@@ -46,7 +46,7 @@ class TrainArgs:
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     dense_frac: float = 0.1
-    balance_rate: float = 1e-2
+    balance_rate: float = 5e-3  # x4 during the dense warm-up: routers start out collapsed onto 2 experts
     balance_loss: float = 1e-2
     heldout_permille: int = corpus.DEFAULT_HELDOUT_PERMILLE
     max_files: int | None = None
@@ -190,6 +190,7 @@ def run_loop(a: TrainArgs, model: MiniLM, stream: torch.Tensor, held: torch.Tens
     while step < total and clock() - t_loop < budget:
         sparse = step >= a.dense_frac * total
         model.set_index_topk(model.cfg.index_topk if sparse else a.seq_len)
+        balancer.rate = a.balance_rate * (1 if sparse else 4)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, a)
         x = stream[torch.randint(0, len(stream) - a.seq_len - 1, (a.batch_size,), device=device, generator=gen)[:, None]
