@@ -1,8 +1,18 @@
-"""Train the built-in `glm-5.3-mini` from scratch and export it (see dsaserve/training/trainer.py).
+"""Train the built-in `glm-5.3-mini` from scratch and export it (the recipe: dsaserve/training/trainer.py).
 
-    PYTHONPATH=. python bench/train_builtin.py --out DIR --minutes 6          # the H200 run
-    PYTHONPATH=. python bench/train_builtin.py --out /tmp/m --minutes 0.5 --max-files 40 \\
-        --batch-size 4 --seq-len 128 --eval-windows 4 --eval-every 10 --log-every 2   # CPU smoke run
+The H200 run (files back from $OUT are limited to 8 files of <= 16 MiB: the checkpoint travels as a split tar,
+`cat glm-5.3-mini.tar.* | tar xf -` puts it back together):
+
+    set -o pipefail; export PYTHONPATH=. PYTHONUNBUFFERED=1 DSASERVE_CACHE_DIR=/tmp/dsaserve-cache
+    M=/tmp/glm-5.3-mini
+    python bench/train_builtin.py --out $M --minutes 4.5 2>&1 | tee $OUT/train.log
+    tar -C /tmp -cf - glm-5.3-mini | split -b 15m -d - $OUT/glm-5.3-mini.tar.
+    timeout 100 python -m dsaserve eval --model $M --windows 8 --json $OUT/eval.json 2>&1 | tee $OUT/eval.log
+
+A CPU smoke run (seconds):
+
+    PYTHONPATH=. python bench/train_builtin.py --out /tmp/m --minutes 0.5 --max-files 40 --heldout-permille 250 \\
+        --batch-size 4 --seq-len 128 --eval-windows 4 --eval-every 10 --log-every 2
 """
 
 import sys
