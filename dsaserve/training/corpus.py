@@ -86,7 +86,7 @@ def chat_documents(relpath: str, source: str) -> Iterator[str]:
     """One chat exchange per documented public top-level function/class (and public methods of classes)."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):  # a few test files are deliberately invalid Python
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # test files: deliberately invalid or deep
         return
     module = _module_name(relpath)
     nodes = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
