@@ -166,6 +166,8 @@ def train_step(model: MiniLM, opt: torch.optim.Optimizer, balancer: RouterBalanc
     if aux is not None:
         loss = loss + a.balance_loss * aux
     opt.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):  # a bf16 overflow must not poison the weights: skip this batch
+        return out, balancer.step()
     loss.backward()
     # the indexers learn only from their KL loss: clipped apart, so its gradient never shrinks the LM's step
     indexer = [p for n, p in model.named_parameters() if ".indexer." in n]
