@@ -79,25 +79,9 @@ def reload() -> None:
     _values = {}
 
 
-_forced: dict[str, str] = {}  # name -> why: switches this process set itself (`force`), shown in the manifest
-
-
-def force(name: str, raw: str, why: str) -> None:
-    """Set a switch for the rest of this process (a layout that must not use a path), whatever the
-    environment said; the manifest lists it with `why`. Also in os.environ, so child processes agree."""
-    if name not in SWITCHES:
-        raise KeyError(name)
-    os.environ[name] = raw
-    _raw[name] = raw
-    _values.pop(name, None)
-    _forced[name] = why
-
-
 def set_switches() -> dict[str, str]:
-    """The switches the environment set (as written), for the startup manifest; forced ones say why."""
-    out = {k: "<set>" if SWITCHES[k].secret else v for k, v in _raw.items()}
-    out.update({k: f"{_raw[k]} (forced: {why})" for k, why in _forced.items()})
-    return out
+    """The switches the environment set (as written), for the startup manifest."""
+    return {k: "<set>" if SWITCHES[k].secret else v for k, v in _raw.items()}
 
 
 def __getattr__(name: str) -> Any:

@@ -60,11 +60,6 @@ class ModelRunner:
                  graph_reserve_bytes: int = 1 << 30):
         self.args = args
         device = args.resolved_device()
-        if device == "cuda" and (args.enable_dp_attention or args.moe_a2a):
-            # Measured on two H200s (bench/dp_debug.py): with FP8 activations the DP-attention / all-to-all
-            # path leaves one GPU's logits (relative L2 1.0 at the output); with bf16 activations it is exact.
-            # Cause not found yet: keep the exact activations on these layouts until it is.
-            envs.force("DSASERVE_FP8_ACTIVATIONS", "0", "DP-attention / all-to-all MoE: FP8 activations diverge")
         self.startup_time: dict[str, float] = {}
         with _Timer(self.startup_time, "init_distributed"):
             self.parallel = initialize_model_parallel(

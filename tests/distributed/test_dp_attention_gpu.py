@@ -1,7 +1,7 @@
 """DP2 + EP2 on two GPUs over NCCL (skipped without them): the scenario of test_dp_attention.py — each rank
 its own requests, idle steps through `forward_idle` — on the GPU kernels (FP8 weights, bf16, fp32 KV),
-against one GPU's logits for the same requests. The bound is the one the single-GPU tests use for "the same
-math, another kernel order" (tests/engine/test_engine_gpu.py).
+against one GPU's logits for the same requests. Written on a CPU-only machine and not yet run: the bound
+is the one the single-GPU tests use for "the same math, another kernel order" (tests/engine/test_engine_gpu.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.common import envs
 from dsaserve.config import load_config
 from tests.distributed.dp_harness import dp_worker, expected_logits
 from tests.distributed.harness import run_ranks
@@ -21,16 +20,7 @@ GPU = {"device": "cuda", "dtype": "bfloat16", "num_pages": 32, "cuda_graph_max_b
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    # DP-attention forces bf16 activations in the FP8 GEMMs (engine/model_runner.py: with FP8 activations it
-    # diverged, cause not found); the one-GPU reference uses the same activations
-    mp = pytest.MonkeyPatch()
-    mp.setenv("DSASERVE_FP8_ACTIVATIONS", "0")
-    envs.reload()
-    try:
-        return run_ranks(dp_worker, 3, tmp_path_factory.mktemp("dp_gpu"), (NAME,), **GPU)
-    finally:
-        mp.undo()
-        envs.reload()
+    return run_ranks(dp_worker, 3, tmp_path_factory.mktemp("dp_gpu"), (NAME,), **GPU)
 
 
 def test_dp2_ep2_on_two_gpus_gives_each_rank_one_gpus_logits(runs):
