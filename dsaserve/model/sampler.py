@@ -1,7 +1,7 @@
 """Sampler: logits -> next tokens (+ logprobs), batched, per-row parameters (request path stage 9).
 
 Owns: the order of logits processing (vLLM's): raw logprobs for the response -> stop-token suppression
-(min_tokens) -> repetition / frequency / presence penalties -> greedy rows take the argmax; the others
+(min_tokens) -> the structured-output grammar's token bitmask -> repetition / frequency / presence penalties -> greedy rows take the argmax; the others
 divide by temperature, apply top-k, top-p, min-p, and draw with the exponential race
 argmax(p / q), q ~ Exp(1), which samples exactly from p.
 
@@ -9,6 +9,11 @@ Reproducibility: a request with a seed draws its q from its own torch.Generator 
 only by its own draws), and every step of the pipeline is row-local, always run the same way whatever
 the other rows need (filters that are off for a row leave it bit-identical). So a seed gives the same
 token whatever else is in the batch. Requests without a seed share one engine generator.
+
+Grammar bitmask: xgrammar fills one int32 row per grammar-constrained sample on the CPU (bit t of word w
+allows token 32w + t); `apply_token_bitmask` unpacks the rows with shifts and masks the logits with
+`masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. After the
+draw each constrained sample's matcher accepts its token.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Sampler:
         raw = logits
         logprobs = self._logprobs_inputs(raw, params)
         x = self._suppress(logits, rows)
+        x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
             x = apply_penalties(x if x is not raw else x.clone(), rows)
         if all(p.greedy for p in params):
@@ -62,6 +68,10 @@ class Sampler:
         else:
             tokens = self._random(x, rows, params)
         token_list = tokens.tolist()
+        for r, t in zip(rows, token_list, strict=True):
+            g = getattr(r, "grammar", None)
+            if g is not None and g.active:
+                g.accept(t)
         return SamplerOutput(token_list, self._logprobs(logprobs, params, token_list))
 
     # ---- steps -------------------------------------------------------------------------------
@@ -74,6 +84,25 @@ class Sampler:
         vocab = x.shape[1]
         for i, ids in masked:  # ids were validated on admission; out-of-range ones must never index
             x[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
+        return x
+
+    @staticmethod
+    def _grammar_mask(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
+        states = [(i, g) for i, r in enumerate(rows) if (g := getattr(r, "grammar", None)) is not None and g.active]
+        if not states:
+            return x
+        words = -(-states[0][1].vocab_size // 32)
+        bitmask = torch.empty((len(states), words), dtype=torch.int32)
+        for j, (_, g) in enumerate(states):
+            g.fill(bitmask, j)
+        idx = [i for i, _ in states]
+        masked = apply_token_bitmask(x[idx], bitmask)
+        dead = torch.isinf(masked).all(dim=-1) & ~torch.isinf(x[idx]).all(dim=-1)
+        if bool(dead.any()):  # suppression (min_tokens) removed the only tokens the grammar allows: grammar wins
+            masked = torch.where(dead.unsqueeze(1), apply_token_bitmask(x[idx].clone(), bitmask, ignore_inf=True),
+                                 masked)
+        x = x.clone()  # raw logits stay untouched (logprobs read them)
+        x[idx] = masked
         return x
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
@@ -128,6 +157,21 @@ class Sampler:
             out[i] = {"logprob": chosen_l[j], "top": [[t, v] for t, v in zip(top_i_l[j][:n], top_v_l[j][:n],
                                                                                strict=True)]}
         return out
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, ignore_inf: bool = False) -> torch.Tensor:
+    """x [rows, vocab] with the tokens not allowed by bitmask [rows, ceil(vocab'/32)] int32 set to -inf.
+
+    Plain torch (shift, and, masked_fill): the same code on CPU and GPU. `ignore_inf`: x's -inf entries
+    are first reset (used when suppression and grammar together would leave nothing)."""
+    vocab, dev = x.shape[1], x.device
+    bits = torch.arange(32, device=dev, dtype=torch.int32)
+    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    if ignore_inf:
+        x = torch.nan_to_num(x, neginf=0.0)
+    return x.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
