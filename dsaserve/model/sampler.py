@@ -1,7 +1,8 @@
 """Sampler: logits -> next tokens (+ logprobs), batched, per-row parameters (request path stage 9).
 
 Owns: the order of logits processing (vLLM's): raw logprobs for the response -> stop-token suppression
-(min_tokens) -> the structured-output grammar's token bitmask -> repetition / frequency / presence penalties -> greedy rows take the argmax; the others
+(min_tokens) -> the structured-output grammar's token bitmask ->
+repetition / frequency / presence penalties -> greedy rows take the argmax; the others
 divide by temperature, apply top-k, top-p, min-p, and draw with the exponential race
 argmax(p / q), q ~ Exp(1), which samples exactly from p.
 

@@ -8,7 +8,8 @@ these files through transformers' AutoTokenizer exactly as they would a real GLM
 
 Fixed ids: 0 bos, 1 eos (and pad) — GLM: `[gMASK]`, `<|endoftext|>`, then `<sop>` and the role markers;
 DeepSeek-V3.2: `<｜begin▁of▁sentence｜>`, `<｜end▁of▁sentence｜>`, pad, `<｜User｜>`, `<｜Assistant｜>`. The
-non-special added tokens (`<think>`, `</think>`, GLM's `<tool_call>` / `<arg_key>` / ...) take the last ids. Byte-level means every UTF-8 string encodes and decodes back unchanged, with no unknown token.
+non-special added tokens (`<think>`, `</think>`, GLM's `<tool_call>` / `<arg_key>` / ...) take the last ids.
+Byte-level means every UTF-8 string encodes and decodes back unchanged, with no unknown token.
 The vocabulary is min(vocab_size, 512): the model's embedding may be larger (ids past the tokenizer
 are valid model outputs that decode to nothing) but never smaller.
 Determinism: one training string, a tie-breaking trainer, sorted-key JSON -> the same files every time.

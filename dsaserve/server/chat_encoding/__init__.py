@@ -11,8 +11,8 @@ Errors are `ChatTemplateError` (a ValueError): the serving layer turns them into
 
 from __future__ import annotations
 
-import json
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
