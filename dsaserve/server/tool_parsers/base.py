@@ -123,8 +123,8 @@ class ToolParser:
         try:
             s = self.scan(text)
             done = s.closed_calls
-            if any(not c.name for c in done):
-                return ParsedOutput(text, [])
+            if any(not c.name for c in done) or not done:
+                return ParsedOutput(text if s.calls or s.open_at is not None else s.content, [])
             content = s.content + (text[s.open_at:] if s.open_at is not None else "")
             return ParsedOutput(content, [ToolCall(c.name or "", args_json(c.args, True)) for c in done])
         except Exception:  # a parser bug must never fail the request: the text is still the answer
@@ -190,7 +190,8 @@ class ToolCallStream:
         content = s.content if final else s.content[: len(s.content) - s.hold]
         calls = s.calls
         if final and s.open_at is not None and len(self.calls) <= len(s.closed_calls):
-            content += self.text[s.open_at:]  # truncated, and nothing of it was sent: it is text
+            # truncated, and nothing of it was sent: it is text
+            content = self.text if not s.closed_calls else content + self.text[s.open_at:]
             calls = s.closed_calls
         if len(content) > self.content_sent:
             out.content = content[self.content_sent:]
