@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.engine.kv_pool import encode_index_k, encode_latent
+from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.layers.linear import Linear
@@ -218,9 +218,10 @@ def main() -> None:
     result["ceilings"] = ceilings = measure_ceilings()
     print("ceilings", {k: f"{v:.3e}" for k, v in ceilings.items()}, flush=True)
     t0 = time.perf_counter()
-    runner = ModelRunner(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
+    runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
                          cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64,
-                         chunked_prefill_size=max(int(x) for x in args.prefill.split(",")))
+                         chunked_prefill_size=max(int(x) for x in args.prefill.split(",")),
+                         max_num_batched_tokens=max(int(x) for x in args.prefill.split(",")))
     result["startup_wall_s"] = time.perf_counter() - t0
     result["manifest"] = runner.manifest()
     print("startup", runner.startup_time, flush=True)
@@ -233,7 +234,7 @@ def main() -> None:
     print("decode", [(d["bs"], d["ctx"], round(d.get("step_ms", -1), 3), round(d.get("ratio", -1), 2))
                      for d in result["decode"]], flush=True)
     result["prefill"] = bench_prefill(runner, ceilings, [int(x) for x in args.prefill.split(",")])
-    from dsaserve.engine.counters import COUNTERS
+    from dsaserve.common.counters import COUNTERS
 
     result["counters"] = COUNTERS.snapshot()
     dump()

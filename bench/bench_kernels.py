@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.config import load_config
-from dsaserve.engine.kv_pool import encode_index_k, encode_latent
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_indexer as IDX

@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 import torch
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest
-from dsaserve.engine.sampling_params import SamplingParams
 
 VOCAB = 512  # host-side greedy sampling stand-in; the real vocabulary (154880) is sampled on the GPU
 CONTEXT = 1000

@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 
 from dsaserve import Engine, SamplingParams
+from dsaserve.common import envs
 
 TOKENS = 16
 
@@ -50,6 +51,7 @@ def main() -> None:
         ref = greedy(model, "cpu", ps)
         for fp8_act in ("1", "0"):
             os.environ["DSASERVE_FP8_ACTIVATIONS"] = fp8_act
+            envs.reload()  # switches are read once; this A/B flips one between runs
             got = greedy(model, "cuda", ps)
             same = sum(a == b for a, b in zip(got, ref, strict=True))
             prefix = sum(common_prefix(a, b) for a, b in zip(got, ref, strict=True)) / len(ps)
@@ -59,6 +61,7 @@ def main() -> None:
             print(f"{model} fp8_act={fp8_act}: {same}/{len(ps)} identical, mean common prefix {prefix:.1f}/{TOKENS}",
                   flush=True)
     os.environ.pop("DSASERVE_FP8_ACTIVATIONS", None)
+    envs.reload()
     (args.out / "greedy_agreement.json").write_text(json.dumps(report, indent=1))
 
 

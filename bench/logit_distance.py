@@ -14,12 +14,14 @@ import random
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
 
 
 def last_logits(model: str, device: str, dtype: str, layout: str, prompts: list[list[int]]) -> torch.Tensor:
-    runner = ModelRunner(model, dtype=dtype, kv_layout=layout, device=device, num_pages=16, disable_cuda_graph=True)
+    runner = ModelRunner.from_kwargs(model, dtype=dtype, kv_layout=layout, device=device, num_pages=16,
+                                     disable_cuda_graph=True)
     return torch.cat([runner.forward(contiguous_batch([p], [0], [0], runner.page_size)).float().cpu()
                       for p in prompts])
 
@@ -32,8 +34,10 @@ def main() -> None:
         runs = {"cpu bf16": last_logits(model, "cpu", "bfloat16", "bf16", prompts)}
         for act in ("1", "0"):
             os.environ["DSASERVE_FP8_ACTIVATIONS"] = act
+            envs.reload()  # switches are read once; this A/B flips one between runs
             runs[f"gpu bf16 fp8_act={act}"] = last_logits(model, "cuda", "bfloat16", "bf16", prompts)
         os.environ.pop("DSASERVE_FP8_ACTIVATIONS", None)
+        envs.reload()
         for name, got in runs.items():
             d = (got - ref).abs().amax(-1)
             same = (got.argmax(-1) == ref.argmax(-1)).sum().item()

@@ -96,7 +96,7 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     ceilings = measure_ceilings()
     pages = max(batches) * -(-(max(contexts) + 1) // 64) + 16
-    runner = ModelRunner(args.config, dtype="bfloat16", load_format="dummy", device="cuda", num_pages=pages,
+    runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda", num_pages=pages,
                          cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64, chunked_prefill_size=2048)
     fill_pool(runner.kv_pool, runner.cfg)
     report = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}

@@ -67,7 +67,7 @@ def main() -> None:
 
 def sweep_sparse_mla(out: Path) -> None:
     """Sparse MLA decode at batch 1 (GLM-5.3: 64 heads, 512 + 64 latent, top-2048, half the slots real)."""
-    from dsaserve.engine.kv_pool import encode_latent
+    from dsaserve.common.kv_layout import encode_latent
     from dsaserve.kernels import triton_sparse_mla as S
 
     h, dc, dr, k, n_slots = 64, 512, 64, 2048, 1 << 16

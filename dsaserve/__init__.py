@@ -14,7 +14,7 @@ _LAZY = {
     "Engine": "dsaserve.engine.engine",
     "RequestOutput": "dsaserve.engine.engine",
     "CompletionOutput": "dsaserve.engine.engine",
-    "SamplingParams": "dsaserve.engine.sampling_params",
+    "SamplingParams": "dsaserve.common.sampling_params",
     "EngineArgs": "dsaserve.engine.engine_args",
 }
 

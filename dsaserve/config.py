@@ -14,12 +14,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dsaserve.errors import CheckpointError
+
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 FP8_BLOCK = 128  # DeepSeek/GLM FP8 checkpoints quantise weights in 128x128 blocks
 
 
-class ConfigError(ValueError):
-    """A config.json field is missing or has a bad value; the message names the field."""
+class ConfigError(CheckpointError):
+    """A config.json is unreadable, or a field is missing or has a bad value; the message names the file/field."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,19 @@ def builtin_config_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("dsaserve.configs").iterdir() if p.name.endswith(".json"))
 
 
+def read_json_object(p: Path) -> dict[str, Any]:
+    """A config.json (or tokenizer_config.json) as a dict; bad bytes, bad JSON or a non-object name the file."""
+    try:
+        raw = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it ({e.strerror})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """A built-in name (`glm-5.3`, `glm-5.3-tiny`, ...), a config.json path, or a checkpoint directory."""
     p = Path(name_or_path)
@@ -299,10 +314,11 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if p.is_file():
         try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from None
-        return config_from_dict(raw, name=p.parent.name)
+            return config_from_dict(read_json_object(p), name=p.parent.name)
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(str(p)) else f"{p}: {e}") from None
+        except (TypeError, AttributeError, KeyError) as e:  # a field of the wrong JSON type (a map for a list...)
+            raise ConfigError(f"{p}: malformed config ({type(e).__name__}: {e})") from None
     name = str(name_or_path)
     res = resources.files("dsaserve.configs") / f"{name}.json"
     if not res.is_file():

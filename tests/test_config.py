@@ -82,3 +82,21 @@ def test_unknown_model_name_lists_the_builtins(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("content", [bytes(range(128, 256)), b"[1, 2]", None])
+def test_an_unparsable_config_json_names_the_file_in_one_line(tmp_path, content):
+    raw = _raw()
+    raw["rope_parameters"] = 5  # valid JSON, wrong type: used when content is None
+    (tmp_path / "config.json").write_bytes(content if content is not None else json.dumps(raw).encode())
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: ") as e:
+        load_config(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_bad_field_read_from_a_file_names_the_file_and_the_field(tmp_path):
+    raw = _raw()
+    raw["index_topk"] = -1
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: index_topk"):
+        load_config(tmp_path)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import os
 import sys
 from pathlib import Path
 
+from dsaserve.common import envs
+
 STEP_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_scheduler_step.py"
-STEP_SCRIPT_ENV = "DSASERVE_BENCH_STEP_SCRIPT"  # another script path (tests, out-of-tree checkouts)
+# DSASERVE_BENCH_STEP_SCRIPT (common/envs.py): another script path (tests, out-of-tree checkouts)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # ---- bench step ---------------------------------------------------------------------------------
 def main_step(ns: argparse.Namespace) -> int:
-    path = Path(os.environ.get(STEP_SCRIPT_ENV) or STEP_SCRIPT)
+    path = Path(envs.DSASERVE_BENCH_STEP_SCRIPT or STEP_SCRIPT)
     if not path.is_file():
         print(f"dsaserve bench step: {path} not found (the engine's scheduler-step benchmark)", file=sys.stderr)
         return 2

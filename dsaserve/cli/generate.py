@@ -51,9 +51,9 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsaserve.common.sampling_params import SamplingParams
     from dsaserve.engine.engine import Engine
     from dsaserve.engine.engine_args import EngineArgs
-    from dsaserve.engine.sampling_params import SamplingParams
 
     try:
         prompt: str | list[int] = args.prompt if args.prompt is not None else parse_ids(args.prompt_ids)
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsaserve generate: error: {e}", file=sys.stderr)
         return 2
     kw = {k: v for k, v in engine_args.__dict__.items() if k != "model"}
-    engine = Engine(engine_args.model, **kw)
     try:
+        engine = Engine(engine_args.model, **kw)  # a broken checkpoint: a one-line CheckpointError (a ValueError)
         t0 = time.perf_counter()
         out = engine.generate(prompt, params)[0]
         seconds = time.perf_counter() - t0

@@ -11,10 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS, KV_LAYOUTS
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.units import US, parse_tokens
-
-ENGINE_LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32")  # engine/kv_pool.py KV_LAYOUTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,8 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--nvlink-overhead-us", type=float, help="fixed cost of one collective on NVLink, us")
     h.add_argument("--ib-overhead-us", type=float, help="fixed cost of one collective over IB, us")
     w = p.add_argument_group("workload")
-    w.add_argument("--kv-layout", default="fp8_ds_mla",
-                   choices=("fp8_ds_mla", "fp8_e4m3", "nvfp4_ds_mla", "bf16", "fp32"))
+    w.add_argument("--kv-layout", default=DEFAULT_KV_LAYOUT, choices=tuple(KV_LAYOUTS))
     w.add_argument("--context", default="1M", help="long-request context: capacity, PD, prefill (1M = 2^20)")
     w.add_argument("--batch", type=int, default=32, help="decode requests per step, whole deployment (32)")
     w.add_argument("--decode-context", default="128K", help="context of each request in the decode step (128K)")
@@ -119,11 +117,11 @@ def _reconcile(args: argparse.Namespace):
     if args.reconcile:
         run = load_run(args.reconcile)
     else:
-        from dsaserve.ledger.reconcile_driver import run_engine
+        from dsaserve.cli.reconcile_driver import run_engine
 
-        if args.kv_layout not in ENGINE_LAYOUTS:
+        if args.kv_layout not in ENGINE_KV_LAYOUTS:
             raise ValueError(f"--kv-layout: the engine's pool has no {args.kv_layout!r} layout "
-                             f"({', '.join(ENGINE_LAYOUTS)}); reconcile a saved run instead")
+                             f"({', '.join(ENGINE_KV_LAYOUTS)}); reconcile a saved run instead")
         lens = tuple(parse_tokens(x, "--reconcile-prompts") for x in args.reconcile_prompts.split(","))
         run = run_engine(args.reconcile_model, lens, args.reconcile_max_tokens, kv_layout=args.kv_layout,
                          device=args.reconcile_device)

@@ -27,8 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.distributed.parallel_state import Group, get_parallel_state
-from dsaserve.engine.counters import COUNTERS
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 # torch 2.13 renamed the *_tensor single-tensor forms; the GPU machine runs 2.11, which has only the old names

@@ -1,8 +1,8 @@
 """Expert parallelism for the routed experts of MoE layers (stage 6, "MoE").
 
-Owns the two ways a rank's experts meet the tokens; routing itself is replicated (every rank computes the
-same top-k from the same hidden states, so every rank also knows every other rank's send and receive
-counts without exchanging them):
+Owns the three ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
+computes the same top-k from the same hidden states, so every rank also knows every other rank's send and
+receive counts without exchanging them); in the third, each rank routes only its own tokens:
 
   simple EP (default): every rank runs its own experts on all tokens — pairs routed elsewhere get weight 0
     on local expert 0 — and the MoE layer's one all-reduce (the same call TP needs anyway) sums the parts.
@@ -14,6 +14,11 @@ counts without exchanging them):
     partial sums are reduce-scattered onto the same token chunks), and an all-gather restores the full
     batch for the next (replicated or TP) attention. Per MoE layer: 2 all_to_all (+1 reduce_scatter under
     TP) + 1 all_gather. Needs host split sizes, so it runs eager (no CUDA graph).
+  DP-attention exchange (`dp_exchange`, ep = world): every rank routes its *own* tokens (counts differ per
+    rank, zero included), so nobody knows what arrives: an all_to_all of per-destination pair counts goes
+    first, then dispatch (each pair's row with its expert id and routing weight packed on as 8 bytes, one
+    call) and combine (the weighted output rows back). Per MoE layer: 3 all_to_all, nothing else. A rank
+    with no tokens still makes all three calls (`idle_exchange`), so the collectives never hang.
 
 Also: turning global expert ids into this rank's local ones, and slicing experts whose intermediate part is
 not 128-aligned after dequantising them (see distributed/sharding.py).
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from dsaserve.distributed.collectives import all_gather, all_to_all, reduce_scatter
+from dsaserve.distributed.parallel_state import Group
 from dsaserve.distributed.sharding import ExpertPlacement, Shard
 from dsaserve.kernels.reference import dequant_fp8_weight
 
@@ -58,12 +64,18 @@ def _split_counts(x: torch.Tensor, parts: int) -> list[int]:
     return torch.bincount(x, minlength=parts).tolist()
 
 
+def _chunk_bounds(t: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(tokens per rank, lo, hi) of the replicated-routing a2a: the last ranks may get fewer or none; a chunk
+    is never 0 rows (a 0 would divide below, and a 0-token batch still makes every collective)."""
+    chunk = max(1, -(-t // size))
+    return chunk, min(rank * chunk, t), min((rank + 1) * chunk, t)
+
+
 def a2a_moe_forward(moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx) -> torch.Tensor:
     """The MoE layer's output [T, H] (routed + shared) via all-to-all dispatch / combine over moe.group."""
     g, p = moe.group, moe.experts.placement
     t, k = ids.shape
-    chunk = -(-t // g.size)  # tokens per rank; the last ranks may get fewer (or none)
-    lo, hi = min(g.rank * chunk, t), min((g.rank + 1) * chunk, t)
+    chunk, lo, hi = _chunk_bounds(t, g.rank, g.size)
     dest = torch.div(ids, p.count, rounding_mode="floor")  # EP rank of every (token, slot); ep = world here
 
     # dispatch: my chunk's pairs, ordered by destination rank (stable: token-major within a destination)
@@ -89,6 +101,58 @@ def a2a_moe_forward(moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids:
         if moe.shared_split:  # TP-split shared expert: partial sums over all tokens, reduced onto the chunks
             padded = torch.nn.functional.pad(x, (0, 0, 0, chunk * g.size - t))
             out = out + reduce_scatter(moe.shared_experts(padded), g)
-        else:
+        elif hi > lo:  # an empty chunk (t < ranks) must not reach the GEMMs: 0-row launches are not safe
             out[: hi - lo] += moe.shared_experts(x[lo:hi])
     return all_gather(out, g)[:t]
+
+
+# ---- DP-attention: every rank routes its own tokens -------------------------------------------------------
+_META = 8  # bytes packed after each dispatched row: int32 global expert id + fp32 routing weight
+
+
+def _pack(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[N, H] rows + their (expert id, weight) as one uint8 [N, H * elem + 8] tensor: one all_to_all."""
+    return torch.cat([rows.contiguous().view(torch.uint8), ids.to(torch.int32)[:, None].view(torch.uint8),
+                      weights.float()[:, None].view(torch.uint8)], dim=1)
+
+
+def _unpack(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    body = buf.shape[1] - _META
+    rows = buf[:, :body].contiguous().view(dtype)
+    ids = buf[:, body:body + 4].contiguous().view(torch.int32)[:, 0].long()
+    return rows, ids, buf[:, body + 4:].contiguous().view(torch.float32)[:, 0]
+
+
+def _exchange_counts(send: torch.Tensor, g: Group) -> list[int]:
+    """all_to_all of per-destination pair counts: what every rank is about to send me."""
+    recv = all_to_all(send, [1] * g.size, [1] * g.size, g)
+    return recv.tolist()
+
+
+def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                ctx: object) -> torch.Tensor:
+    """Routed sum [T, H] of this rank's own tokens (T may be 0) via count exchange + dispatch + combine."""
+    g, p = group, experts.placement
+    t, k = ids.shape
+    dest = torch.div(ids.reshape(-1), p.count, rounding_mode="floor")  # EP rank of every pair (ep = world)
+    order = torch.argsort(dest, stable=True)  # pairs grouped by destination, token-major within one
+    send_tok, send_slot = torch.div(order, k, rounding_mode="floor"), order % k
+    send_counts_t = torch.bincount(dest, minlength=g.size)
+    recv_counts = _exchange_counts(send_counts_t, g)
+    send_counts = send_counts_t.tolist()
+    packed = _pack(x[send_tok], ids[send_tok, send_slot], weights[send_tok, send_slot])
+    rows, r_ids, r_w = _unpack(all_to_all(packed, recv_counts, send_counts, g), x.dtype)
+    # 0 rows received: skip the expert GEMMs (a 0-row launch is not safe on every GPU kernel)
+    y = experts(rows, r_w[:, None], r_ids[:, None], ctx) if rows.shape[0] else rows
+    back = all_to_all(y, send_counts, recv_counts, g)  # combine: my pairs' weighted outputs, in send order
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, send_tok, back.float()).to(x.dtype)
+
+
+def idle_exchange(experts: nn.Module, group: Group, hidden: int, dtype: torch.dtype, device: torch.device,
+                  ctx: object) -> None:
+    """A rank with no tokens this step: the same three all_to_all calls with nothing of its own to send."""
+    k = 1  # any k: zero pairs
+    dp_exchange(experts, group, torch.empty(0, hidden, dtype=dtype, device=device),
+                torch.empty(0, k, dtype=torch.float32, device=device),
+                torch.empty(0, k, dtype=torch.int64, device=device), ctx)

@@ -7,9 +7,12 @@ load). Owns: `init_distributed` (backend by device — NCCL for CUDA, gloo for C
 at construction. Until something initialises it the state is one rank with no groups, so the unsharded
 model and every single-process tool are unchanged.
 
-Layout (SGLang's, restricted to one model replica): world = max(tp, ep) ranks.
+Layout (SGLang's, restricted to one model replica; the rules live in distributed/layout.py): world =
+max(tp, ep) ranks.
   - attention, dense MLPs, shared experts, embedding and lm_head: TP over `tp_group` (tp = world), or
     replicated (tp = 1, only with ep = world: "replicated attention + EP");
+  - DP-attention (`dp_attention`, ep = world): the same modules replicated, but each rank runs them on its
+    *own* batch (its own requests and KV pool); the state records tp_size = 1 and moe_a2a = True;
   - routed experts: `moe_group` = the world; experts split ep ways, each expert's intermediate split
     moe_tp = world / ep ways. EP rank = rank // moe_tp, so ranks of one EP rank are consecutive.
 """
@@ -23,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from dsaserve.distributed.layout import Layout, check_divisions, check_sizes
 
 DEFAULT_TIMEOUT_S = 600  # first NCCL collectives can wait on slow peers (weights still loading elsewhere)
 
@@ -44,10 +49,21 @@ class ParallelState:
     tp_size: int = 1
     ep_size: int = 1
     moe_a2a: bool = False  # MoE via all-to-all dispatch/combine instead of one all-reduce
+    dp_attention: bool = False  # each rank runs everything but the routed experts on its own batch
     backend: str = "none"
     world: Group = Group("world")
     tp_group: Group = Group("tp")
     moe_group: Group = Group("moe")
+
+    @property
+    def dp_size(self) -> int:
+        """Attention data-parallel ranks: batches that run side by side (1 unless DP-attention)."""
+        return self.world_size if self.dp_attention else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """Which attention data-parallel rank this is (the TokenizerManager routes requests by it)."""
+        return self.rank if self.dp_attention else 0
 
     @property
     def tp_rank(self) -> int:
@@ -69,7 +85,9 @@ class ParallelState:
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "rank": self.rank, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
                 "ep_size": self.ep_size, "ep_rank": self.ep_rank, "moe_tp_size": self.moe_tp_size,
-                "moe_a2a": self.moe_a2a, "backend": self.backend}
+                "moe_a2a": self.moe_a2a, "dp_attention": self.dp_attention, "dp_size": self.dp_size,
+                "dp_rank": self.dp_rank,
+                "backend": self.backend}
 
 
 _STATE = ParallelState()
@@ -146,29 +164,23 @@ def local_device(device: torch.device | str, rank: int | None = None) -> torch.d
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def _check_sizes(tp_size: int, ep_size: int, world: int) -> None:
-    for flag, v in (("tp_size", tp_size), ("ep_size", ep_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{flag}: must be a positive integer, got {v!r}")
-    if world != max(tp_size, ep_size):
-        raise ValueError(f"tp_size {tp_size} / ep_size {ep_size}: need world_size = max(tp, ep) = "
-                         f"{max(tp_size, ep_size)} ranks, the process group has {world}")
-    if tp_size not in (1, world):
-        raise ValueError(f"tp_size: {tp_size} must be 1 or the world size {world} (one model replica)")
-    if world % ep_size:
-        raise ValueError(f"ep_size: {ep_size} does not divide the world size {world}")
-
-
 def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,
                               device: torch.device | str = "cpu", init_method: str | None = None,
                               rank: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                               dp_attention: bool = False) -> ParallelState:
-    """Record the TP / EP layout (joining the process group first if needed) and return the new state."""
-    world = max(tp_size, ep_size) if isinstance(tp_size, int) and isinstance(ep_size, int) else 0
-    if world > 1:
-        init_distributed(world_size=world, rank=rank, device=device, init_method=init_method, timeout_s=timeout_s)
+    """Record the TP / EP / DP-attention layout (joining the process group first if needed); return the state.
+
+    dp_attention: every rank runs attention, dense MLPs, shared experts, embedding and lm_head on its own
+    batch; routed experts are split over all ranks (ep_size = world; tp_size 1 or the world size) and the MoE
+    layers exchange tokens by all-to-all (moe_a2a is implied)."""
+    lay = check_sizes(tp_size, ep_size, dp_attention, "tp_size", "ep_size")  # before any rendezvous
+    if lay.world > 1:
+        init_distributed(world_size=lay.world, rank=rank, device=device, init_method=init_method,
+                         timeout_s=timeout_s)
     real_world = dist.get_world_size() if dist.is_initialized() else 1
-    _check_sizes(tp_size, ep_size, real_world)
+    if real_world != lay.world:
+        raise ValueError(f"tp_size {tp_size} / ep_size {ep_size}: need world_size = max(tp, ep) = "
+                         f"{lay.world} ranks, the process group has {real_world}")
     if moe_a2a and ep_size != real_world:
         raise ValueError(f"moe_a2a: all-to-all dispatch/combine needs ep_size = world size ({real_world}), "
                          f"got ep_size {ep_size}")
@@ -176,23 +188,13 @@ def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool 
         return set_parallel_state(ParallelState(moe_a2a=False))
     rank = dist.get_rank()
     world_group = Group("world", real_world, rank, dist.group.WORLD)
-    tp_group = Group("tp", real_world, rank, dist.group.WORLD) if tp_size > 1 else Group("tp")
+    tp_group = Group("tp", real_world, rank, dist.group.WORLD) if lay.attn_tp > 1 else Group("tp")
     return set_parallel_state(ParallelState(
-        world_size=real_world, rank=rank, tp_size=tp_size, ep_size=ep_size, moe_a2a=moe_a2a,
-        backend=dist.get_backend(), world=world_group, tp_group=tp_group,
+        world_size=real_world, rank=rank, tp_size=lay.attn_tp, ep_size=ep_size, moe_a2a=moe_a2a or dp_attention,
+        dp_attention=bool(dp_attention), backend=dist.get_backend(), world=world_group, tp_group=tp_group,
         moe_group=Group("moe", real_world, rank, dist.group.WORLD)))
 
 
 def validate_for_model(cfg, state: ParallelState) -> None:
-    """Every split the layout implies must be exact; errors name the config field and the size."""
-    tp, ep, moe_tp = state.tp_size, state.ep_size, state.moe_tp_size
-    checks = [("num_attention_heads", cfg.num_attention_heads, tp, "tp_size"),
-              ("intermediate_size", cfg.intermediate_size, tp, "tp_size"),
-              ("vocab_size", cfg.vocab_size, tp, "tp_size"),
-              ("moe_intermediate_size * n_shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
-               "tp_size"),
-              ("n_routed_experts", cfg.n_routed_experts, ep, "ep_size"),
-              ("moe_intermediate_size", cfg.moe_intermediate_size, moe_tp, "world_size / ep_size")]
-    for field_name, value, parts, flag in checks:
-        if parts > 1 and value % parts:
-            raise ValueError(f"{field_name} = {value} is not divisible by {flag} = {parts}")
+    """Every split the layout implies must be exact; errors name the flag, the config field and the numbers."""
+    check_divisions(cfg, Layout(state.tp_size, state.ep_size, state.dp_attention))

@@ -1,11 +1,12 @@
 """CUDA-graph decode runner (startup chain: "warmup" then "capture CUDA graphs"; every decode step after).
 
-Owns: one graph per decode batch bucket up to `cuda_graph_max_bs`, the static input buffers the graphs read
-(input_ids, positions, req_index, seq_lens, page_table, out_cache_loc) and their pinned host twin, padding
-a batch up to its bucket, and the counters a replay cannot bump from Python (`graph_replays`, and the
-step's byte terms). A step's host batch is written into the twin with numpy and reaches the device in
-one copy captured inside the graph, so a replayed step makes one CUDA call: on the H200's host every
-call is tens of µs the GPU idles through before a synchronous step starts (bench/RESULTS.md).
+Owns: one graph per decode batch bucket up to `cuda_graph_max_bs`, the static input buffers the graphs
+read (input_ids, positions, req_index, seq_lens, page_table, out_cache_loc) and their pinned host twin,
+padding a batch up to its bucket, and the counters a replay cannot bump from Python (`graph_replays`, the
+collectives; the step's byte terms come from `model/step_counts.py`, as for an eager step). A step's host
+batch is written into the twin with numpy and reaches the device in one copy captured inside the graph,
+so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
+before a synchronous step starts (bench/RESULTS.md).
 
 Why the whole decode step fits in one graph (no piecewise split): the indexer's top-k runs on a static
 [bs, max_context] score buffer masked by each token's position, and slot translation reads the static
@@ -15,22 +16,22 @@ reserved sink page that no request owns.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dsaserve.engine.counters import COUNTERS, Counters
-from dsaserve.ledger.causal import keys_scored, topk_selected
+from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.model.step_counts import count_step
 
 
 def _graph_h2d_copy_works(device: torch.device) -> bool:
     """Whether a copy out of pinned host memory captures into a CUDA graph and, replayed, reads the host
     memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
-    if os.environ.get("DSASERVE_GRAPH_H2D", "1") == "0":
+    if not envs.DSASERVE_GRAPH_H2D:
         return False
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
     dst = torch.zeros(8, dtype=torch.int64, device=device)
@@ -64,8 +65,8 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
-    static_counts: dict[str, float]  # counters one eager run of this bucket bumped that do not depend on
-    # the batch's contents (weight bytes, collective calls/bytes); each replay adds them again
+    static_counts: dict[str, float]  # collective calls/bytes one eager run of this bucket made (they do not
+    # depend on the batch's contents); each replay adds them again
 
 
 class CudaGraphRunner:
@@ -131,7 +132,7 @@ class CudaGraphRunner:
             before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
             self.model(self._static_batch(bs), self.pool)  # warmup: the same shapes the graph will see
             static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items()
-                      if k == "weight_bytes_read" or k.startswith("collective_")}
+                      if k.startswith("collective_")}
             COUNTERS.restore(before)  # startup work is not traffic
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -214,17 +215,9 @@ class CudaGraphRunner:
         self.page_table[:bs, : batch.page_table.shape[1]].copy_(batch.page_table, non_blocking=True)
 
     def _count(self, batch: ForwardBatch, g: _Graph) -> None:
-        """What the eager forward would have counted: bytes from host metadata, weights from warmup."""
-        cfg, pool = self.model.cfg, self.pool
-        seq_lens, _ = batch.host_lens()
-        n_kv, n_full = cfg.num_hidden_layers, sum(cfg.is_full_indexer(i) for i in range(cfg.num_hidden_layers))
-        bs = len(seq_lens)
+        """What the eager forward counts: the step's bytes (`model/step_counts.py`, the same call), and the
+        collectives the warmup run of this bucket made (their Python does not run in a replay)."""
         COUNTERS.add("graph_replays")
-        COUNTERS.add("forward_steps")
         for k, v in g.static_counts.items():
             COUNTERS.add(k, v)
-        COUNTERS.add("kv_bytes_written", bs * pool.kv_bpt * n_kv)
-        COUNTERS.add("kv_bytes_read", sum(topk_selected(s - 1, 1, cfg.index_topk) for s in seq_lens)
-                     * pool.kv_bpt * n_kv)
-        COUNTERS.add("indexer_bytes_written", bs * pool.idx_bpt * n_full)
-        COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - 1, 1) for s in seq_lens) * pool.idx_bpt * n_full)
+        count_step(self.model.forward_shape(), self.pool, batch)

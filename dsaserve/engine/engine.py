@@ -24,13 +24,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
+from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
 from dsaserve.engine.kv_pool import KVPoolInfo
 from dsaserve.engine.rank_group import RankGroup
 from dsaserve.engine.request import TokenDelta
-from dsaserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

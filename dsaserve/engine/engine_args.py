@@ -26,6 +26,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS
+
 DTYPES = ("auto", "float32", "bfloat16")
 _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas")
 DEVICES = ("cpu", "cuda")
@@ -41,8 +43,7 @@ class EngineArgs:
                       "glm-5.3-tiny")
     dtype: str = _arg("compute dtype: auto = bfloat16 on cuda, float32 on cpu (the reference path)", "auto",
                       choices=DTYPES)
-    kv_layout: str = _arg("KV cache byte layout", "fp8_ds_mla",
-                          choices=("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"))
+    kv_layout: str = _arg("KV cache byte layout", DEFAULT_KV_LAYOUT, choices=ENGINE_KV_LAYOUTS)
     num_pages: int | None = _arg("KV pool size in pages of 64 tokens (default: from --kv-cache-bytes or "
                                  "the runner's default)")
     kv_cache_bytes: int | None = _arg("KV pool size in bytes (main KV + indexer K)")

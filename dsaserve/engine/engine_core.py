@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
 from dsaserve.engine.request import EngineRequest, TokenDelta
-from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
 from dsaserve.model.sampler import Sampler
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.engine.counters import COUNTERS
+from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.kv_layout import KVLayout
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 
@@ -59,7 +61,7 @@ def indexer_score_budget() -> int:
     return SCORE_BUDGET
 
 
-def profile_memory(model, cfg, layout: str, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
+def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
     """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
     torch.cuda.synchronize()
@@ -110,7 +112,7 @@ class CompileCache:
     present before startup and entries created during it (misses: kernels compiled by this start)."""
 
     def __init__(self, cache_dir: str | Path | None):
-        root = Path(cache_dir or os.environ.get("DSASERVE_CACHE_DIR") or "~/.cache/dsaserve").expanduser()
+        root = Path(cache_dir or envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
         self.dir = root / "triton"
         self.dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))

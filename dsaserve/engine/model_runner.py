@@ -18,15 +18,18 @@ from typing import Any
 
 import torch
 
+from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
-from dsaserve.engine.kv_pool import KV_LAYOUTS, PAGE_SIZE, KVPool, pool_pages_for_budget
+from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
@@ -84,7 +87,7 @@ class ModelRunner:
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
         with _Timer(self.startup_time, "kv_pool"):
-            self.kv_pool = self._allocate_pool(args.kv_layout, args.num_pages, kv_budget_bytes)
+            self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
         with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
@@ -105,9 +108,12 @@ class ModelRunner:
 
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
-                    **engine_args: Any) -> ModelRunner:
-        """`ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32", tensor_parallel_size=2)` (tests, bench)."""
-        return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method)
+                    graph_reserve_bytes: int = 1 << 30, **engine_args: Any) -> ModelRunner:
+        """`ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32", tensor_parallel_size=2)` (tests, bench):
+        EngineArgs by keyword, on the CPU unless `device` is given."""
+        engine_args.setdefault("device", "cpu")
+        return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method,
+                   graph_reserve_bytes=graph_reserve_bytes)
 
     def _profile_memory(self) -> int:
         """The KV budget the memory profile leaves; over ranks the smallest wins (every rank holds the same
@@ -115,7 +121,7 @@ class ModelRunner:
         a = self.args
         with _Timer(self.startup_time, "memory_profile"):
             # the largest step the scheduler may form: a full token budget, and every running row eager
-            self.profile = profile_memory(self.model, self.cfg, a.kv_layout, self.dtype, self.device,
+            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.cuda_graph_max_bs, a.max_running_requests),
                                           a.mem_fraction_static, self.graph_reserve_bytes)
@@ -147,7 +153,7 @@ class ModelRunner:
         model.finalize(self.dtype, self.device, keep_fp8)
         return model.eval(), report
 
-    def _allocate_pool(self, layout: str, num_pages: int | None, budget: int | None) -> KVPool:
+    def _allocate_pool(self, layout: KVLayout, num_pages: int | None, budget: int | None) -> KVPool:
         layers = self.model.kv_layer_ids
         if num_pages is None:
             if budget is None:
@@ -161,6 +167,9 @@ class ModelRunner:
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
+        if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
+            COUNTERS.add("eager_fallbacks.moe_a2a", 0)
+            return None
         if not getattr(get_ops(self.device), "graph_safe", False):
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
             return None
@@ -180,9 +189,15 @@ class ModelRunner:
             return None, None
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(self.checkpoint / "tokenizer.json"))
-        cfg_path = self.checkpoint / "tokenizer_config.json"
-        template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
+        path, cfg_path = self.checkpoint / "tokenizer.json", self.checkpoint / "tokenizer_config.json"
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
+        try:
+            template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
+        except (ValueError, AttributeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: not a valid tokenizer_config.json ({e})") from None
         return tok, template
 
     # ---- steps -----------------------------------------------------------------------------
@@ -200,6 +215,11 @@ class ModelRunner:
             batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
+
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
+        with zero tokens (`DsaForCausalLM.forward_idle`), so theirs never hang."""
+        self.model.forward_idle(mtp_layer)
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""
@@ -229,7 +249,8 @@ class ModelRunner:
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
                                "error": self.graph_error},
                 "warmed_prefill_chunks": self.warmed_prefill,
-                "compile_cache": self.compile_cache.report() if self.compile_cache else None}
+                "compile_cache": self.compile_cache.report() if self.compile_cache else None,
+                "env": envs.set_switches()}
 
 
 def _init_method(args: EngineArgs) -> str | None:

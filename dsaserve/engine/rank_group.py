@@ -31,9 +31,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest, TokenDelta
-from dsaserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,10 @@ One step (note 001, stage 3: "选请求、分配 token 预算与 KV 页、前缀
      chunks (mixed steps), and the oldest request always progresses: no deadlock, never a crash.
   2. if nothing was preempted: waiting requests, first come first served, while budget, rows and pages
      last. Admission matches the prompt against the prefix cache first; only the suffix is computed.
+An `n` > 1 request never waits for n free rows at once (that stalled the whole queue behind it): its
+leader is admitted when one row is free and reserves rows for as many followers as are free then; when
+its prompt is in KV the followers that have a row fork from it, and the rest join the front of the
+waiting queue as ordinary requests (their prompt's full pages come back from the prefix cache).
 Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request
 (SGLang's PrefillAdder); a single request can always fit alone because a request's length is capped at
 `max_seq_len = min(max_model_len, pool tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room
@@ -26,10 +30,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta
-from dsaserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,11 @@ class Scheduler:
         self.running: list[Req] = []  # sorted by priority (oldest first)
         self.groups: dict[str, list[Req]] = {}  # request_id -> its n samples
         self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
-        self.reserved_rows = 0  # rows promised to parked followers of running leaders
+        self.row_reservations: dict[Req, int] = {}  # running leader -> rows promised to its parked followers
         self._abort_deltas: list[TokenDelta] = []
         self._seq = itertools.count()
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0)
+                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -137,6 +141,10 @@ class Scheduler:
         if sampling.n > self.cfg.max_running_requests:
             raise ValueError(f"n: {sampling.n} samples exceed --max-running-requests "
                              f"{self.cfg.max_running_requests}")
+
+    @property
+    def reserved_rows(self) -> int:
+        return sum(self.row_reservations.values())
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -192,7 +200,8 @@ class Scheduler:
         ps, cfg = self.cfg.page_size, self.cfg
         while self.waiting and st.budget > 0:
             req = self.waiting[0]
-            if len(self.running) + self.reserved_rows + 1 + len(req.followers) > cfg.max_running_requests:
+            free_rows = cfg.max_running_requests - len(self.running) - self.reserved_rows
+            if free_rows < 1:
                 return
             hits = self.cache.match(req.tokens, req.page_hashes, (len(req.tokens) - 1) // ps)
             n = min(len(req.tokens) - len(hits) * ps, cfg.chunked_prefill_size, st.budget)
@@ -209,7 +218,8 @@ class Scheduler:
                 req.num_cached_tokens = len(hits) * ps
             self.counters["prefix_cache_hit_tokens"] += len(hits) * ps
             self._start_running(req)
-            self.reserved_rows += len(req.followers)
+            if req.followers:
+                self.row_reservations[req] = min(len(req.followers), free_rows - 1)
             st.sched[req] = n
             st.budget -= n
 
@@ -227,11 +237,27 @@ class Scheduler:
                 logit_reqs.append(req)
                 sample_reqs.append(req)
                 rows.append(row)
-                for f in req.followers:  # the leader's prompt is complete: its followers sample from it too
+                for f in self._followers_with_rows(req):  # the prompt is complete: they sample from it too
                     sample_reqs.append(f)
                     rows.append(row)
         self.counters["steps"] += 1
         return ScheduledBatch(reqs, num_new, logit_reqs, sample_reqs, rows, sum(num_new))
+
+    def _followers_with_rows(self, leader: Req) -> list[Req]:
+        """The leader's followers that fork this step: as many as rows are free now (its own reserved ones
+        and any freed since); the others wait for a row as new requests do, ahead of later arrivals."""
+        if not leader.followers:
+            return []
+        self.row_reservations.pop(leader, None)
+        fit = len(self.free_rows) - self.reserved_rows
+        keep, rest = leader.followers[:fit], leader.followers[fit:]
+        for f in reversed(rest):
+            f.status, f.leader = ReqStatus.WAITING, None
+            self.waiting.appendleft(f)
+        leader.followers = keep
+        if keep:
+            self.row_reservations[leader] = len(keep)
+        return keep
 
     # ---- after the forward -----------------------------------------------------------------
     def update(self, sched: ScheduledBatch, token_ids: list[int], logprobs: list[dict | None]) -> list[TokenDelta]:
@@ -284,7 +310,7 @@ class Scheduler:
             f.num_cached_tokens = leader.num_cached_tokens
             f.leader = None
             self._start_running(f)
-        self.reserved_rows -= len(leader.followers)
+        self.row_reservations.pop(leader, None)
         leader.followers = []
 
     # ---- leaving the running set -----------------------------------------------------------
@@ -296,7 +322,7 @@ class Scheduler:
         self.free_rows.append(req.row)
         req.row, req.pages_synced = -1, 0
         self.running.remove(req)
-        self.reserved_rows -= len(req.followers)  # parked followers wait for the next admission
+        self.row_reservations.pop(req, None)  # parked followers wait for the leader's next admission
 
     def _preempt(self, req: Req, st: _Step) -> None:
         if req in st.sched:
@@ -334,15 +360,21 @@ class Scheduler:
                 self.waiting.remove(req)
             elif req.status is ReqStatus.PARKED and req.leader is not None:
                 req.leader.followers.remove(req)
-                if req.leader.status is ReqStatus.RUNNING:
-                    self.reserved_rows -= 1
+                self._shrink_reservation(req.leader)
             req.followers = []
             req.status, req.finish_reason = ReqStatus.FINISHED, "abort"
             self._abort_deltas.append(req.delta(True))
         if all(r.status is ReqStatus.FINISHED for r in group):
             del self.groups[request_id]
-        self.counters["aborted"] += 1
+        self.counters["aborted" if index is None else "aborted_samples"] += 1  # whole request / one sample
         return True
+
+    def _shrink_reservation(self, leader: Req) -> None:
+        """A parked follower left: its leader never holds more reserved rows than it has followers."""
+        if leader in self.row_reservations:
+            self.row_reservations[leader] = min(self.row_reservations[leader], len(leader.followers))
+            if not self.row_reservations[leader]:
+                del self.row_reservations[leader]
 
     def take_abort_deltas(self) -> list[TokenDelta]:
         out, self._abort_deltas = self._abort_deltas, []
@@ -357,11 +389,12 @@ class Scheduler:
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            # used + cached + free == total; in_prefix_cache overlaps used (live requests share cached pages)
             "kv_pages_total": self.cfg.num_pages,
             "kv_pages_used": self.cfg.num_pages - free - evictable,
-            "kv_pages_cached": self.cache.num_cached,
-            "kv_pages_evictable": evictable,
+            "kv_pages_cached": evictable,
             "kv_pages_free": free,
+            "kv_pages_in_prefix_cache": self.cache.num_cached,
             "evicted_pages": self.cache.evicted_pages,
             **self.counters,
         }

@@ -7,7 +7,8 @@ implementation per op once, at startup, by device. Same signature on both sides.
 Conventions shared by all ops:
 - FP8 weights are float8_e4m3fn [N, K] with `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)]
   (DeepSeek/GLM block scaling): w[n, k] = q[n, k] * s[n // 128, k // 128].
-- KV rows are the byte layouts of `engine/kv_pool.py`; slot = page * page_size + offset; -1 = no slot.
+- KV rows are the byte layouts of `common/kv_layout.py` (a KVLayout, which also holds the codec);
+  slot = page * page_size + offset; -1 = no slot.
 - RoPE is HF's: interleaved pairs (GLM main + indexer, DeepSeek main) produce [evens' | odds'] halves;
   non-interleaved (DeepSeek indexer) is rotate-half.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_index_k, encode_latent
+from dsaserve.common.kv_layout import KVLayout, decode_index_k, decode_latent, encode_index_k, encode_latent
 
 FP8_BLOCK = 128
 
@@ -82,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a: torch.Tensor,
+def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, kv_a: torch.Tensor,
                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  kv_lora_rank: int) -> torch.Tensor:
     """Fused: RMSNorm(nope) + RoPE(rope, interleaved) + write to the paged cache.
@@ -97,12 +98,12 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a:
     return latent
 
 
-def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
+def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Indexer-key write: k [T, D] (k_norm + RoPE applied) encoded into the rows at `slots`."""
     index_cache.index_copy_(0, slots, encode_index_k(k, layout))
 
 
-def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
     """DSA lightning indexer: per query token, the top-k causal keys of its request, as physical slots.
@@ -133,7 +134,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     return out
 
 
-def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: str,
+def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Weight-absorbed sparse MLA over the paged latent cache.
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from types import SimpleNamespace
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.kernels import reference
 
 ENV_VAR = "DSASERVE_KERNELS"
@@ -66,7 +66,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         gemm = "triton block-scaled GEMM, FP8 activations"
     moe = "triton grouped GEMM (sort-free <= 256 pairs, else align; gate/up+SiLU, down) + combine, FP8 activations"
     linear, fused_moe = triton_fp8_gemm.fp8_linear, triton_moe.fused_moe
-    flag = os.environ.get(FP8_ACT_ENV, "1").strip()
+    flag = envs.DSASERVE_FP8_ACTIVATIONS
     if flag not in ("0", "1"):
         raise ValueError(f"{FP8_ACT_ENV}={flag!r}: expected 0 or 1")
     if flag == "0":
@@ -101,10 +101,10 @@ def get_ops(device: torch.device | str) -> SimpleNamespace:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    choice = envs.DSASERVE_KERNELS
     if choice not in CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(CHOICES)}")
-    key = (device.type, device.index, choice, os.environ.get(FP8_ACT_ENV, "1"))
+    key = (device.type, device.index, choice, envs.DSASERVE_FP8_ACTIVATIONS)
     if key not in _CACHE:
         usable, why = gpu_kernels_usable(device)
         if choice == "reference":

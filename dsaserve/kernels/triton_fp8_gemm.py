@@ -58,7 +58,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     kmask = offs_k < K
     x = tl.load(x_ptr + m * stride_xm + offs_k, mask=kmask & (m < M), other=0.0).to(tl.float32)
-    # same rule as kv_pool._quant_fp8: scale = max(amax, 1e-12) / 448, padding rows quantise to zeros
+    # same rule as kv_layout._quant_fp8: scale = max(amax, 1e-12) / 448, padding rows quantise to zeros
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX_C
     q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
     tl.store(q_ptr + m * stride_qm + offs_k, q, mask=kmask)
@@ -281,7 +281,7 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> dict:
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     kblocks = triton.cdiv(k, FP8_BLOCK)
     split = 1
-    if tiles < sms and kblocks > 16:
+    if 0 < tiles < sms and kblocks > 16:  # m = 0 (an EP rank's empty token chunk) has no tiles to split
         want = min(triton.cdiv(2 * sms, tiles), kblocks // 2)  # each part keeps >= 2 K blocks
         split = min((d for d in range(want, kblocks // 2 + 1) if kblocks % d == 0), default=even_split(kblocks, want))
     return {"fma": False, "a_fp8": True, "block_m": block_m, "block_n": block_n, "split": split, "num_warps": 4,
@@ -347,6 +347,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, k = x2.shape[0], weight.shape[0], weight.shape[1]
+    if m == 0:  # no tokens (an EP / DP-attention rank with nothing this step): no launch, no tile arithmetic
+        return x.new_empty(*lead, n)
     if exact_act:
         if m <= SKINNY_MAX_M:
             cfg = dict(skinny_config(m, n, k, _sm_count(x2)), a_fp8=False, block_n=64)

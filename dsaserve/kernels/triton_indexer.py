@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
-_LAYOUT = {"fp8_ds_mla": 0, "fp8_e4m3": 0, "bf16": 1, "fp32": 1}
 
 
 @triton.jit
@@ -298,9 +298,9 @@ def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k,
                      c_hi, CH)
 
 
-def _views(index_cache: torch.Tensor, layout: str, head_dim: int):
+def _views(index_cache: torch.Tensor, layout: KVLayout, head_dim: int):
     """(key values view, fp32 scale view, stride of each, scale column) for the cache layout."""
-    if _LAYOUT[layout] == 0:
+    if layout.plain_dtype is None:  # FP8 keys + one FP32 scale
         if index_cache.shape[1] != head_dim + 4:
             raise ValueError(f"indexer_topk: index_cache rows are {index_cache.shape[1]} B, expected {head_dim + 4}")
         f32 = index_cache.view(torch.float32)  # rows of 132 B = 33 floats; the scale is float 32
@@ -308,16 +308,17 @@ def _views(index_cache: torch.Tensor, layout: str, head_dim: int):
             i32 = index_cache.view(torch.int32)
             return i32, f32, i32.stride(0), f32.stride(0), head_dim // 4
         return index_cache, f32, index_cache.stride(0), f32.stride(0), head_dim // 4
-    typed = index_cache.view(torch.bfloat16 if layout == "bf16" else torch.float32)
+    typed = index_cache.view(getattr(torch, layout.plain_dtype))
     return typed, typed, typed.stride(0), typed.stride(0), 0
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
                  block_kv: int = 128, skip_below: int = 0) -> torch.Tensor:
     """[T, max_seq] fp32 causal index scores (-inf where not visible). Rows whose position is below
     skip_below are left unwritten (the decode selection takes all their keys without reading scores)."""
     t, n_heads, head_dim = q.shape
+    layout = get_kv_layout(layout, "index_scores: layout")
     max_seq = page_table.shape[1] * page_size
     kq, ks, stride_k, stride_ks, ks_off = _views(index_cache, layout, head_dim)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -329,7 +330,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
                               n_heads, head_dim, page_size, page_table.shape[1], skip_below,
                               q.stride(0), q.stride(1), head_weights.stride(0), stride_k, stride_ks, ks_off,
                               page_table.stride(0), out.stride(0),
-                              FP8=_LAYOUT[layout] == 0, WORDS=kq.dtype == torch.int32,
+                              FP8=layout.plain_dtype is None, WORDS=kq.dtype == torch.int32,
                               BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
                               BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv,
                               num_warps=4, num_stages=2, **pdl_args(q.device))
@@ -347,13 +348,12 @@ def _select_config(max_seq: int, rows: int) -> dict:
     return {"BLOCK": 4096, "ROW_IN_REGS": False, "num_warps": 16 if rows <= 2 else 8}
 
 
-def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: str,
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int] | None = None,
                  extend_lens: list[int] | None = None) -> torch.Tensor:
     """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (seq/extend lens unused)."""
-    if layout not in _LAYOUT:
-        raise ValueError(f"indexer_topk: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    layout = get_kv_layout(layout, "indexer_topk: layout")
     t = q.shape[0]
     max_seq = page_table.shape[1] * page_size
     k = min(topk, max_seq)

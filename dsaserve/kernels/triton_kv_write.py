@@ -3,8 +3,8 @@
 Owns: the GPU variants of `reference.mla_kv_write` (RMSNorm of the nope part, interleaved RoPE of the rope
 part, the latent returned, and the row encoded into the paged cache at its slot: one Triton program per
 token, one launch, nothing round-trips through memory) and of the indexer-key write (FP8 e4m3 + one FP32
-scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows
-`engine/kv_pool.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
+scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows the codec of
+`common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
 Slots < 0 are skipped, so padded rows of a captured decode batch write nothing.
 """
 
@@ -14,10 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.engine.kv_pool import FP8_MAX, QUANT_GROUP
+from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP8_MAX, FP32, QUANT_GROUP, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
-_LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 2, "fp8_e4m3": 3}
+_LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 2, FP8_E4M3: 3}  # the kernels' LAYOUT constexpr
+_INDEX_LAYOUT = {FP8_DS_MLA: 0, FP8_E4M3: 0, BF16: 1, FP32: 2}  # indexer keys: FP8 + scale, bf16, fp32
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside @triton.jit
 
 
@@ -82,15 +83,14 @@ def _views(cache: torch.Tensor):
     return cache, cache.view(torch.float32), cache.view(torch.bfloat16)
 
 
-def mla_kv_write(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, kv_a: torch.Tensor,
+def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, kv_a: torch.Tensor,
                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  kv_lora_rank: int) -> torch.Tensor:
     """GPU `reference.mla_kv_write` -> latent [T, kv_lora_rank + rope] (before quantisation)."""
-    if layout not in _LAYOUT:
-        raise ValueError(f"mla_kv_write: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    layout = get_kv_layout(layout, "mla_kv_write: layout")
     t, width = kv_a.shape
     dc, dr = kv_lora_rank, width - kv_lora_rank
-    if layout == "fp8_ds_mla" and dc % QUANT_GROUP:
+    if layout == FP8_DS_MLA and dc % QUANT_GROUP:
         raise ValueError(f"mla_kv_write: fp8_ds_mla needs kv_lora_rank % {QUANT_GROUP} == 0, got {dc}")
     lat_dtype = torch.promote_types(norm_weight.dtype, kv_a.dtype)
     latent = torch.empty(t, width, dtype=lat_dtype, device=kv_a.device)
@@ -120,7 +120,7 @@ def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
     x = tl.load(k_ptr + t * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
-    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (kv_pool.encode_index_k)
+    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (KVLayout.encode_index_k)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
         q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
         tl.store(c8_ptr + slot * stride_c8 + offs, q.to(tl.uint8, bitcast=True), mask=mask)
@@ -131,11 +131,9 @@ def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k
         tl.store(c32_ptr + slot * stride_c32 + offs, x, mask=mask)
 
 
-def indexer_k_write(index_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor) -> None:
+def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) into the cache rows at `slots`."""
-    code = {"fp8_ds_mla": 0, "fp8_e4m3": 0, "bf16": 1, "fp32": 2}.get(layout)
-    if code is None:
-        raise ValueError(f"indexer_k_write: layout {layout!r} not one of fp8_ds_mla, fp8_e4m3, bf16, fp32")
+    code = _INDEX_LAYOUT[get_kv_layout(layout, "indexer_k_write: layout")]
     t, d = k.shape
     if t == 0:
         return

@@ -18,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP32, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
-_LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 1, "fp8_e4m3": 2}
+_LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 1, FP8_E4M3: 2}  # the kernel's LAYOUT constexpr
 LOG2E = 1.4426950408889634
 
 
@@ -193,18 +194,18 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, s
     tl.store(out_ptr + t * stride_xt + h * stride_xh + offs_c, res.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def _cache_views(kv_cache: torch.Tensor, layout: str, dc: int, dr: int):
+def _cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int):
     """(nope view, scale view, rope view, stride of each, scale/rope column offsets) for one layout."""
-    if layout == "fp8_ds_mla":
+    if layout == FP8_DS_MLA:
         if dc % 128 or kv_cache.shape[1] != dc + 4 * (dc // 128) + 2 * dr:
             raise ValueError(f"sparse_mla_attention: fp8_ds_mla rows are {kv_cache.shape[1]} B, "
                              f"expected {dc + 4 * (dc // 128) + 2 * dr} for kv_lora_rank {dc}, rope {dr}")
         f32, b16 = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
         rope_col = (dc + 4 * (dc // 128)) // 2  # in bf16 units, after nope bytes and the scales
         return kv_cache, f32, b16, kv_cache.stride(0), f32.stride(0), dc // 4, b16.stride(0), rope_col
-    if layout == "fp8_e4m3":
+    if layout == FP8_E4M3:
         return kv_cache, kv_cache, kv_cache, kv_cache.stride(0), 0, 0, 0, 0
-    typed = kv_cache.view(torch.bfloat16 if layout == "bf16" else torch.float32)
+    typed = kv_cache.view(getattr(torch, layout.plain_dtype))
     return typed, typed, typed, typed.stride(0), 0, 0, 0, 0
 
 
@@ -216,7 +217,7 @@ def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -
     return max(1, min(triton.cdiv(2 * sms, progs), n_keys // (2 * block_k)))
 
 
-def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: str,
+def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
                          config: dict | None = None) -> torch.Tensor:
     """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype.
@@ -224,8 +225,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
     (fp8_ds_mla at kv_lora 512: scales outside the dots, `_sparse_mla_ds4_kernel`; False: dequantise first).
     """
-    if layout not in _LAYOUT:
-        raise ValueError(f"sparse_mla_attention: layout {layout!r} not one of {', '.join(_LAYOUT)}")
+    layout = get_kv_layout(layout, "sparse_mla_attention: layout")
     t, h, dc = q_nope.shape
     dr = q_rope.shape[-1]
     if dc != kv_lora_rank:
@@ -237,7 +237,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
     # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
     # latency-bound and a little faster on the generic kernel at 16 heads
-    ds4 = layout == "fp8_ds_mla" and dc == 512 and t > 2
+    ds4 = layout == FP8_DS_MLA and dc == 512 and t > 2
     cfg = {"block_h": 64 if ds4 else 16, "block_k": 32, "num_warps": 8 if ds4 else 4, "num_stages": 2,
            "splits": None, "grouped": ds4}
     cfg.update(config or {})
@@ -260,7 +260,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     common = {"SPLIT": splits > 1, "BLOCK_H": bh, "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk,
               "NG": max(1, block_c // 128), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     grid = (t, head_blocks, splits)
-    if cfg["grouped"] and layout == "fp8_ds_mla" and dc == 512:
+    if cfg["grouped"] and layout == FP8_DS_MLA and dc == 512:
         common.pop("NG")
         _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
                                      softmax_scale * LOG2E, dr, *strides, **common, **pdl_args(q_nope.device))

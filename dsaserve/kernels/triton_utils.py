@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from dsaserve.common import envs
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if INTERPRET:  # the interpreter has no inline asm; it needs no such fence
@@ -51,8 +53,8 @@ def grid_dependency_sync(PDL: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=16)
-def _pdl_supported(device_index: int, setting: str) -> bool:
-    return setting != "0" and not INTERPRET and torch.cuda.get_device_capability(device_index)[0] >= 9
+def _pdl_supported(device_index: int, enabled: bool) -> bool:
+    return enabled and not INTERPRET and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def pdl_args(device: torch.device) -> dict:
@@ -60,5 +62,5 @@ def pdl_args(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"PDL": False}
     on = _pdl_supported(device.index if device.index is not None else torch.cuda.current_device(),
-                        os.environ.get("DSASERVE_PDL", "1"))
+                        envs.DSASERVE_PDL)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -2,11 +2,11 @@
 Workload, Assumptions) — predict every byte, FLOP and collective of a step, plan KV capacity, and reconcile
 against the engine's counters (DESIGN.md "The ledger"; docs/LEDGER.md for keys and conventions).
 
-Owns: the planning tool behind `dsaserve ledger`; no stage of the request path. Never imports torch (the
-reconcile driver imports the engine inside a function). Layout: units / hardware / deployment (inputs),
-weights / kv / collectives / timeline / marginal / prefill / first_request (computations), notes_* (the
+Owns: the planning tool behind `dsaserve ledger`; no stage of the request path. Never imports torch nor the engine (the
+engine run `--reconcile` needs is cli/reconcile_driver.py). Layout: units / hardware / deployment (inputs),
+weights / kv / collective_plan / timeline / marginal / prefill / first_request (computations), notes_* (the
 notes' figures), sections_* + build + report (dataclasses -> sections), render/ (text, markdown, JSON,
-plots), reconcile + reconcile_driver (measured vs predicted).
+plots), reconcile (measured vs predicted; the engine run that feeds it is cli/reconcile_driver.py).
 """
 
 from __future__ import annotations

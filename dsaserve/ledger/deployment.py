@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.units import K_TOKENS, M_TOKENS
 
@@ -60,12 +61,9 @@ class Deployment:
         return asdict(self) | {"topology": self.topology}
 
 
-KV_LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "nvfp4_ds_mla", "bf16", "fp32")
-
-
 @dataclass(frozen=True)
 class Workload:
-    kv_layout: str = "fp8_ds_mla"
+    kv_layout: str = DEFAULT_KV_LAYOUT  # a name of common/kv_layout.py's KV_LAYOUTS (planning layouts too)
     context: int = M_TOKENS  # the long request: KV capacity, PD transfer, chunked prefill
     batch: int = 32  # decode requests per step, whole deployment (worked step)
     decode_context: int = 128 * K_TOKENS  # context of each request in the worked decode step
@@ -74,8 +72,7 @@ class Workload:
     prompt: int = 20_000
 
     def __post_init__(self) -> None:
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"--kv-layout: {self.kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
+        get_kv_layout(self.kv_layout, "--kv-layout", engine=False)
         for name in ("context", "batch", "decode_context", "chunk", "prompt"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -108,6 +105,10 @@ class Assumptions:
                                 "1 = replicated, the notes' '18 GB replicated part')")
     dp_gather: str = _a("once", "DP-attention: hidden all-gather once per step (note's table) or per layer "
                         "(note's worked example, 156 calls)", ("once", "per_layer"))
+    dp_moe: str = _a("gather", "DP-attention MLP side: 'gather' = the notes' table (hidden all-gather, per-layer "
+                     "reduce-scatter, dense MLPs / shared experts / lm_head TP-split); 'a2a' = dsaserve's engine "
+                     "(all but the routed experts replicated; per MoE layer a count all-to-all, dispatch, combine)",
+                     ("gather", "a2a"))
     dp_embed_allreduce: bool = _a(False, "DP-attention: embedding still vocab-parallel (one more all-reduce, the "
                                   "note's '1+1+78+3')")
     a2a_count: str = _a("rank", "MoE dispatch / combine bytes: 'rank' = one rank's own tokens (ceil(b/dp) under "

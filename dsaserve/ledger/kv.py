@@ -1,60 +1,42 @@
 """KV bytes per token (main MLA latent + indexer K) and KV-pool capacity per GPU and per deployment.
 
-Owns: the byte layouts of DESIGN.md "KV cache" re-derived without torch (a test pins them equal to
-`engine/kv_pool.py`), the pool-size arithmetic of note 000 (mem_fraction_static x HBM - weights, divided
-by bytes per token on this GPU) and how many requests of a given context fit. Startup-chain step it
-predicts: "allocate the KV pool once, at its final size". Pure Python.
+Owns: the ledger's view of the byte layouts (by name, from `common/kv_layout.py`'s registry, the objects the
+pool allocates with, so the two cannot disagree), the pool-size arithmetic of note 000 (mem_fraction_static
+x HBM - weights, divided by bytes per token on this GPU) and how many requests of a given context fit.
+Startup-chain step it predicts: "allocate the KV pool once, at its final size". Pure Python.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.units import ceil_div
 
-QUANT_GROUP = 128  # fp8_ds_mla: one FP32 scale per 128 nope values (FlashMLA layout)
-NVFP4_GROUP = 16  # NVFP4: one FP8 e4m3 scale per 16 FP4 values
+
+def _layout(layout: str | KVLayout) -> KVLayout:
+    return get_kv_layout(layout, "--kv-layout", engine=False)
 
 
-def layout_parts(cfg: ModelConfig, layout: str, nvfp4_rope: str = "fp8") -> list[tuple[str, int]]:
+def layout_parts(cfg: ModelConfig, layout: str | KVLayout, nvfp4_rope: str = "fp8") -> list[tuple[str, int]]:
     """(component, bytes) of one token's main-KV row in one layer."""
-    nope, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    if layout == "fp8_ds_mla":  # 512 FP8 + 4 FP32 scales + 64 BF16 rope = 656 for GLM-5.3
-        return [(f"{nope} FP8 nope", nope), (f"{math.ceil(nope / QUANT_GROUP)} FP32 scales",
-                                             4 * math.ceil(nope / QUANT_GROUP)), (f"{rope} BF16 rope", 2 * rope)]
-    if layout == "fp8_e4m3":  # 576 FP8, one per-tensor scale outside the row
-        return [(f"{nope + rope} FP8 latent", nope + rope)]
-    if layout == "nvfp4_ds_mla":  # 256 B of FP4 + 32 FP8 scales + 64 FP8 rope = 352 (the notes' figure)
-        rope_part = (f"{rope} FP8 rope", rope) if nvfp4_rope == "fp8" else (f"{rope} BF16 rope", 2 * rope)
-        return [(f"{nope} FP4 nope", ceil_div(nope, 2)),
-                (f"{math.ceil(nope / NVFP4_GROUP)} FP8 scales", math.ceil(nope / NVFP4_GROUP)), rope_part]
-    if layout == "bf16":
-        return [(f"{nope + rope} BF16 latent", 2 * (nope + rope))]
-    if layout == "fp32":
-        return [(f"{nope + rope} FP32 latent", 4 * (nope + rope))]
-    raise ValueError(f"--kv-layout: {layout!r} unknown")
+    return _layout(layout).kv_parts(cfg, nvfp4_rope)
 
 
-def kv_bytes_per_token_layer(cfg: ModelConfig, layout: str, nvfp4_rope: str = "fp8") -> int:
-    return sum(b for _, b in layout_parts(cfg, layout, nvfp4_rope))
+def kv_bytes_per_token_layer(cfg: ModelConfig, layout: str | KVLayout, nvfp4_rope: str = "fp8") -> int:
+    return _layout(layout).kv_bytes_per_token(cfg, nvfp4_rope)
 
 
-def indexer_parts(cfg: ModelConfig, layout: str) -> list[tuple[str, int]]:
+def indexer_parts(cfg: ModelConfig, layout: str | KVLayout) -> list[tuple[str, int]]:
     """Indexer K per token per full layer: FP8 key + one FP32 scale (132 B), except the debug layouts."""
-    d = cfg.index_head_dim
-    if layout == "bf16":
-        return [(f"{d} BF16 key", 2 * d)]
-    if layout == "fp32":
-        return [(f"{d} FP32 key", 4 * d)]
-    return [(f"{d} FP8 key", d), ("1 FP32 scale", 4)]
+    return _layout(layout).indexer_parts(cfg)
 
 
-def indexer_bytes_per_token_layer(cfg: ModelConfig, layout: str) -> int:
-    return sum(b for _, b in indexer_parts(cfg, layout))
+def indexer_bytes_per_token_layer(cfg: ModelConfig, layout: str | KVLayout) -> int:
+    return _layout(layout).indexer_bytes_per_token(cfg)
 
 
 @dataclass(frozen=True)

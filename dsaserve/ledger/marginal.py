@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsaserve.config import ModelConfig
-from dsaserve.ledger.collectives import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
+from dsaserve.ledger.collective_plan import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu

@@ -3,10 +3,11 @@
 Owns: the `Figure` record (note, place, quantity, the note's text and value, the ledger's value under the
 note's own stated inputs, the agreement band, and the reason when they differ), the inputs the notes
 state (H200 at 141 GB / 4.8 TB/s, NVLink "ring effective" 787 GB/s, IB 25 GB/s, 0.85 static share,
-TP8 layer-split KV, every expert touched, dispatch / combine over all b tokens), and `note_figures()` which
-evaluates both catalogues (`notes_000.py`, `notes_001.py`, `notes_001_worked.py`). The ledger's own
-defaults differ in places; a figure then also carries `default` (the ledger's value under its defaults)
-and why. Where the note contradicts its own numbers a figure carries `note_own` and differs. Pure Python.
+TP8 layer-split KV, every expert touched, dispatch / combine over all b tokens) that the catalogues
+(`notes_000.py`, `notes_001.py`, `notes_001_worked.py`) import; `note_catalogue.py` evaluates them. The
+ledger's own defaults differ in places; a figure then also carries `default` (the ledger's value under its
+defaults) and why. Where the note contradicts its own numbers a figure carries `note_own` and differs.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -123,14 +124,3 @@ class NoteContext:
     def h200(self) -> Hardware:
         return PRESETS["h200"]
 
-
-def note_figures(ctx: NoteContext | None = None) -> list[Figure]:
-    from dsaserve.ledger import notes_000, notes_001
-
-    ctx = ctx or NoteContext()
-    figs = notes_001.figures(ctx) + notes_000.figures(ctx)
-    ids = [f.id for f in figs]
-    dupes = {i for i in ids if ids.count(i) > 1}
-    if dupes:
-        raise AssertionError(f"duplicate figure ids: {sorted(dupes)}")
-    return figs

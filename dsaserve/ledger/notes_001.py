@@ -15,7 +15,7 @@ from functools import partial
 
 from dsaserve.config import ModelConfig
 from dsaserve.ledger import notes_001_worked
-from dsaserve.ledger.collectives import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.ledger.collective_plan import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Workload
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.kv import block_table_bytes, kv_bytes_per_token_layer, kv_capacity, prefix_hit

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from dsaserve.ledger.collectives import CollectiveRow, a2a_tokens, row_time, step_plan
+from dsaserve.ledger.collective_plan import CollectiveRow, a2a_tokens, row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.marginal import DecodeStep, decode_step

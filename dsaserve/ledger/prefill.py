@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsaserve.common.causal import keys_scored, topk_selected
 from dsaserve.config import ModelConfig
-from dsaserve.ledger.causal import keys_scored, topk_selected
-from dsaserve.ledger.collectives import row_time, step_plan
+from dsaserve.ledger.collective_plan import row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu

@@ -2,12 +2,12 @@
 
 Owns: (a) `predict_run` — a pure model of one offline run (prompts, max_tokens, scheduler limits, KV
 layout, TP) replaying the scheduler's step policy (engine/scheduler.py: decodes first, then prompts in
-chunks under the token budget) and summing, per forward, the terms engine/counters.py counts; (b)
+chunks under the token budget) and summing, per forward, the terms common/counters.py counts; (b)
 `reconcile` — predicted vs measured rows (ratio, tolerance, ok); (c) `load_run` — a saved run file
 ({"config", "deployment", "workload", "counters", "kv_pool"}) with errors naming the field. Counts
 (forwards, collective calls, pool pages and tokens) must match exactly; bytes match exactly where the
 prediction is deterministic and within stated bounds where routing decides (routed experts). Pure Python:
-the engine driver lives in reconcile_driver.py.
+the engine driver lives in cli/reconcile_driver.py.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsaserve.common.causal import keys_scored, topk_selected
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
-from dsaserve.ledger.collectives import step_plan
-from dsaserve.ledger.deployment import KV_LAYOUTS, Assumptions, Deployment
+from dsaserve.ledger.collective_plan import step_plan
+from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.kv import indexer_bytes_per_token_layer, kv_bytes_per_token_layer
-from dsaserve.ledger.prefill import keys_scored, topk_selected
 from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of
 from dsaserve.weights.spec import checkpoint_specs
 
@@ -36,7 +37,7 @@ class RunShape:
 
     prompt_lens: tuple[int, ...]
     max_tokens: int
-    kv_layout: str = "fp8_ds_mla"
+    kv_layout: str = DEFAULT_KV_LAYOUT
     dtype: str = "float32"
     tp: int = 1
     ep: int = 1
@@ -52,8 +53,7 @@ class RunShape:
             raise ValueError(f"workload.prompt_lens: need positive integers, got {self.prompt_lens!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"workload.max_tokens: need a positive integer, got {self.max_tokens!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"workload.kv_layout: {self.kv_layout!r} not one of {', '.join(KV_LAYOUTS)}")
+        get_kv_layout(self.kv_layout, "workload.kv_layout", engine=False)
         if self.dtype not in ACT_BYTES:
             raise ValueError(f"workload.dtype: {self.dtype!r} not one of {', '.join(ACT_BYTES)}")
 
@@ -137,7 +137,7 @@ def fixed_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> tuple
 
 
 def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None = None) -> dict[str, Predicted]:
-    """Every counter of engine/counters.py this run bumps, predicted from the config and the shape.
+    """Every counter of common/counters.py this run bumps, predicted from the config and the shape.
 
     `experts_touched` (the engine's `moe_experts_touched` counter, if it keeps one: distinct routed experts
     summed over MoE layers and forwards) makes the weight-byte prediction exact instead of a routing range."""

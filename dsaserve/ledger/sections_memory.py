@@ -7,7 +7,7 @@ steps they describe: load weights, memory profile, allocate the KV pool. Pure Py
 
 from __future__ import annotations
 
-from dsaserve.ledger.deployment import KV_LAYOUTS
+from dsaserve.common.kv_layout import KV_LAYOUTS
 from dsaserve.ledger.inputs import LedgerInputs
 from dsaserve.ledger.kv import (
     block_table_bytes,

@@ -1,12 +1,13 @@
 """Report section "notes_check": every figure of the two design notes next to the ledger's value.
 
-Owns: turning notes.note_figures() into a `Section` (the note's text, the ledger's value in the same
+Owns: turning note_catalogue.note_figures() into a `Section` (the note's text, the ledger's value in the same
 unit, agrees/differs, and the reason). Pure Python.
 """
 
 from __future__ import annotations
 
-from dsaserve.ledger.notes import UNITS, Figure, note_figures
+from dsaserve.ledger.note_catalogue import note_figures
+from dsaserve.ledger.notes import UNITS, Figure
 from dsaserve.ledger.report import Column, Section
 
 

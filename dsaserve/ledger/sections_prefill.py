@@ -1,14 +1,14 @@
 """Report sections about a long request: the chunked prefill (per chunk and totals), the PD handoff,
 and the first request after deployment (steady time + cold paths).
 
-Owns: turning prefill.py / collectives.py / first_request.py results into `Section`s. Request-path
+Owns: turning prefill.py / collective_plan.py / first_request.py results into `Section`s. Request-path
 stages: 3 + 6 (chunked prefill), PD handoff between instances; startup chain: warmup / graph capture
 coverage (first request). Pure Python.
 """
 
 from __future__ import annotations
 
-from dsaserve.ledger.collectives import pd_transfer_bytes, transfer_time
+from dsaserve.ledger.collective_plan import pd_transfer_bytes, transfer_time
 from dsaserve.ledger.first_request import first_request as first_request_model
 from dsaserve.ledger.inputs import LedgerInputs
 from dsaserve.ledger.prefill import Prefill

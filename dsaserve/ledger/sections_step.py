@@ -2,7 +2,7 @@
 table (pure TP, DP-attention + EP, PD), bytes -> time at b=1 and b=256, the worked step, and the
 marginal cost per token against batch and context with the switch points.
 
-Owns: turning timeline.py / collectives.py / marginal.py results into `Section`s. Request-path stages
+Owns: turning timeline.py / collective_plan.py / marginal.py results into `Section`s. Request-path stages
 described: 1-10 (timeline), 5-8 (collectives, step). Pure Python.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dsaserve.ledger.collectives import (
+from dsaserve.ledger.collective_plan import (
     CollectiveRow,
     a2a_tokens,
     hidden_reduction_rows,

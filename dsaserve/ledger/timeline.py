@@ -45,7 +45,7 @@ STAGES: tuple[Stage, ...] = (
           "model/sampler.py; grammar mask not built yet (server/openai_serving.py refuses JSON response_format)",
           ""),
     Stage(10, "output", "incremental detokenize, stop strings, streaming, free/cache KV", "CPU",
-          "server/detokenizer.py, engine/detokenizer.py, engine/scheduler.py", ""),
+          "server/detokenizer_process.py, engine/incremental_detokenizer.py, engine/scheduler.py", ""),
 )
 
 

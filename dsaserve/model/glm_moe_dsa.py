@@ -8,27 +8,26 @@ the loader's name table is the identity except for the stacked experts.
 
 from __future__ import annotations
 
-import os
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
-from dsaserve.model.layers.context import StepContext
+from dsaserve.model.layers.context import PagedKV, StepContext
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import MLAAttention
 from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
+from dsaserve.model.step_counts import ForwardShape, count_step, forward_shape
 from dsaserve.weights.spec import is_not_converted
-
-OVERLAP_ENV = "DSASERVE_OVERLAP_INDEXER"
 
 
 class DecoderLayer(nn.Module):
@@ -97,6 +96,7 @@ class DsaForCausalLM(nn.Module):
         self.rotary: RotaryTables | None = None
         self.dtype = torch.float32
         self._side_stream: torch.cuda.Stream | None = None
+        self._shapes: dict[int, ForwardShape] = {}  # per forward kind (-1 main, k MTP layer k): step counters
 
     @property
     def kv_layer_ids(self) -> list[int]:
@@ -120,8 +120,17 @@ class DsaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:  # finalize made new Parameters: tie them again
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(self.cfg, device)
+        self._shapes.clear()  # merged projections: the modules changed (their bytes did not)
 
-    def _context(self, batch: ForwardBatch, pool: KVPool) -> StepContext:
+    def forward_shape(self, mtp: int = -1) -> ForwardShape:
+        """What the main forward (mtp -1) or MTP layer `mtp`'s forward reads whatever the batch (cached)."""
+        if mtp not in self._shapes:
+            n = self.cfg.num_hidden_layers
+            layers = self.model.layers[:n] if mtp < 0 else [self.model.layers[n + mtp]]
+            self._shapes[mtp] = forward_shape(layers, self.lm_head, main=mtp < 0)
+        return self._shapes[mtp]
+
+    def _context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
         cos, sin = self.rotary(batch.positions, self.dtype)
         ops = get_ops(batch.input_ids.device)
         return StepContext(batch, pool, cos, sin, ops, side_stream=self._indexer_stream(batch, ops))
@@ -130,7 +139,7 @@ class DsaForCausalLM(nn.Module):
         """The side stream full layers run their indexer selection on (`MLAAttention._start_indexer`): GPU
         kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
         DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
-        if not ops.graph_safe or os.environ.get(OVERLAP_ENV, "1").strip() == "0":
+        if not ops.graph_safe or not envs.DSASERVE_OVERLAP_INDEXER:
             return None
         from dsaserve.kernels.triton_indexer import SELECT_MAX_ROWS  # Triton is importable: graph_safe
 
@@ -142,9 +151,8 @@ class DsaForCausalLM(nn.Module):
         return self._side_stream
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward_hidden(self, batch: ForwardBatch, pool: PagedKV) -> torch.Tensor:
         """Main stack; returns final-normed hidden states [T, H] for every token of the batch."""
-        COUNTERS.add("forward_steps")
         ctx = self._context(batch, pool)
         h, residual = self.model.embed_tokens(batch.input_ids), None
         for layer in self.model.layers[: self.cfg.num_hidden_layers]:
@@ -152,17 +160,39 @@ class DsaForCausalLM(nn.Module):
         return self.model.norm.add_forward(h, residual)[0]
 
     @torch.inference_mode()
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: this rank has no tokens while the others run `forward` (or, with mtp_layer=k,
+        `forward_mtp(k=k)`): make exactly the collectives of that forward with zero tokens — per MoE layer
+        the count exchange, dispatch and combine (nothing else in a DP-attention forward communicates) —
+        and run this rank's experts on what others send. One rank: nothing to do."""
+        if self.parallel.world_size > 1 and not self.parallel.dp_attention:
+            raise RuntimeError("forward_idle: only DP-attention ranks run their own batches; TP/EP ranks must "
+                               "all run the same forward")
+        if mtp_layer is not None and not self.with_mtp:
+            raise RuntimeError("forward_idle: this model was built without its MTP layer")
+        COUNTERS.add("idle_steps")
+        main = self.cfg.num_hidden_layers
+        layers = self.model.layers[:main] if mtp_layer is None else [self.model.layers[main + mtp_layer]]
+        device = self.model.embed_tokens.weight.device
+        ctx = SimpleNamespace(ops=get_ops(device))  # the experts only need the kernels
+        for layer in layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.forward_idle(self.dtype, device, ctx)
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: ForwardBatch, pool: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [L, V] fp32 for batch.logits_indices, pre-norm-free final hidden [T, H])."""
         hidden = self.forward_hidden(batch, pool)
-        return self.compute_logits(hidden[batch.logits_indices]), hidden
+        logits = self.compute_logits(hidden[batch.logits_indices])
+        count_step(self.forward_shape(), pool, batch)
+        return logits, hidden
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, pool: KVPool, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, pool: PagedKV, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP layer k: batch.input_ids are the *next* tokens, prev_hidden the main model's final hidden
         states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V]."""
         if not self.with_mtp:
@@ -170,4 +200,6 @@ class DsaForCausalLM(nn.Module):
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         ctx = self._context(batch, pool)
         h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
-        return self.compute_logits(h[batch.logits_indices])
+        logits = self.compute_logits(h[batch.logits_indices])
+        count_step(self.forward_shape(k), pool, batch)
+        return logits

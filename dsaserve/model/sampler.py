@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 
 
 class SampleSource(Protocol):

@@ -22,6 +22,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from dsaserve.config import read_json_object
+from dsaserve.errors import CheckpointError
+
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -83,10 +86,13 @@ class HFTokenizer:
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer: {path} is missing (the checkpoint needs a tokenizer.json)")
-        self.tokenizer = Tokenizer.from_file(str(path))
+            raise CheckpointError(f"tokenizer: {path} is missing (the checkpoint needs a tokenizer.json)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for unparsable files
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
         cfg_path = d / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
         self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(self.config.get(k)))}
         template = self.config.get("chat_template")
         if isinstance(template, list):  # transformers also allows [{"name": "default", "template": ...}]
@@ -119,6 +125,12 @@ class HFTokenizer:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of B bytes has at least B / this many tokens (the door's
+        bound on prompt text before tokenizing it)."""
+        return max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
 
     # ---- chat template ------------------------------------------------------------------------
     @cached_property

@@ -1,6 +1,8 @@
 """IPC between the server's processes: ZMQ sockets, msgpack messages, never pickle (request path stage 2).
 
-Owns: the message vocabulary and its encoding, and the three socket addresses of one server.
+Owns: the message vocabulary and its encoding, the three socket addresses of one server, and their private
+directory: `make_ipc_dir()` writes the owner's pid into it and first removes the directories of servers
+whose main process died without cleaning up (`kill -9`, OOM killer).
 Topology (SGLang's, note 000): every process binds one PULL socket and PUSHes to the others.
 
     main (HTTP + TokenizerManager)  --generate/abort/stats-->        scheduler  (sched_in)
@@ -17,8 +19,13 @@ request's `register` to the detokenizer before any of its token deltas.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import socket
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,9 @@ GRAMMAR_RESULT = "grammar_result"  # scheduler -> main: qid, error (None: compil
 
 log = logging.getLogger(__name__)
 
+IPC_DIR_PREFIX = "dsaserve-ipc-"
+OWNER_FILE = "owner.pid"  # the main process's pid, written by make_ipc_dir
+UNOWNED_GRACE_S = 60.0  # a directory without an owner file (older dsaserve, or mid-creation) is spared this long
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # refuse to decode anything larger (a 1M-token prompt is ~5 MB)
 
 
@@ -110,3 +120,64 @@ def drain(sock: zmq.Socket, timeout_ms: int) -> list[dict[str, Any]]:
             msgs.append(unpack(data))
         except ValueError as e:  # only our own processes connect; a bad message is a bug, not a reason to die
             log.error("ipc: dropped a malformed message (%s)", e)
+
+
+def make_ipc_dir(root: str | Path | None = None) -> Path:
+    """A new private (0700) directory for one server's sockets under `root` (default: the temp dir), holding
+    this process's pid; stale directories of dead servers there are removed first."""
+    base = Path(root if root is not None else tempfile.gettempdir())
+    for stale in stale_ipc_dirs(base):
+        log.info("removing %s: its server is gone", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    d = Path(tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=base))
+    (d / OWNER_FILE).write_text(f"{os.getpid()}\n")
+    return d
+
+
+def stale_ipc_dirs(base: Path) -> list[Path]:
+    """This user's `dsaserve-ipc-*` directories under `base` whose server is gone: the owner pid is dead, or
+    (no owner file, older than UNOWNED_GRACE_S) no socket in it accepts a connection."""
+    return [d for d in sorted(base.glob(IPC_DIR_PREFIX + "*")) if _is_stale(d)]
+
+
+def _is_stale(d: Path) -> bool:
+    try:
+        st = d.lstat()
+        if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
+            return False
+        pid = _owner_pid(d)
+        if pid is not None:
+            return not pid_alive(pid)
+        return time.time() - st.st_mtime > UNOWNED_GRACE_S and not _any_socket_listening(d)
+    except OSError:  # removed by another server's clean-up meanwhile
+        return False
+
+
+def _owner_pid(d: Path) -> int | None:
+    try:
+        return int((d / OWNER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (an unreaped zombie counts as dead: it will never clean up)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process reused the pid
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _any_socket_listening(d: Path) -> bool:
+    for path in d.iterdir():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+            s.connect(str(path))
+            return True
+    return False

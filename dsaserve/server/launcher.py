@@ -6,8 +6,9 @@ subprocesses: nothing crosses by pickle, and all die with this process), the rea
 `Starting -> Up` (Up only when the leader scheduler has reported `scheduler_info` — which it does once every
 rank is built — and the detokenizer its tokenizer; `Down` when any child reports a fatal error or exits),
 the HTTP server (which listens from the start so `/health` can say 503), and shutdown: SIGTERM/SIGINT stop
-new work, in-flight requests drain for up to `drain_timeout_s`, then the children are terminated and the
-process exits 0.
+new work (503 error objects while the listener stays open), in-flight requests drain for up to
+`drain_timeout_s` and those left end with an error object (a stream: an SSE error event and [DONE]), then
+the children are terminated and the process exits 0.
 
 Failing fast (as vLLM and SGLang): any child that dies — a rank killed, out of memory, stuck in a
 collective past `--dist-timeout` — turns the server Down at once (503, pending requests failed with the
@@ -28,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +37,7 @@ import uvicorn
 
 from dsaserve.server.api import build_app
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.server.ipc import Endpoints
+from dsaserve.server.ipc import Endpoints, make_ipc_dir
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.server_args import ServerArgs
 from dsaserve.server.tokenizer_manager import TokenizerManager
@@ -45,10 +45,11 @@ from dsaserve.server.tokenizer_manager import TokenizerManager
 log = logging.getLogger("dsaserve.server")
 
 CHILDREN = ("scheduler", "detokenizer")  # the two that must report ready (the leader rank speaks for all)
-SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer"
+SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer_process"
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
 DOWN_EXIT_GRACE_S = 1.0  # after a fault: pending requests get their 503 / error event, then the process exits
+FLUSH_S = 5  # after the drain: responses still being written get this long before uvicorn cancels them
 
 
 class State(enum.Enum):
@@ -64,6 +65,7 @@ class Readiness:
         self.t0 = time.perf_counter()
         self.state = State.STARTING
         self.reason = ""
+        self.kind: str | None = None
         self.draining = False
         self.info: dict[str, dict[str, Any]] = {}
         self.phases: dict[str, float] = {}
@@ -96,10 +98,11 @@ class Readiness:
             for cb in self.on_up:
                 cb()
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, kind: str | None = None) -> None:
+        """`kind` "checkpoint": a broken checkpoint found by a rank (exit 2 before Up, like the CLI's own check)."""
         if self.state is State.DOWN:
             return
-        self.state, self.reason = State.DOWN, reason[:2000]
+        self.state, self.reason, self.kind = State.DOWN, reason[:2000], kind
         log.error("server is Down: %s", reason)
         for cb in self.on_down:
             cb(reason)
@@ -123,18 +126,29 @@ class Readiness:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but a signal means: stop taking work, drain, exit 0 (not re-raise the signal afterwards)."""
+    """uvicorn, but a signal means: answer new requests 503 while in-flight ones drain (tm.drain: up to
+    --drain-timeout, then the rest end with an error object), then exit 0 (not re-raise the signal)."""
 
-    def __init__(self, config: uvicorn.Config, readiness: Readiness) -> None:
+    def __init__(self, config: uvicorn.Config, readiness: Readiness, tm: TokenizerManager, drain_s: float) -> None:
         super().__init__(config)
-        self.readiness = readiness
+        self.readiness, self.tm, self.drain_s = readiness, tm, drain_s
+        self.loop = asyncio.get_running_loop()
+        self.drain_task: asyncio.Future | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.readiness.draining = True
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
+        if self.readiness.draining:  # a second signal: stop now (a second Ctrl-C: without waiting)
+            self.force_exit = self.force_exit or sig == signal.SIGINT
             self.should_exit = True
+            return
+        self.readiness.draining = True
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            await self.tm.drain(self.drain_s)
+            self.should_exit = True
+
+        self.drain_task = asyncio.ensure_future(drain_then_exit())
 
 
 def report_startup(args: ServerArgs, readiness: Readiness) -> None:
@@ -206,6 +220,9 @@ async def watch_children(children: dict[str, subprocess.Popen], readiness: Readi
                 others = [why for why in exited.values() if why not in readiness.reason]
                 log.error("exiting: %s", "; ".join([readiness.reason, *others]))
                 server.exit_code = 1
+                if readiness.kind == "checkpoint" and "up" not in readiness.phases:
+                    print(f"dsaserve serve: error: {readiness.reason.split(': ', 1)[-1]}", file=sys.stderr)
+                    server.exit_code = 2
                 server.should_exit = True
         await asyncio.sleep(WATCH_PERIOD_S)
 
@@ -225,11 +242,11 @@ def stop_children(children: dict[str, subprocess.Popen]) -> None:
 
 async def serve(args: ServerArgs) -> int:
     readiness = Readiness()
-    ipc_dir = tempfile.mkdtemp(prefix="dsaserve-ipc-")
-    children: dict[str, subprocess.Popen] = {}
     t = time.perf_counter()
     tok = HFTokenizer(args.model_dir)
     readiness.phase("main_tokenizer", t)
+    ipc_dir = make_ipc_dir()  # after the tokenizer: a broken tokenizer must leave nothing behind
+    children: dict[str, subprocess.Popen] = {}
     metrics = ServerMetrics(readiness)
     tm = TokenizerManager(tok, Endpoints.in_dir(ipc_dir), readiness, metrics, args.max_queued_requests)
     readiness.on_down.append(tm.fail_all)
@@ -244,8 +261,8 @@ async def serve(args: ServerArgs) -> int:
         tm.start()
         app = build_app(args, tm, readiness, metrics)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                                timeout_graceful_shutdown=int(args.drain_timeout_s), access_log=False)
-        server = _Server(config, readiness)
+                                timeout_graceful_shutdown=FLUSH_S, access_log=False)
+        server = _Server(config, readiness, tm, args.drain_timeout_s)
         server.exit_code = 0
         watcher = asyncio.get_running_loop().create_task(watch_children(children, readiness, server,
                                                                          args.startup_timeout_s))

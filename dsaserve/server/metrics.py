@@ -7,6 +7,9 @@ Owns: a private prometheus_client registry with two kinds of series.
     scrape): running/waiting requests, KV pool pages used/cached/free/total, prefix-cache hit tokens,
     evicted pages, preemptions, prompt/generation tokens, steps, CUDA-graph replays vs eager fallbacks
     (by reason), and every other engine counter as `dsaserve_engine_counter{name}`.
+Each help says what is counted where two series look alike: engine requests include the /health probes
+(`dsaserve_health_probes`); engine aborts are per prompt and exclude stop-string endings, HTTP aborts
+are per request; KV pages used + cached + free = total.
 Plus readiness (`dsaserve_up`) and the startup manifest's seconds per phase.
 """
 
@@ -29,11 +32,14 @@ TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.3
 ENGINE_GAUGES = {
     "num_running": ("dsaserve_num_requests_running", "samples holding KV pages in the scheduler"),
     "num_waiting": ("dsaserve_num_requests_waiting", "samples waiting in the scheduler (new or preempted)"),
-    "kv_pages_used": ("dsaserve_kv_pages_used", "KV pool pages referenced by live requests"),
-    "kv_pages_cached": ("dsaserve_kv_pages_cached", "KV pool pages held only by the prefix cache"),
-    "kv_pages_evictable": ("dsaserve_kv_pages_evictable", "prefix-cache pages no request references (LRU)"),
+    "kv_pages_used": ("dsaserve_kv_pages_used", "KV pool pages referenced by live requests "
+                      "(used + cached + free = total)"),
+    "kv_pages_cached": ("dsaserve_kv_pages_cached", "KV pool pages held only by the prefix cache: no live request "
+                        "references them, evictable (LRU)"),
     "kv_pages_free": ("dsaserve_kv_pages_free", "KV pool pages free"),
     "kv_pages_total": ("dsaserve_kv_pages_total", "KV pool pages in all (allocated once at startup)"),
+    "kv_pages_in_prefix_cache": ("dsaserve_kv_pages_in_prefix_cache", "KV pool pages registered in the prefix "
+                                 "cache, referenced by live requests or not (overlaps used)"),
 }
 ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": ("dsaserve_prefix_cache_hit_tokens", "prompt tokens served by the prefix cache"),
@@ -43,8 +49,13 @@ ENGINE_COUNTERS = {
     "generation_tokens": ("dsaserve_generation_tokens", "tokens generated"),
     "computed_tokens": ("dsaserve_computed_tokens", "tokens run through the model (prefill + decode)"),
     "steps": ("dsaserve_engine_steps", "engine steps with a forward"),
-    "requests": ("dsaserve_engine_requests", "requests the scheduler admitted"),
-    "aborted": ("dsaserve_engine_aborted_requests", "requests aborted inside the scheduler"),
+    "requests": ("dsaserve_engine_requests", "engine requests the scheduler admitted: one per prompt of each "
+                 "HTTP request, plus every /health probe (dsaserve_health_probes)"),
+    "aborted": ("dsaserve_engine_aborted_requests", "engine requests aborted whole in the scheduler (client gone, "
+                "error, drain timeout, /health probe timeout), one per prompt; dsaserve_requests_aborted counts "
+                "HTTP requests"),
+    "aborted_samples": ("dsaserve_engine_stop_string_samples", "samples the detokenizer ended in the scheduler "
+                        "because a stop string matched (a normal finish, not a failure)"),
 }
 
 
@@ -69,7 +80,7 @@ class EngineCollector(Collector):
         for key, (name, help_) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=float(stats.get(key, 0) or 0))
         yield from _graph_counters(counters)
-        fam = GaugeMetricFamily("dsaserve_engine_counter", "engine COUNTERS (engine/counters.py), by name",
+        fam = GaugeMetricFamily("dsaserve_engine_counter", "engine COUNTERS (common/counters.py), by name",
                                 labels=["name"])
         for k in sorted(counters):
             fam.add_metric([k], float(counters[k]))
@@ -85,7 +96,10 @@ def _graph_counters(counters: dict[str, float]):
     yield CounterMetricFamily("dsaserve_graph_replays", "CUDA-graph replays",
                               value=float(counters.get("graph_replays", 0)))
     reasons = {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("eager_fallbacks.")}
-    yield CounterMetricFamily("dsaserve_eager_fallbacks", "eager (non-graph) forwards, all reasons",
+    yield CounterMetricFamily("dsaserve_eager_fallbacks", "decode forwards that ran eagerly although CUDA graphs "
+                              "were captured (batch past --cuda-graph-max-bs, ...), all reasons; 0 without graphs "
+                              "(CPU, --disable-cuda-graph): every forward is eager there, see "
+                              "dsaserve_engine_counter{name=\"forward_steps\"}",
                               value=float(sum(reasons.values()) + counters.get("eager_fallbacks", 0)))
     fam = CounterMetricFamily("dsaserve_eager_fallback_reason", "eager (non-graph) forwards by reason",
                               labels=["reason"])
@@ -146,8 +160,10 @@ class ServerMetrics:
         self.prompts = Counter("dsaserve_request_prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.finished = Counter("dsaserve_requests_finished", "samples finished, by finish_reason",
                                 ["finish_reason"], registry=r)
-        self.aborted = Counter("dsaserve_requests_aborted", "requests aborted (client disconnect, error)",
-                               registry=r)
+        self.aborted = Counter("dsaserve_requests_aborted", "HTTP requests aborted before they finished (client "
+                               "disconnect, engine error, drain timeout), once per request", registry=r)
+        self.health_probes = Counter("dsaserve_health_probes", "/health 1-token probes sent through the engine "
+                                     "(they are in dsaserve_engine_requests too)", registry=r)
         self.http_errors = Counter("dsaserve_http_errors", "error responses, by HTTP status", ["status"],
                                    registry=r)
         self.first_vs_steady = FirstVsSteadyTTFT(r)
@@ -161,6 +177,9 @@ class ServerMetrics:
 
     def request_aborted(self) -> None:
         self.aborted.inc()
+
+    def health_probe_sent(self) -> None:
+        self.health_probes.inc()
 
     def observe_ttft(self, seconds: float, prompt_tokens: int | None = None) -> None:
         self.ttft.observe(seconds)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from dsaserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from dsaserve.common.sampling_params import MAX_LOGPROBS, MAX_N
 
 MAX_ERROR_CHARS = 512  # an error message never exceeds this many characters
 MAX_STOP = 4  # OpenAI: "up to 4 sequences where the API will stop generating"

@@ -29,13 +29,14 @@ from typing import Any
 
 import zmq
 
+from dsaserve.common import envs
 from dsaserve.engine.lifetime import start_child
+from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
 from dsaserve.server.grammar_gate import GrammarGate
 
 log = logging.getLogger(__name__)
 
-READY_DELAY_ENV = "DSASERVE_TEST_READY_DELAY_S"
 IDLE_POLL_MS = 50  # how long an idle leader waits for a message before the next (empty) iteration
 
 
@@ -66,8 +67,8 @@ class SchedulerLoop:
     """The leader's message handling and stepping (sockets injected for clarity)."""
 
     def __init__(self, group: Any, pull: zmq.Socket, to_detok: zmq.Socket, to_main: zmq.Socket) -> None:
-        from dsaserve.engine.counters import COUNTERS
-        from dsaserve.engine.sampling_params import SamplingParams
+        from dsaserve.common.counters import COUNTERS
+        from dsaserve.common.sampling_params import SamplingParams
 
         self.group, self.core = group, group.core
         self.pull, self.to_detok, self.to_main = pull, to_detok, to_main
@@ -183,10 +184,10 @@ def scheduler_info(group: Any, cfg: dict[str, Any], t_start: float) -> dict[str,
     return info
 
 
-def _fatal(to_main: zmq.Socket | None, who: str, message: str) -> None:
+def _fatal(to_main: zmq.Socket | None, who: str, message: str, kind: str | None = None) -> None:
     log.error("%s: %s", who, message)
     if to_main is not None:
-        to_main.send(ipc.pack(ipc.FATAL, who=who, message=message[-2000:]))
+        to_main.send(ipc.pack(ipc.FATAL, who=who, message=message[-2000:], cause=kind))
         time.sleep(0.2)  # let the message leave before the process (and its socket) goes away
     sys.exit(1)
 
@@ -204,11 +205,13 @@ def run(cfg: dict[str, Any]) -> None:
 
         group = RankGroup.build(cfg["engine_args"], rank)
         info = scheduler_info(group, cfg, t_start)
-        delay = float(os.environ.get(READY_DELAY_ENV, "0") or 0)
+        delay = float(envs.DSASERVE_TEST_READY_DELAY_S or 0)
         if delay > 0 and rank == 0:
-            log.warning("%s=%s: delaying readiness (tests only)", READY_DELAY_ENV, delay)
+            log.warning("DSASERVE_TEST_READY_DELAY_S=%s: delaying readiness (tests only)", delay)
             time.sleep(delay)
             info["startup_time"]["test_ready_delay"] = delay
+    except CheckpointError as e:  # one line naming the file or tensor: no traceback
+        _fatal(to_main, who, str(e), kind="checkpoint")
     except Exception as e:
         log.exception("startup failed")
         _fatal(to_main, who, f"startup failed: {type(e).__name__}: {e}")

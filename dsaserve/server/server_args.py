@@ -1,13 +1,21 @@
 """ServerArgs: the HTTP side's settings, built once by `dsaserve serve` and passed down (startup chain input).
 
-Owns: host/port, the optional API key, the admission bound, request-size and timeout limits, and the
-engine arguments (EngineArgs, as a plain dict so it can cross into the scheduler process as JSON).
+Owns: host/port, the optional API key (`--api-key`, else the `DSASERVE_API_KEY` environment variable, as
+vLLM reads `VLLM_API_KEY`), the admission bound, request-size and timeout limits, and the engine
+arguments (EngineArgs, as a plain dict so it can cross into the scheduler process as JSON); the server
+flags of `dsaserve serve` (`add_cli_args`, `from_cli_args`) and the help formatter that shows a default
+only where it says something.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+API_KEY_ENV = "DSASERVE_API_KEY"  # vLLM: VLLM_API_KEY
 
 
 @dataclass(frozen=True)
@@ -18,7 +26,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    # samples accepted beyond max_running_requests before 429 (None: unbounded)
+    # samples accepted beyond what can run at once (rows and KV pages) before 429 (None: unbounded)
     max_queued_requests: int | None = 1024
     max_request_bytes: int = 8 << 20  # request bodies above this get 413 (a 1M-token JSON prompt is ~5 MB)
     health_timeout_s: float = 20.0  # /health's 1-token probe must come back within this
@@ -39,3 +47,50 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_s', '').replace('_', '-')}: must be positive")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key: must not be empty")
+
+    # ---- command line --------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(g: Any) -> None:
+        g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+        g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+        g.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+        g.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+                            f"(default: the {API_KEY_ENV} environment variable; unset: no key)")
+        g.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="samples accepted beyond those that can run at once (page-table rows and KV pool "
+                            "pages) before answering 429; -1: unbounded")
+        g.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+        g.add_argument("--health-timeout", type=float, default=20.0,
+                       help="seconds the /health 1-token probe may take")
+        g.add_argument("--startup-timeout", type=float, default=None,
+                       help="exit with an error if the server is not Up after this many seconds (default: wait)")
+        g.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may take to finish after SIGTERM; those left then end "
+                            "with an error")
+        g.add_argument("--manifest-json", default=None, help="write the startup manifest (GET /startup) here once Up")
+        g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="log level of every process")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, engine: Any, model_dir: str) -> ServerArgs:
+        return cls(
+            model_dir=model_dir, served_model_name=ns.served_model_name or engine.model,
+            engine_args={k: v for k, v in dataclasses.asdict(engine).items() if k != "model"},
+            host=ns.host, port=ns.port, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+            max_queued_requests=None if ns.max_queued_requests == -1 else ns.max_queued_requests,
+            max_request_bytes=ns.max_request_bytes, health_timeout_s=ns.health_timeout,
+            drain_timeout_s=ns.drain_timeout, startup_timeout_s=ns.startup_timeout, log_level=ns.log_level,
+            manifest_json=ns.manifest_json)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`(default: X)` after a flag's help only where it says something: not after a required flag, a
+    default of None, or help that already names its default (BooleanOptionalAction adds its own)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.required or action.default is None or action.default is argparse.SUPPRESS
+                or not action.option_strings or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)"

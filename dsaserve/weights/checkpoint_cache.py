@@ -21,7 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dsaserve.common import envs
 from dsaserve.config import builtin_config_names, load_config
+from dsaserve.errors import CheckpointError
+from dsaserve.weights.checkpoint_check import INDEX_FILE
 from dsaserve.weights.spec import checkpoint_specs
 from dsaserve.weights.tokenizer_builder import write_tokenizer
 
@@ -31,10 +34,9 @@ DEFAULT_MAX_GB = 16.0  # fits glm-5.3-slice (10.7 GB) and the tiny configs; refu
 CACHE_SEED = 0
 STAMP_FILE = "dsaserve_checkpoint.json"
 WRITER_VERSION = 2  # bump when checkpoint_writer's values or layout change, so caches rebuild (2: tokenizers)
-INDEX_FILE = "model.safetensors.index.json"  # HF's shard index name, as checkpoint_writer writes it
 
 
-class CheckpointResolveError(ValueError):
+class CheckpointResolveError(CheckpointError):
     """--model names neither a checkpoint directory nor a built-in config that can be cached."""
 
 
@@ -48,11 +50,11 @@ def write_checkpoint(*args: Any, **kwargs: Any) -> Any:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/dsaserve").expanduser()
+    return Path(envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
 
 
 def _max_bytes() -> float:
-    raw = os.environ.get(MAX_GB_ENV)
+    raw = envs.DSASERVE_MAX_CHECKPOINT_GB
     if raw is None:
         return DEFAULT_MAX_GB * 1e9
     try:

@@ -4,16 +4,18 @@
 Owns: reading `model.safetensors.index.json`, opening shards lazily (memory-mapped by safetensors), the one
 explicit name table (checkpoint name -> parameter + slice), and the errors that make a bad checkpoint fail
 at startup instead of as drifting outputs: a missing tensor, an FP8 weight without its `weight_scale_inv`,
-a scale or weight of the wrong shape or dtype, a tensor the index places in a shard that lacks it, a
+a scale or weight of the wrong shape or dtype, a NaN/Inf in a weight or scale (checked on every tensor as
+it is copied: one pass over its bytes), a tensor the index places in a shard that lacks it, a
 truncated/corrupt shard, an index naming a missing file, and any tensor neither consumed nor on the
-explicit not-loaded list. Under expert parallelism `not_mine()` puts other ranks' experts on that list (with
-the owning rank) and `route()` maps a kept expert to its local slot; under tensor parallelism a parameter
-that carries `.shard` (set by its layer) receives only its slice of the checkpoint tensor.
+explicit not-loaded list (the index and coverage rules are `checkpoint_check`'s, shared with `serve`'s
+torch-free pre-flight). Every failure is a one-line `CheckpointError` naming the tensor or file.
+Under expert parallelism `not_mine()` puts other ranks' experts on that list (with the owning rank)
+and `route()` maps a kept expert to its local slot; under tensor parallelism a parameter that carries
+`.shard` (set by its layer) receives only its slice of the checkpoint tensor.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -26,13 +28,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dsaserve.distributed.sharding import ExpertPlacement, shard_source
-from dsaserve.weights.spec import checkpoint_specs
+from dsaserve.errors import CheckpointError
+from dsaserve.weights.checkpoint_check import check_coverage, in_layers, read_index
+
+__all__ = ["CheckpointError", "LoadReport", "Target", "load_checkpoint", "not_mine", "route"]
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
-
-
-class CheckpointError(RuntimeError):
-    """The checkpoint on disk does not match what the model needs; the message names the tensor/file."""
 
 
 @dataclass
@@ -97,25 +98,6 @@ def not_mine(name: str, placement: ExpertPlacement | None) -> str | None:
             f"{placement.ep_size}; this rank holds experts {placement.first}-{last}")
 
 
-def read_index(ckpt: Path) -> dict[str, str]:
-    """tensor name -> shard file name. A single `model.safetensors` without an index is accepted too."""
-    index_path = ckpt / "model.safetensors.index.json"
-    if not index_path.exists():
-        single = ckpt / "model.safetensors"
-        if not single.exists():
-            raise CheckpointError(f"{ckpt}: no model.safetensors.index.json and no model.safetensors")
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single.name for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
-    missing_files = sorted({f for f in weight_map.values() if not (ckpt / f).exists()})
-    if missing_files:
-        raise CheckpointError(f"{index_path}: points at missing shard file(s) {', '.join(missing_files)}")
-    return weight_map
-
-
 def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target) -> int:
     """Copy `tensor` (this rank's slice of it) into its place in `param`; returns the bytes kept."""
     tensor = shard_source(param, tensor, name.endswith("weight_scale_inv"))  # this rank's TP slice, if sharded
@@ -127,7 +109,22 @@ def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target
         raise CheckpointError(f"{name}: stored as {tensor.dtype}, the model expects {dest.dtype} "
                               "(check quantization_config.modules_to_not_convert)")
     dest.copy_(tensor.to(dest.dtype))
+    _refuse_non_finite(name, dest)
     return tensor.numel() * tensor.element_size()
+
+
+def _refuse_non_finite(name: str, dest: torch.Tensor) -> None:
+    """A NaN/Inf weight or scale would be served as garbage (all-zero tokens, NaN logprobs): refuse it here.
+    One pass over the bytes just copied. FP8 e4m3fn has no Inf; its NaNs are the bit patterns S.1111.111."""
+    if dest.dtype == torch.float8_e4m3fn:
+        bad = int(((dest.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    elif dest.is_floating_point():
+        bad = int((~torch.isfinite(dest)).sum())
+    else:
+        return
+    if bad:
+        raise CheckpointError(f"{name}: {bad} non-finite value(s) (NaN/Inf) of {dest.numel()}; "
+                              "the checkpoint is corrupt")
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | None = None) -> LoadReport:
@@ -138,28 +135,18 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
     params = dict(model.named_parameters())
     report = LoadReport(str(ckpt))
     skip_layers = set() if model.with_mtp else set(cfg.mtp_layer_ids)
-    expected = {s.name for s in checkpoint_specs(cfg)}
     inter_blocks = -(-cfg.moe_intermediate_size // 128)
     placement = _expert_placement(model)
 
+    check_coverage(weight_map, cfg, skip_layers)
     by_file: dict[str, list[str]] = defaultdict(list)
-    unexpected = []
     for name, fname in weight_map.items():
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if layer and int(layer.group(1)) in skip_layers:
+        if in_layers(name, skip_layers):
             report.not_loaded[name] = "MTP layer not loaded (enable_mtp=False: the engine does not speculate yet)"
-        elif name not in expected:
-            unexpected.append(name)
         elif why := not_mine(name, placement):
             report.not_loaded[name] = why
         else:
             by_file[fname].append(name)
-    if unexpected:
-        raise CheckpointError(f"{len(unexpected)} tensor(s) in the index are neither used by the model nor on the "
-                              f"not-loaded list: {', '.join(sorted(unexpected)[:8])}")
-    missing = sorted(n for n in expected if n not in weight_map and not _in_skipped(n, skip_layers))
-    if missing:
-        raise CheckpointError(_missing_message(missing))
 
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="loading weights", unit="tensor", disable=not show)
@@ -183,25 +170,12 @@ def _expert_placement(model: torch.nn.Module) -> ExpertPlacement | None:
     return placement if placement is not None and placement.sharded else None
 
 
-def _in_skipped(name: str, skip_layers: set[int]) -> bool:
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m) and int(m.group(1)) in skip_layers
-
-
-def _missing_message(missing: list[str]) -> str:
-    scales = [n for n in missing if n.endswith("weight_scale_inv")]
-    if scales:
-        return (f"{scales[0][: -len('_scale_inv')]}: FP8 weight without its scale ({scales[0]} is missing)"
-                + (f"; {len(missing) - 1} more tensor(s) missing" if len(missing) > 1 else ""))
-    return f"missing tensor(s): {', '.join(missing[:8])}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-
-
 def _load_shard(path: Path, names: list[str], params: dict, cfg, inter_blocks: int, report: LoadReport,
                 bar: tqdm, placement: ExpertPlacement | None, filled: set[str]) -> None:
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"{path.name}: cannot read shard ({e})") from None
+        raise CheckpointError(f"{path}: cannot read shard ({e})") from None
     with handle as f:
         present = set(f.keys())  # noqa: SIM118
         for name in names:

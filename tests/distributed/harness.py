@@ -16,19 +16,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import get_parallel_state, reset_parallel_state
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
 
 CONFIGS = ("glm-5.3-tiny", "deepseek-v3.2-tiny")
 MODES = {  # name -> ModelRunner parallel arguments
-    "tp2": {"tp_size": 2},
-    "ep2": {"ep_size": 2},
-    "tp2_ep2": {"tp_size": 2, "ep_size": 2},
-    "ep2_a2a": {"ep_size": 2, "moe_a2a": True},
-    "tp2_ep2_a2a": {"tp_size": 2, "ep_size": 2, "moe_a2a": True},
+    "tp2": {"tensor_parallel_size": 2},
+    "ep2": {"expert_parallel_size": 2},
+    "tp2_ep2": {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+    "ep2_a2a": {"expert_parallel_size": 2, "moe_a2a": True},
+    "tp2_ep2_a2a": {"tensor_parallel_size": 2, "expert_parallel_size": 2, "moe_a2a": True},
 }
 BASES = [0, 4 * 64, 8 * 64]  # page-aligned, disjoint slot ranges of the three requests
 
@@ -80,21 +80,25 @@ def run_scenario(runner: ModelRunner, decode_tokens: list[list[int]]) -> dict:
         before = COUNTERS.snapshot()
         logits.append(runner.forward(batch))
         decode.append(_collective_delta(before))
-    return {"logits": logits, "prefill": prefill, "decode": decode, "mtp_logits": _mtp_logits(runner, prompts[0])}
+    # one token over 2 ranks: the a2a modes leave rank 1 an empty token chunk (the GPU ZeroDivisionError case);
+    # it rewrites request 0's first decode slot with the same token, so later reads are unchanged
+    single = runner.forward(contiguous_batch([[decode_tokens[0][0]]], [len(prompts[0])], BASES[:1]))
+    return {"logits": logits, "prefill": prefill, "decode": decode, "mtp_logits": _mtp_logits(runner, prompts[0]),
+            "single_token": single}
 
 
 def _mtp_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     """The MTP layer over one prompt (fresh slots past the scenario's), logits at every position."""
     base = [12 * 64]
-    _, hidden = runner.model(contiguous_batch([prompt], [0], base), runner.kv_pool)
+    _, hidden = runner.model(contiguous_batch([prompt], [0], base).to(runner.device), runner.kv_pool)
     batch = contiguous_batch([prompt[1:]], [0], base)
     batch.logits_indices = torch.arange(len(prompt) - 1)
-    return runner.model.forward_mtp(batch, runner.kv_pool, hidden[:-1])
+    return runner.model.forward_mtp(batch.to(runner.device), runner.kv_pool, hidden[:-1])
 
 
-def reference(name: str, n_decode: int) -> tuple[dict, list[list[int]]]:
+def reference(name: str, n_decode: int, **runner_kw) -> tuple[dict, list[list[int]]]:
     """The single-rank model: its scenario with its own greedy tokens as the decode inputs."""
-    runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True)
+    runner = ModelRunner.from_kwargs(name, kv_layout="fp32", load_mtp=True, **runner_kw)
     prompts = prompts_for(runner.cfg)
     batch = contiguous_batch(prompts, [0] * len(prompts), BASES)
     last = runner.forward(batch)
@@ -106,6 +110,17 @@ def reference(name: str, n_decode: int) -> tuple[dict, list[list[int]]]:
         last = runner.forward(batch)
     # the scenario rewrites exactly the slots the greedy run wrote, with the same tokens: reuse the runner
     return run_scenario(runner, tokens), tokens
+
+
+def run_ranks(worker_fn, n_decode: int, out: Path, configs: tuple[str, ...] = CONFIGS,
+              **runner_kw) -> tuple[dict, list[dict]]:
+    """The single-rank references of `configs`, then `worker_fn` on 2 ranks (ModelRunner keywords runner_kw for
+    both, e.g. device="cuda"): (refs, what each rank saved)."""
+    refs, tokens = {}, {}
+    for name in configs:
+        refs[name], tokens[name] = reference(name, n_decode, **runner_kw)
+    spawn(worker_fn, 2, tokens, str(out), runner_kw)
+    return refs, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _collectives_probe(rank: int) -> dict:
@@ -125,11 +140,12 @@ def _collectives_probe(rank: int) -> dict:
     return out
 
 
-def worker(rank: int, init_method: str, refs: dict, out_dir: str) -> None:
+def worker(rank: int, init_method: str, refs: dict, out_dir: str, runner_kw: dict) -> None:
     results: dict = {}
-    for name in CONFIGS:
+    for name in refs:
         for mode, kwargs in MODES.items():
-            runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True, dist_init_method=init_method, **kwargs)
+            runner = ModelRunner.from_kwargs(name, kv_layout="fp32", load_mtp=True, dist_init_method=init_method,
+                                             **kwargs, **runner_kw)
             res = run_scenario(runner, refs[name])
             res["not_loaded"] = runner.load_report.not_loaded
             res["bytes_loaded"] = runner.load_report.bytes_loaded

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import (
@@ -23,9 +24,8 @@ from dsaserve.distributed.parallel_state import (
     validate_for_model,
 )
 from dsaserve.distributed.sharding import Shard, require_fp8_aligned
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
-from dsaserve.ledger.collectives import wire_factor as ledger_wire_factor
+from dsaserve.ledger.collective_plan import wire_factor as ledger_wire_factor
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.weights.fp8 import quantize_fp8_block
 from dsaserve.weights.loader import load_checkpoint
@@ -164,12 +164,12 @@ def test_keeping_fp8_with_a_split_that_cuts_fp8_blocks_names_the_layer_and_tp(la
 
 def test_layouts_that_do_not_divide_the_model_are_refused(layout):
     cfg = load_config(GLM)
-    with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by tp_size = 3"):
+    with pytest.raises(ValueError, match="--tp 3: num_attention_heads 4 is not divisible by 3"):
         validate_for_model(cfg, _state(3, 0, 3, 1))
-    with pytest.raises(ValueError, match="n_routed_experts = 8 is not divisible by ep_size = 3"):
+    with pytest.raises(ValueError, match="--ep 3: n_routed_experts 8 is not divisible by 3"):
         validate_for_model(cfg, _state(3, 0, 1, 3))
     layout(3, 0, 3, 1)
-    with pytest.raises(ValueError, match="tp_size = 3"):
+    with pytest.raises(ValueError, match="--tp 3: num_attention_heads"):
         DsaForCausalLM(cfg, with_mtp=False)
 
 
@@ -180,4 +180,8 @@ def test_bad_parallel_arguments_are_named(monkeypatch):
         initialize_model_parallel(tp_size=2)
     with pytest.raises(ValueError, match="tp_size: must be a positive integer"):
         initialize_model_parallel(tp_size=0)
+    with pytest.raises(ValueError, match="--enable-dp-attention: needs ep_size = the world size 2"):
+        initialize_model_parallel(tp_size=2, dp_attention=True)  # refused before any rendezvous
+    with pytest.raises(ValueError, match="tp_size 2: must be 1 or the world size 4"):
+        initialize_model_parallel(tp_size=2, ep_size=4)
     assert initialize_model_parallel(1, 1).world_size == 1  # the single-rank default needs no group

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import step_plan
+from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
-from tests.distributed.harness import CONFIGS, MODES, reference, spawn, worker
+from tests.distributed.harness import CONFIGS, MODES, run_ranks, worker
 
 N_DECODE = 4
 ATOL = 1e-4  # float32: TP/EP only reorder sums (measured <= 2e-5 on logits of std ~4)
@@ -26,19 +26,13 @@ FP32 = 4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    refs, tokens = {}, {}
-    for name in CONFIGS:
-        refs[name], tokens[name] = reference(name, N_DECODE)
-    out = tmp_path_factory.mktemp("ranks")
-    spawn(worker, 2, tokens, str(out))
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return refs, ranks
+    return run_ranks(worker, N_DECODE, tmp_path_factory.mktemp("ranks"))
 
 
 def _expected(cfg, mode: str, tokens: int, rows: int, world: int = 2) -> tuple[Counter, Counter]:
     """kind -> calls and kind -> message bytes of one forward (all_to_all bytes: see the a2a test)."""
     kw = MODES[mode]
-    tp, a2a = kw.get("tp_size", 1), kw.get("moe_a2a", False)
+    tp, a2a = kw.get("tensor_parallel_size", 1), kw.get("moe_a2a", False)
     act = tokens * cfg.hidden_size * FP32
     padded = -(-tokens // world) * world * cfg.hidden_size * FP32  # a2a token chunks, padded to world rows
     n_moe = len(cfg.moe_layers)
@@ -85,13 +79,14 @@ def test_prefill_and_decode_logits_match_the_single_rank_model(runs, name, mode)
             assert err < ATOL, (name, mode, rank, step, err)
 
 
+@pytest.mark.parametrize("what", ["mtp_logits", "single_token"])  # single_token: a2a leaves rank 1 no tokens
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", CONFIGS)
-def test_mtp_layer_logits_match_the_single_rank_model(runs, name, mode):
+def test_mtp_layer_and_one_token_step_logits_match_the_single_rank_model(runs, name, mode, what):
     refs, ranks = runs
     for res in ranks:
-        err = (res[f"{name}/{mode}"]["mtp_logits"] - refs[name]["mtp_logits"]).abs().max().item()
-        assert err < ATOL, (name, mode, err)
+        err = (res[f"{name}/{mode}"][what] - refs[name][what]).abs().max().item()
+        assert err < ATOL, (name, mode, what, err)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

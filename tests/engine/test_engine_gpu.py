@@ -46,28 +46,28 @@ def test_prefix_cache_and_decode_graphs_are_used_on_cuda():
     eng.core.check_no_leak()
 
 
-def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(monkeypatch):
+def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(set_switch):
     """A host batch reaches the graph's static inputs through the pinned staging copy (bucket 4 for 3 rows:
     one padding row), and the replayed kernels (launched with PDL on Hopper) give the eager step's logits,
     launched without PDL: a kernel reading its producer's output before it is complete would differ."""
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.model.forward_batch import contiguous_batch
 
-    runner = ModelRunner("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
     prompts = [[5, 6, 7, 8, 9] * 20, [11, 12, 13] * 7, [3] * 150]
     bases = [0, 4 * 64, 8 * 64]
     runner.forward(contiguous_batch(prompts, [0] * 3, bases, runner.page_size))  # prefill, eager
     step = contiguous_batch([[21], [22], [23]], [len(p) for p in prompts], bases, runner.page_size)
     replayed = runner.forward(step).clone()
     assert runner.graphs is not None and step.input_ids.device.type == "cpu"
-    monkeypatch.setenv("DSASERVE_PDL", "0")
+    set_switch("DSASERVE_PDL", "0")
     eager, _ = runner.model(step.to("cuda"), runner.kv_pool)
     eager = eager.float()
     assert not replayed.isnan().any()
     assert (replayed - eager).norm() / eager.norm() < 1e-2  # same kernels; a race would be far off
 
 
-def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkeypatch):
+def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch):
     """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
     stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150
     and 400 tokens make the tiny config (index_topk 8) select, so a read of the slots before the selection
@@ -75,13 +75,13 @@ def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(monkey
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.model.forward_batch import contiguous_batch
 
-    runner = ModelRunner("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
     prompts, bases = [[3, 4] * 75, [9] * 400], [0, 8 * 64]
     runner.forward(contiguous_batch(prompts, [0, 0], bases, runner.page_size))
     step = contiguous_batch([[21], [22]], [len(p) for p in prompts], bases, runner.page_size)
     overlapped = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
     replayed = runner.forward(step).float()
-    monkeypatch.setenv("DSASERVE_OVERLAP_INDEXER", "0")
+    set_switch("DSASERVE_OVERLAP_INDEXER", "0")
     one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
     for got in (overlapped, replayed):
         assert (got - one_stream).norm() / one_stream.norm() < 1e-2

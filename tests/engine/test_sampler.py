@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.model.sampler import Sampler, apply_penalties
 
 V = 32

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest
-from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy
 
 GREEDY = dict(temperature=0.0)
@@ -283,4 +283,29 @@ def test_aborting_one_parked_sample_keeps_its_siblings_and_frees_its_reserved_ro
     out = run(core)
     assert out[("a", 2)]["reason"] == "abort"
     assert out[("a", 0)]["tokens"] == out[("a", 1)]["tokens"] == fake_greedy(p, 4, ignore_eos=True)
+    core.check_no_leak()
+
+
+def test_an_n_request_wider_than_the_free_rows_does_not_stall_the_queue():
+    """Issue 20.2: n=4 on 4 rows while one row is busy used to wait for all 4 rows, and everything behind
+    it waited too. Its samples now take rows as they free; the request behind it runs long before the
+    busy row's request ends, and every output is still right."""
+    core = make_core(max_running_requests=4)
+    long_p, big_p, small_p = prompts(3, 70, 70, seed=21)
+    add(core, "long", long_p, max_tokens=60, ignore_eos=True)
+    out: dict = {}
+    collect(core.step(), out)
+    add(core, "big", big_p, max_tokens=5, n=4, ignore_eos=True)
+    add(core, "small", small_p, max_tokens=1, ignore_eos=True)
+    steps = 0
+    while out.get(("small", 0), {}).get("reason") is None:
+        collect(core.step(), out)
+        steps += 1
+        assert core.stats()["num_running"] + core.scheduler.reserved_rows <= 4
+    assert out.get(("long", 0), {}).get("reason") is None  # "small" did not wait for "long" to end
+    assert steps < 20, steps
+    run(core, out=out)
+    assert [out[("big", i)]["tokens"] for i in range(4)] == [fake_greedy(big_p, 5, ignore_eos=True)] * 4
+    assert out[("small", 0)]["tokens"] == fake_greedy(small_p, 1, ignore_eos=True)
+    assert out[("long", 0)]["tokens"] == fake_greedy(long_p, 60, ignore_eos=True)
     core.check_no_leak()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_index_k, encode_latent
+from dsaserve.common.kv_layout import decode_index_k, decode_latent, encode_index_k, encode_latent
 from dsaserve.kernels import reference as R
 from tests.kernels.gpu_common import (
     BF16,

@@ -156,6 +156,16 @@ def test_fused_moe_takes_an_empty_batch(gen):
     assert out.shape == (0, h)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_fp8_linear_takes_zero_rows(gen, exact):
+    """An EP rank's empty token chunk (K = 6144: 48 K blocks, where the split-K choice divided by 0 tiles)."""
+    gemm = gpu_modules()[0]
+    w, s = quantize_fp8_block(randn(256, 6144, gen=gen))
+    out = gemm.fp8_linear(randn(0, 6144, gen=gen, dtype=torch.bfloat16), w, s, exact_act=exact)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+    assert gemm.skinny_config(0, 256, 6144, 132)["split"] == 1
+
+
 def test_split_k_parts_sum_to_the_unsplit_result(gen):
     gemm = gpu_modules()[0]
     n, k = (640, 2048) if BIG else (192, 1024)

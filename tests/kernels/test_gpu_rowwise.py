@@ -72,13 +72,13 @@ def test_row_kernels_attach_the_fp8_copy_the_gemm_would_make(gen, op):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the registry picks GPU kernels only on CUDA")
-def test_registry_binds_gpu_kernels_on_cuda(monkeypatch):
+def test_registry_binds_gpu_kernels_on_cuda(set_switch):
     from dsaserve.kernels import registry
 
     ops = registry.get_ops("cuda")
     assert ops.impls["fused_moe"].startswith("triton") and ops.impls["sparse_mla_attention"].startswith("triton")
     assert ops.fp8_linear is gpu_modules()[0].fp8_linear and ops.graph_safe
-    monkeypatch.setenv(registry.FP8_ACT_ENV, "0")
+    set_switch(registry.FP8_ACT_ENV, "0")
     assert "bf16 activations" in registry.get_ops("cuda").impls["fp8_linear"]
-    monkeypatch.setenv(registry.ENV_VAR, "reference")
+    set_switch(registry.ENV_VAR, "reference")
     assert registry.get_ops("cuda").fp8_linear is R.fp8_linear

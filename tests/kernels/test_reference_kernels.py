@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dsaserve.engine.kv_pool import decode_index_k, decode_latent, encode_index_k, encode_latent
+from dsaserve.common.kv_layout import decode_index_k, decode_latent, encode_index_k, encode_latent
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import registry
 from dsaserve.weights.fp8 import quantize_fp8_block
@@ -184,8 +184,8 @@ def test_registry_on_cpu_binds_every_op_to_the_reference(monkeypatch):
     assert registry.describe("cpu")["_fallback_reason"] == "device cpu"
 
 
-def test_registry_rejects_an_unknown_kernel_choice(monkeypatch):
-    monkeypatch.setenv(registry.ENV_VAR, "fastest")
+def test_registry_rejects_an_unknown_kernel_choice(set_switch):
+    set_switch(registry.ENV_VAR, "fastest")
     with pytest.raises(ValueError, match=registry.ENV_VAR):
         registry.get_ops("cpu")
 

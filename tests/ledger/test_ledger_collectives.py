@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsaserve.config import load_config
-from dsaserve.ledger.collectives import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
+from dsaserve.ledger.collective_plan import a2a_tokens, hidden_reduction_rows, row_time, step_plan, wire_factor
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import PRESETS
 
@@ -47,6 +47,24 @@ def test_dp_attention_ep8_table_rows():
     per_layer = step_plan(GLM, DPEP8, Assumptions(dp_gather="per_layer", dp_embed_allreduce=True), 32)
     assert sum(r.calls for r in per_layer if r.kind in ("all_gather", "reduce_scatter") and r.point[0] != "v") == 156
     assert any(r.point.startswith("embedding") for r in per_layer)
+
+
+def test_dsaserve_dp_attention_is_three_all_to_alls_per_moe_layer_and_replicates_the_rest():
+    """dp_moe=a2a (the engine's DP-attention): count exchange + dispatch (row + 8 B of routing) + combine."""
+    from dsaserve.ledger.weights import inventory, stored_per_gpu
+
+    asm = Assumptions(dp_moe="a2a")
+    by = {r.point: r for r in step_plan(GLM, DPEP8, asm, 256)}
+    assert set(by) == {"MoE count exchange", "MoE dispatch (+ expert id, weight)", "MoE combine"}
+    assert {r.calls for r in by.values()} == {75} and {r.kind for r in by.values()} == {"all_to_all"}
+    assert by["MoE count exchange"].message_bytes == 8 * 8 * 8
+    assert by["MoE dispatch (+ expert id, weight)"].message_bytes == 256 * 8 * (6144 * 1 + 8)
+    assert by["MoE combine"].message_bytes == 256 * 8 * 6144 * 2
+    assert sum(r.calls for r in step_plan(GLM, DPEP8, asm, 0, mtp=True)) == 3 * 76  # idle ranks: same calls
+    stored = stored_per_gpu(inventory(GLM), DPEP8, asm)
+    full = inventory(GLM).bytes
+    assert all(stored[g] == full[g] for g in stored if g != "experts")
+    assert stored["experts"] == full["experts"] / 8
 
 
 def test_deepseek_v32_tp8_reductions_follow_its_61_layers():

@@ -38,22 +38,6 @@ def test_nvfp4_with_bf16_rope_is_416_bytes():
     assert kv_bytes_per_token_layer(GLM, "nvfp4_ds_mla", nvfp4_rope="bf16") == 256 + 32 + 128
 
 
-@pytest.mark.parametrize("model", ["glm-5.3", "deepseek-v3.2", "glm-5.3-tiny", "deepseek-v3.2-tiny"])
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"])
-def test_ledger_layout_bytes_equal_the_engine_kv_pool(model: str, layout: str):
-    kv_pool = pytest.importorskip("dsaserve.engine.kv_pool")  # imports torch; the ledger itself must not
-    cfg = load_config(model)
-    assert kv_bytes_per_token_layer(cfg, layout) == kv_pool.kv_bytes_per_token(cfg, layout)
-    assert indexer_bytes_per_token_layer(cfg, layout) == kv_pool.indexer_bytes_per_token(cfg, layout)
-
-
-def test_cli_engine_layouts_are_the_pools():
-    kv_pool = pytest.importorskip("dsaserve.engine.kv_pool")
-    from dsaserve.cli.ledger import ENGINE_LAYOUTS
-
-    assert tuple(kv_pool.KV_LAYOUTS) == ENGINE_LAYOUTS
-
-
 def test_glm_token_is_53940_bytes_over_78_main_and_21_indexer_layers():
     kv = kv_per_token(GLM, "fp8_ds_mla", Assumptions())
     assert (kv.main, kv.indexer, kv.total) == (78 * 656, 21 * 132, 53_940)

@@ -14,7 +14,8 @@ from dataclasses import replace
 import glm_arithmetic as g
 import pytest
 
-from dsaserve.ledger.notes import UNITS, Figure, note_figures
+from dsaserve.ledger.note_catalogue import note_figures
+from dsaserve.ledger.notes import UNITS, Figure
 
 NV, IB, HBM = 787.5e9, 25e9, 4.8e12  # the notes' NVLink "ring effective", IB, and HBM bandwidths
 W_DP, V, H = g.W_DP_READ, g.V, g.H

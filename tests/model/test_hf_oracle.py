@@ -25,7 +25,7 @@ def _prompts(cfg, lengths):
 
 @pytest.mark.parametrize("name", ["glm-5.3-tiny", "deepseek-v3.2-tiny"])
 def test_batched_prefill_and_decode_match_transformers(name):
-    runner = ModelRunner(name, kv_layout="fp32")
+    runner = ModelRunner.from_kwargs(name, kv_layout="fp32")
     cfg = runner.cfg
     lengths = [4 * cfg.index_topk, 4 * cfg.index_topk + 9, 6 * cfg.index_topk + 3]
     prompts = _prompts(cfg, lengths)
@@ -55,7 +55,7 @@ def test_batched_prefill_and_decode_match_transformers(name):
 
 def test_sparsity_bites_on_the_oracle_prompts():
     """Guard for the test above: with 4x index_topk keys, top-k selection must differ from dense attention."""
-    runner = ModelRunner("glm-5.3-tiny", kv_layout="fp32")
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", kv_layout="fp32")
     prompt = _prompts(runner.cfg, [4 * runner.cfg.index_topk])[0]
     model = hf_model(str(runner.checkpoint))
     sparse = model(torch.tensor([prompt])).logits[0, -1]

@@ -57,7 +57,7 @@ def _reference_mtp(ckpt, prompt):
 
 @pytest.mark.parametrize("name", ["glm-5.3-tiny", "deepseek-v3.2-tiny"])
 def test_mtp_layer_matches_plain_reimplementation(name):
-    runner = ModelRunner(name, kv_layout="fp32", enable_mtp=True)
+    runner = ModelRunner.from_kwargs(name, kv_layout="fp32", load_mtp=True)
     prompt = torch.randint(2, runner.cfg.vocab_size, (5 * runner.cfg.index_topk,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     batch = contiguous_batch([prompt], [0], [0])

@@ -4,6 +4,7 @@ n past --max-running-requests (400, also decided before a stream's 200)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -90,6 +91,21 @@ CASES = [
     # sample i of n draws with seed + i: the last one must still be a signed 64-bit seed
     ("seed_plus_n_overflows", C, comp(n=2, seed=MAX_SEED), 400, "seed", None),
     ("seed_plus_n_overflows_chat_stream", CHAT, chat(n=3, seed=MAX_SEED - 1, stream=True), 400, "seed", None),
+    # malformed text inside valid JSON (issue 20.9): a lone surrogate is valid JSON but no Unicode text
+    ("lone_surrogate_prompt", C, b'{"model": "glm-5.3-tiny", "prompt": "a\\ud800b"}', 400, "prompt",
+     "invalid_unicode"),
+    ("lone_low_surrogate_prompt_list", C, b'{"model": "glm-5.3-tiny", "prompt": ["ok", "\\udc00"]}', 400,
+     "prompt.1", "invalid_unicode"),
+    ("lone_surrogate_stop", C, b'{"model": "glm-5.3-tiny", "prompt": "hi", "stop": "\\ud800"}', 400, "stop",
+     "invalid_unicode"),
+    ("lone_surrogate_stop_stream", C, b'{"model": "glm-5.3-tiny", "prompt": "hi", "stream": true, '
+     b'"stop": ["x", "\\udfff"]}', 400, "stop.1", "invalid_unicode"),
+    ("lone_surrogate_chat", CHAT, b'{"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": '
+     b'"\\ud800"}]}', 400, "messages.0.content", "invalid_unicode"),
+    ("lone_surrogate_chat_part", CHAT, b'{"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": '
+     b'[{"type": "text", "text": "\\udbff"}]}]}', 400, "messages.0.content.0.text", "invalid_unicode"),
+    ("raw_surrogate_bytes", C, b'{"model": "glm-5.3-tiny", "prompt": "\xed\xa0\x80"}', 400, None, None),
+    ("invalid_unicode_escape", C, b'{"model": "glm-5.3-tiny", "prompt": "\\uZZZZ"}', 400, None, None),
     ("deeply_nested_json", C, b"[" * 200_000, 400, None, None),
     ("deeply_nested_balanced_json", CHAT, b'{"model": "glm-5.3-tiny", "messages": ' + b"[" * DEEP + b"]" * DEEP + b"}",
      400, None, None),
@@ -130,6 +146,16 @@ def test_the_matrix_is_large_and_the_server_still_serves_after_it(server):
     assert stats["num_waiting"] == 0 and stats["num_running"] == 0  # nothing bad reached the scheduler queue
 
 
+@pytest.mark.parametrize("path,body", [
+    (C, comp(prompt="a\u0000b", stop="\u0000")), (CHAT, chat(messages=[{"role": "user", "content": "\u0000"}])),
+    (C, comp(prompt="\U0001F600 paired surrogates are one character", user="\ud83d\ude00")),
+    (CHAT, chat(messages=[{"role": "user", "content": "hi", "name": "\u0000"}])),
+], ids=["nul_prompt_and_stop", "nul_chat", "astral_character", "nul_name"])
+def test_odd_but_valid_text_is_accepted(server, path, body):
+    r = _send(server, path, body)
+    assert r.status_code == 200, r.text
+
+
 def test_seed_at_the_edge_of_the_range_with_n_is_accepted(server):
     r = _send(server, C, comp(n=2, seed=MAX_SEED - 1, max_tokens=2))  # seeds MAX_SEED - 1 and MAX_SEED
     assert r.status_code == 200, r.text
@@ -155,6 +181,35 @@ def test_oversized_body_gets_413_before_it_is_read(server):
     _assert_error(r, 413, None, "request_too_large")
 
 
+def test_a_huge_text_prompt_is_413_before_tokenizing_and_the_server_stays_live(server):
+    """Issue 20.3: a 7 MB prompt was tokenized in full (seconds of CPU) before the length check, and every
+    stream and /health stalled meanwhile. It cannot fit max_req_input_len tokens, so it is refused by its
+    bytes; four at once, next to a running stream and /health, are all answered promptly."""
+    huge = "lorem ipsum dolor sit amet " * (7_000_000 // 27)
+    bodies = [(C, comp(prompt=huge)), (C, comp(prompt=["short", huge])),
+              (CHAT, chat(messages=[{"role": "user", "content": huge}])),
+              (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": huge}]}]))]
+
+    async def scenario() -> tuple[list[httpx.Response], float, list[float]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            gaps, last = [], time.monotonic()
+            async with c.stream("POST", C, json=comp(max_tokens=200, stream=True, ignore_eos=True)) as stream:
+                big = [asyncio.ensure_future(c.post(p, json=b)) for p, b in bodies]
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                health_s = time.monotonic() - t0
+                async for _ in stream.aiter_lines():
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+            return await asyncio.gather(*big), health_s, gaps
+
+    responses, health_s, gaps = asyncio.run(scenario())
+    for r, param in zip(responses, ("prompt", "prompt", "messages", "messages"), strict=True):
+        err = _assert_error(r, 413, param, "context_length_exceeded")
+        assert "max_req_input_len" in err["message"]
+    assert health_s < 5.0 and max(gaps) < 5.0, (health_s, max(gaps))  # was 8.7 s for one such prompt
+
+
 def test_error_messages_are_capped_for_huge_bad_values(server):
     err = _assert_error(_send(server, C, comp(model="m" * 100_000)), 404, "model")
     assert len(err["message"]) <= MAX_ERROR_CHARS
@@ -173,8 +228,10 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def guarded(server_factory):
-    # one running request at a time and no queue: the second concurrent request is over the bound
-    return server_factory("--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "0")
+    # one running request at a time and no queue: the second concurrent request is over the bound; the key
+    # comes from the environment (DSASERVE_API_KEY, issue 20.8b), the flag is tested in test_server_args
+    return server_factory("--max-running-requests", "1", "--max-queued-requests", "0",
+                          env={"DSASERVE_API_KEY": KEY})
 
 
 def test_api_key_guards_every_route_but_health_and_metrics(guarded):

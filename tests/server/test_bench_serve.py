@@ -89,17 +89,17 @@ def test_bench_serve_counts_failures_instead_of_crashing(server, tmp_path):
     assert rc == 1 and r["failed"] == 3 and r["completed"] == 0 and "HTTP 404" in r["errors"][0]
 
 
-def test_bench_step_runs_the_scheduler_step_script(tmp_path, monkeypatch):
+def test_bench_step_runs_the_scheduler_step_script(tmp_path, set_switch):
     script = tmp_path / "bench_scheduler_step.py"
     record = tmp_path / "argv.json"
     script.write_text(f"import json\ndef main(argv):\n    open({str(record)!r}, 'w').write(json.dumps(argv))\n"
                       "    return 0\n")
-    monkeypatch.setenv("DSASERVE_BENCH_STEP_SCRIPT", str(script))
+    set_switch("DSASERVE_BENCH_STEP_SCRIPT", str(script))
     assert main(["bench", "step", "--steps", "5", "--help"]) == 0
     assert json.loads(record.read_text()) == ["--steps", "5", "--help"]
     script.write_text(f"import json, sys\ndef main():\n"
                       f"    open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     assert main(["bench", "step", "--batches", "1"]) == 0  # a main() that reads sys.argv gets the arguments
     assert json.loads(record.read_text()) == ["--batches", "1"]
-    monkeypatch.setenv("DSASERVE_BENCH_STEP_SCRIPT", str(tmp_path / "missing.py"))
+    set_switch("DSASERVE_BENCH_STEP_SCRIPT", str(tmp_path / "missing.py"))
     assert main(["bench", "step"]) == 2

@@ -9,8 +9,8 @@ import random
 import torch
 
 from dsaserve import Engine, SamplingParams
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.server.detokenizer import Detokenizer
+from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
+from dsaserve.server.detokenizer_process import Detokenizer
 from tests.engine.fake_runner import FakeRunner
 
 TEXT = "Hello, world! naïve café — 北京 🤖👍🏽 done."

@@ -89,7 +89,9 @@ def test_a_broken_checkpoint_fails_startup_with_the_reason(server_factory, tmp_p
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint(MODEL), broken)
-    next(broken.glob("model-*.safetensors")).unlink()  # a shard is missing
+    shard = next(broken.glob("model-*.safetensors"))
+    shard.unlink()  # a shard is missing: the HTTP process's pre-flight says so before any child starts
     s = server_factory("--model", str(broken), wait=False)
-    assert s.proc.wait(timeout=60) == 1
-    assert "scheduler failed: startup failed" in s.log_tail()
+    assert s.proc.wait(timeout=60) == 2
+    assert s.log_tail().strip().splitlines() == [
+        f"dsaserve serve: error: {broken}/model.safetensors.index.json: points at missing shard file(s) {shard.name}"]

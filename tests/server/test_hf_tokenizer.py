@@ -68,3 +68,12 @@ def test_token_bytes_are_exact_even_for_half_characters(tokenizer):
     assert halves  # the byte-level tokenizer splits some of these characters
     for t in halves:
         assert tokenizer.token_text(t) == "bytes:" + "".join(f"\\x{b:02x}" for b in tokenizer.token_bytes(t))
+
+
+def test_no_token_covers_more_bytes_than_max_token_bytes(tokenizer):
+    """The door's byte bound (server/processor.py) relies on it: B bytes of text are >= B / max tokens."""
+    texts = ["Hello world", " " * 500, "=" * 300 + "\n" * 40, "naïve café 日本語 😀" * 20, "abc" * 1000]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) * tokenizer.max_token_bytes >= len(text.encode("utf-8")), text[:20]
+    assert tokenizer.max_token_bytes == max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))

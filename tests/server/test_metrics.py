@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
+from dsaserve.server.tokenizer_manager import HEALTH_CACHE_S
 from tests.server.harness import MODEL, scrape, value, wait_idle
 
 # family names as the parser reports them (counters without their _total suffix)
@@ -75,3 +78,52 @@ def test_http_errors_are_counted_by_status(server):
                                                                              status="404") == 1
     assert value(after, "dsaserve_http_errors_total", status="400") - value(before, "dsaserve_http_errors_total",
                                                                              status="400") == 1
+
+
+def _help(server) -> dict[str, str]:
+    text = server.get("/metrics").text
+    return {line.split()[2]: line.split(" ", 3)[3] for line in text.splitlines() if line.startswith("# HELP ")}
+
+
+def test_kv_pages_used_cached_and_free_add_up_while_requests_share_cached_pages(server):
+    """Issue 20: cached + used exceeded the total (a page both cached and used counted twice)."""
+    prompt = list(range(300, 300 + 140))  # two full pages, cached by the first request, shared by the second
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the stream, and the request is aborted
+        next(lines)
+        _, s = scrape(server)
+    used, cached = value(s, "dsaserve_kv_pages_used"), value(s, "dsaserve_kv_pages_cached")
+    assert used >= 2 and value(s, "dsaserve_kv_pages_in_prefix_cache") >= 2
+    assert used + cached + value(s, "dsaserve_kv_pages_free") == value(s, "dsaserve_kv_pages_total")
+
+
+def test_abort_and_request_counters_say_what_they_count(server):
+    """Issue 20: engine aborts 3 against HTTP aborts 0 (stop strings), engine requests counting /health
+    probes silently, eager fallbacks 0 on CPU under a help saying "all reasons"."""
+    wait_idle(server)
+    _, before = scrape(server)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stop": [text[3:6]]}, timeout=60)
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    time.sleep(HEALTH_CACHE_S + 0.1)
+    assert server.get("/health").status_code == 200  # a fresh probe
+    wait_idle(server)
+    _, after = scrape(server)
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert delta("dsaserve_engine_stop_string_samples_total") == 1
+    assert delta("dsaserve_engine_aborted_requests_total") == delta("dsaserve_requests_aborted_total") == 0
+    assert delta("dsaserve_health_probes_total") >= 1
+    assert delta("dsaserve_engine_requests_total") == (delta("dsaserve_requests_received_total")
+                                                       + delta("dsaserve_health_probes_total"))
+    helps = _help(server)
+    assert "/health" in helps["dsaserve_engine_requests_total"]
+    assert "HTTP" in helps["dsaserve_requests_aborted_total"] and "stop string" not in helps[
+        "dsaserve_engine_aborted_requests_total"]
+    assert "0 without graphs" in helps["dsaserve_eager_fallbacks_total"]

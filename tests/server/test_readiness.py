@@ -102,10 +102,40 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(slow_start):
     chunks = [next(iter(stream))]
     os.kill(pids["main"], signal.SIGTERM)
     time.sleep(0.5)
-    with pytest.raises(httpx.ConnectError):  # no new connections once draining
-        httpx.get(slow_start.url + "/health", timeout=5)
+    # a new connection during the drain is answered, with 503 and an error object (issue 20.4), not refused
+    r = httpx.post(slow_start.url + "/v1/completions", json={"model": MODEL, "prompt": "late"}, timeout=5)
+    assert _error(r, 503)["code"] == "service_unavailable" and "draining" in r.json()["error"]["message"]
+    health = httpx.get(slow_start.url + "/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"].startswith("draining")
     chunks += list(stream)  # the in-flight request runs to its end
     assert chunks[-1].usage.completion_tokens == 120
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert slow_start.proc.wait(timeout=30) == 0
     assert not alive(pids["scheduler"]) and not alive(pids["detokenizer"])
+
+
+def test_a_drain_that_runs_out_ends_every_request_with_an_error_object(server_factory):
+    """--drain-timeout 0.9 is 0.9 s (it was cut to int 0); when it runs out, a non-streaming client gets a
+    503 error object and a stream gets a final SSE error event and [DONE] (issue 20.4)."""
+    s = server_factory("--drain-timeout", "0.9")
+    long = {"model": MODEL, "prompt": "Drain me", "max_tokens": 3000, "ignore_eos": True}
+
+    async def scenario() -> tuple[list[str], httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            plain = asyncio.ensure_future(c.post("/v1/completions", json=long))
+            async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                lines = r.aiter_lines()
+                events = [await anext(lines)]  # the stream is running
+                os.kill(s.pids()["main"], signal.SIGTERM)
+                t0 = time.monotonic()
+                events += [line async for line in lines if line]
+                cut_after = time.monotonic() - t0
+            return [e for e in events if e], await plain, cut_after
+
+    events, plain, cut_after = asyncio.run(scenario())
+    assert cut_after >= 0.8, cut_after  # the drain waited its 0.9 s
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert err["code"] == "service_unavailable" and "--drain-timeout 0.9 s" in err["message"]
+    assert _error(plain, 503)["code"] == "service_unavailable"
+    assert s.proc.wait(timeout=30) == 0

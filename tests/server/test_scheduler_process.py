@@ -4,10 +4,10 @@ detokenizer), an ABORT without one ends the request, and a bad index does not ki
 
 from __future__ import annotations
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.rank_group import RankGroup
-from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.server import ipc
 from dsaserve.server.scheduler_process import SchedulerLoop
 from tests.engine.fake_runner import FakeRunner

@@ -13,9 +13,9 @@ from dsaserve.weights.checkpoint_writer import INDEX_FILE, write_checkpoint
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("DSASERVE_MAX_CHECKPOINT_GB", raising=False)
+def cache(tmp_path, set_switch):
+    set_switch("DSASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    set_switch("DSASERVE_MAX_CHECKPOINT_GB", None)
     return tmp_path / "cache"
 
 
@@ -101,10 +101,10 @@ def test_full_size_builtins_are_refused_pointing_at_dummy_weights(cache):
     assert not (cache / "checkpoints" / "glm-5.3-seed0").exists()
 
 
-def test_the_size_limit_is_configurable(cache, monkeypatch):
-    monkeypatch.setenv("DSASERVE_MAX_CHECKPOINT_GB", "0.001")
+def test_the_size_limit_is_configurable(cache, set_switch):
+    set_switch("DSASERVE_MAX_CHECKPOINT_GB", "0.001")
     with pytest.raises(CheckpointResolveError, match="glm-5.3-tiny.*DSASERVE_MAX_CHECKPOINT_GB"):
         resolve_checkpoint("glm-5.3-tiny")
-    monkeypatch.setenv("DSASERVE_MAX_CHECKPOINT_GB", "lots")
+    set_switch("DSASERVE_MAX_CHECKPOINT_GB", "lots")
     with pytest.raises(CheckpointResolveError, match="DSASERVE_MAX_CHECKPOINT_GB.*'lots'"):
         resolve_checkpoint("glm-5.3-tiny")

@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dsaserve.config import load_config
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.weights.loader import CheckpointError, load_checkpoint
-
-W = "model.layers.1.self_attn.q_b_proj.weight"
-S = W + "_scale_inv"
+from tests.weights.broken_checkpoint import BREAKAGES, S, W, copy_checkpoint, nan_scale
+from tests.weights.broken_checkpoint import edit_shard as _edit_shard
+from tests.weights.broken_checkpoint import index as _index
+from tests.weights.broken_checkpoint import write_index as _write_index
 
 
 @pytest.fixture()
 def ckpt(tmp_path, tiny_checkpoint) -> Path:
-    dst = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint("glm-5.3-tiny"), dst)
-    return dst
-
-
-def _index(ckpt: Path) -> dict:
-    return json.loads((ckpt / "model.safetensors.index.json").read_text())
-
-
-def _write_index(ckpt: Path, index: dict) -> None:
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def _edit_shard(ckpt: Path, tensor: str, edit) -> None:
-    """Rewrite the shard holding `tensor` after `edit(dict_of_tensors)`."""
-    fname = _index(ckpt)["weight_map"][tensor]
-    with safe_open(str(ckpt / fname), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    edit(tensors)
-    save_file(tensors, str(ckpt / fname), metadata={"format": "pt"})
+    return copy_checkpoint(tiny_checkpoint("glm-5.3-tiny"), tmp_path / "ckpt")
 
 
 def _load(ckpt: Path):
@@ -159,3 +137,37 @@ def test_a_parameter_no_tensor_fills_is_named(ckpt):
     model.extra = torch.nn.Parameter(torch.empty(3), requires_grad=False)  # the model grew, the spec did not
     with pytest.raises(CheckpointError, match="no checkpoint tensor filled: extra"):
         load_checkpoint(model, ckpt, progress=False)
+
+
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_every_broken_checkpoint_is_one_checkpoint_error_naming_the_culprit(ckpt, breakage):
+    pattern = BREAKAGES[breakage](ckpt)
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        _load(ckpt) if breakage != "config.json of random bytes" else load_config(ckpt)
+    assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
+
+
+def test_nan_weight_scale_inv_is_refused_by_name(ckpt):
+    with pytest.raises(CheckpointError, match=nan_scale(ckpt)):
+        _load(ckpt)
+
+
+def test_inf_in_a_bf16_norm_is_refused_by_name(ckpt):
+    name = "model.layers.2.post_attention_layernorm.weight"
+    _edit_shard(ckpt, name, lambda t: t[name].__setitem__(3, float("inf")))
+    with pytest.raises(CheckpointError, match=rf"{name}: 1 non-finite value"):
+        _load(ckpt)
+
+
+def test_nan_encoding_in_an_fp8_weight_is_refused_by_name(ckpt):
+    def poke(t):  # e4m3fn has two NaN bytes, 0x7f and 0xff, and no Inf
+        t[W].view(torch.uint8).view(-1)[:2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+
+    _edit_shard(ckpt, W, poke)
+    with pytest.raises(CheckpointError, match=rf"{W}: 2 non-finite value"):
+        _load(ckpt)
+
+
+def test_a_finite_fp8_extreme_is_not_mistaken_for_nan(ckpt):
+    _edit_shard(ckpt, W, lambda t: t[W].view(torch.uint8).view(-1).__setitem__(0, 0x7E))  # 448, e4m3fn's max
+    _load(ckpt)

@@ -1,23 +1,40 @@
-"""StepContext: what every layer of one forward shares (batch metadata, KV pool, RoPE tables, kernels)."""
+"""StepContext: what every layer of one forward shares (batch metadata, KV pool, RoPE tables, kernels).
+
+Owns: `PagedKV`, what the model reads of the KV pool (the engine's `engine/kv_pool.py` KVPool is one; the
+model names the interface instead of importing the engine above it), and the per-forward context.
+"""
 
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.common.kv_layout import KVLayout
+from dsaserve.config import ModelConfig
 from dsaserve.model.forward_batch import ForwardBatch
+
+
+class PagedKV(Protocol):
+    cfg: ModelConfig
+    layout: KVLayout
+    page_size: int
+    kv_bpt: int  # main-KV bytes per token per layer
+    idx_bpt: int  # indexer-K bytes per token per full layer
+
+    def kv_cache(self, layer: int) -> torch.Tensor: ...
+
+    def index_cache(self, layer: int) -> torch.Tensor: ...
 
 
 @dataclass
 class StepContext:
     batch: ForwardBatch
-    pool: KVPool
+    pool: PagedKV
     cos: torch.Tensor  # [T, rope/2]
     sin: torch.Tensor
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
-    selected: int | None = None  # slots sparse MLA reads per layer this step (host-side count, cached)
     side_stream: torch.cuda.Stream | None = None  # full layers' indexer selection overlaps the q path here

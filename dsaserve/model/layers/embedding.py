@@ -13,7 +13,6 @@ from torch import nn
 from dsaserve.distributed.collectives import all_gather, all_reduce
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import mark_sharded, tp_shard
-from dsaserve.engine.counters import COUNTERS
 
 
 class Embedding(nn.Module):
@@ -40,5 +39,4 @@ class Embedding(nn.Module):
 
 class LMHead(Embedding):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        COUNTERS.add("weight_bytes_read", self.weight.numel() * 2)
         return all_gather((h @ self.weight.t()).float(), self.group, dim=-1)

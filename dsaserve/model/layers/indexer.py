@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from dsaserve.config import ModelConfig
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.ledger.causal import keys_scored
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import LayerNorm
@@ -68,15 +66,12 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(self.wk(x) if k_raw is None else k_raw), ctx)
         cache = ctx.pool.index_cache(self.layer_id)
         ctx.ops.indexer_k_write(cache, ctx.pool.layout, b.out_cache_loc, k)
-        COUNTERS.add("indexer_bytes_written", t * ctx.pool.idx_bpt)
         return q, self.head_weights(x)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Scores over the paged indexer cache and the top-k -> [T, index_topk] physical slots, -1 padded."""
         b, cache = ctx.batch, ctx.pool.index_cache(self.layer_id)
         seq_lens, ext = b.host_lens()
-        COUNTERS.add("indexer_bytes_read", sum(keys_scored(s - n, n) for s, n in zip(seq_lens, ext, strict=True))
-                     * ctx.pool.idx_bpt)
         return ctx.ops.indexer_topk(q, w, cache, ctx.pool.layout, b.page_table, b.req_index, b.positions,
                                     self.topk, b.page_size, seq_lens, ext)
 

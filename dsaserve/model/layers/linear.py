@@ -3,7 +3,7 @@
 Owns: how one projection holds its weight between loading and running. Loading stores exactly what is on
 disk (FP8 + `weight_scale_inv`, or BF16); `finalize()` (vLLM's process_weights_after_loading) then either
 keeps FP8 for the FP8 GEMM kernel or dequantises once into the compute dtype for the reference path.
-Each forward adds the bytes it read to the `weight_bytes_read` counter (the ledger's weight-read term).
+`disk_bytes` is what one forward reads (the ledger's weight-read term; `model/step_counts.py` adds it up).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels import registry
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.weights.spec import scale_shape
@@ -62,7 +61,6 @@ class Linear(nn.Module):
         self.weight_scale_inv = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        COUNTERS.add("weight_bytes_read", self.disk_bytes)
         if self.keep_fp8:
             return registry.get_ops(x.device).fp8_linear(x, self.weight, self.weight_scale_inv)
         return nn.functional.linear(x, self.weight)

@@ -13,8 +13,6 @@ from torch import nn
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_state import get_parallel_state
-from dsaserve.engine.counters import COUNTERS
-from dsaserve.ledger.causal import topk_selected
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear, MergedLinear
@@ -22,16 +20,6 @@ from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
 from dsaserve.weights.spec import is_not_converted
-
-
-def selected_slots(ctx: StepContext) -> int:
-    """Slots sparse MLA reads this step, from host metadata (no device sync): each query at position p
-    sees p + 1 keys and keeps min(index_topk, p + 1) of them."""
-    if ctx.selected is None:
-        seq_lens, ext = ctx.batch.host_lens()
-        k = ctx.pool.cfg.index_topk
-        ctx.selected = sum(topk_selected(s - n, n, k) for s, n in zip(seq_lens, ext, strict=True))
-    return ctx.selected
 
 
 class MLAAttention(nn.Module):
@@ -119,9 +107,6 @@ class MLAAttention(nn.Module):
         kv_cache = ctx.pool.kv_cache(self.layer_id)
         ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
                          self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
-        COUNTERS.add("kv_bytes_written", t * ctx.pool.kv_bpt)
-        COUNTERS.add("weight_bytes_read", self.kv_b_proj.disk_bytes)  # read as the absorbed W_uk / W_uv
-        COUNTERS.add("kv_bytes_read", selected_slots(ctx) * ctx.pool.kv_bpt)
         q_abs = ops.head_bmm(q_nope, self.w_uk)  # [T, H, kv_lora]
         if side_inputs is not None:
             torch.cuda.current_stream().wait_stream(ctx.side_stream)

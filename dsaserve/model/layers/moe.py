@@ -5,6 +5,8 @@ normalised weights x routed_scaling_factor), the stacked expert weights (w13 = [
 down) that per-expert checkpoint tensors are loaded into, and the shared expert added to the routed sum.
 Under TP / EP a rank holds its experts (and rows) only, and the layer ends with one reduction over the MoE
 group, or all-to-all dispatch / combine (dsaserve/distributed/expert_parallel.py, docs/PARALLELISM.md).
+Under DP-attention each rank routes its own tokens and exchanges them (`dp_exchange`); `forward_idle` is the
+same layer with no tokens, so a rank without work still makes every call.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.collectives import all_reduce
-from dsaserve.distributed.expert_parallel import a2a_moe_forward, finalize_deferred_experts, local_routes
+from dsaserve.distributed.expert_parallel import (
+    a2a_moe_forward,
+    dp_exchange,
+    finalize_deferred_experts,
+    idle_exchange,
+    local_routes,
+)
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
-from dsaserve.engine.counters import COUNTERS
 from dsaserve.kernels.reference import dequant_fp8_weight
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
@@ -65,7 +73,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        COUNTERS.add("weight_bytes_read", self.weight.numel() * 2 + self.e_score_correction_bias.numel() * 4)
         w = self.weight_f32 if self.weight_f32 is not None else self.weight.float()  # HF routes in fp32
         logits = ctx.ops.router_logits(x, w)
         return ctx.ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
@@ -168,9 +175,18 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         state = get_parallel_state()  # EP / TP: one all-reduce sums routed parts (+ TP-split shared expert)
         self.group, self.shared_split, self.a2a = state.moe_group, state.tp_size > 1, state.moe_a2a
+        self.dp = state.dp_attention and state.moe_group.size > 1
+
+    def forward_idle(self, dtype: torch.dtype, device: torch.device, ctx) -> None:
+        """DP-attention, no tokens on this rank: the layer's collectives (and its experts' work for others)."""
+        if self.dp:
+            idle_exchange(self.experts, self.group, self.gate.cfg.hidden_size, dtype, device, ctx)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         weights, ids = self.gate(x, ctx)
+        if self.dp:  # own tokens only: routed experts by exchange, the (replicated) shared expert here
+            out = dp_exchange(self.experts, self.group, x, weights, ids, ctx)
+            return out if self.shared_experts is None else out + self.shared_experts(x)
         if self.a2a:
             return a2a_moe_forward(self, x, weights, ids, ctx)
         if self.shared_experts is not None and self.group.size == 1:  # one device: the add rides the combine
@@ -181,3 +197,4 @@ class MoE(nn.Module):
         if self.shared_split:
             return all_reduce(out + self.shared_experts(x), self.group)
         return all_reduce(out, self.group) + self.shared_experts(x)
+

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsaserve.server.chat_encoding import EncodedPrompt, parsed_tool_calls
+from dsaserve.server.chat_encoding.base import EncodedPrompt, parsed_tool_calls
 from dsaserve.server.hf_tokenizer import ChatTemplateError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsaserve.server.chat_encoding import THINK_START, EncodedPrompt, parsed_tool_calls
+from dsaserve.server.chat_encoding.base import THINK_START, EncodedPrompt, parsed_tool_calls
 from dsaserve.server.hf_tokenizer import HFTokenizer
 
 

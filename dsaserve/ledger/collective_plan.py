@@ -4,7 +4,7 @@ Owns: the per-step collective plan for pure TP, DP-attention + EP and TP + EP (n
 step 的集合通信总账"), the PD handoff per request, and bytes -> time (per-rank ring bytes over the
 per-direction link bandwidth plus a fixed per-call overhead; or the notes' message-bytes method).
 Request-path stages it predicts: 5 (embedding all-reduce), 6 (per-layer reductions, MoE dispatch /
-combine), 8 (vocab all-gather). Names of kinds match `collective_calls.<kind>` of engine/counters.py.
+combine), 8 (vocab all-gather). Names of kinds match `collective_calls.<kind>` of common/counters.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.units import ceil_div
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COUNT_BYTES = 8  # int64 pair count per (sender, receiver): dsaserve's DP-attention count exchange
+ROUTE_META_BYTES = 8  # int32 expert id + fp32 routing weight packed after each dispatched row (dsaserve)
 
 
 def wire_factor(kind: str, n: int) -> float:
@@ -88,7 +90,10 @@ def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, 
     `logits_rows` = rows the lm_head computes (decode: b; prefill chunk: 1 per request, 0 mid-prompt).
     `one_request`: the tokens are one request's (a prefill chunk), so under DP-attention one rank holds them
     all. MoE dispatch / combine rows are one rank's: see `a2a_tokens`.
+    DP-attention with `asm.dp_moe == "a2a"` is dsaserve's engine (`dp_a2a_plan`); otherwise the notes' table.
     """
+    if dep.dp_attention and asm.dp_moe == "a2a":
+        return dp_a2a_plan(cfg, dep, asm, tokens, mtp)
     h, n = cfg.hidden_size, dep.tp
     layers = cfg.num_hidden_layers + (len(cfg.mtp_layer_ids) if mtp else 0)
     n_dense = len(cfg.dense_layers)
@@ -128,6 +133,27 @@ def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, 
                                   logits_rows * cfg.vocab_size * asm.logits_bytes, n,
                                   "each rank computes V/TP logits per row (FP32)"))
     return [r for r in rows if r.ranks > 1]
+
+
+def dp_a2a_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int,
+                mtp: bool = False) -> list[CollectiveRow]:
+    """dsaserve's DP-attention (distributed/expert_parallel.py `dp_exchange`): attention, dense MLPs, shared
+    experts, embedding and lm_head run replicated on each rank's own batch (no collective); every MoE layer
+    exchanges pair counts, then dispatches rows (+ expert id and weight) and combines the weighted outputs.
+    `tokens` = all ranks' tokens together; messages are sender totals summed over the ranks (each rank's own
+    share depends on routing). Ranks with no tokens make the same calls (`forward_idle`)."""
+    n, h, k = dep.ep, cfg.hidden_size, cfg.num_experts_per_tok
+    n_moe = len(cfg.moe_layers) + (sum(cfg.is_moe(i) for i in cfg.mtp_layer_ids) if mtp else 0)
+    pairs = tokens * k
+    rows = [CollectiveRow("MoE count exchange", "all_to_all", n_moe, n * n * COUNT_BYTES, n,
+                          "ranks route their own tokens: each tells every rank how many pairs follow"),
+            CollectiveRow("MoE dispatch (+ expert id, weight)", "all_to_all", n_moe,
+                          pairs * (h * asm.dispatch_bytes + ROUTE_META_BYTES), n,
+                          f"every token to its {k} experts' ranks (sender total), {ROUTE_META_BYTES} B of routing "
+                          "per row"),
+            CollectiveRow("MoE combine", "all_to_all", n_moe, pairs * h * asm.combine_bytes, n,
+                          f"{k} weighted expert outputs back per token")]
+    return [r for r in rows if r.ranks > 1 and r.calls]
 
 
 def hidden_reduction_rows(rows: list[CollectiveRow]) -> list[CollectiveRow]:

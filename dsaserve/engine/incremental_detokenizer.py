@@ -1,7 +1,7 @@
 """IncrementalDetokenizer: token ids -> text as they arrive, and stop-string matching (request path stage 10).
 
 Owns: the text side of one sample, for both fronts — the offline Engine (engine/engine.py) and the
-server's detokenizer process (server/detokenizer.py, which adds the process loop and logprob entries).
+server's detokenizer process (server/detokenizer_process.py, which adds the process loop and logprob entries).
 The tokenizer is anything with `decode(ids, skip_special_tokens=...)`: a `tokenizers.Tokenizer`, the
 server's HFTokenizer, or a test double.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams
 
 PROMPT_CONTEXT = 5  # prompt ids decoded with the output (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 

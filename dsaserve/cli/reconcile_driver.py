@@ -1,9 +1,10 @@
 """Reconcile driver: run the real offline engine on a small config and record a run file for reconcile.py.
 
-Owns: the one place the ledger touches the engine — `run_engine` imports `dsaserve.Engine` (and so torch)
-inside the function, resets COUNTERS after startup (the memory profile and warmup are not the workload),
-generates greedily with ignore_eos so every request produces exactly max_tokens, and returns a
-`RunRecord` (counters snapshot + KV pool info + the scheduler limits the prediction replays).
+Owns: the one place the ledger's reconcile meets the engine (it sits above both, so the ledger imports
+no engine) — `run_engine` imports the Engine (and so torch) inside the function, resets COUNTERS after
+startup (the memory profile and warmup are not the workload), generates greedily with ignore_eos so every
+request produces exactly max_tokens, and returns a `RunRecord` (counters snapshot + KV pool info + the
+scheduler limits the prediction replays).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT
 from dsaserve.ledger.reconcile import RunRecord, RunShape
 
 DEFAULT_PROMPTS = (5, 17, 70)  # a sub-page prompt, a mid-page one, one past a page boundary
@@ -28,10 +30,11 @@ def _pool_info(eng: Any) -> dict[str, Any]:
 
 
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,
-               max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = "fp8_ds_mla", dtype: str = "float32",
+               max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = DEFAULT_KV_LAYOUT, dtype: str = "float32",
                device: str = "cpu", **engine_args: Any) -> RunRecord:
-    from dsaserve import Engine, SamplingParams
-    from dsaserve.engine.counters import COUNTERS
+    from dsaserve.common.counters import COUNTERS
+    from dsaserve.common.sampling_params import SamplingParams
+    from dsaserve.engine.engine import Engine
 
     eng = Engine(model=model, kv_layout=kv_layout, dtype=dtype, device=device, **engine_args)
     vocab = eng.core.cfg.vocab_size if hasattr(eng.core, "cfg") else 512

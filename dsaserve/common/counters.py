@@ -15,6 +15,7 @@ README's JSON keys use them):
   collective_bytes.<kind>  message bytes of each collective (what one rank sends)
   collective_wire_bytes.<kind>  bytes on the wire per rank (ring all-reduce: 2(n-1)/n x message)
   forward_steps            model forwards; decode_steps / prefill_tokens / decode_tokens likewise
+  idle_steps               DP-attention: steps a rank had no tokens and only took part in the MoE exchange
   graph_replays            CUDA-graph replays; eager_fallbacks.<reason> eager runs by reason
   kernel_compiles_after_up Triton kernels compiled after startup (a cold path warmup did not cover)
 """

@@ -4,7 +4,7 @@ Owns: the process loop — take the scheduler's batches (register / deltas / dro
 live sample, send text outputs to the main process, and tell the scheduler to abort a sample whose stop
 string matched (the scheduler does not know text, only ids) — and the logprob entries (token text and
 bytes). The text work itself (incremental decoding in context, stop strings with hold-back,
-include_stop_str_in_output, skip_special_tokens) is engine/detokenizer.py's IncrementalDetokenizer, the
+include_stop_str_in_output, skip_special_tokens) is engine/incremental_detokenizer.py's IncrementalDetokenizer, the
 same class the offline Engine uses, so both fronts give the same text for the same ids.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq
 
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
+from dsaserve.engine.lifetime import start_child
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
-from dsaserve.engine.lifetime import start_child
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:

@@ -1,8 +1,8 @@
 """Causal attention counts of a chunk: keys the indexer scores and slots sparse MLA reads.
 
 Owns: the two closed forms both sides of the ledger use — its predictions (`ledger/prefill.py`,
-`ledger/reconcile.py`) and the engine's measured counters (`model/layers/*`, `engine/cuda_graph_runner.py`),
-so prediction and measurement cannot drift apart by construction of the arithmetic. Pure Python.
+`ledger/reconcile.py`) and the engine's measured counters (`model/step_counts.py`, eager steps and graph
+replays alike), so prediction and measurement cannot drift apart by construction of the arithmetic. Pure Python.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
-from dsaserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kw, field", [

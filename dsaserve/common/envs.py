@@ -1,0 +1,92 @@
+"""Environment switches: every `DSASERVE_*` variable the package reads, declared once and read once.
+
+Owns: the table of switches (name, default, what it does), one snapshot of them taken when this module is
+first imported (process start-up), `reload()` that takes it again (a test or an A/B script that changed
+os.environ: a switch flipped after start-up changes nothing until then), and `set_switches()`, the ones the
+environment set, for the startup manifest. Read a switch as an attribute, `envs.DSASERVE_PDL` (vLLM's
+envs.py, mini-sglang's env.py); a value that must be checked is checked where it is used, so its error
+names the place. Variables of other tools (TRITON_*, RANK / WORLD_SIZE / MASTER_*) stay with the code that
+hands them on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+
+@dataclass(frozen=True)
+class Switch:
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+
+
+def _on_unless_zero(raw: str) -> bool:
+    return raw.strip() != "0"
+
+
+def _on_unless_exactly_zero(raw: str) -> bool:
+    return raw != "0"
+
+
+def _text(raw: str) -> str | None:
+    return raw or None
+
+
+SWITCHES: dict[str, Switch] = {
+    "DSASERVE_KERNELS": Switch(
+        "auto", lambda raw: raw.strip().lower() or "auto",
+        "'reference': the PyTorch reference kernels everywhere (debugging, bisecting)"),
+    "DSASERVE_FP8_ACTIVATIONS": Switch("1", str.strip, "'0': the GPU FP8 GEMMs keep their activations bf16"),
+    "DSASERVE_PDL": Switch(
+        True, _on_unless_exactly_zero, "'0': launch the Triton kernels without programmatic dependent launch"),
+    "DSASERVE_GRAPH_H2D": Switch(
+        True, _on_unless_exactly_zero, "'0': copy a replayed step's inputs outside its CUDA graph"),
+    "DSASERVE_OVERLAP_INDEXER": Switch(
+        True, _on_unless_zero, "'0': the full layers' indexer selection on the compute stream, not a side stream"),
+    "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
+    "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
+    "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
+    "DSASERVE_TEST_READY_DELAY_S": Switch(None, _text, "test hook: the scheduler waits this long before ready"),
+}
+
+if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
+    DSASERVE_KERNELS: str
+    DSASERVE_FP8_ACTIVATIONS: str
+    DSASERVE_PDL: bool
+    DSASERVE_GRAPH_H2D: bool
+    DSASERVE_OVERLAP_INDEXER: bool
+    DSASERVE_CACHE_DIR: str | None
+    DSASERVE_MAX_CHECKPOINT_GB: str | None
+    DSASERVE_BENCH_STEP_SCRIPT: str | None
+    DSASERVE_TEST_READY_DELAY_S: str | None
+
+_raw: dict[str, str] = {}
+_values: dict[str, Any] = {}
+
+
+def reload() -> None:
+    """Read every switch from os.environ again."""
+    global _raw, _values
+    _raw = {name: os.environ[name] for name in SWITCHES if name in os.environ}
+    _values = {}
+
+
+def set_switches() -> dict[str, str]:
+    """The switches the environment set (as written), for the startup manifest."""
+    return dict(_raw)
+
+
+def __getattr__(name: str) -> Any:
+    switch = SWITCHES.get(name)
+    if switch is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _values:
+        _values[name] = switch.parse(_raw[name]) if name in _raw else switch.default
+    return _values[name]
+
+
+reload()

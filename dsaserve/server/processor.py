@@ -1,0 +1,222 @@
+"""Processor: an OpenAI request -> one GenerateRequest, validated and tokenized once (request path stage 1).
+
+Owns: every check made at the door, in order, before any GPU work and before a stream's 200 — model
+name, options this server does not support, `n` / seed / stop_token_ids against this engine's limits,
+the bytes of prompt text against what `max_req_input_len` tokens can possibly hold (413 before
+tokenizing: a 7 MB prompt must not cost seconds of tokenizer time), token ids against the vocabulary,
+prompt and context lengths against the scheduler's own ruler, and the mapping onto SamplingParams (its
+ValueError names the field -> 400). Tokenisation and chat-template rendering of large texts run on a
+small thread pool, never on the event loop, so /health and every stream stay live meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
+from typing import Any
+
+from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.server.hf_tokenizer import ChatTemplateError, HFTokenizer
+from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from dsaserve.server.request_state import GenerateRequest, Prompt
+
+MAX_SEED = (1 << 63) - 1  # seeds are signed 64-bit (torch.Generator.manual_seed, the IPC's msgpack ints)
+OFFLOAD_CHARS = 1 << 14  # texts longer than this are tokenized / rendered on the pool (~ms of work)
+TOKENIZER_THREADS = 2  # huge prompts queue here instead of taking every core from the loop and the engine
+BYTES_SLACK = 2  # a normalizer may compose characters (NFC): allow twice the longest token's bytes per token
+
+
+class Processor:
+    def __init__(self, tok: HFTokenizer, scheduler_info: Callable[[], dict[str, Any]]) -> None:
+        self.tok = tok
+        self.info = scheduler_info
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self.token_bytes = max(int(tok.max_token_bytes), 4)  # a walk over the vocabulary: once, at startup
+
+    # ---- the two endpoints --------------------------------------------------------------------
+    async def completion(self, req: CompletionRequest) -> GenerateRequest:
+        if req.suffix:
+            raise bad_request("suffix: not supported by this server", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of: only best_of == n is supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo: prompt logprobs are not supported; use echo without logprobs", "echo")
+        self._check_common(req)
+        prompts = await self._completion_prompts(req.prompt)
+        max_tokens = self._check_prompts(prompts, req.max_tokens, "prompt")
+        sampling = self.sampling(req, req.max_tokens, req.logprobs)
+        if req.echo:
+            for p in prompts:
+                p.text = p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
+        return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", prompts, sampling, max_tokens,
+                               logprobs=req.logprobs is not None, stream=req.stream,
+                               include_usage=_include_usage(req), echo=req.echo)
+
+    async def chat(self, req: ChatCompletionRequest) -> GenerateRequest:
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(f"response_format: {req.response_format.type!r} is not supported yet (text only)",
+                              "response_format")
+        if req.tools:
+            raise bad_request("tools: tool calling is not supported by this server", "tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+        self._check_common(req)
+        prompt = await self._chat_prompt(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._check_prompts([prompt], requested, "messages")
+        sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None)
+        return GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sampling, max_tokens,
+                               logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req))
+
+    # ---- checks -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (the scheduler's word once Up; the tokenizer's before)."""
+        return int(self.info().get("vocab_size") or self.tok.vocab_size)
+
+    def _check_common(self, req: Any) -> None:
+        """Options both endpoints refuse, and this engine's limits: n per prompt within
+        max_running_requests (the scheduler would refuse it only after a stream's 200), seed + i of sample i
+        still a signed 64-bit seed, every stop token id inside the vocabulary (the sampler indexes with it)."""
+        if req.logit_bias:
+            raise bad_request("logit_bias: not supported by this server", "logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        running = int(self.info().get("max_running_requests") or 0)
+        if running and req.n > running:
+            raise bad_request(f"n: {req.n} samples exceed this server's --max-running-requests of {running}", "n")
+        if req.seed is not None and req.seed + req.n - 1 > MAX_SEED:
+            raise bad_request(f"seed: with n={req.n}, sample i draws with seed + i, and seed {req.seed} + "
+                              f"{req.n - 1} exceeds the largest seed {MAX_SEED}", "seed")
+        if req.stop_token_ids:
+            self.check_ids(req.stop_token_ids, "stop_token_ids", allow_empty=True)
+
+    def check_ids(self, ids: list[int], param: str, allow_empty: bool = False) -> None:
+        """400 naming `param` if ids is empty (unless allowed) or holds an id outside [0, vocab)."""
+        vocab = self.vocab_size
+        if not ids and not allow_empty:
+            raise bad_request(f"{param}: must not be empty", param)
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def _check_prompts(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> int:
+        """Ids and lengths of every prompt; returns max_tokens resolved (the longest prompt's)."""
+        resolved = []
+        for p in prompts:
+            self.check_ids(p.ids, param)
+            resolved.append(self._check_lengths(len(p.ids), max_tokens, param))
+        return min(resolved)
+
+    def _check_lengths(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        """Same ruler as the scheduler: max_req_input_len for the prompt, the context for prompt + output.
+        Returns the max_tokens to use (None -> what is left of the context)."""
+        info = self.info()
+        limit = int(info["max_req_input_len"])
+        context = min(int(info.get("max_model_len") or limit + 1), int(info.get("max_total_tokens") or 1 << 62))
+        if prompt_len > limit:
+            raise bad_request(f"{param}: the prompt has {prompt_len} tokens, more than this server's "
+                              f"max_req_input_len of {limit}", param, "context_length_exceeded")
+        if max_tokens is None:
+            return context - prompt_len
+        if prompt_len + max_tokens > context:
+            raise bad_request(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} max_tokens exceed the "
+                              f"context of {context} tokens", "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+    @cached_property
+    def max_text_bytes(self) -> int:
+        """No text longer than this can tokenize to max_req_input_len tokens or fewer."""
+        return int(self.info()["max_req_input_len"]) * self.token_bytes * BYTES_SLACK
+
+    def _check_text_bytes(self, size: int, param: str) -> None:
+        if size > self.max_text_bytes:
+            raise APIError(413, f"{param}: {size} bytes of text cannot fit this server's max_req_input_len of "
+                           f"{self.info()['max_req_input_len']} tokens (at most {self.max_text_bytes} bytes)",
+                           "invalid_request_error", param, "context_length_exceeded")
+
+    @staticmethod
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop
+        values = {
+            "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "min_p": req.min_p, "seed": req.seed, "repetition_penalty": req.repetition_penalty,
+            "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+            "max_tokens": max_tokens, "min_tokens": req.min_tokens, "stop": stop,
+            "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
+        }
+        keep_none = {"max_tokens", "logprobs", "seed"}  # None means something for these
+        try:
+            return SamplingParams(**{k: v for k, v in values.items() if v is not None or k in keep_none})
+        except ValueError as e:
+            param = str(e).split(":", 1)[0]
+            raise bad_request(str(e), param if param.isidentifier() else None) from None
+
+    # ---- tokenisation -------------------------------------------------------------------------
+    async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if size < OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> Prompt:
+        if not text:
+            raise bad_request(f"{param}: must not be empty", param)
+        self._check_text_bytes(_utf8_len(text), param)
+        return Prompt(await self._off_loop(len(text), self.tok.encode, text, add_special_tokens), text)
+
+    async def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [await self.encode_text(prompt, "prompt")]
+        if not prompt:
+            raise bad_request("prompt: must not be empty", "prompt")
+        if isinstance(prompt[0], str):
+            self._check_text_bytes(sum(_utf8_len(p) for p in prompt), "prompt")
+            return [await self.encode_text(p, "prompt") for p in prompt]
+        if isinstance(prompt[0], int):
+            return [Prompt(list(prompt))]
+        return [Prompt(list(p)) for p in prompt]
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        if req.add_generation_prompt and req.continue_final_message:
+            raise bad_request("continue_final_message: cannot be combined with add_generation_prompt",
+                              "continue_final_message")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        size = sum(_message_bytes(m) for m in messages)
+        self._check_text_bytes(size, "messages")
+        for d in messages:
+            d["role"] = "system" if d["role"] == "developer" else d["role"]  # templates know 'system'
+        extra = dict(req.chat_template_kwargs or {})
+        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message"})
+        if clash:
+            raise bad_request(f"chat_template_kwargs: {clash[0]!r} is a request field, set it there",
+                              "chat_template_kwargs")
+        try:
+            text = await self._off_loop(size, lambda: self.tok.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **extra))
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        ids = await self.encode_text(text, "messages", add_special_tokens=False) if text else None
+        if ids is None or not ids.ids:  # add_special_tokens=False: the template already has BOS etc.
+            raise bad_request("messages: the chat template rendered an empty prompt", "messages")
+        return ids
+
+
+def _include_usage(req: Any) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _message_bytes(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    if isinstance(content, list):
+        return sum(_utf8_len(part.get("text", "")) for part in content)
+    return _utf8_len(content) if isinstance(content, str) else 0

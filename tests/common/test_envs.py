@@ -1,0 +1,39 @@
+"""Environment switches: declared in one table, read once, re-read on request, listed when set."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsaserve.common import envs
+
+
+def test_a_switch_flipped_after_startup_counts_only_after_reload(monkeypatch):
+    monkeypatch.delenv("DSASERVE_PDL", raising=False)
+    envs.reload()
+    assert envs.DSASERVE_PDL is True and "DSASERVE_PDL" not in envs.set_switches()
+    monkeypatch.setenv("DSASERVE_PDL", "0")
+    assert envs.DSASERVE_PDL is True  # read once
+    envs.reload()
+    assert envs.DSASERVE_PDL is False and envs.set_switches()["DSASERVE_PDL"] == "0"
+    monkeypatch.undo()
+    envs.reload()
+
+
+def test_values_are_parsed_as_the_code_used_them(set_switch):
+    set_switch("DSASERVE_KERNELS", " Reference ")
+    set_switch("DSASERVE_CACHE_DIR", "")
+    assert envs.DSASERVE_KERNELS == "reference" and envs.DSASERVE_CACHE_DIR is None
+
+
+def test_every_dsaserve_variable_the_package_reads_is_declared_here():
+    import pathlib
+    import re
+
+    root = pathlib.Path(envs.__file__).parents[1]
+    named = {m for p in root.rglob("*.py") for m in re.findall(r"DSASERVE_[A-Z0-9_]+", p.read_text())}
+    assert named <= set(envs.SWITCHES)
+
+
+def test_an_unknown_switch_is_an_attribute_error():
+    with pytest.raises(AttributeError):
+        _ = envs.DSASERVE_NOT_A_SWITCH

@@ -1,0 +1,75 @@
+"""DP2 + EP2 on two gloo ranks: each rank runs its own requests (uneven token counts; at some steps none,
+through `forward_idle`) and its logits equal the single-rank model's for those requests; its counted
+collectives are exactly the ledger's plan for the layout (dsaserve's DP-attention: `dp_moe="a2a"`).
+Scenario: tests/distributed/dp_harness.py. float32 weights, fp32 KV.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsaserve.config import load_config
+from dsaserve.ledger.collective_plan import step_plan
+from dsaserve.ledger.deployment import Assumptions, Deployment
+from tests.distributed.dp_harness import dp_worker, expected_logits
+from tests.distributed.harness import CONFIGS, prompts_for, run_ranks
+
+N_DECODE = 3
+ATOL = 1e-4  # as test_tp_ep.py: only the order of sums changes
+FP32 = 4
+DEP = Deployment(tp=2, ep=2, dp_attention=True)
+ASM = Assumptions(dp_moe="a2a", act_bytes=FP32, dispatch_bytes=FP32, combine_bytes=FP32, logits_bytes=FP32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(dp_worker, N_DECODE, tmp_path_factory.mktemp("dp_ranks"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_rank_gets_the_single_rank_logits_of_its_own_requests(runs, name):
+    refs, ranks = runs
+    cfg = load_config(name)
+    for rank, res in enumerate(ranks):
+        steps = res[name]["steps"]
+        assert sum(s["what"][0] == "idle" for s in steps) == (3 if rank == 1 else 2)  # both idle at some step
+        for i, s in enumerate(steps):
+            if s["what"][0] == "idle":
+                assert s["logits"] is None
+                continue
+            err = (s["logits"] - expected_logits(refs[name], cfg, rank, s["what"])).abs().max().item()
+            assert err < ATOL, (name, rank, i, s["what"], err)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_counted_collectives_equal_the_ledger_plan_for_dp_attention(runs, name):
+    """Per step: every rank (busy or idle) makes the plan's calls, and nothing but all_to_all; the all_to_all
+    bytes summed over both ranks are the plan's sender totals for all the step's tokens."""
+    _, ranks = runs
+    cfg = load_config(name)
+    steps = list(zip(ranks[0][name]["steps"], ranks[1][name]["steps"], strict=True))
+    for i, (a, b) in enumerate(steps[:-1]):  # the last step is the MTP one, below
+        plan = step_plan(cfg, DEP, ASM, tokens=a["tokens"] + b["tokens"])
+        assert {r.kind for r in plan} == {"all_to_all"}
+        for c in (a["counters"], b["counters"]):
+            assert {k for k in c if k.startswith("collective_calls.")} == {"collective_calls.all_to_all"}
+            assert c["collective_calls.all_to_all"] == sum(r.calls for r in plan), (name, i)
+        sent = a["counters"]["collective_bytes.all_to_all"] + b["counters"]["collective_bytes.all_to_all"]
+        assert sent == sum(r.total_message for r in plan), (name, i)
+    mtp = step_plan(cfg, DEP, ASM, tokens=len(prompts_for(cfg)[0]), mtp=True)
+    for c in (steps[-1][0]["counters"], steps[-1][1]["counters"]):  # main forward + MTP layer (idle: both)
+        assert c["collective_calls.all_to_all"] == sum(r.calls for r in mtp)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dp_attention_layout_is_recorded_and_experts_are_split(runs, name):
+    cfg = load_config(name)
+    layouts = {k: tuple(r[name]["parallel"][k] for r in runs[1]) for k in ("dp_attention", "dp_size", "tp_size",
+                                                                         "ep_size", "moe_a2a", "rank")}
+    assert layouts == {"dp_attention": (True, True), "dp_size": (2, 2), "tp_size": (1, 1), "ep_size": (2, 2),
+                       "moe_a2a": (True, True), "rank": (0, 1)}
+    # each rank skips the other's half of the routed experts (gate, up, down; weight + scale) of every MoE layer
+    want = (len(cfg.moe_layers) + len(cfg.mtp_layer_ids)) * cfg.n_routed_experts // 2 * 3 * 2
+    for other, saved in ((1, runs[1][0]), (0, runs[1][1])):
+        why = saved[name]["not_loaded"].values()
+        assert len(why) == want and all(f"held by EP rank {other} of 2" in w for w in why)
