@@ -143,6 +143,7 @@ class EngineCore:
             "eos_token_ids": list(self.eos_token_ids),
             "startup_time": dict(self._startup),
             "warmed_schemas": self.warmed_schemas,
+            "grammar_compile_timeout": self.args.grammar_compile_timeout,
         }
 
     def manifest(self) -> dict[str, Any]:

@@ -20,12 +20,14 @@ Errors are `ChatPlanError(message, param)`; the serving layer answers them with 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.engine.grammar import GrammarError, make_spec
-from dsaserve.server.reasoning_parsers import ReasoningParser
-from dsaserve.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallStream
+from dsaserve.server.chat_encoding import encoder_for
+from dsaserve.server.reasoning_parsers import ReasoningParser, resolve_reasoning_parser
+from dsaserve.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallStream, resolve_tool_parser
 
 # request fields naming a grammar, other than response_format: field -> spec kind
 GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -48,6 +50,7 @@ class ChatPlan:
     parallel: bool = True
     grammar: dict[str, str] | None = None  # GrammarSpec.to_dict()
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    grammar_source: str | None = None  # the request field the grammar came from (the param of its 400)
 
 
 def _spec(kind: str, value: Any, param: str) -> dict[str, str]:
@@ -99,8 +102,8 @@ def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> di
     return schema
 
 
-def _format_grammar(req: Any) -> dict[str, str] | None:
-    """The grammar of response_format / structured_outputs / guided_* (at most one of them)."""
+def format_grammar(req: Any) -> tuple[str, dict[str, str]] | None:
+    """(field, grammar) of response_format / structured_outputs / guided_* / regex / ebnf (at most one)."""
     found: list[tuple[str, dict[str, str]]] = []
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type == "json_object":
@@ -122,7 +125,7 @@ def _format_grammar(req: Any) -> dict[str, str] | None:
             found.append((name, _spec(kind, getattr(req, name), name)))
     if len(found) > 1:
         raise ChatPlanError(f"{found[1][0]}: only one of {found[0][0]} and {found[1][0]} may be set", found[1][0])
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def plan_chat(req: Any, tool_parser: str | None) -> ChatPlan:
@@ -133,18 +136,61 @@ def plan_chat(req: Any, tool_parser: str | None) -> ChatPlan:
     if mode == "auto" and tool_parser is None:
         raise ChatPlanError("tools: tool calling is off on this server (--tool-call-parser none)", "tools")
     parallel = getattr(req, "parallel_tool_calls", None) is not False
-    plan = ChatPlan(tools, mode, name, parallel, _format_grammar(req),
-                    dict(getattr(req, "chat_template_kwargs", None) or {}))
+    fmt = format_grammar(req)
+    plan = ChatPlan(tools, mode, name, parallel, fmt[1] if fmt else None,
+                    dict(getattr(req, "chat_template_kwargs", None) or {}), fmt[0] if fmt else None)
     if mode in ("required", "named") and plan.grammar is not None:
         raise ChatPlanError("tool_choice: a required or named tool choice cannot be combined with "
                             "response_format / structured_outputs", "tool_choice")
     if mode == "named":
-        plan.grammar = _spec("json_schema", functions[name], "tools")
+        plan.grammar, plan.grammar_source = _spec("json_schema", functions[name], "tools"), "tools"
     elif mode == "required":
         plan.grammar = _spec("json_schema", _required_schema(functions, parallel), "tools")
+        plan.grammar_source = "tools"
     if plan.grammar is not None:  # constrained from the first token: no room for reasoning
         plan.template_kwargs.update(enable_thinking=False, thinking=False)
     return plan
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's side of chat features, built once: the family, its encoder, the parsers in force."""
+
+    model_type: str | None
+    encoder: Any  # server/chat_encoding ChatEncoder
+    tool_parser: str | None  # registry name, None: tool calling off
+    reasoning_parser: str | None  # None: reasoning stays in content
+
+    @classmethod
+    def build(cls, model_dir: str, tok: Any, tool_call_parser: str = "auto",
+              reasoning_parser: str | None = None) -> ChatSettings:
+        model_type = _model_type(model_dir)
+        return cls(model_type, encoder_for(model_type, tok), resolve_tool_parser(tool_call_parser, model_type),
+                   resolve_reasoning_parser(reasoning_parser, model_type))
+
+    def readback(self, plan: ChatPlan, thinking: bool) -> ChatReadback:
+        return ChatReadback(plan, thinking, self.tool_parser, self.reasoning_parser is not None)
+
+
+@dataclass(frozen=True)
+class ChatReadback:
+    """What reading a chat request's output back needs (rides on its GenerateRequest)."""
+
+    plan: ChatPlan
+    thinking: bool  # the prompt opened <think>
+    tool_parser: str | None
+    reasoning: bool
+
+    def choice(self) -> ChoiceOutput:
+        return ChoiceOutput(self.plan, self.tool_parser, self.reasoning, self.thinking)
+
+
+def _model_type(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class ChoiceOutput:

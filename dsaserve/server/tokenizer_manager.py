@@ -3,8 +3,8 @@
 Owns: admission (the bounded queue: 429 past --max-queued-requests samples beyond what can run at once,
 where "at once" is bounded by the page-table rows *and* by the KV pool's pages), sending a
 GenerateRequest's engine requests and aborts to the scheduler, the drain after SIGTERM (wait for requests
-in flight, then end the rest with an error), stats requests, and the 1-token health probe (coalesced: one
-in flight, its result cached HEALTH_CACHE_S, so the open /health route cannot flood the engine; it fails
+in flight, then end the rest with an error), stats requests, grammar checks (the scheduler compiles),
+and the 1-token health probe (coalesced: one in flight, its result cached HEALTH_CACHE_S, so the open /health route cannot flood the engine; it fails
 on non-finite logits as well as on a timeout). Validation and tokenisation happen before, in the
 Processor; what comes back is routed by the Receiver.
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0  # a probe's result answers every /health call for this long (load balancers poll ~1-10 s)
 DRAIN_POLL_S = 0.05
+GRAMMAR_SLACK_S = 5.0  # a grammar check waits the scheduler's compile timeout plus this
 
 
 class TokenizerManager:
@@ -161,6 +162,20 @@ class TokenizerManager:
             if check_leak:
                 raise internal("the scheduler did not answer the stats request in time") from None
             return self.rx.last_stats
+
+    async def check_grammar(self, spec: dict[str, str]) -> str | None:
+        """None once the scheduler has compiled this structured-output grammar (cached there), else why not.
+        The scheduler compiles off its loop and enforces --grammar-compile-timeout itself."""
+        timeout = float(self.scheduler_info.get("grammar_compile_timeout") or 10.0) + GRAMMAR_SLACK_S
+        qid = next(self._qids)
+        fut = asyncio.get_running_loop().create_future()
+        self.rx.grammar_waiters[qid] = fut
+        await self._to_sched.send(ipc.pack(ipc.GRAMMAR_CHECK, qid=qid, spec=spec))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self.rx.grammar_waiters.pop(qid, None)
+            return f"the grammar was not compiled within {timeout:g} s"
 
     async def health(self, timeout: float) -> str | None:
         """None when healthy, else why not; coalesced: at most one probe in flight (every caller meanwhile
