@@ -3,7 +3,8 @@
 Owns: the table of requests in flight (engine rid -> Handle), and everything that arrives on the main
 PULL socket — the detokenizer's outputs (routed to their Handle's queue, with TTFT / inter-token / end
 -to-end timings for the metrics), `ready` (scheduler_info), `stats` and `grammar_result` answers,
-`reject` and `fatal` — and ending every pending request with one error (the engine went Down, or a drain ran out of time).
+`reject` and `fatal` — and ending every pending request with one error (the engine went Down, or a drain
+ran out of time).
 """
 
 from __future__ import annotations

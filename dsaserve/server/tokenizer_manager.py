@@ -4,8 +4,8 @@ Owns: admission (the bounded queue: 429 past --max-queued-requests samples beyon
 where "at once" is bounded by the page-table rows *and* by the KV pool's pages), sending a
 GenerateRequest's engine requests and aborts to the scheduler, the drain after SIGTERM (wait for requests
 in flight, then end the rest with an error), stats requests, grammar checks (the scheduler compiles),
-and the 1-token health probe (coalesced: one in flight, its result cached HEALTH_CACHE_S, so the open /health route cannot flood the engine; it fails
-on non-finite logits as well as on a timeout). Validation and tokenisation happen before, in the
+and the 1-token health probe (coalesced: one in flight, its result cached HEALTH_CACHE_S, so the open
+/health route cannot flood the engine; it fails on non-finite logits as well as on a timeout). Validation and tokenisation happen before, in the
 Processor; what comes back is routed by the Receiver.
 
 `n` > 1: one engine request with `n` samples, so they share the prompt's KV pages in the engine (the
