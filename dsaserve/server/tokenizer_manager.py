@@ -5,8 +5,8 @@ where "at once" is bounded by the page-table rows *and* by the KV pool's pages),
 GenerateRequest's engine requests and aborts to the scheduler, the drain after SIGTERM (wait for requests
 in flight, then end the rest with an error), stats requests, grammar checks (the scheduler compiles),
 and the 1-token health probe (coalesced: one in flight, its result cached HEALTH_CACHE_S, so the open
-/health route cannot flood the engine; it fails on non-finite logits as well as on a timeout). Validation and tokenisation happen before, in the
-Processor; what comes back is routed by the Receiver.
+/health route cannot flood the engine; it fails on non-finite logits as well as on a timeout).
+Validation and tokenisation happen before, in the Processor; what comes back is routed by the Receiver.
 
 `n` > 1: one engine request with `n` samples, so they share the prompt's KV pages in the engine (the
 prompt is computed once). A stop string ends one sample: the detokenizer aborts just that sample index.
