@@ -159,17 +159,18 @@ class EngineCore:
         """ValueError naming the field for a request the scheduler refuses or whose grammar does not compile
         (a compile blocks up to --grammar-compile-timeout: the server's loop waits for `grammars.submit`
         first, so here it is a cache hit)."""
-        compiled = None
+        compiled = spec = None
         if req.sampling.structured_outputs is not None:
             self.scheduler.check_request(req.request_id, req.prompt_token_ids, req.sampling)
             try:
-                compiled = self.grammars.compile(GrammarSpec.from_dict(req.sampling.structured_outputs))
+                spec = GrammarSpec.from_dict(req.sampling.structured_outputs)
+                compiled = self.grammars.compile(spec)
             except GrammarError as e:
                 raise ValueError(f"structured_outputs: {e}") from None
         self.scheduler.add_request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time)
         if compiled is not None:
             for r in self.scheduler.groups[req.request_id]:
-                r.grammar = self.grammars.state(compiled)
+                r.grammar = self.grammars.state(compiled, spec)
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Abort all samples of a request (or sample `index` only); False if it is not in flight."""

@@ -49,7 +49,11 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str
-    value: str  # canonical: schema JSON with sorted keys, the regex, the choices as a JSON list, the EBNF
+    value: str  # canonical: schema JSON without spacing, the regex, the choices as a JSON list, the EBNF
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
 
     def to_dict(self) -> dict[str, str]:
         return {"kind": self.kind, "value": self.value}
@@ -73,7 +77,8 @@ def make_spec(kind: str, value: Any) -> GrammarSpec:
                 raise GrammarError(f"json schema: not valid JSON ({e})") from None
         if not isinstance(value, (dict, bool)):
             raise GrammarError("json schema: must be a JSON object")
-        text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        # key order is kept: xgrammar generates properties in schema order, which clients expect
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
         check_schema(value, len(text))
         return GrammarSpec(kind, text)
     if kind == "choice":
@@ -170,6 +175,7 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo(encoded_vocab(tokenizer), vocab_type, vocab_size=vocab_size,
                                       stop_token_ids=list(stop_token_ids))
         self.vocab_size = vocab_size
+        self.json_allowed = _no_control_chars(tokenizer, vocab_size, xgr)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
@@ -228,21 +234,40 @@ class GrammarCompiler:
             reason = next((ln.split(": ", 1)[-1] for ln in msg if ln.strip()), type(e).__name__)
             raise GrammarError(f"{spec.kind}: cannot be compiled: {reason}"[:400]) from None
 
-    def state(self, compiled: Any) -> GrammarState:
-        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size)
+    def state(self, compiled: Any, spec: GrammarSpec | None = None) -> GrammarState:
+        """A fresh matcher; JSON grammars also never allow a raw control character (xgrammar's bounded-length
+        strings admit them, and JSON does not)."""
+        extra = self.json_allowed if spec is None or spec.is_json else None
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, extra)
 
     def allocate_bitmask(self, rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
 
 
+def _no_control_chars(tokenizer: Any, vocab_size: int, xgr: Any) -> Any:
+    """Bitmask row (int32 words) of the tokens whose text has no character below U+0020."""
+    import torch
+
+    allowed = torch.zeros(vocab_size + 31, dtype=torch.bool)
+    n = min(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size)
+    for i in range(n):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        allowed[i] = not any(ord(c) < 0x20 for c in text)
+    allowed[n:] = True  # the grammar itself refuses ids past the tokenizer
+    words = allowed[: (vocab_size + 31) // 32 * 32].view(-1, 32).to(torch.int64)
+    packed = (words << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
 class GrammarState:
     """One sample's position in its grammar."""
 
-    __slots__ = ("matcher", "vocab_size", "broken")
+    __slots__ = ("matcher", "vocab_size", "broken", "extra")
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, extra: Any = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.extra = extra  # an int32 bitmask row ANDed into every row this state fills
         self.broken = False  # a token the grammar refused was forced in (never by the sampler): stop masking
 
     @property
@@ -255,6 +280,8 @@ class GrammarState:
 
     def fill(self, bitmask: Any, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.extra is not None:
+            bitmask[row] &= self.extra
 
     def accept(self, token_id: int) -> bool:
         if not self.active:
