@@ -130,7 +130,8 @@ SCHEMAS = [
 def test_random_logits_are_forced_into_schema_valid_json(compiler, tok, schema, temperature):
     spec = make_spec("json_schema", schema)
     compiled = compiler.compile(spec)
-    rows = [_Row(SamplingParams(temperature=temperature, seed=i, max_tokens=200), compiler.state(compiled, spec))
+    rows = [_Row(SamplingParams(temperature=temperature, seed=i, max_tokens=200),
+                 compiler.state(compiled, spec))
             for i in range(4)]
     sampler = Sampler(seed=0)
     for _ in range(200):
