@@ -86,7 +86,8 @@ def test_deepseek_v32_reproduces_the_published_example():
 def test_deepseek_v32_tools_calls_and_results():
     enc = DeepSeekV32Encoder().encode(ROUND_TRIP, tools=TOOLS, kwargs={"thinking": True})
     assert enc.text.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n")
-    assert "<functions>\n" + json.dumps(TOOLS[0]["function"], ensure_ascii=False) + "\n</functions>" in enc.text
+    schema = json.dumps(TOOLS[0]["function"], ensure_ascii=False)
+    assert f"<functions>\n{schema}\n</functions>" in enc.text
     call = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>'
             '\n<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>')
     assert f"<｜Assistant｜><think></think>\n\n<｜DSML｜function_calls>\n{call}\n</｜DSML｜function_calls>" \
