@@ -88,8 +88,9 @@ def test_deepseek_v32_tools_calls_and_results():
     assert enc.text.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n")
     schema = json.dumps(TOOLS[0]["function"], ensure_ascii=False)
     assert f"<functions>\n{schema}\n</functions>" in enc.text
-    call = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>'
-            '\n<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>')
+    call = ('<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>')
     assert f"<｜Assistant｜><think></think>\n\n<｜DSML｜function_calls>\n{call}\n</｜DSML｜function_calls>" \
            "<｜end▁of▁sentence｜>" in enc.text
     assert enc.text.endswith("\n\n<function_results>\n<result>sunny, 21 C</result>\n</function_results>\n\n<think>")
