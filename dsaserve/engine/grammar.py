@@ -82,6 +82,11 @@ def make_spec(kind: str, value: Any) -> GrammarSpec:
         check_schema(value, len(text))
         return GrammarSpec(kind, text)
     if kind == "choice":
+        if isinstance(value, str):  # the canonical form (GrammarSpec.value) read back
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise GrammarError("choice: must be a non-empty list of strings") from None
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise GrammarError("choice: must be a non-empty list of strings")
         if len(value) > MAX_CHOICES:

@@ -146,6 +146,12 @@ def test_random_logits_are_forced_into_schema_valid_json(compiler, tok, schema, 
         jsonschema.validate(json.loads(tok.decode(r.out[:-1])), schema)
 
 
+def test_a_spec_survives_its_dict_form():
+    for spec in (make_spec("choice", ["a", "b"]), make_spec("json_schema", {"type": "integer"}),
+                 make_spec("regex", "[0-9]+"), make_spec("json_object", None)):
+        assert GrammarSpec.from_dict(spec.to_dict()) == spec
+
+
 def test_precompile_file_takes_schemas_and_specs(tmp_path):
     p = tmp_path / "schemas.json"
     p.write_text(json.dumps([SCHEMAS[0], {"kind": "regex", "value": "[0-9]+"}]))
