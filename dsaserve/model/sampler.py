@@ -12,7 +12,7 @@ the other rows need (filters that are off for a row leave it bit-identical). So 
 token whatever else is in the batch. Requests without a seed share one engine generator.
 
 Grammar bitmask: xgrammar fills one int32 row per grammar-constrained sample on the CPU (bit t of word w
-allows token 32w + t); `apply_token_bitmask` unpacks the rows with shifts and masks the logits with
+allows token 32w + t); `apply_token_bitmask` unpacks the rows with uint8 shifts and masks the logits with
 `masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. After the
 draw each constrained sample's matcher accepts its token.
 """
@@ -92,19 +92,15 @@ class Sampler:
         states = [(i, g) for i, r in enumerate(rows) if (g := getattr(r, "grammar", None)) is not None and g.active]
         if not states:
             return x
-        words = -(-states[0][1].vocab_size // 32)
-        bitmask = torch.empty((len(states), words), dtype=torch.int32)
+        bitmask = torch.empty((len(states), -(-states[0][1].vocab_size // 32)), dtype=torch.int32)
         for j, (_, g) in enumerate(states):
             g.fill(bitmask, j)
-        idx = [i for i, _ in states]
-        masked = apply_token_bitmask(x[idx], bitmask)
-        dead = torch.isinf(masked).all(dim=-1) & ~torch.isinf(x[idx]).all(dim=-1)
-        if bool(dead.any()):  # suppression (min_tokens) removed the only tokens the grammar allows: grammar wins
-            masked = torch.where(dead.unsqueeze(1), apply_token_bitmask(x[idx].clone(), bitmask, ignore_inf=True),
-                                 masked)
-        x = x.clone()  # raw logits stay untouched (logprobs read them)
-        x[idx] = masked
-        return x
+        if any(rows[i].suppressed_token_ids for i, _ in states):  # min_tokens + grammar: the grammar wins
+            x = _unsuppress_dead_rows(x, rows, states, bitmask)
+        if len(states) == len(rows):
+            return apply_token_bitmask(x, bitmask)
+        idx = torch.tensor([i for i, _ in states], device=x.device)
+        return x.index_copy(0, idx, apply_token_bitmask(x.index_select(0, idx), bitmask))
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
         dev = x.device
@@ -160,19 +156,32 @@ class Sampler:
         return out
 
 
-def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, ignore_inf: bool = False) -> torch.Tensor:
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """x [rows, vocab] with the tokens not allowed by bitmask [rows, ceil(vocab'/32)] int32 set to -inf.
 
-    Plain torch (shift, and, masked_fill): the same code on CPU and GPU. `ignore_inf`: x's -inf entries
-    are first reset (used when suppression and grammar together would leave nothing)."""
+    Plain torch, the same code on CPU and GPU: the int32 words are read as little-endian bytes (token
+    32w + 8k + b is bit b of byte k of word w), unpacked with one uint8 shift, and used by masked_fill."""
     vocab, dev = x.shape[1], x.device
-    bits = torch.arange(32, device=dev, dtype=torch.int32)
-    allowed = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).bool().flatten(1)
+    raw = bitmask.to(dev, non_blocking=True).contiguous().view(torch.uint8)
+    allowed = ((raw.unsqueeze(-1) >> _BIT_SHIFTS.to(dev)) & 1).view(raw.shape[0], -1).bool()
     if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    if ignore_inf:
-        x = torch.nan_to_num(x, neginf=0.0)
     return x.masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _unsuppress_dead_rows(x: torch.Tensor, rows: Sequence[SampleSource], states: list, bitmask: torch.Tensor
+                          ) -> torch.Tensor:
+    """Rows whose min_tokens suppression removed every token their grammar allows get the suppressed tokens
+    back (a grammar that must end now ends now)."""
+    x = x.clone()
+    for j, (i, _) in enumerate(states):
+        ids = [t for t in rows[i].suppressed_token_ids if 0 <= t < x.shape[1]]
+        if ids and torch.isinf(apply_token_bitmask(x[i:i + 1], bitmask[j:j + 1])).all():
+            x[i, ids] = 0.0
+    return x
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
