@@ -151,14 +151,9 @@ class TokenizerManager:
         """A fresh stats snapshot from the scheduler (its last one if it does not answer in time)."""
         if not self.readiness.is_up:
             return self.rx.last_stats
-        qid = next(self._qids)
-        fut = asyncio.get_running_loop().create_future()
-        self.rx.stats_waiters[qid] = fut
-        await self._to_sched.send(ipc.pack(ipc.STATS_REQ, qid=qid, check_leak=check_leak))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            return await self._ask(self.rx.stats_waiters, ipc.STATS_REQ, timeout, check_leak=check_leak)
         except (TimeoutError, APIError):
-            self.rx.stats_waiters.pop(qid, None)
             if check_leak:
                 raise internal("the scheduler did not answer the stats request in time") from None
             return self.rx.last_stats
@@ -167,15 +162,22 @@ class TokenizerManager:
         """None once the scheduler has compiled this structured-output grammar (cached there), else why not.
         The scheduler compiles off its loop and enforces --grammar-compile-timeout itself."""
         timeout = float(self.scheduler_info.get("grammar_compile_timeout") or 10.0) + GRAMMAR_SLACK_S
+        try:
+            return await self._ask(self.rx.grammar_waiters, ipc.GRAMMAR_CHECK, timeout, spec=spec)
+        except TimeoutError:
+            return f"the grammar was not compiled within {timeout:g} s"
+
+    async def _ask(self, waiters: dict[int, asyncio.Future], kind: str, timeout: float, **fields: Any) -> Any:
+        """Send a `kind` question with a fresh qid; its answer (the Receiver resolves `waiters[qid]`)."""
         qid = next(self._qids)
         fut = asyncio.get_running_loop().create_future()
-        self.rx.grammar_waiters[qid] = fut
-        await self._to_sched.send(ipc.pack(ipc.GRAMMAR_CHECK, qid=qid, spec=spec))
+        waiters[qid] = fut
+        await self._to_sched.send(ipc.pack(kind, qid=qid, **fields))
         try:
             return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            self.rx.grammar_waiters.pop(qid, None)
-            return f"the grammar was not compiled within {timeout:g} s"
+        except BaseException:
+            waiters.pop(qid, None)
+            raise
 
     async def health(self, timeout: float) -> str | None:
         """None when healthy, else why not; coalesced: at most one probe in flight (every caller meanwhile

@@ -39,7 +39,8 @@ def compiler(tok):
     return GrammarCompiler(tok, VOCAB, [1], timeout_s=20.0)
 
 
-def _deep(n: int) -> dict:
+def deep_schema(n: int) -> dict:
+    """A schema nested n objects deep (the hostile-nesting case)."""
     s: dict = {"type": "string"}
     for _ in range(n):
         s = {"type": "object", "properties": {"x": s}, "required": ["x"]}
@@ -47,7 +48,7 @@ def _deep(n: int) -> dict:
 
 
 @pytest.mark.parametrize("kind,value,reason", [
-    ("json_schema", _deep(MAX_DEPTH + 5), "nested deeper"),
+    ("json_schema", deep_schema(MAX_DEPTH + 5), "nested deeper"),
     ("json_schema", {"enum": list(range(MAX_ENUM_VALUES + 1))}, "enum/const values"),
     ("json_schema", "{not json", "not valid JSON"),
     ("json_schema", {"type": "string", "pattern": "(a{1,99999})"}, "exceeds the limit"),
@@ -156,6 +157,6 @@ def test_precompile_file_takes_schemas_and_specs(tmp_path):
     p = tmp_path / "schemas.json"
     p.write_text(json.dumps([SCHEMAS[0], {"kind": "regex", "value": "[0-9]+"}]))
     assert load_precompile_file(str(p)) == [make_spec("json_schema", SCHEMAS[0]), GrammarSpec("regex", "[0-9]+")]
-    p.write_text(json.dumps([_deep(MAX_DEPTH + 1)]))
+    p.write_text(json.dumps([deep_schema(MAX_DEPTH + 1)]))
     with pytest.raises(ValueError, match="--precompile-schemas: entry 0"):
         load_precompile_file(str(p))

@@ -18,6 +18,8 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+from tests.engine.test_grammar import deep_schema as _deep
+
 GLM, DS = "glm-5.3-tiny", "deepseek-v3.2-tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -151,13 +153,6 @@ def test_regex_choice_and_the_completions_endpoint(servers):
     c = client.completions.create(model=GLM, prompt="JSON:", max_tokens=60, temperature=1.0, seed=3,
                                   extra_body={"structured_outputs": {"json": WEATHER}})
     jsonschema.validate(json.loads(c.choices[0].text), WEATHER)
-
-
-def _deep(n: int) -> dict:
-    s: dict = {"type": "integer"}
-    for _ in range(n):
-        s = {"type": "object", "properties": {"x": s}, "required": ["x"]}
-    return s
 
 
 @pytest.mark.parametrize("body,param,reason", [

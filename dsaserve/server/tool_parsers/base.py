@@ -86,6 +86,13 @@ class ToolParser:
         """Calls of the region starting at text[i] (the start marker); end index, or None if unclosed."""
         raise NotImplementedError
 
+    @staticmethod
+    def region_body(text: str, i: int, start: str, end: str) -> tuple[str, int]:
+        """The text of the region opened by `start` at text[i], up to `end` (or the end of text), and where
+        `end` is (-1 while the region is open)."""
+        j = text.find(end, i + len(start))
+        return (text[i + len(start):] if j < 0 else text[i + len(start):j]), j
+
     # ---- values -----------------------------------------------------------------------------
     def value_json(self, function: str | None, key: str, raw: str) -> str:
         """A raw argument value as JSON text, by the parameter's schema type."""

@@ -30,9 +30,7 @@ class DeepSeekV32ToolParser(ToolParser):
     start = CALLS_START
 
     def _parse_region(self, text: str, i: int) -> tuple[list[ParsedCall], int | None]:
-        body_at = i + len(CALLS_START)
-        j = text.find(CALLS_END, body_at)
-        body = text[body_at:] if j < 0 else text[body_at:j]
+        body, j = self.region_body(text, i, CALLS_START, CALLS_END)
         calls, pos = [], 0
         while (m := _INVOKE.search(body, pos)) is not None:
             end = body.find(INVOKE_END, m.end())

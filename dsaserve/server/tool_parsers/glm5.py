@@ -21,9 +21,7 @@ class Glm5ToolParser(ToolParser):
     start = TOOL_CALL_START
 
     def _parse_region(self, text: str, i: int) -> tuple[list[ParsedCall], int | None]:
-        body_at = i + len(TOOL_CALL_START)
-        j = text.find(TOOL_CALL_END, body_at)
-        body = text[body_at:] if j < 0 else text[body_at:j]
+        body, j = self.region_body(text, i, TOOL_CALL_START, TOOL_CALL_END)
         cut = min((k for k in (body.find(ARG_KEY), body.find("\n")) if k >= 0), default=-1)
         if cut < 0 and j < 0:
             return [ParsedCall(None)], None  # the name may still grow
