@@ -160,3 +160,19 @@ def test_precompile_file_takes_schemas_and_specs(tmp_path):
     p.write_text(json.dumps([deep_schema(MAX_DEPTH + 1)]))
     with pytest.raises(ValueError, match="--precompile-schemas: entry 0"):
         load_precompile_file(str(p))
+
+
+def test_the_offline_engine_enforces_a_schema_on_the_real_tiny_model():
+    from dsaserve import Engine
+
+    eng = Engine("glm-5.3-tiny", device="cpu", num_pages=32)
+    spec = make_spec("json_schema", SCHEMAS[0]).to_dict()
+    outs = eng.generate(["Hello", "JSON please"], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=80,
+                                                                 structured_outputs=spec))
+    for out in outs:
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop"
+            jsonschema.validate(json.loads(sample.text), SCHEMAS[0])
+    with pytest.raises(ValueError, match="structured_outputs: json_schema: cannot be compiled"):
+        eng.generate(["x"], SamplingParams(structured_outputs=make_spec("json_schema", {"type": "nonsense"})
+                                           .to_dict()))

@@ -121,3 +121,30 @@ def test_parser_names_resolve_like_vllm_and_sglang():
     assert resolve_tool_parser("none", "glm_moe_dsa") is None
     with pytest.raises(ValueError, match="--tool-call-parser"):
         resolve_tool_parser("hermes", None)
+
+
+@pytest.mark.parametrize("cls,call", [
+    (Glm5ToolParser, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lima</arg_value></tool_call>"),
+    (DeepSeekV32ToolParser, f'\n\n<{D}function_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" '
+                            f'string="true">Lima</{D}parameter>\n</{D}invoke>\n</{D}function_calls>'),
+])
+def test_a_call_after_thousands_of_tokens_of_text_streams_whole(cls, call):
+    """The failure users report (calls breaking after ~5K tokens): a long answer with look-alike text
+    (`<`, `<tool`, `｜DSML`) split at every boundary, then the call, token-sized deltas."""
+    rng = random.Random(5)
+    words = ["the", "<", "<tool", "call>", "｜DSML｜", "value", "\n", "<b>", "x < y", "{", "}"]
+    text = " ".join(rng.choice(words) for _ in range(5000)) + call
+    stream = cls(TOOLS).stream()
+    content, args, names = "", "", []
+    pos = 0
+    while pos < len(text):
+        step = rng.randint(1, 6)
+        d = stream.feed(text[pos:pos + step])
+        pos += step
+        content += d.content
+        names += [tc["function"]["name"] for tc in d.tool_calls if "id" in tc]
+        args += "".join(tc["function"]["arguments"] for tc in d.tool_calls)
+    d = stream.finish()
+    content += d.content
+    assert names == ["get_weather"] and json.loads(args) == {"city": "Lima"}
+    assert content == text[: text.index(call)].rstrip()
