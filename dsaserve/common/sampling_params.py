@@ -49,8 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # structured output (vLLM's name): {"kind": json_schema | json_object | regex | choice | grammar, "value": text}
-    # as engine/grammar.py's GrammarSpec.to_dict() writes it; the sampler masks tokens by it
-    structured_outputs: dict[str, str] | None = None
+    # as engine/grammar.py's GrammarSpec.to_dict() writes it, plus optionally "after": a token id (the reasoning
+    # end, `</think>`) before which the output is free; the sampler masks tokens by it
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,8 +93,10 @@ class SamplingParams:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            if not isinstance(so, dict) or not isinstance(so.get("kind"), str) or not isinstance(so.get("value"), str):
-                raise ValueError(f"structured_outputs: must be {{'kind': str, 'value': str}}, got {so!r}")
+            if not isinstance(so, dict) or not isinstance(so.get("kind"), str) or not isinstance(so.get("value"), str) \
+                    or not isinstance(so.get("after", 0), int) or isinstance(so.get("after"), bool):
+                raise ValueError(f"structured_outputs: must be {{'kind': str, 'value': str[, 'after': int]}}, "
+                                 f"got {so!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")

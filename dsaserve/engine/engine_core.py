@@ -170,7 +170,7 @@ class EngineCore:
         self.scheduler.add_request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time)
         if compiled is not None:
             for r in self.scheduler.groups[req.request_id]:
-                r.grammar = self.grammars.state(compiled, spec)
+                r.grammar = self.grammars.state(compiled, spec, req.sampling.structured_outputs.get("after"))
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Abort all samples of a request (or sample `index` only); False if it is not in flight."""

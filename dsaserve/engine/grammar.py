@@ -239,11 +239,12 @@ class GrammarCompiler:
             reason = next((ln.split(": ", 1)[-1] for ln in msg if ln.strip()), type(e).__name__)
             raise GrammarError(f"{spec.kind}: cannot be compiled: {reason}"[:400]) from None
 
-    def state(self, compiled: Any, spec: GrammarSpec | None = None) -> GrammarState:
+    def state(self, compiled: Any, spec: GrammarSpec | None = None, after: int | None = None) -> GrammarState:
         """A fresh matcher; JSON grammars also never allow a raw control character (xgrammar's bounded-length
-        strings admit them, and JSON does not)."""
+        strings admit them, and JSON does not). `after`: the grammar starts once this token (the reasoning
+        end) is sampled; the reasoning before it is free text."""
         extra = self.json_allowed if spec is None or spec.is_json else None
-        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, extra)
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, extra, after)
 
     def allocate_bitmask(self, rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -267,17 +268,19 @@ def _no_control_chars(tokenizer: Any, vocab_size: int, xgr: Any) -> Any:
 class GrammarState:
     """One sample's position in its grammar."""
 
-    __slots__ = ("matcher", "vocab_size", "broken", "extra")
+    __slots__ = ("matcher", "vocab_size", "broken", "extra", "wait_token")
 
-    def __init__(self, matcher: Any, vocab_size: int, extra: Any = None) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, extra: Any = None, wait_token: int | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.extra = extra  # an int32 bitmask row ANDed into every row this state fills
+        self.wait_token = wait_token  # the grammar starts after this token (None: from the first token)
         self.broken = False  # a token the grammar refused was forced in (never by the sampler): stop masking
 
     @property
     def active(self) -> bool:
-        return not self.broken and not self.matcher.is_terminated()
+        """The next token is constrained."""
+        return self.wait_token is None and not self.broken and not self.matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
@@ -287,6 +290,14 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.extra is not None:
             bitmask[row] &= self.extra
+
+    def observe(self, token_id: int) -> None:
+        """A sampled token: the grammar's next step, or (while waiting) maybe the token that starts it."""
+        if self.wait_token is not None:
+            if token_id == self.wait_token:
+                self.wait_token = None
+        elif self.active:
+            self.accept(token_id)
 
     def accept(self, token_id: int) -> bool:
         if not self.active:

@@ -71,8 +71,8 @@ class Sampler:
         token_list = tokens.tolist()
         for r, t in zip(rows, token_list, strict=True):
             g = getattr(r, "grammar", None)
-            if g is not None and g.active:
-                g.accept(t)
+            if g is not None:
+                g.observe(t)
         return SamplerOutput(token_list, self._logprobs(logprobs, params, token_list))
 
     # ---- steps -------------------------------------------------------------------------------

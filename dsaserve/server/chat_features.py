@@ -12,8 +12,9 @@ tool_choice (OpenAI semantics, vLLM's enforcement):
   required  the grammar forces a JSON list of {"name", "parameters"} calls, each valid per its function's
             schema (one call when parallel_tool_calls is false);
   named     the grammar forces the named function's arguments object, valid per its schema.
-A grammar applies from the first output token, so requests with one are rendered with thinking off (both
-families' switch); reasoning before a constrained answer is not supported yet.
+With a reasoning parser on and the prompt opening `<think>`, the grammar starts after the `</think>` token
+(vLLM's reasoning-aware structured output: the reasoning is free, the answer constrained); without one, a
+request with a grammar is rendered with thinking off (both families' switch).
 Errors are `ChatPlanError(message, param)`; the serving layer answers them with a 400.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from dsaserve.engine.grammar import GrammarError, make_spec
 from dsaserve.server.chat_encoding import encoder_for
-from dsaserve.server.reasoning_parsers import ReasoningParser, resolve_reasoning_parser
+from dsaserve.server.reasoning_parsers import THINK_END, ReasoningParser, resolve_reasoning_parser
 from dsaserve.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallStream, resolve_tool_parser
 
 # request fields naming a grammar, other than response_format: field -> spec kind
@@ -128,8 +129,11 @@ def format_grammar(req: Any) -> tuple[str, dict[str, str]] | None:
     return found[0] if found else None
 
 
-def plan_chat(req: Any, tool_parser: str | None) -> ChatPlan:
-    """The plan of a chat request; ChatPlanError (-> 400) for bad tools / choices / formats."""
+def plan_chat(req: Any, tool_parser: str | None, reason_first: bool = False) -> ChatPlan:
+    """The plan of a chat request; ChatPlanError (-> 400) for bad tools / choices / formats.
+
+    `reason_first`: a reasoning parser is on and `</think>` is one token, so a grammar can wait for the
+    reasoning to end (the Processor sets the spec's "after"); otherwise a grammar turns thinking off."""
     tools = getattr(req, "tools", None) or None
     functions = _functions(tools) if tools else {}
     mode, name = _tool_mode(getattr(req, "tool_choice", None), functions)
@@ -147,7 +151,7 @@ def plan_chat(req: Any, tool_parser: str | None) -> ChatPlan:
     elif mode == "required":
         plan.grammar = _spec("json_schema", _required_schema(functions, parallel), "tools")
         plan.grammar_source = "tools"
-    if plan.grammar is not None:  # constrained from the first token: no room for reasoning
+    if plan.grammar is not None and not reason_first:  # constrained from the first token: no reasoning
         plan.template_kwargs.update(enable_thinking=False, thinking=False)
     return plan
 
@@ -160,13 +164,20 @@ class ChatSettings:
     encoder: Any  # server/chat_encoding ChatEncoder
     tool_parser: str | None  # registry name, None: tool calling off
     reasoning_parser: str | None  # None: reasoning stays in content
+    think_end_id: int | None = None  # the `</think>` token, when it is one token
 
     @classmethod
     def build(cls, model_dir: str, tok: Any, tool_call_parser: str = "auto",
               reasoning_parser: str | None = None) -> ChatSettings:
         model_type = _model_type(model_dir)
+        end = tok.encode(THINK_END, add_special_tokens=False)
         return cls(model_type, encoder_for(model_type, tok), resolve_tool_parser(tool_call_parser, model_type),
-                   resolve_reasoning_parser(reasoning_parser, model_type))
+                   resolve_reasoning_parser(reasoning_parser, model_type), end[0] if len(end) == 1 else None)
+
+    @property
+    def reason_first(self) -> bool:
+        """Grammars can wait for the reasoning to end (see plan_chat)."""
+        return self.reasoning_parser is not None and self.think_end_id is not None
 
     def readback(self, plan: ChatPlan, thinking: bool) -> ChatReadback:
         return ChatReadback(plan, thinking, self.tool_parser, self.reasoning_parser is not None)

@@ -73,8 +73,10 @@ class Processor:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         self._check_common(req)
-        plan = _plan_or_400(plan_chat, req, self.chat_settings.tool_parser)
+        plan = _plan_or_400(plan_chat, req, self.chat_settings.tool_parser, self.chat_settings.reason_first)
         prompt, thinking = await self._chat_prompt(req, plan)
+        if plan.grammar is not None and thinking:  # the grammar starts when the reasoning ends
+            plan.grammar = {**plan.grammar, "after": self.chat_settings.think_end_id}
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompts([prompt], requested, "messages")
         sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None, plan.grammar)

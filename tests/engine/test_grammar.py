@@ -147,6 +147,21 @@ def test_random_logits_are_forced_into_schema_valid_json(compiler, tok, schema, 
         jsonschema.validate(json.loads(tok.decode(r.out[:-1])), schema)
 
 
+def test_a_grammar_waiting_for_the_reasoning_end_leaves_tokens_free_until_then(compiler, tok):
+    spec = make_spec("regex", "[0-9]{3}")
+    think_end = 7  # any token id: the grammar starts once it is sampled
+    row = _Row(SamplingParams(temperature=1.0, seed=0), compiler.state(compiler.compile(spec), spec, think_end))
+    sampler = Sampler(seed=0)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 100] = 50.0  # a letter-ish token the grammar would refuse
+    assert sampler.sample(logits, [row]).token_ids == [100]  # free: still reasoning
+    logits[0, think_end] = 100.0
+    assert sampler.sample(logits, [row]).token_ids == [think_end]
+    logits[0, think_end] = 0.0
+    out = sampler.sample(logits, [row]).token_ids[0]
+    assert tok.decode([out]).isdigit()  # constrained from here on
+
+
 def test_a_spec_survives_its_dict_form():
     for spec in (make_spec("choice", ["a", "b"]), make_spec("json_schema", {"type": "integer"}),
                  make_spec("regex", "[0-9]+"), make_spec("json_object", None)):

@@ -55,6 +55,11 @@ def test_forced_choices_get_a_grammar_and_thinking_off():
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
 
 
+def test_with_a_reasoning_parser_a_grammar_leaves_thinking_to_the_request():
+    plan = plan_chat(req(tools=TOOLS, tool_choice="required"), "glm47", reason_first=True)
+    assert plan.grammar is not None and "enable_thinking" not in plan.template_kwargs
+
+
 def test_forced_outputs_read_back_whole_and_streamed():
     named = plan_chat(req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "a"}}), "glm47")
     out = ChoiceOutput(named, "glm47", False, False)
