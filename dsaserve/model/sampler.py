@@ -13,8 +13,9 @@ token whatever else is in the batch. Requests without a seed share one engine ge
 
 Grammar bitmask: xgrammar fills one int32 row per grammar-constrained sample on the CPU (bit t of word w
 allows token 32w + t); `apply_token_bitmask` unpacks the rows with uint8 shifts and masks the logits with
-`masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. After the
-draw each constrained sample's matcher accepts its token.
+`masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. The fill
+runs before anything waits for the device, so on a GPU it overlaps the step's forward. After the draw each
+constrained sample's matcher takes its token (a grammar waiting for the reasoning end only watches for it).
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ class Sampler:
         states = [(i, g) for i, r in enumerate(rows) if (g := getattr(r, "grammar", None)) is not None and g.active]
         if not states:
             return x
-        bitmask = torch.empty((len(states), -(-states[0][1].vocab_size // 32)), dtype=torch.int32)
+        # filled on the host while the device may still run the forward (nothing before this waits for it);
+        # pinned, so the copy to the device is a real async transfer
+        bitmask = torch.empty((len(states), -(-states[0][1].vocab_size // 32)), dtype=torch.int32,
+                              pin_memory=x.is_cuda)
         for j, (_, g) in enumerate(states):
             g.fill(bitmask, j)
         if any(rows[i].suppressed_token_ids for i, _ in states):  # min_tokens + grammar: the grammar wins
