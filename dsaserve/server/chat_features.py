@@ -237,8 +237,8 @@ class ChoiceOutput:
         return out
 
     def _forced_calls(self, text: str) -> list[ToolCall]:
-        if self.plan.tool_mode == "named":
-            return [ToolCall(self.plan.function or "", text)]
+        if self.plan.tool_mode == "named":  # nothing after the reasoning (cut short): no call
+            return [ToolCall(self.plan.function or "", text)] if text else []
         try:
             items = json.loads(text)
             return [ToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items]
@@ -280,7 +280,7 @@ class ChoiceOutput:
         """named: the arguments stream as they come; required: the calls when the JSON list is complete."""
         if self.plan.tool_mode == "named":
             out = []
-            if self.forced_call is None:
+            if self.forced_call is None and text:  # the header once the arguments start (after any reasoning)
                 self.forced_call = ToolCall(self.plan.function or "", "")
                 out.append({"index": 0, "id": self.forced_call.id, "type": "function",
                             "function": {"name": self.forced_call.name, "arguments": ""}})

@@ -90,3 +90,15 @@ def test_auto_with_parallel_off_keeps_the_first_call_and_reasoning_comes_first()
     got = [s.feed(text[i:i + 4], final=i + 4 >= len(text)) for i in range(0, len(text), 4)]
     names = [d["function"]["name"] for g in got for d in g.get("tool_calls", []) if "id" in d]
     assert names == ["a"] and "".join(g.get("reasoning_content", "") for g in got) == "hmm"
+
+
+def test_a_named_call_after_reasoning_starts_when_the_reasoning_ends():
+    named = plan_chat(req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "a"}}), "glm47",
+                      reason_first=True)
+    s = ChoiceOutput(named, "glm47", True, True)
+    first = s.feed("thinking about x")
+    assert first == {"reasoning_content": "thinking about x"}  # no call header while reasoning
+    rest = s.feed('</think>{"x": 2}', final=True)
+    assert rest["tool_calls"][0]["function"]["name"] == "a" and s.finish_reason("stop") == "tool_calls"
+    cut = ChoiceOutput(named, "glm47", True, True).whole("never finished thinking")
+    assert cut["reasoning_content"] == "never finished thinking" and "tool_calls" not in cut
