@@ -290,6 +290,18 @@ def config_from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
     )
 
 
+def is_not_converted(cfg: ModelConfig, module: str) -> bool:
+    """True if `module` (a dotted path) matches a `modules_to_not_convert` entry at a component boundary.
+
+    Matching on components (not substrings) keeps `mlp.gate` from also catching `mlp.gate_proj`.
+    """
+    if cfg.quantization is None:
+        return True
+    padded = "." + module
+    return any(padded.endswith("." + m) or ("." + m + ".") in padded + "."
+               for m in cfg.quantization.modules_to_not_convert)
+
+
 def builtin_config_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("dsaserve.configs").iterdir() if p.name.endswith(".json"))
 

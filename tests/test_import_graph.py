@@ -1,7 +1,8 @@
 """The package stacks in floors: a folder imports only the folders below it, lazy imports included.
 
 The floors, top to bottom, written once: the package root (`dsaserve/__init__.py`, `__main__.py`) and
-cli -> server -> engine -> model -> ledger -> weights -> distributed -> kernels -> config -> common.
+cli -> bench -> quality -> server -> engine -> model -> ledger -> training -> weights -> distributed -> kernels ->
+config -> errors -> common.
 `common/` is the ground floor (shared vocabulary: counters, KV layouts, sampling parameters, causal counts,
 environment switches) and imports nothing of the package. An upward arrow, or a circle between folders
 or between modules, fails this test with the importing file and line.
@@ -13,8 +14,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dsaserve"
-FLOORS = ("root", "cli", "server", "engine", "model", "ledger", "weights", "distributed", "kernels", "config",
-          "common")
+FLOORS = ("root", "cli", "bench", "quality", "server", "engine", "model", "ledger", "training", "weights",
+          "distributed", "kernels", "config", "errors", "common")
 
 
 def _folder(module: str) -> str:

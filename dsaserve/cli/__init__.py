@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "generate": ("generate", "generate from one prompt (offline engine)"),
     "serve": ("serve", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("bench", "benchmarks: `bench serve` (HTTP client), `bench step` (scheduler overhead)"),
+    "eval": ("eval", "held-out perplexity and greedy agreement between numerics settings (KV layout, sparse, ...)"),
     "ledger": ("ledger", "predict every byte, FLOP and collective of a step; --reconcile against a run"),
 }
 

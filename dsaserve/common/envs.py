@@ -22,6 +22,7 @@ class Switch:
     default: Any
     parse: Callable[[str], Any]
     help: str
+    secret: bool = False  # shown as "<set>" in the manifest, never its value
 
 
 def _on_unless_zero(raw: str) -> bool:
@@ -51,6 +52,8 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
     "DSASERVE_TEST_READY_DELAY_S": Switch(None, _text, "test hook: the scheduler waits this long before ready"),
+    "DSASERVE_API_KEY": Switch(None, _text, "the server's API key when --api-key is not given (vLLM: VLLM_API_KEY)",
+                               secret=True),
 }
 
 if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_MAX_CHECKPOINT_GB: str | None
     DSASERVE_BENCH_STEP_SCRIPT: str | None
     DSASERVE_TEST_READY_DELAY_S: str | None
+    DSASERVE_API_KEY: str | None
 
 _raw: dict[str, str] = {}
 _values: dict[str, Any] = {}
@@ -77,7 +81,7 @@ def reload() -> None:
 
 def set_switches() -> dict[str, str]:
     """The switches the environment set (as written), for the startup manifest."""
-    return dict(_raw)
+    return {k: "<set>" if SWITCHES[k].secret else v for k, v in _raw.items()}
 
 
 def __getattr__(name: str) -> Any:

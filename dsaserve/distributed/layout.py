@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsaserve.config import FP8_BLOCK, ModelConfig
-from dsaserve.weights.spec import is_not_converted
+from dsaserve.config import FP8_BLOCK, ModelConfig, is_not_converted
 
 
 def _positive(flag: str, v: object) -> int:

@@ -35,7 +35,7 @@ from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers.moe import fold_device_expert_counts
-from dsaserve.weights.loader import LoadReport, load_checkpoint
+from dsaserve.weights.loader import LoadReport, load_checkpoint, load_dummy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_BYTES = 64 << 20  # CPU reference path: enough for ~12K tokens of the tiny configs
@@ -147,7 +147,7 @@ class ModelRunner:
         if keep_fp8:
             require_fp8_aligned(model)  # before reading any tensor: TP/EP parts must be whole FP8 blocks
         if load_format == "dummy":
-            report = _fill_dummy(model)
+            report = load_dummy(model, self.args.seed)
         else:
             report = load_checkpoint(model, self.checkpoint)
         model.finalize(self.dtype, self.device, keep_fp8)
@@ -256,21 +256,3 @@ class ModelRunner:
 def _init_method(args: EngineArgs) -> str | None:
     """--dist-init-addr host:port -> tcp://host:port (None: $MASTER_ADDR / $MASTER_PORT, env://)."""
     return f"tcp://{args.dist_init_addr}" if args.dist_init_addr else None
-
-
-def _fill_dummy(model: DsaForCausalLM) -> LoadReport:
-    """--load-format dummy: random weights of the real shapes and dtypes on the device, FP8 with scales."""
-    report = LoadReport("dummy")
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if p.dtype == torch.float8_e4m3fn:
-            p.data.copy_((torch.randn(p.shape, generator=gen, device=p.device) * 64).clamp(-448, 448))
-        elif name.endswith(("weight_scale_inv", "_scale")):
-            p.data.fill_(1.0 / 64 / max(p.shape[-1] * 128, 1) ** 0.5)
-        elif "norm" in name:
-            p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device) * (p.shape[-1] ** -0.5))
-        report.tensors_loaded += 1
-        report.bytes_loaded += p.numel() * p.element_size()
-    return report

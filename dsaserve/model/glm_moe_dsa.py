@@ -15,7 +15,7 @@ from torch import nn
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
-from dsaserve.config import ModelConfig
+from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
@@ -27,7 +27,6 @@ from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.model.step_counts import ForwardShape, count_step, forward_shape
-from dsaserve.weights.spec import is_not_converted
 
 
 class DecoderLayer(nn.Module):

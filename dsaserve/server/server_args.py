@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsaserve.common import envs
 from dsaserve.server.reasoning_parsers import REASONING_PARSER_CHOICES
 from dsaserve.server.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -95,7 +95,7 @@ class ServerArgs:
         return cls(
             model_dir=model_dir, served_model_name=ns.served_model_name or engine.model,
             engine_args={k: v for k, v in dataclasses.asdict(engine).items() if k != "model"},
-            host=ns.host, port=ns.port, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+            host=ns.host, port=ns.port, api_key=ns.api_key or envs.DSASERVE_API_KEY,
             max_queued_requests=None if ns.max_queued_requests == -1 else ns.max_queued_requests,
             max_request_bytes=ns.max_request_bytes, health_timeout_s=ns.health_timeout,
             drain_timeout_s=ns.drain_timeout, startup_timeout_s=ns.startup_timeout, log_level=ns.log_level,

@@ -8,6 +8,9 @@ by a file lock so concurrent processes (several ranks, parallel tests) write it 
 config.json or writer stamp no longer matches (a built-in config was edited) is rebuilt.
 Full-size built-ins (~755 GB for glm-5.3) are refused: random weights for those come from
 `--load-format dummy`, which needs no files.
+A built-in with *trained* weights shipped inside the package (`dsaserve/builtin/<name>/`, e.g. glm-5.3-mini
+from bench/train_builtin.py) resolves to that directory as is; without those files it falls back to the
+random seed-0 checkpoint of its config, like any other built-in.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ DEFAULT_MAX_GB = 16.0  # fits glm-5.3-slice (10.7 GB) and the tiny configs; refu
 CACHE_SEED = 0
 STAMP_FILE = "dsaserve_checkpoint.json"
 WRITER_VERSION = 2  # bump when checkpoint_writer's values or layout change, so caches rebuild (2: tokenizers)
+BUILTIN_ROOT = Path(__file__).resolve().parent.parent / "builtin"  # trained checkpoints shipped in the package
 
 
 class CheckpointResolveError(CheckpointError):
@@ -148,7 +152,18 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
             raise CheckpointResolveError(f"model: directory {text!r} has no config.json, so it is not a checkpoint")
         return p
     names = builtin_config_names()
+    packaged = packaged_checkpoint(text)
+    if packaged is not None:
+        return packaged
     if text in names:
         return _build(text)
     raise CheckpointResolveError(f"model: {text!r} is neither a checkpoint directory (with config.json) nor a "
                                  f"built-in config ({', '.join(names)})")
+
+
+def packaged_checkpoint(name: str) -> Path | None:
+    """The trained checkpoint shipped as dsaserve/builtin/<name>/, if the package has one (config + index)."""
+    if not name or "/" in name or name.startswith("."):
+        return None
+    p = BUILTIN_ROOT / name
+    return p if (p / "config.json").is_file() and (p / INDEX_FILE).is_file() else None

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from dsaserve.weights.tokenizer_builder import write_tokenizer
 
 SHARD_TARGET_BYTES = 5 * 10**9  # HF `max_shard_size="5GB"`, the size the GLM-5 / DeepSeek releases use
 INDEX_FILE = "model.safetensors.index.json"
-_STORAGE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -100,7 +100,8 @@ def plan_shards(cfg: ModelConfig, num_shards: int | None = None) -> list[list[Te
     return _partition(units, n)
 
 
-def _tensor_seed(seed: int, name: str) -> int:
+def tensor_generator_seed(seed: int, name: str) -> int:
+    """Each tensor's own generator seed: a tensor's values never depend on which others were drawn first."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -119,24 +120,27 @@ def _init_std(cfg: ModelConfig, spec: TensorSpec) -> tuple[float, float]:
     return 0.0, 1.0 / math.sqrt(spec.shape[-1])  # linears incl. router gate and indexer weights_proj
 
 
-def random_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int) -> torch.Tensor:
-    """The float32 values of one weight (before storage-dtype conversion)."""
-    g = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+def random_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """The float32 values of one weight (before storage-dtype conversion); `gen` (already seeded with
+    `tensor_generator_seed`) draws them on its device instead of the CPU (`--load-format dummy`)."""
+    g = gen if gen is not None else torch.Generator().manual_seed(tensor_generator_seed(seed, spec.name))
     mean, std = _init_std(cfg, spec)
-    return torch.randn(spec.shape, generator=g, dtype=torch.float32).mul_(std).add_(mean)
+    return torch.randn(spec.shape, generator=g, dtype=torch.float32, device=g.device).mul_(std).add_(mean)
 
 
-def _shard_tensors(cfg: ModelConfig, shard: list[TensorSpec], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _shard_tensors(shard: list[TensorSpec], values: Callable[[TensorSpec], torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, stored tensor) for one shard; `values(spec)` gives a weight's float values before storage."""
     scales: dict[str, torch.Tensor] = {}
     for spec in shard:
         if spec.name in scales:
             t = scales.pop(spec.name)
         elif spec.dtype == "fp8":
-            t, scale = quantize_fp8_block(random_tensor(cfg, spec, seed))
+            t, scale = quantize_fp8_block(values(spec))
             scales[spec.name + "_scale_inv"] = scale
         else:
-            t = random_tensor(cfg, spec, seed).to(_STORAGE[spec.dtype])
-        if tuple(t.shape) != spec.shape or t.dtype != _STORAGE[spec.dtype]:
+            t = values(spec).to(STORAGE_DTYPES[spec.dtype])
+        if tuple(t.shape) != spec.shape or t.dtype != STORAGE_DTYPES[spec.dtype]:
             raise RuntimeError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, spec says {spec.dtype} {spec.shape}")
         yield spec.name, t
     if scales:
@@ -162,13 +166,39 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, num_s
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(cfg, num_shards)
     write_tokenizer(cfg, out)  # first: it checks bos/eos ids against the config before any big write
+    return _write_shards(cfg, out, lambda spec: random_tensor(cfg, spec, seed), plan)
+
+
+def write_checkpoint_from_tensors(cfg: ModelConfig, out_dir: str | Path, tensors: Mapping[str, torch.Tensor],
+                                  num_shards: int | None = None) -> Path:
+    """Write given float weights (e.g. a trained model's) in the same layout as `write_checkpoint`.
+
+    `tensors` has exactly the spec's weight names (no `weight_scale_inv`: FP8 weights are quantised here,
+    with their block scales) and shapes; anything missing or extra is a ValueError naming it. The caller
+    writes the tokenizer files (`tokenizer_builder.save_tokenizer`)."""
+    specs = [s for s in checkpoint_specs(cfg) if not s.name.endswith("_scale_inv")]
+    want = {s.name: s.shape for s in specs}
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ValueError(f"tensors: missing {missing[:5]} ({len(missing)}), unexpected {extra[:5]} ({len(extra)})")
+    bad = [n for n, shape in want.items() if tuple(tensors[n].shape) != shape]
+    if bad:
+        raise ValueError(f"tensors: {bad[0]} has shape {tuple(tensors[bad[0]].shape)}, the spec says {want[bad[0]]}")
+    plan = plan_shards(cfg, num_shards)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _write_shards(cfg, out, lambda spec: tensors[spec.name].detach().float().cpu(), plan)
+
+
+def _write_shards(cfg: ModelConfig, out: Path, values: Callable[[TensorSpec], torch.Tensor],
+                  plan: list[list[TensorSpec]]) -> Path:
     n = len(plan)
     total = sum(s.nbytes for shard in plan for s in shard)
     weight_map: dict[str, str] = {}
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="make-checkpoint", disable=not sys.stderr.isatty())
     for i, shard in enumerate(plan):
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors = dict(_shard_tensors(cfg, shard, seed))
+        tensors = dict(_shard_tensors(shard, values))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors
         weight_map.update((s.name, fname) for s in shard)

@@ -163,6 +163,44 @@ def load_checkpoint(model: torch.nn.Module, ckpt: str | Path, progress: bool | N
     return report
 
 
+def load_dummy(model: torch.nn.Module, seed: int = 0) -> LoadReport:
+    """`--load-format dummy`: the tensors `make-checkpoint` would write (same names, init and FP8 blocks),
+    drawn on the model's device instead of read from files, through the same routing and TP / EP slicing as a
+    checkpoint. Each tensor is drawn whole from its own seeded generator, so every layout of ranks holds the
+    parts of one and the same model (TP2 gives TP1's tokens), and a rank draws only the experts it holds."""
+    from dsaserve.weights.checkpoint_writer import STORAGE_DTYPES, random_tensor, tensor_generator_seed
+    from dsaserve.weights.fp8 import quantize_fp8_block
+    from dsaserve.weights.spec import checkpoint_specs
+
+    t0, cfg = time.perf_counter(), model.cfg
+    device = next(model.parameters()).device
+    params, report, filled = dict(model.named_parameters()), LoadReport("dummy"), set()
+    skip_layers = set() if model.with_mtp else set(cfg.mtp_layer_ids)
+    inter_blocks, placement = -(-cfg.moe_intermediate_size // 128), _expert_placement(model)
+    scales: dict[str, torch.Tensor] = {}
+    gen = torch.Generator(device=device)
+    for spec in checkpoint_specs(cfg):
+        if in_layers(spec.name, skip_layers) or not_mine(spec.name, placement):
+            continue
+        if spec.name in scales:
+            tensor = scales.pop(spec.name)
+        else:
+            tensor = random_tensor(cfg, spec, seed, gen.manual_seed(tensor_generator_seed(seed, spec.name)))
+            if spec.dtype == "fp8":
+                tensor, scales[spec.name + "_scale_inv"] = quantize_fp8_block(tensor)
+            else:
+                tensor = tensor.to(STORAGE_DTYPES[spec.dtype])  # rounded as the file would store it
+        target = route(spec.name, cfg, inter_blocks, placement)
+        report.bytes_loaded += _check_and_copy(spec.name, tensor, params[target.param], target)
+        report.tensors_loaded += 1
+        filled.add(target.param)
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise CheckpointError(f"model parameter(s) the dummy weights did not fill: {', '.join(unfilled[:8])}")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
 def _expert_placement(model: torch.nn.Module) -> ExpertPlacement | None:
     """The routed-expert split the model was built with (None: every expert whole on this rank)."""
     placement = next((m.placement for m in model.modules() if isinstance(getattr(m, "placement", None),

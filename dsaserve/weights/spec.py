@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsaserve.config import FP8_BLOCK, ModelConfig
+from dsaserve.config import FP8_BLOCK, ModelConfig, is_not_converted
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,6 @@ def scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
     """weight_scale_inv shape for an (N, K) FP8 weight: one float32 per 128x128 block."""
     n, k = shape
     return (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-
-
-def is_not_converted(cfg: ModelConfig, module: str) -> bool:
-    """True if `module` (a dotted path) matches a `modules_to_not_convert` entry at a component boundary.
-
-    Matching on components (not substrings) keeps `mlp.gate` from also catching `mlp.gate_proj`.
-    """
-    if cfg.quantization is None:
-        return True
-    padded = "." + module
-    return any(padded.endswith("." + m) or ("." + m + ".") in padded + "."
-               for m in cfg.quantization.modules_to_not_convert)
 
 
 def _linear(cfg: ModelConfig, module: str, out_f: int, in_f: int) -> list[TensorSpec]:

@@ -132,26 +132,32 @@ def _check_ids(cfg: ModelConfig) -> None:
         raise ValueError(f"eos_token_id: the built-in tokenizer has {fam.special[1]} at id 1, config says {eos}")
 
 
-def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
-    """Train the byte-level BPE for cfg (deterministic: same cfg -> same tokenizer): the family's special
-    tokens first, the merges, then its non-special added tokens (`<think>`, `<tool_call>`, ...) last."""
-    _check_ids(cfg)
-    fam = family(cfg)
+def train_bpe(texts, vocab_size: int, fam: TokenizerFamily | None = None) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on an iterable of strings (deterministic): the
+    family's special tokens at ids 0.. (GLM's by default), the merges, then its non-special added tokens
+    (`<think>`, `<tool_call>`, ...) at the last ids."""
+    fam = fam or FAMILIES["glm_moe_dsa"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=tokenizer_vocab_size(cfg) - len(fam.added), min_frequency=2, show_progress=False,
+        vocab_size=vocab_size - len(fam.added), min_frequency=2, show_progress=False,
         special_tokens=list(fam.special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     # Merge order is fixed: counts are sums (thread order cannot change them) and the trainer breaks count
     # ties by pair id; the full byte alphabet up front makes the pair ids independent of word order.
-    tok.train_from_iterator([CORPUS], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     for i, t in enumerate(fam.special):
         if tok.token_to_id(t) != i:
             raise RuntimeError(f"tokenizer: special token {t} got id {tok.token_to_id(t)}, expected {i}")
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.added])
     return tok
+
+
+def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    """Train the byte-level BPE for cfg (deterministic: same cfg -> same tokenizer)."""
+    _check_ids(cfg)
+    return train_bpe([CORPUS], tokenizer_vocab_size(cfg), family(cfg))
 
 
 def tokenizer_config(cfg: ModelConfig) -> dict:
@@ -173,8 +179,13 @@ def tokenizer_config(cfg: ModelConfig) -> dict:
 
 def write_tokenizer(cfg: ModelConfig, out_dir: str | Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    save_tokenizer(build_tokenizer(cfg), cfg, out_dir)
+
+
+def save_tokenizer(tok: Tokenizer, cfg: ModelConfig, out_dir: str | Path) -> None:
+    """Write a trained tokenizer's three files (chat template, special tokens) into out_dir."""
+    _check_ids(cfg)
     out = Path(out_dir)
-    tok = build_tokenizer(cfg)
     # Round-trip through json so the file is sorted-key and independent of the library's map order.
     (out / "tokenizer.json").write_text(json.dumps(json.loads(tok.to_str()), indent=2, sort_keys=True,
                                                    ensure_ascii=False) + "\n", encoding="utf-8")

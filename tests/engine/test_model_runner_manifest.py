@@ -20,5 +20,5 @@ def test_manifest_shows_phases_weights_and_the_pool_beside_the_ledger(layout):
 
 def test_manifest_lists_the_switches_the_environment_set(set_switch):
     set_switch("DSASERVE_OVERLAP_INDEXER", "0")
-    env = ModelRunner("glm-5.3-tiny", kv_budget_bytes=8 << 20).manifest()["env"]
+    env = ModelRunner.from_kwargs("glm-5.3-tiny", kv_cache_bytes=8 << 20).manifest()["env"]
     assert env["DSASERVE_OVERLAP_INDEXER"] == "0" and all(k.startswith("DSASERVE_") for k in env)

@@ -97,6 +97,16 @@ def test_fused_moe_matches_reference(gen, t, fp8):
         assert rel(other, ref) < b, f"seed {gen.initial_seed()} {conf}"
 
 
+@pytest.mark.parametrize("t", [1, 9, 64])
+def test_fused_moe_with_one_slot_per_row_matches_reference(gen, t):
+    """DP-attention's exchange hands the experts one (expert, weight) per received row: top-k = 1."""
+    moe = gpu_modules()[3]
+    e, h, inter, _ = MOE
+    args = _moe_inputs(gen, t, e, h, inter, 1)
+    got, ref = moe.fused_moe(*args), R.fused_moe(*args)
+    assert torch.isfinite(got).all() and rel(got, ref) < FP8A, f"seed {gen.initial_seed()}"
+
+
 def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(gen):
     moe = gpu_modules()[3]
     ids = torch.randint(0, 6, (37, 3), generator=gen, device=DEVICE)

@@ -17,7 +17,7 @@ from dsaserve.model.step_counts import step_counts
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner("glm-5.3-tiny", num_pages=16)
+    return ModelRunner.from_kwargs("glm-5.3-tiny", num_pages=16)
 
 
 def _measured(runner, batch) -> dict[str, float]:

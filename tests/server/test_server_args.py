@@ -64,11 +64,8 @@ def parse(*argv: str) -> ServerArgs:
     (None, (), None), ("env-key", (), "env-key"), ("env-key", ("--api-key", "flag-key"), "flag-key"),
     ("", (), None),
 ])
-def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch, env, argv, expected):
-    if env is None:
-        monkeypatch.delenv(API_KEY_ENV, raising=False)
-    else:
-        monkeypatch.setenv(API_KEY_ENV, env)
+def test_the_api_key_comes_from_the_flag_else_the_environment(set_switch, env, argv, expected):
+    set_switch(API_KEY_ENV, env)
     assert parse(*argv).api_key == expected
 
 

@@ -15,11 +15,10 @@ import math
 import torch
 from torch import nn
 
-from dsaserve.config import ModelConfig
+from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import LayerNorm
-from dsaserve.weights.spec import is_not_converted
 
 
 class Indexer(nn.Module):

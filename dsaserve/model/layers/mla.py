@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.config import ModelConfig
+from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
@@ -19,7 +19,6 @@ from dsaserve.model.layers.linear import Linear, MergedLinear
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
-from dsaserve.weights.spec import is_not_converted
 
 
 class MLAAttention(nn.Module):

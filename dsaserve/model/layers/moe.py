@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dsaserve.common.counters import COUNTERS
-from dsaserve.config import ModelConfig
+from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.collectives import all_reduce
 from dsaserve.distributed.expert_parallel import (
     a2a_moe_forward,
@@ -31,7 +31,7 @@ from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import MergedLinear
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
-from dsaserve.weights.spec import is_not_converted, scale_shape
+from dsaserve.weights.spec import scale_shape
 
 
 class DenseMLP(nn.Module):

@@ -1,0 +1,170 @@
+"""`dsaserve eval`'s comparisons: which settings run, which reference each is compared with, the table.
+
+Owns: the plan (the four KV layouts against fp32; dense attention and every-layer-full indexers against
+the base; on a GPU, FP8 activations off against on, and the GPU base against the CPU reference with the
+same KV layout), the held-out data (corpus split of the checkpoint's recipe, tokenised with its
+tokenizer), agreement metrics, and the table / JSON (written after every setting, so a run cut short
+still leaves what it measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsaserve.quality.runs import Setting, run_setting
+from dsaserve.quality.variants import make_variant
+from dsaserve.training import corpus
+
+ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref")
+
+
+@dataclass
+class EvalArgs:
+    model: str
+    device: str = "cpu"
+    kv_layout: str = "fp8_ds_mla"  # the base setting's layout (the engine default)
+    groups: tuple[str, ...] = ALL_GROUPS
+    windows: int = 16
+    window_len: int = 512
+    batch: int = 4
+    prompts: int = 10
+    prompt_len: int = 128
+    max_tokens: int = 32
+    json_path: str | None = None
+    max_files: int | None = None
+
+
+@dataclass
+class Plan:
+    settings: list[Setting] = field(default_factory=list)
+    pairs: list[tuple[str, str, str]] = field(default_factory=list)  # (question, setting, reference)
+
+    def add(self, s: Setting) -> None:
+        if all(x.name != s.name for x in self.settings):
+            self.settings.append(s)
+
+
+def make_plan(a: EvalArgs) -> Plan:
+    p, dev, gpu = Plan(), a.device, a.device == "cuda"
+    base = Setting(f"{dev}:{a.kv_layout}", dev, a.kv_layout)
+    p.add(base)
+    if "kv" in a.groups:
+        ref = Setting(f"{dev}:fp32", dev, "fp32")
+        p.add(ref)
+        for layout in ("bf16", "fp8_ds_mla", "fp8_e4m3"):
+            p.add(Setting(f"{dev}:{layout}", dev, layout))
+            p.pairs.append((f"KV {layout} vs fp32", f"{dev}:{layout}", ref.name))
+    if "sparse" in a.groups:
+        p.add(Setting(f"{dev}:{a.kv_layout}:dense", dev, a.kv_layout, "dense"))
+        p.pairs.append(("dense (top-k >= context) vs sparse", f"{dev}:{a.kv_layout}:dense", base.name))
+    if "indexer" in a.groups:
+        p.add(Setting(f"{dev}:{a.kv_layout}:all_full", dev, a.kv_layout, "all_full"))
+        p.pairs.append(("every layer full vs shared", f"{dev}:{a.kv_layout}:all_full", base.name))
+    if gpu and "fp8_act" in a.groups:
+        p.add(Setting(f"{dev}:{a.kv_layout}:bf16act", dev, a.kv_layout, fp8_act=False))
+        p.pairs.append(("FP8 activations off vs on", f"{dev}:{a.kv_layout}:bf16act", base.name))
+    if gpu and "cpu_ref" in a.groups:
+        p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
+        p.pairs.append(("GPU vs CPU reference", base.name, f"cpu:{a.kv_layout}"))
+    # most telling first: a run cut short (a time limit) still answers the main questions
+    order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]
+    p.settings.sort(key=lambda s: order.index(s.name) if s.name in order else len(order))
+    return p
+
+
+def heldout_data(a: EvalArgs) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(perplexity windows, greedy prompts, what was read): the checkpoint's held-out split, tokenised."""
+    from tokenizers import Tokenizer
+
+    model = Path(a.model)
+    recipe_path = model / "corpus_recipe.json"
+    recipe = json.loads(recipe_path.read_text()) if recipe_path.is_file() else {}
+    permille = int(recipe.get("heldout_permille", corpus.DEFAULT_HELDOUT_PERMILLE))
+    split = corpus.load_split(permille, a.max_files or recipe.get("max_files"), heldout_only=True)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    stream = corpus.tokens_of(tok, split.heldout, tok.token_to_id("<|endoftext|>"))
+    wins = corpus.windows(stream, a.window_len, a.windows + a.prompts)
+    if len(wins) < 2:
+        raise ValueError(f"held-out split: only {len(stream)} tokens, too few for --window-len {a.window_len}")
+    # disjoint: prompts come from the windows perplexity does not use
+    ppl_wins, prompt_wins = wins[: max(len(wins) - a.prompts, 1)], wins[max(len(wins) - a.prompts, 1):] or wins[:1]
+    info = {"python": split.recipe.python_version, "trained_on_python": recipe.get("python_version"),
+            "heldout_files": split.recipe.heldout_files, "heldout_tokens": len(stream),
+            "windows": len(ppl_wins), "window_len": a.window_len, "prompts": len(prompt_wins),
+            "prompt_len": a.prompt_len, "max_tokens": a.max_tokens}
+    return ppl_wins, [w[: a.prompt_len] for w in prompt_wins], info
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Identical continuations, and the mean number of leading tokens that agree."""
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        k = next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
+        prefix.append(k)
+    return {"identical": sum(k == len(x) for k, x in zip(prefix, a, strict=True)), "of": len(a),
+            "mean_prefix": round(sum(prefix) / max(len(prefix), 1), 2)}
+
+
+def compare(results: dict[str, dict], pairs: list[tuple[str, str, str]]) -> list[dict]:
+    rows = []
+    for question, name, ref in pairs:
+        if name not in results or ref not in results:
+            continue
+        r, q = results[name], results[ref]
+        rows.append({"question": question, "setting": name, "reference": ref, "ppl": r["ppl"], "ref_ppl": q["ppl"],
+                     "ppl_change_pct": round(100 * (r["ppl"] / q["ppl"] - 1), 3),
+                     **agreement(r["greedy"], q["greedy"])})
+    return rows
+
+
+def table(results: dict[str, dict], rows: list[dict], baselines: dict | None) -> str:
+    lines = [f"{'setting':34} {'ppl':>9} {'loss':>8} {'mtp acc':>8} {'mtp accept':>10}"]
+    for name, r in results.items():
+        lines.append(f"{name:34} {r['ppl']:9.3f} {r['loss']:8.4f} {r.get('mtp_acc', float('nan')):8.3f} "
+                     f"{r.get('mtp_accept', float('nan')):10.3f}")
+    if baselines:
+        lines.append("baselines: " + ", ".join(f"{k} ppl {math.exp(v):.1f}" for k, v in baselines.items()))
+    lines.append("")
+    lines.append(f"{'question':38} {'ppl':>9} {'ref ppl':>9} {'change':>8} {'greedy identical':>17} {'prefix':>7}")
+    for r in rows:
+        lines.append(f"{r['question']:38} {r['ppl']:9.3f} {r['ref_ppl']:9.3f} {r['ppl_change_pct']:+7.2f}% "
+                     f"{r['identical']:>9}/{r['of']:<7} {r['mean_prefix']:7.1f}")
+    return "\n".join(lines)
+
+
+def run_eval(a: EvalArgs, log=print) -> dict:
+    from dsaserve.weights.checkpoint_cache import resolve_checkpoint
+
+    a.model = str(resolve_checkpoint(a.model))  # a directory, or a built-in name (the packaged glm-5.3-mini)
+    wins, prompts, info = heldout_data(a)
+    plan = make_plan(a)
+    report_path = Path(a.model) / "train_report.json"
+    baselines = json.loads(report_path.read_text()).get("baselines") if report_path.is_file() else None
+    out = {"model": str(a.model), "device": a.device, "data": info, "baselines": baselines, "results": {},
+           "comparisons": [], "errors": {}}
+    with tempfile.TemporaryDirectory(prefix="dsaserve-eval-") as tmp:
+        for s in plan.settings:
+            t0 = time.perf_counter()
+            context = max(a.window_len, a.prompt_len + a.max_tokens)
+            try:
+                variant = make_variant(a.model, s.variant, tmp, context)
+                r = run_setting(str(variant), s, wins, prompts, a.max_tokens, a.batch)
+            except Exception as e:  # one broken setting must not hide the answers of the others
+                out["errors"][s.name] = f"{type(e).__name__}: {e}"[:2000]
+                log(f"{s.name}: FAILED {out['errors'][s.name]}")
+                continue
+            r["seconds"] = round(time.perf_counter() - t0, 2)
+            out["results"][s.name] = r
+            out["comparisons"] = compare(out["results"], plan.pairs)
+            log(f"{s.name}: ppl {r['ppl']} ({s.describe()}, {r['seconds']}s)")
+            if a.json_path:
+                Path(a.json_path).write_text(json.dumps(out, indent=1) + "\n")
+    log(table(out["results"], out["comparisons"], baselines))
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(out, indent=1) + "\n")
+    return out

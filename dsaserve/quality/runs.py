@@ -1,0 +1,158 @@
+"""One setting of `dsaserve eval`, measured through the real ModelRunner (no scheduler, no HTTP).
+
+Owns: `Setting` (device, KV layout, checkpoint variant, FP8 activations), opening its runner with the
+FP8-activation switch held for the runner's whole life (the kernel registry reads it per forward),
+prefill perplexity over held-out windows (each window's logits at every position, the KV written and
+read back in the setting's layout, as a real prefill does), MTP acceptance on the same text, and batched
+greedy decode (prefill, then one token per request per step: the decode path reading the paged cache).
+CUDA graphs are off: they replay the same kernels, and eval steps have shapes no bucket was captured for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dsaserve.common import envs
+from dsaserve.engine.kv_pool import PAGE_SIZE
+from dsaserve.kernels.registry import FP8_ACT_ENV
+from dsaserve.model.forward_batch import contiguous_batch
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    device: str = "cpu"
+    kv_layout: str = "fp8_ds_mla"
+    variant: str = "base"  # see quality/variants.py
+    fp8_act: bool = True  # GPU only: DSASERVE_FP8_ACTIVATIONS
+
+    def describe(self) -> str:
+        act = "" if self.device == "cpu" else f", fp8 act {'on' if self.fp8_act else 'off'}"
+        return f"{self.device}, kv {self.kv_layout}, {self.variant}{act}"
+
+
+@contextlib.contextmanager
+def fp8_activations(on: bool) -> Iterator[None]:
+    """DSASERVE_FP8_ACTIVATIONS set for the block (envs snapshots the environment: reloaded both ways)."""
+    old = os.environ.get(FP8_ACT_ENV)
+    os.environ[FP8_ACT_ENV] = "1" if on else "0"
+    envs.reload()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FP8_ACT_ENV, None)
+        else:
+            os.environ[FP8_ACT_ENV] = old
+        envs.reload()
+
+
+def open_runner(model_dir: str, s: Setting, max_tokens: int):
+    """A ModelRunner for the setting, with a pool for max_tokens tokens (contiguous per request)."""
+    from dsaserve.engine.model_runner import ModelRunner
+
+    pages = -(-max_tokens // PAGE_SIZE) + 2
+    return ModelRunner.from_kwargs(str(model_dir), device=s.device, kv_layout=s.kv_layout, num_pages=pages,
+                                   load_mtp=True, disable_cuda_graph=True,
+                                   max_num_batched_tokens=max(max_tokens, 2048))
+
+
+def _bases(lengths: list[int]) -> list[int]:
+    """Page-aligned slot bases, one contiguous range per request."""
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += -(-n // PAGE_SIZE) * PAGE_SIZE
+    return out
+
+
+@torch.no_grad()
+def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
+    """Mean next-token loss over the windows; MTP top-1 accuracy (token t+2) and greedy acceptance (MTP's
+    argmax at t equals the main model's argmax at t+1, the token it drafts for)."""
+    nll = n = acc = accept = n_mtp = 0.0
+    mtp_error = None
+    for i in range(0, len(wins), batch):
+        chunk = wins[i:i + batch]
+        bases = _bases([len(w) for w in chunk])
+        b = contiguous_batch(chunk, [0] * len(chunk), bases)
+        b.logits_indices = torch.arange(b.num_tokens)
+        b = b.to(runner.device)
+        logits, hidden = runner.model(b, runner.kv_pool)
+        logp = torch.log_softmax(logits.float(), -1)
+        mb = contiguous_batch([w[1:] for w in chunk], [0] * len(chunk), bases)
+        mb.logits_indices = torch.arange(mb.num_tokens)
+        keep = torch.cat([torch.arange(o, o + len(w) - 1) for o, w in zip(_offsets(chunk), chunk, strict=True)])
+        mtp = None
+        if runner.model.with_mtp and min(map(len, chunk)) > 2 and mtp_error is None:
+            try:  # the MTP columns are extra: a failure there must not cost the perplexity
+                mtp = runner.model.forward_mtp(mb.to(runner.device), runner.kv_pool, hidden[keep.to(hidden.device)])
+            except Exception as e:  # noqa: BLE001
+                mtp_error = f"{type(e).__name__}: {e}"[:500]
+        for r, (o, w) in enumerate(zip(_offsets(chunk), chunk, strict=True)):
+            tgt = torch.tensor(w[1:], device=logp.device)
+            nll -= float(logp[o:o + len(w) - 1].gather(1, tgt[:, None]).sum())
+            n += len(w) - 1
+            if mtp is not None and len(w) > 2:
+                m = mtp[o - r:o - r + len(w) - 2].argmax(-1)  # MTP rows: w[1:] of each window, packed
+                acc += float((m == tgt[1:]).sum())
+                accept += float((m == logits[o + 1:o + len(w) - 1].argmax(-1)).sum())
+                n_mtp += len(w) - 2
+    loss = nll / max(n, 1)
+    out = {"loss": round(loss, 5), "ppl": round(math.exp(loss), 4), "tokens": int(n)}
+    if n_mtp:
+        out.update(mtp_acc=round(acc / n_mtp, 4), mtp_accept=round(accept / n_mtp, 4))
+    if mtp_error:
+        out["mtp_error"] = mtp_error
+    return out
+
+
+def _offsets(chunk: list[list[int]]) -> list[int]:
+    out, at = [], 0
+    for w in chunk:
+        out.append(at)
+        at += len(w)
+    return out
+
+
+@torch.no_grad()
+def greedy(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    """n greedy tokens per prompt (EOS ignored), all prompts batched; also each step's top-1 margin (nats)."""
+    bases = _bases([len(p) + n for p in prompts])
+    b = contiguous_batch(prompts, [0] * len(prompts), bases)
+    logits, _ = runner.model(b.to(runner.device), runner.kv_pool)
+    toks: list[list[int]] = [[] for _ in prompts]
+    margins: list[list[float]] = [[] for _ in prompts]
+    lens = [len(p) for p in prompts]
+    for step in range(n):
+        top = torch.log_softmax(logits.float(), -1).topk(2, dim=-1)
+        for r in range(len(prompts)):
+            toks[r].append(int(top.indices[r, 0]))
+            margins[r].append(float(top.values[r, 0] - top.values[r, 1]))
+        if step == n - 1:
+            break
+        b = contiguous_batch([[t[-1]] for t in toks], lens, bases)
+        lens = [x + 1 for x in lens]
+        logits, _ = runner.model(b.to(runner.device), runner.kv_pool)
+    return toks, margins
+
+
+def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list[list[int]], n_tokens: int,
+                batch: int) -> dict:
+    """Perplexity and greedy tokens of one setting."""
+    longest = max([len(w) for w in wins[:batch]] + [0])
+    need = max(batch * (longest + PAGE_SIZE), len(prompts) * (max(map(len, prompts), default=0) + n_tokens + PAGE_SIZE))
+    with fp8_activations(s.fp8_act):
+        runner = open_runner(model_dir, s, need)
+        ppl = perplexity(runner, wins, batch)
+        toks, margins = greedy(runner, prompts, n_tokens)
+    del runner
+    if s.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"setting": s.name, "describe": s.describe(), **ppl, "greedy": toks, "margins": margins}
