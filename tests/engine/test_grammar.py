@@ -191,3 +191,13 @@ def test_the_offline_engine_enforces_a_schema_on_the_real_tiny_model():
     with pytest.raises(ValueError, match="structured_outputs: json_schema: cannot be compiled"):
         eng.generate(["x"], SamplingParams(structured_outputs=make_spec("json_schema", {"type": "nonsense"})
                                            .to_dict()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmask_application_on_the_gpu_equals_the_cpu(compiler):
+    g = compiler.compile(make_spec("json_object", None))
+    bitmask = xgr.allocate_token_bitmask(4, VOCAB)
+    for row in range(4):
+        xgr.GrammarMatcher(g).fill_next_token_bitmask(bitmask, row)
+    logits = torch.randn(4, VOCAB)
+    assert torch.equal(apply_token_bitmask(logits.cuda(), bitmask).cpu(), apply_token_bitmask(logits, bitmask))
