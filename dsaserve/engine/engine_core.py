@@ -199,7 +199,10 @@ class EngineCore:
 
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        g = self._grammars.stats if self._grammars is not None else {}
+        return {**self.scheduler.stats(), "grammar_compiles": g.get("misses", 0),
+                "grammar_cache_hits": g.get("hits", 0), "grammar_compile_failures": g.get("failures", 0),
+                "grammar_compile_timeouts": g.get("timeouts", 0)}
 
     def check_no_leak(self) -> None:
         self.scheduler.check_no_leak()

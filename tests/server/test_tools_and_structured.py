@@ -213,3 +213,9 @@ def test_with_thinking_on_the_schema_applies_after_the_reasoning(servers):
 def test_precompiled_schemas_are_warm_at_startup(servers):
     info = servers[GLM].get("/startup").json()["scheduler_info"]
     assert info["warmed_schemas"] == len(PRECOMPILED) and "grammar_warmup" in info["startup_time"]
+    client = _client(servers, GLM)
+    client.chat.completions.create(model=GLM, messages=USER, max_tokens=40, extra_body={
+        "structured_outputs": {"json": WEATHER}, **NO_THINK})
+    metrics = servers[GLM].get("/metrics").text
+    hits = re.search(r"^dsaserve_grammar_cache_hits_total ([0-9.]+)", metrics, re.M)
+    assert hits and float(hits.group(1)) >= 1  # the warmed schema was a cache hit
