@@ -12,6 +12,7 @@ Semantics (vLLM's where they exist):
   max_tokens None -> up to the context limit; min_tokens suppresses EOS and stop_token_ids until reached.
   logprobs k -> the sampled token's logprob plus the top-k alternatives, from the raw model distribution
   (before temperature / penalties / filters, as vLLM's default `raw_logprobs`); 0 -> only the sampled one.
+  structured_outputs -> only tokens its grammar allows are sampled (engine/grammar.py).
   stop strings are matched on detokenized text by whoever detokenizes (offline Engine / server); the
   core handles stop_token_ids, EOS, max_tokens, min_tokens, ignore_eos.
 """
@@ -47,6 +48,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output (vLLM's name): {"kind": json_schema | json_object | regex | choice | grammar, "value": text}
+    # as engine/grammar.py's GrammarSpec.to_dict() writes it, plus optionally "after": a token id (the reasoning
+    # end, `</think>`) before which the output is free; the sampler masks tokens by it
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +91,12 @@ class SamplingParams:
             _int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            if not isinstance(so, dict) or not isinstance(so.get("kind"), str) or not isinstance(so.get("value"), str) \
+                    or not isinstance(so.get("after", 0), int) or isinstance(so.get("after"), bool):
+                raise ValueError(f"structured_outputs: must be {{'kind': str, 'value': str[, 'after': int]}}, "
+                                 f"got {so!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")

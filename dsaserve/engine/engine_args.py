@@ -29,7 +29,7 @@ from typing import Any
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS
 
 DTYPES = ("auto", "float32", "bfloat16")
-_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr")
+_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas")
 DEVICES = ("cpu", "cuda")
 
 
@@ -75,6 +75,11 @@ class EngineArgs:
     node_rank: int = _arg("this machine's index among --nnodes (node 0 serves HTTP)", 0)
     dist_init_addr: str | None = _arg("host:port of node 0's torch.distributed rendezvous (default: a free "
                                       "port on 127.0.0.1; required with --nnodes > 1)")
+    # structured output (engine/grammar.py)
+    precompile_schemas: str | None = _arg("JSON file: a list of JSON schemas (or {\"kind\", \"value\"} specs) "
+                                          "compiled into the grammar cache at startup")
+    grammar_compile_timeout: float = _arg("seconds a grammar may take to compile before its request gets a 400",
+                                          10.0, type=float)
     dist_timeout: float = _arg("seconds a rendezvous or a collective may wait before the rank fails", 600.0,
                                type=float)
 
@@ -96,6 +101,9 @@ class EngineArgs:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_running_requests", self.max_running_requests)
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
+        t = self.grammar_compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"--grammar-compile-timeout: must be a positive number of seconds, got {t!r}")
         if isinstance(self.mem_fraction_static, bool) or not isinstance(self.mem_fraction_static, (int, float)) \
                 or not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static: must be in (0, 1), got {self.mem_fraction_static!r}")

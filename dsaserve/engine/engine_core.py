@@ -28,6 +28,9 @@ API (the server, issue 4, builds on exactly this):
     core.check_no_leak()                     # AssertionError unless every page is free or held only by
                                              # the prefix cache and no request / row is left
     core.tokenizer / core.chat_template / core.eos_token_ids / core.cfg   # from the runner
+    core.grammars -> GrammarCompiler          # built on first use (or at startup for --precompile-schemas);
+                                             # add_request compiles a structured_outputs spec (cached) and
+                                             # gives each sample its GrammarState
     core.manifest() -> dict                  # runner manifest + scheduler_info + KV pool info
 """
 
@@ -41,6 +44,7 @@ import torch
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
 from dsaserve.engine.request import EngineRequest, TokenDelta
 from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
 from dsaserve.model.sampler import Sampler
@@ -71,8 +75,14 @@ class EngineCore:
         self.builder = BatchBuilder(args.max_running_requests, self.scheduler.max_pages_per_seq,
                                     self.runner.page_size)
         self.sampler = Sampler(seed=args.seed)
+        self._grammars: GrammarCompiler | None = None
+        self.warmed_schemas = 0
         self._startup = dict(getattr(self.runner, "startup_time", {}) or {})
         self._startup["engine_core"] = time.perf_counter() - t0
+        if args.precompile_schemas:
+            t1 = time.perf_counter()
+            self.warmed_schemas = self._precompile(args.precompile_schemas)
+            self._startup["grammar_warmup"] = time.perf_counter() - t1
 
     # ---- what the runner knows -------------------------------------------------------------
     @property
@@ -90,6 +100,26 @@ class EngineCore:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.runner.eos_token_ids)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary (ValueError if the checkpoint has no tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: this model has no tokenizer, so no grammar can be compiled")
+            self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, list(self.eos_token_ids),
+                                             timeout_s=self.args.grammar_compile_timeout)
+        return self._grammars
+
+    def _precompile(self, path: str) -> int:
+        """The startup warmup of --precompile-schemas: every spec compiled now; a bad one is a startup error."""
+        specs = load_precompile_file(path)
+        for i, spec in enumerate(specs):
+            try:
+                self.grammars.compile(spec)
+            except GrammarError as e:
+                raise ValueError(f"--precompile-schemas: entry {i} of {path}: {e}") from None
+        return len(specs)
 
     @property
     def max_req_input_len(self) -> int:
@@ -112,6 +142,8 @@ class EngineCore:
             "vocab_size": s.cfg.vocab_size,
             "eos_token_ids": list(self.eos_token_ids),
             "startup_time": dict(self._startup),
+            "warmed_schemas": self.warmed_schemas,
+            "grammar_compile_timeout": self.args.grammar_compile_timeout,
         }
 
     def manifest(self) -> dict[str, Any]:
@@ -124,7 +156,21 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
+        """ValueError naming the field for a request the scheduler refuses or whose grammar does not compile
+        (a compile blocks up to --grammar-compile-timeout: the server's loop waits for `grammars.submit`
+        first, so here it is a cache hit)."""
+        compiled = spec = None
+        if req.sampling.structured_outputs is not None:
+            self.scheduler.check_request(req.request_id, req.prompt_token_ids, req.sampling)
+            try:
+                spec = GrammarSpec.from_dict(req.sampling.structured_outputs)
+                compiled = self.grammars.compile(spec)
+            except GrammarError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
         self.scheduler.add_request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time)
+        if compiled is not None:
+            for r in self.scheduler.groups[req.request_id]:
+                r.grammar = self.grammars.state(compiled, spec, req.sampling.structured_outputs.get("after"))
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Abort all samples of a request (or sample `index` only); False if it is not in flight."""
@@ -153,7 +199,10 @@ class EngineCore:
 
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        g = self._grammars.stats if self._grammars is not None else {}
+        return {**self.scheduler.stats(), "grammar_compiles": g.get("misses", 0),
+                "grammar_cache_hits": g.get("hits", 0), "grammar_compile_failures": g.get("failures", 0),
+                "grammar_compile_timeouts": g.get("timeouts", 0)}
 
     def check_no_leak(self) -> None:
         self.scheduler.check_no_leak()

@@ -70,7 +70,7 @@ class Req:
         "stop_ids", "status", "pages", "num_computed", "num_cached_tokens", "page_hashes", "num_registered",
         "chain_uid",
         "row", "pages_synced", "generator", "finish_reason", "stop_reason", "followers", "leader",
-        "num_emitted", "pending_logprobs", "num_preemptions",
+        "num_emitted", "pending_logprobs", "num_preemptions", "grammar",
     )
 
     def __init__(self, request_id: str, index: int, prompt: list[int], sampling: SamplingParams,
@@ -98,6 +98,7 @@ class Req:
         self.num_emitted = 0  # output tokens already reported in a TokenDelta
         self.pending_logprobs: list[dict] | None = [] if sampling.logprobs is not None else None
         self.num_preemptions = 0
+        self.grammar: Any = None  # engine/grammar.py GrammarState of a structured-output request
 
     # ---- views the sampler reads (model/sampler.py SampleSource) ---------------------------
     @property

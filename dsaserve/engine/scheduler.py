@@ -278,7 +278,10 @@ class Scheduler:
             if lp is not None and req.pending_logprobs is not None:
                 req.pending_logprobs.append(lp)
             reason = None
-            if tok in req.stop_ids or len(req.tokens) >= req.max_len:  # req.max_len <= max_seq_len
+            if req.grammar is not None and req.grammar.terminated and tok not in req.stop_ids:
+                self._finish(req, "stop")  # the grammar is complete (and ignore_eos kept EOS out of stop_ids)
+                reason = "stop"
+            elif tok in req.stop_ids or len(req.tokens) >= req.max_len:  # req.max_len <= max_seq_len
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)

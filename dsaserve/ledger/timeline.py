@@ -42,7 +42,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(8, "lm head", "vocab-parallel GEMM + logits gather", "GPU", "model/layers/embedding.py",
           "vocab all-gather"),
     Stage(9, "sample", "temperature/top-k/top-p, penalties, grammar mask, MTP acceptance", "GPU (+CPU mask)",
-          "model/sampler.py; grammar mask not built yet (server/openai_serving.py refuses JSON response_format)",
+          "model/sampler.py, engine/grammar.py",
           ""),
     Stage(10, "output", "incremental detokenize, stop strings, streaming, free/cache KV", "CPU",
           "server/detokenizer_process.py, engine/incremental_detokenizer.py, engine/scheduler.py", ""),

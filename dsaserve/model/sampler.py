@@ -1,7 +1,8 @@
 """Sampler: logits -> next tokens (+ logprobs), batched, per-row parameters (request path stage 9).
 
 Owns: the order of logits processing (vLLM's): raw logprobs for the response -> stop-token suppression
-(min_tokens) -> repetition / frequency / presence penalties -> greedy rows take the argmax; the others
+(min_tokens) -> the structured-output grammar's token bitmask ->
+repetition / frequency / presence penalties -> greedy rows take the argmax; the others
 divide by temperature, apply top-k, top-p, min-p, and draw with the exponential race
 argmax(p / q), q ~ Exp(1), which samples exactly from p.
 
@@ -9,6 +10,12 @@ Reproducibility: a request with a seed draws its q from its own torch.Generator 
 only by its own draws), and every step of the pipeline is row-local, always run the same way whatever
 the other rows need (filters that are off for a row leave it bit-identical). So a seed gives the same
 token whatever else is in the batch. Requests without a seed share one engine generator.
+
+Grammar bitmask: xgrammar fills one int32 row per grammar-constrained sample on the CPU (bit t of word w
+allows token 32w + t); `apply_token_bitmask` unpacks the rows with uint8 shifts and masks the logits with
+`masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. The fill
+runs before anything waits for the device, so on a GPU it overlaps the step's forward. After the draw each
+constrained sample's matcher takes its token (a grammar waiting for the reasoning end only watches for it).
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ class Sampler:
         raw = logits
         logprobs = self._logprobs_inputs(raw, params)
         x = self._suppress(logits, rows)
+        x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
             x = apply_penalties(x if x is not raw else x.clone(), rows)
         if all(p.greedy for p in params):
@@ -62,6 +70,10 @@ class Sampler:
         else:
             tokens = self._random(x, rows, params)
         token_list = tokens.tolist()
+        for r, t in zip(rows, token_list, strict=True):
+            g = getattr(r, "grammar", None)
+            if g is not None:
+                g.observe(t)
         return SamplerOutput(token_list, self._logprobs(logprobs, params, token_list))
 
     # ---- steps -------------------------------------------------------------------------------
@@ -75,6 +87,24 @@ class Sampler:
         for i, ids in masked:  # ids were validated on admission; out-of-range ones must never index
             x[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
         return x
+
+    @staticmethod
+    def _grammar_mask(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
+        states = [(i, g) for i, r in enumerate(rows) if (g := getattr(r, "grammar", None)) is not None and g.active]
+        if not states:
+            return x
+        # filled on the host while the device may still run the forward (nothing before this waits for it);
+        # pinned, so the copy to the device is a real async transfer
+        bitmask = torch.empty((len(states), -(-states[0][1].vocab_size // 32)), dtype=torch.int32,
+                              pin_memory=x.is_cuda)
+        for j, (_, g) in enumerate(states):
+            g.fill(bitmask, j)
+        if any(rows[i].suppressed_token_ids for i, _ in states):  # min_tokens + grammar: the grammar wins
+            x = _unsuppress_dead_rows(x, rows, states, bitmask)
+        if len(states) == len(rows):
+            return apply_token_bitmask(x, bitmask)
+        idx = torch.tensor([i for i, _ in states], device=x.device)
+        return x.index_copy(0, idx, apply_token_bitmask(x.index_select(0, idx), bitmask))
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
         dev = x.device
@@ -128,6 +158,34 @@ class Sampler:
             out[i] = {"logprob": chosen_l[j], "top": [[t, v] for t, v in zip(top_i_l[j][:n], top_v_l[j][:n],
                                                                                strict=True)]}
         return out
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """x [rows, vocab] with the tokens not allowed by bitmask [rows, ceil(vocab'/32)] int32 set to -inf.
+
+    Plain torch, the same code on CPU and GPU: the int32 words are read as little-endian bytes (token
+    32w + 8k + b is bit b of byte k of word w), unpacked with one uint8 shift, and used by masked_fill."""
+    vocab, dev = x.shape[1], x.device
+    raw = bitmask.to(dev, non_blocking=True).contiguous().view(torch.uint8)
+    allowed = ((raw.unsqueeze(-1) >> _BIT_SHIFTS.to(dev)) & 1).view(raw.shape[0], -1).bool()
+    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return x.masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _unsuppress_dead_rows(x: torch.Tensor, rows: Sequence[SampleSource], states: list, bitmask: torch.Tensor
+                          ) -> torch.Tensor:
+    """Rows whose min_tokens suppression removed every token their grammar allows get the suppressed tokens
+    back (a grammar that must end now ends now)."""
+    x = x.clone()
+    for j, (i, _) in enumerate(states):
+        ids = [t for t in rows[i].suppressed_token_ids if 0 <= t < x.shape[1]]
+        if ids and torch.isinf(apply_token_bitmask(x[i:i + 1], bitmask[j:j + 1])).all():
+            x[i, ids] = 0.0
+    return x
 
 
 def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:

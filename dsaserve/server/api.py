@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsaserve.server.chat_features import ChatSettings
 from dsaserve.server.openai_serving import OpenAIServing
 from dsaserve.server.protocol import (
     APIError,
@@ -132,7 +133,9 @@ def disconnect_waiter(request: Request):
 
 def build_app(args: Any, tm: Any, readiness: Any, metrics: Any) -> FastAPI:
     app = FastAPI(title="dsaserve", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(tm, args.served_model_name, aliases=(args.model_dir,))
+    chat = ChatSettings.build(args.model_dir, tm.tok, getattr(args, "tool_call_parser", "auto"),
+                              getattr(args, "reasoning_parser", None))
+    serving = OpenAIServing(tm, args.served_model_name, aliases=(args.model_dir,), chat=chat)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, on_error=metrics.http_error)
     _add_error_handlers(app, metrics)

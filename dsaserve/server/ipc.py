@@ -43,6 +43,8 @@ REJECT = "reject"  # scheduler -> main: rid, message (EngineCore.add_request rai
 FATAL = "fatal"  # scheduler/detokenizer -> main: who, message (the process is about to exit)
 BATCH = "batch"  # scheduler -> detokenizer: register [...], deltas [...], drop [rid...]
 OUTPUTS = "outputs"  # detokenizer -> main: items [...]
+GRAMMAR_CHECK = "grammar_check"  # main -> scheduler: qid, spec (GrammarSpec dict): compile it (cached), answer
+GRAMMAR_RESULT = "grammar_result"  # scheduler -> main: qid, error (None: compiled; else the reason, for a 400)
 
 log = logging.getLogger(__name__)
 

@@ -54,6 +54,10 @@ ENGINE_COUNTERS = {
     "aborted": ("dsaserve_engine_aborted_requests", "engine requests aborted whole in the scheduler (client gone, "
                 "error, drain timeout, /health probe timeout), one per prompt; dsaserve_requests_aborted counts "
                 "HTTP requests"),
+    "grammar_compiles": ("dsaserve_grammar_compiles", "structured-output grammars compiled (cache misses)"),
+    "grammar_cache_hits": ("dsaserve_grammar_cache_hits", "structured-output grammars found in the cache"),
+    "grammar_compile_failures": ("dsaserve_grammar_compile_failures", "grammars that did not compile (400s)"),
+    "grammar_compile_timeouts": ("dsaserve_grammar_compile_timeouts", "grammars past --grammar-compile-timeout"),
     "aborted_samples": ("dsaserve_engine_stop_string_samples", "samples the detokenizer ended in the scheduler "
                         "because a stop string matched (a normal finish, not a failure)"),
 }

@@ -3,7 +3,8 @@
 Owns: the route handlers' one pass — the Processor validates and tokenizes the request into one
 GenerateRequest, the TokenizerManager admits and submits it, and the results come back through
 `Handle.results()` into the response and stream-chunk assembly (choices numbered prompt-major, `n` per
-prompt; usage; logprobs in the completions and the chat formats) — and what happens when a client goes
+prompt; usage; logprobs in the completions and the chat formats; reasoning_content and tool_calls read
+back per choice by server/chat_features.py, whole or as OpenAI deltas) — and what happens when a client goes
 away: a streaming request is aborted when its generator is closed, a non-streaming one when the
 disconnect wins the race against its result. Every check runs before the first byte of a 200 is sent;
 an error after it (engine down, drain out of time) is a final SSE `error` event, then `[DONE]`.
@@ -21,6 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dsaserve.common.sampling_params import MAX_N
+from dsaserve.server.chat_features import ChatPlan, ChatSettings, ChoiceOutput
 from dsaserve.server.processor import Processor
 from dsaserve.server.protocol import (
     APIError,
@@ -58,9 +60,10 @@ def chunk_sse(model: Any) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, model_name: str, aliases: tuple[str, ...] = ()) -> None:
+    def __init__(self, tm: TokenizerManager, model_name: str, aliases: tuple[str, ...] = (),
+                 chat: ChatSettings | None = None) -> None:
         self.tm = tm
-        self.processor = Processor(tm.tok, lambda: tm.scheduler_info)
+        self.processor = Processor(tm.tok, lambda: tm.scheduler_info, chat, tm.check_grammar)
         self.model_name = model_name
         self.names = {model_name, *aliases}
 
@@ -145,8 +148,9 @@ class OpenAIServing:
             if lps[out.choice] is not None and out.lps:
                 lps[out.choice].content.extend(_chat_logprobs(out.lps))
             reasons[out.choice] = out.reason or reasons[out.choice]
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(t)), logprobs=lps[i],
-                              finish_reason=reasons[i]) for i, t in enumerate(texts)]
+        readers = [_reader(h) for _ in range(n)]  # reasoning / tool calls split off the text
+        choices = [ChatChoice(index=i, message=ChatMessageOut(**readers[i].whole("".join(t))), logprobs=lps[i],
+                              finish_reason=readers[i].finish_reason(reasons[i])) for i, t in enumerate(texts)]
         return ChatCompletionResponse(id=h.id, model=self.model_name, choices=choices,
                                       usage=h.usage.info()).model_dump(exclude_none=True)
 
@@ -157,15 +161,19 @@ class OpenAIServing:
             return chunk_sse(ChatCompletionChunk(id=h.id, created=created, model=self.model_name,
                                                  choices=choices, usage=u))
 
+        readers = [_reader(h) for _ in range(req.n)]
+
         async def body() -> AsyncIterator[str]:
             for c in range(req.n):  # OpenAI's first chunk of each choice carries the role
                 yield chunk([ChatChunkChoice(index=c, delta=DeltaMessage(role="assistant", content=""))])
             async for out in h.results():
                 lp = ChatLogprobs(content=_chat_logprobs(out.lps)) if req.logprobs and out.lps else None
-                if out.text or out.finished or lp:
-                    delta = DeltaMessage(content=out.text or None)
-                    yield chunk([ChatChunkChoice(index=out.choice, delta=delta, logprobs=lp,
-                                                 finish_reason=out.reason)])
+                reader = readers[out.choice]
+                fields = reader.feed(out.text, final=out.finished)  # content / reasoning_content / tool_calls
+                if fields or out.finished or lp:
+                    reason = reader.finish_reason(out.reason) if out.finished else None
+                    yield chunk([ChatChunkChoice(index=out.choice, delta=DeltaMessage(**fields), logprobs=lp,
+                                                 finish_reason=reason)])
             if req.include_usage:
                 yield chunk([], h.usage.info())
 
@@ -205,6 +213,11 @@ class OpenAIServing:
         if not work.done() or work.cancelled():
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(work.result())  # raises the APIError of a failed engine
+
+
+def _reader(h: Handle) -> ChoiceOutput:
+    """How one choice's text is read back: the request's chat features, or plain content."""
+    return h.req.chat.choice() if h.req.chat is not None else ChoiceOutput(ChatPlan(), None, False, False)
 
 
 def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> None:

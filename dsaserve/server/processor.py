@@ -5,7 +5,10 @@ name, options this server does not support, `n` / seed / stop_token_ids against 
 the bytes of prompt text against what `max_req_input_len` tokens can possibly hold (413 before
 tokenizing: a 7 MB prompt must not cost seconds of tokenizer time), token ids against the vocabulary,
 prompt and context lengths against the scheduler's own ruler, and the mapping onto SamplingParams (its
-ValueError names the field -> 400). Tokenisation and chat-template rendering of large texts run on a
+ValueError names the field -> 400), the chat features' plan (tools / tool_choice / response_format /
+structured_outputs, server/chat_features.py) with the family's chat encoder, and a structured-output
+grammar compiled by the scheduler before the request is accepted (a bad or hostile one is a 400 with the
+reason, before any 200). Tokenisation and chat-template rendering of large texts run on a
 small thread pool, never on the event loop, so /health and every stream stay live meanwhile.
 """
 
@@ -13,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
 from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.server.chat_encoding.glm5 import TemplateEncoder
+from dsaserve.server.chat_features import ChatPlan, ChatPlanError, ChatSettings, format_grammar, plan_chat
 from dsaserve.server.hf_tokenizer import ChatTemplateError, HFTokenizer
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from dsaserve.server.request_state import GenerateRequest, Prompt
@@ -29,10 +34,16 @@ TOKENIZER_THREADS = 2  # huge prompts queue here instead of taking every core fr
 BYTES_SLACK = 2  # a normalizer may compose characters (NFC): allow twice the longest token's bytes per token
 
 
+GrammarCheck = Callable[[dict[str, str]], Awaitable[str | None]]  # spec -> None (compiled) or the reason
+
+
 class Processor:
-    def __init__(self, tok: HFTokenizer, scheduler_info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, tok: HFTokenizer, scheduler_info: Callable[[], dict[str, Any]],
+                 chat: ChatSettings | None = None, grammar_check: GrammarCheck | None = None) -> None:
         self.tok = tok
         self.info = scheduler_info
+        self.chat_settings = chat or ChatSettings(None, TemplateEncoder(tok), None, None)
+        self.grammar_check = grammar_check
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.token_bytes = max(int(tok.max_token_bytes), 4)  # a walk over the vocabulary: once, at startup
 
@@ -45,9 +56,12 @@ class Processor:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo: prompt logprobs are not supported; use echo without logprobs", "echo")
         self._check_common(req)
+        fmt = _plan_or_400(format_grammar, req)
         prompts = await self._completion_prompts(req.prompt)
         max_tokens = self._check_prompts(prompts, req.max_tokens, "prompt")
-        sampling = self.sampling(req, req.max_tokens, req.logprobs)
+        sampling = self.sampling(req, req.max_tokens, req.logprobs, fmt[1] if fmt else None)
+        if fmt:
+            await self._check_grammar(*fmt)
         if req.echo:
             for p in prompts:
                 p.text = p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
@@ -56,20 +70,29 @@ class Processor:
                                include_usage=_include_usage(req), echo=req.echo)
 
     async def chat(self, req: ChatCompletionRequest) -> GenerateRequest:
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format: {req.response_format.type!r} is not supported yet (text only)",
-                              "response_format")
-        if req.tools:
-            raise bad_request("tools: tool calling is not supported by this server", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         self._check_common(req)
-        prompt = await self._chat_prompt(req)
+        plan = _plan_or_400(plan_chat, req, self.chat_settings.tool_parser, self.chat_settings.reason_first)
+        prompt, thinking = await self._chat_prompt(req, plan)
+        if plan.grammar is not None and thinking:  # the grammar starts when the reasoning ends
+            plan.grammar = {**plan.grammar, "after": self.chat_settings.think_end_id}
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompts([prompt], requested, "messages")
-        sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None)
+        sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None, plan.grammar)
+        if plan.grammar is not None:
+            await self._check_grammar(plan.grammar_source or "structured_outputs", plan.grammar)
         return GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sampling, max_tokens,
-                               logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req))
+                               logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
+                               chat=self.chat_settings.readback(plan, thinking))
+
+    async def _check_grammar(self, param: str, spec: dict[str, str]) -> None:
+        """400 naming `param` when the scheduler cannot compile the grammar (invalid, hostile, timed out)."""
+        if self.grammar_check is None:
+            return
+        error = await self.grammar_check(spec)
+        if error is not None:
+            raise bad_request(f"{param}: {error}", param, "invalid_grammar")
 
     # ---- checks -------------------------------------------------------------------------------
     @property
@@ -139,7 +162,8 @@ class Processor:
                            "invalid_request_error", param, "context_length_exceeded")
 
     @staticmethod
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None,
+                 structured: dict[str, str] | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         values = {
             "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -148,7 +172,7 @@ class Processor:
             "max_tokens": max_tokens, "min_tokens": req.min_tokens, "stop": stop,
             "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
             "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens,
+            "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
         }
         keep_none = {"max_tokens", "logprobs", "seed"}  # None means something for these
         try:
@@ -181,7 +205,8 @@ class Processor:
             return [Prompt(list(prompt))]
         return [Prompt(list(p)) for p in prompt]
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+    async def _chat_prompt(self, req: ChatCompletionRequest, plan: ChatPlan) -> tuple[Prompt, bool]:
+        """The prompt of the conversation (the family's encoder) and whether it opened <think>."""
         if req.add_generation_prompt and req.continue_final_message:
             raise bad_request("continue_final_message: cannot be combined with add_generation_prompt",
                               "continue_final_message")
@@ -190,21 +215,28 @@ class Processor:
         self._check_text_bytes(size, "messages")
         for d in messages:
             d["role"] = "system" if d["role"] == "developer" else d["role"]  # templates know 'system'
-        extra = dict(req.chat_template_kwargs or {})
-        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message"})
+        clash = sorted(set(plan.template_kwargs) & {"messages", "add_generation_prompt", "continue_final_message",
+                                                    "tools"})
         if clash:
             raise bad_request(f"chat_template_kwargs: {clash[0]!r} is a request field, set it there",
                               "chat_template_kwargs")
         try:
-            text = await self._off_loop(size, lambda: self.tok.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **extra))
+            enc = await self._off_loop(size, lambda: self.chat_settings.encoder.encode(
+                messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, kwargs=plan.template_kwargs))
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        ids = await self.encode_text(text, "messages", add_special_tokens=False) if text else None
+        ids = await self.encode_text(enc.text, "messages", add_special_tokens=False) if enc.text else None
         if ids is None or not ids.ids:  # add_special_tokens=False: the template already has BOS etc.
             raise bad_request("messages: the chat template rendered an empty prompt", "messages")
-        return ids
+        return ids, enc.thinking
+
+
+def _plan_or_400(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ChatPlanError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _include_usage(req: Any) -> bool:

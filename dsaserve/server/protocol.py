@@ -131,6 +131,20 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=MAX_INT)]] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # structured output (server/chat_features.py): vLLM's structured_outputs and its older guided_* names,
+    # SGLang's regex / ebnf; at most one of them (or response_format) per request
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -140,6 +154,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     suffix: StrictStr | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TextPart(_Strict):
@@ -154,11 +169,6 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -225,6 +235,8 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM / SGLang / DeepSeek API: the <think> part
+    tool_calls: list[dict[str, Any]] | None = None  # [{id, type: function, function: {name, arguments}}]
 
 
 class ChatChoice(BaseModel):
@@ -246,6 +258,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{index, id?, type?, function: {name?, arguments}}]
 
 
 class ChatChunkChoice(BaseModel):

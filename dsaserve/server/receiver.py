@@ -2,8 +2,9 @@
 
 Owns: the table of requests in flight (engine rid -> Handle), and everything that arrives on the main
 PULL socket — the detokenizer's outputs (routed to their Handle's queue, with TTFT / inter-token / end
--to-end timings for the metrics), `ready` (scheduler_info), `stats` answers, `reject` and `fatal` — and
-ending every pending request with one error (the engine went Down, or a drain ran out of time).
+-to-end timings for the metrics), `ready` (scheduler_info), `stats` and `grammar_result` answers,
+`reject` and `fatal` — and ending every pending request with one error (the engine went Down, or a drain
+ran out of time).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Receiver:
         self.last_output_time = 0.0
         self.last_stats: dict[str, Any] = {}
         self.stats_waiters: dict[int, asyncio.Future] = {}
+        self.grammar_waiters: dict[int, asyncio.Future] = {}  # qid -> None (compiled) or the reason
 
     # ---- the table ----------------------------------------------------------------------------
     def track(self, h: Handle, rid: str, prompt_index: int) -> None:
@@ -50,10 +52,11 @@ class Receiver:
             h.open_samples.clear()
             h.queue.put_nowait(err)
         self.handles.clear()
-        for fut in self.stats_waiters.values():
+        for fut in [*self.stats_waiters.values(), *self.grammar_waiters.values()]:
             if not fut.done():
                 fut.set_exception(err)
         self.stats_waiters.clear()
+        self.grammar_waiters.clear()
 
     # ---- the loop -----------------------------------------------------------------------------
     async def run(self, pull: zmq.asyncio.Socket) -> None:
@@ -79,6 +82,10 @@ class Receiver:
             fut = self.stats_waiters.pop(msg["qid"], None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif kind == ipc.GRAMMAR_RESULT:
+            fut = self.grammar_waiters.pop(msg["qid"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.get("error"))
         elif kind == ipc.REJECT:
             h = self.handles.pop(msg["rid"], None)
             if h is not None:

@@ -41,6 +41,7 @@ class GenerateRequest:
     include_usage: bool = False  # stream_options.include_usage
     echo: bool = False
     internal: bool = False  # the health probe: no metrics, not counted against the queue bound
+    chat: Any = None  # chat_features.ChatReadback: how to read tool calls / reasoning back (chat only)
 
     @property
     def n(self) -> int:

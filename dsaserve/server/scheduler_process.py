@@ -33,6 +33,7 @@ from dsaserve.common import envs
 from dsaserve.engine.lifetime import start_child
 from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
+from dsaserve.server.grammar_gate import GrammarGate
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,14 @@ class SchedulerLoop:
         self.pull, self.to_detok, self.to_main = pull, to_detok, to_main
         self.counters = COUNTERS
         self.SamplingParams = SamplingParams
+        self.gate = GrammarGate(self.core)
 
     def run_forever(self) -> None:
         while True:
             self.run_once()
 
     def busy(self) -> bool:
-        return self.core.has_unfinished() or any(getattr(self.group, "busy", ()))
+        return self.core.has_unfinished() or any(getattr(self.group, "busy", ())) or self.gate.busy
 
     def run_once(self) -> None:
         register: list[dict[str, Any]] = []
@@ -87,6 +89,10 @@ class SchedulerLoop:
         stats_qids: list[tuple[str, bool]] = []
         for msg in ipc.drain(self.pull, 0 if self.busy() else IDLE_POLL_MS):
             self.handle(msg, register, drop, stats_qids)
+        for msg in self.gate.ready_requests():
+            self.generate(msg, register)
+        for qid, error in self.gate.check_results():
+            self.to_main.send(ipc.pack(ipc.GRAMMAR_RESULT, qid=qid, error=error))
         deltas, stats = self.group.step()
         for qid, check_leak in stats_qids:
             self.to_main.send(ipc.pack(ipc.STATS, qid=qid, **self.stats(stats, check_leak)))
@@ -97,25 +103,33 @@ class SchedulerLoop:
     def handle(self, msg: dict[str, Any], register: list, drop: list, stats_qids: list) -> None:
         kind = msg["t"]
         if kind == ipc.GENERATE:
-            rid = msg["rid"]
-            try:
-                sampling = self.SamplingParams.from_dict(msg["sampling"])
-                self.group.add_request(rid, list(msg["input_ids"]), sampling, msg.get("arrival_time") or time.time())
-            except (ValueError, TypeError, KeyError) as e:  # the core stays usable after a rejected request
-                self.to_main.send(ipc.pack(ipc.REJECT, rid=rid, message=str(e)))
-                return
-            register.append({"rid": rid, "n": sampling.n, **msg.get("detok", {})})
+            if not self.gate.park(msg):  # a grammar still compiling: the request waits in the gate
+                self.generate(msg, register)
+        elif kind == ipc.GRAMMAR_CHECK:
+            self.gate.check(msg.get("qid"), msg.get("spec"))
         elif kind == ipc.ABORT:
             self.abort(msg["rid"], msg.get("index"), drop)
         elif kind == ipc.STATS_REQ:
             self.group.want_stats()
             stats_qids.append((msg["qid"], bool(msg.get("check_leak"))))
 
+    def generate(self, msg: dict[str, Any], register: list) -> None:
+        rid = msg["rid"]
+        try:
+            sampling = self.SamplingParams.from_dict(msg["sampling"])
+            self.group.add_request(rid, list(msg["input_ids"]), sampling, msg.get("arrival_time") or time.time())
+        except (ValueError, TypeError, KeyError) as e:  # the core stays usable after a rejected request
+            self.to_main.send(ipc.pack(ipc.REJECT, rid=rid, message=str(e)))
+            return
+        register.append({"rid": rid, "n": sampling.n, **msg.get("detok", {})})
+
     def abort(self, rid: str, index: int | None, drop: list[str]) -> None:
         """Abort a whole request (index None: the client went away) or one sample (its stop string matched).
 
         Only a whole request is dropped from the detokenizer: after a one-sample abort its siblings still
         stream, and the detokenizer already ended that sample itself."""
+        if index is None and self.gate.drop(rid):  # still waiting for its grammar: it never reached the core
+            return
         try:
             self.group.abort_request(rid, index)
         except ValueError as e:  # a sample index the request does not have: a bug upstream, not a reason to die

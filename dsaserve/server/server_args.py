@@ -1,6 +1,7 @@
 """ServerArgs: the HTTP side's settings, built once by `dsaserve serve` and passed down (startup chain input).
 
-Owns: host/port, the optional API key (`--api-key`, else the `DSASERVE_API_KEY` environment variable, as
+Owns: host/port, the tool-call and reasoning parsers (`--tool-call-parser`, `--reasoning-parser`), the
+optional API key (`--api-key`, else the `DSASERVE_API_KEY` environment variable, as
 vLLM reads `VLLM_API_KEY`), the admission bound, request-size and timeout limits, and the engine
 arguments (EngineArgs, as a plain dict so it can cross into the scheduler process as JSON); the server
 flags of `dsaserve serve` (`add_cli_args`, `from_cli_args`) and the help formatter that shows a default
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.server.reasoning_parsers import REASONING_PARSER_CHOICES
+from dsaserve.server.tool_parsers import TOOL_PARSER_CHOICES
 
 API_KEY_ENV = "DSASERVE_API_KEY"  # vLLM: VLLM_API_KEY
 
@@ -35,6 +38,8 @@ class ServerArgs:
     startup_timeout_s: float | None = None  # None: wait for the scheduler as long as it takes
     log_level: str = "info"
     manifest_json: str | None = None  # write the startup manifest here once Up
+    tool_call_parser: str = "auto"  # auto: the model family's (server/tool_parsers); none: tool calling off
+    reasoning_parser: str | None = None  # None: reasoning stays in content (vLLM's default); auto: the family's
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -48,6 +53,12 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_s', '').replace('_', '-')}: must be positive")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key: must not be empty")
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_PARSER_CHOICES)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_CHOICES:
+            raise ValueError(f"--reasoning-parser: {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(REASONING_PARSER_CHOICES)}")
 
     # ---- command line --------------------------------------------------------------------
     @staticmethod
@@ -70,6 +81,12 @@ class ServerArgs:
                        help="seconds in-flight requests may take to finish after SIGTERM; those left then end "
                             "with an error")
         g.add_argument("--manifest-json", default=None, help="write the startup manifest (GET /startup) here once Up")
+        g.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                       help="how tool calls are read from the output (vLLM/SGLang names): auto = the model "
+                            "family's (glm47 for GLM-5, deepseek_v32 for DeepSeek-V3.2); none = tools refused")
+        g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_CHOICES,
+                       help="split <think>...</think> into reasoning_content (vLLM/SGLang names: glm45, "
+                            "deepseek_v3; auto = the model family's); unset: reasoning stays in content")
         g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level of every process")
 
@@ -82,7 +99,8 @@ class ServerArgs:
             max_queued_requests=None if ns.max_queued_requests == -1 else ns.max_queued_requests,
             max_request_bytes=ns.max_request_bytes, health_timeout_s=ns.health_timeout,
             drain_timeout_s=ns.drain_timeout, startup_timeout_s=ns.startup_timeout, log_level=ns.log_level,
-            manifest_json=ns.manifest_json)
+            manifest_json=ns.manifest_json, tool_call_parser=ns.tool_call_parser,
+            reasoning_parser=ns.reasoning_parser)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -3,10 +3,10 @@
 Owns: admission (the bounded queue: 429 past --max-queued-requests samples beyond what can run at once,
 where "at once" is bounded by the page-table rows *and* by the KV pool's pages), sending a
 GenerateRequest's engine requests and aborts to the scheduler, the drain after SIGTERM (wait for requests
-in flight, then end the rest with an error), stats requests, and the 1-token health probe (coalesced: one
-in flight, its result cached HEALTH_CACHE_S, so the open /health route cannot flood the engine; it fails
-on non-finite logits as well as on a timeout). Validation and tokenisation happen before, in the
-Processor; what comes back is routed by the Receiver.
+in flight, then end the rest with an error), stats requests, grammar checks (the scheduler compiles),
+and the 1-token health probe (coalesced: one in flight, its result cached HEALTH_CACHE_S, so the open
+/health route cannot flood the engine; it fails on non-finite logits as well as on a timeout).
+Validation and tokenisation happen before, in the Processor; what comes back is routed by the Receiver.
 
 `n` > 1: one engine request with `n` samples, so they share the prompt's KV pages in the engine (the
 prompt is computed once). A stop string ends one sample: the detokenizer aborts just that sample index.
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_CACHE_S = 1.0  # a probe's result answers every /health call for this long (load balancers poll ~1-10 s)
 DRAIN_POLL_S = 0.05
+GRAMMAR_SLACK_S = 5.0  # a grammar check waits the scheduler's compile timeout plus this
 
 
 class TokenizerManager:
@@ -150,17 +151,33 @@ class TokenizerManager:
         """A fresh stats snapshot from the scheduler (its last one if it does not answer in time)."""
         if not self.readiness.is_up:
             return self.rx.last_stats
-        qid = next(self._qids)
-        fut = asyncio.get_running_loop().create_future()
-        self.rx.stats_waiters[qid] = fut
-        await self._to_sched.send(ipc.pack(ipc.STATS_REQ, qid=qid, check_leak=check_leak))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            return await self._ask(self.rx.stats_waiters, ipc.STATS_REQ, timeout, check_leak=check_leak)
         except (TimeoutError, APIError):
-            self.rx.stats_waiters.pop(qid, None)
             if check_leak:
                 raise internal("the scheduler did not answer the stats request in time") from None
             return self.rx.last_stats
+
+    async def check_grammar(self, spec: dict[str, str]) -> str | None:
+        """None once the scheduler has compiled this structured-output grammar (cached there), else why not.
+        The scheduler compiles off its loop and enforces --grammar-compile-timeout itself."""
+        timeout = float(self.scheduler_info.get("grammar_compile_timeout") or 10.0) + GRAMMAR_SLACK_S
+        try:
+            return await self._ask(self.rx.grammar_waiters, ipc.GRAMMAR_CHECK, timeout, spec=spec)
+        except TimeoutError:
+            return f"the grammar was not compiled within {timeout:g} s"
+
+    async def _ask(self, waiters: dict[int, asyncio.Future], kind: str, timeout: float, **fields: Any) -> Any:
+        """Send a `kind` question with a fresh qid; its answer (the Receiver resolves `waiters[qid]`)."""
+        qid = next(self._qids)
+        fut = asyncio.get_running_loop().create_future()
+        waiters[qid] = fut
+        await self._to_sched.send(ipc.pack(kind, qid=qid, **fields))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except BaseException:
+            waiters.pop(qid, None)
+            raise
 
     async def health(self, timeout: float) -> str | None:
         """None when healthy, else why not; coalesced: at most one probe in flight (every caller meanwhile

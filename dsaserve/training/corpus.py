@@ -9,8 +9,9 @@ without a download. Recipe:
   - split: a file is held out when int(sha256(relative path)[:8], 16) % 1000 < heldout_permille
     (by name, so it does not depend on the file list or on the Python version's other files);
   - documents: each file's text as is, plus one chat document per public function / class docstring
-    (`[gMASK]<sop><|user|>\\n<question><|assistant|>\\n<first paragraph of the docstring>`), in the chat
-    template's exact rendering, so the model answers a chat request in English and then stops (EOS).
+    (`[gMASK]<sop><|user|><question><|assistant|></think><first paragraph of the docstring>`), in the GLM-5
+    chat template's exact rendering with thinking off, so the model answers a chat request in English and
+    then stops (EOS).
 Documents are joined with the EOS token in the token stream (see `tokens_of`).
 """
 
@@ -100,7 +101,7 @@ def chat_documents(relpath: str, source: str) -> Iterator[str]:
             continue
         answer = doc.split("\n\n")[0].strip()[:MAX_ANSWER_CHARS]
         q = QUESTIONS[int(hashlib.sha256(f"{module}.{name}".encode()).hexdigest()[:4], 16) % len(QUESTIONS)]
-        yield f"[gMASK]<sop><|user|>\n{q.format(name=name, module=module)}<|assistant|>\n{answer}"
+        yield f"[gMASK]<sop><|user|>{q.format(name=name, module=module)}<|assistant|></think>{answer}"
 
 
 @dataclass

@@ -36,7 +36,7 @@ MAX_GB_ENV = "DSASERVE_MAX_CHECKPOINT_GB"
 DEFAULT_MAX_GB = 16.0  # fits glm-5.3-slice (10.7 GB) and the tiny configs; refuses the full models
 CACHE_SEED = 0
 STAMP_FILE = "dsaserve_checkpoint.json"
-WRITER_VERSION = 1  # bump when checkpoint_writer's values or layout change, so caches rebuild
+WRITER_VERSION = 2  # bump when checkpoint_writer's values or layout change, so caches rebuild (2: tokenizers)
 BUILTIN_ROOT = Path(__file__).resolve().parent.parent / "builtin"  # trained checkpoints shipped in the package
 
 

@@ -1,12 +1,15 @@
 """A real, small tokenizer for random-weight checkpoints (written by `make-checkpoint`).
 
 Owns: building a byte-level BPE with the `tokenizers` library, trained on a corpus embedded here, and
-writing `tokenizer.json`, `tokenizer_config.json` (GLM-style chat template, special tokens) and
+writing `tokenizer.json`, `tokenizer_config.json` (the family's special tokens; the GLM-5 chat template for
+`glm_moe_dsa`, none for `deepseek_v32`, whose prompts are encoded in Python as the real checkpoint's are) and
 `special_tokens_map.json`. Startup chain: the server's TokenizerManager and `dsaserve generate` load
 these files through transformers' AutoTokenizer exactly as they would a real GLM-5 / DeepSeek one.
 
-Fixed ids (GLM-4/5 names): 0 `[gMASK]` (bos), 1 `<|endoftext|>` (eos and pad), then `<sop>` and the role
-markers. Byte-level means every UTF-8 string encodes and decodes back unchanged, with no unknown token.
+Fixed ids: 0 bos, 1 eos (and pad) — GLM: `[gMASK]`, `<|endoftext|>`, then `<sop>` and the role markers;
+DeepSeek-V3.2: `<｜begin▁of▁sentence｜>`, `<｜end▁of▁sentence｜>`, pad, `<｜User｜>`, `<｜Assistant｜>`. The
+non-special added tokens (`<think>`, `</think>`, GLM's `<tool_call>` / `<arg_key>` / ...) take the last ids.
+Byte-level means every UTF-8 string encodes and decodes back unchanged, with no unknown token.
 The vocabulary is min(vocab_size, 512): the model's embedding may be larger (ids past the tokenizer
 are valid model outputs that decode to nothing) but never smaller.
 Determinism: one training string, a tie-breaking trainer, sorted-key JSON -> the same files every time.
@@ -15,11 +18,18 @@ Determinism: one training string, a tie-breaking trainer, sorted-key JSON -> the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsaserve.config import ModelConfig
+from dsaserve.weights.chat_templates import (
+    DEEPSEEK_V32_ADDED_TOKENS,
+    DEEPSEEK_V32_SPECIAL_TOKENS,
+    GLM5_ADDED_TOKENS,
+    GLM5_CHAT_TEMPLATE,
+)
 
 BOS, EOS, SOP = "[gMASK]", "<|endoftext|>", "<sop>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
@@ -27,25 +37,25 @@ SPECIAL_TOKENS = (BOS, EOS, SOP, *ROLE_TOKENS)  # ids 0, 1, 2, ... in this order
 MAX_VOCAB = 512  # enough merges for a readable tokenisation, small enough to train in ~10 ms
 BYTE_ALPHABET = 256
 
-# GLM-4/5 style: "[gMASK]<sop>" once, then "<|role|>\n" + content per message. OpenAI "tool" messages
-# use GLM's <|observation|> role; content may be a string or a list of {"type": "text"} parts.
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{%- for message in messages -%}"
-    "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] -%}"
-    "{%- if role not in ['system', 'user', 'assistant', 'observation'] -%}"
-    "{{- raise_exception('chat template: unknown message role ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    # no '-' on the tag after each literal newline: it would strip the newline
-    "<|{{ role }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n{% endif %}"
-)
+CHAT_TEMPLATE = GLM5_CHAT_TEMPLATE  # the GLM family's; DeepSeek-V3.2 ships none (encoded in Python)
+
+
+@dataclass(frozen=True)
+class TokenizerFamily:
+    special: tuple[str, ...]  # ids 0, 1, ... in this order: bos, eos first
+    added: tuple[str, ...]  # non-special added tokens (kept by skip_special_tokens), at the end of the vocab
+    chat_template: str | None
+
+
+FAMILIES = {
+    "glm_moe_dsa": TokenizerFamily(SPECIAL_TOKENS, GLM5_ADDED_TOKENS, GLM5_CHAT_TEMPLATE),
+    "deepseek_v32": TokenizerFamily(DEEPSEEK_V32_SPECIAL_TOKENS, DEEPSEEK_V32_ADDED_TOKENS, None),
+}
+
+
+def family(cfg: ModelConfig) -> TokenizerFamily:
+    return FAMILIES.get(getattr(cfg, "model_type", ""), FAMILIES["glm_moe_dsa"])
+
 
 # Training text: plain English and a little Python/JSON, so common words and code idioms get merges.
 CORPUS = """\
@@ -110,52 +120,61 @@ def tokenizer_vocab_size(cfg: ModelConfig) -> int:
 
 
 def _check_ids(cfg: ModelConfig) -> None:
-    need = BYTE_ALPHABET + len(SPECIAL_TOKENS)
+    fam = family(cfg)
+    need = BYTE_ALPHABET + len(fam.special) + len(fam.added)
     if cfg.vocab_size < need:
         raise ValueError(f"vocab_size: {cfg.vocab_size} is too small for a byte-level tokenizer (needs >= {need})")
     if cfg.bos_token_id is not None and cfg.bos_token_id != 0:
-        raise ValueError(f"bos_token_id: the built-in tokenizer has {BOS} at id 0, config says {cfg.bos_token_id}")
+        raise ValueError(f"bos_token_id: the built-in tokenizer has {fam.special[0]} at id 0, "
+                         f"config says {cfg.bos_token_id}")
     eos = cfg.eos_token_id[0]
     if eos < tokenizer_vocab_size(cfg) and eos != 1:
-        raise ValueError(f"eos_token_id: the built-in tokenizer has {EOS} at id 1, config says {eos}")
+        raise ValueError(f"eos_token_id: the built-in tokenizer has {fam.special[1]} at id 1, config says {eos}")
 
 
-def train_bpe(texts, vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with SPECIAL_TOKENS at ids 0.. trained on an iterable of strings (deterministic)."""
+def train_bpe(texts, vocab_size: int, fam: TokenizerFamily | None = None) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` tokens trained on an iterable of strings (deterministic): the
+    family's special tokens at ids 0.. (GLM's by default), the merges, then its non-special added tokens
+    (`<think>`, `<tool_call>`, ...) at the last ids."""
+    fam = fam or FAMILIES["glm_moe_dsa"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size - len(fam.added), min_frequency=2, show_progress=False,
+        special_tokens=list(fam.special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     # Merge order is fixed: counts are sums (thread order cannot change them) and the trainer breaks count
     # ties by pair id; the full byte alphabet up front makes the pair ids independent of word order.
     tok.train_from_iterator(texts, trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
+    for i, t in enumerate(fam.special):
         if tok.token_to_id(t) != i:
             raise RuntimeError(f"tokenizer: special token {t} got id {tok.token_to_id(t)}, expected {i}")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.added])
     return tok
 
 
 def build_tokenizer(cfg: ModelConfig) -> Tokenizer:
     """Train the byte-level BPE for cfg (deterministic: same cfg -> same tokenizer)."""
     _check_ids(cfg)
-    return train_bpe([CORPUS], tokenizer_vocab_size(cfg))
+    return train_bpe([CORPUS], tokenizer_vocab_size(cfg), family(cfg))
 
 
 def tokenizer_config(cfg: ModelConfig) -> dict:
-    return {
+    fam = family(cfg)
+    out = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "additional_special_tokens": [SOP, *ROLE_TOKENS],
+        "bos_token": fam.special[0],
+        "eos_token": fam.special[1],
+        "pad_token": fam.special[1],
+        "additional_special_tokens": list(fam.special[2:]),
         "model_max_length": cfg.max_position_embeddings,
         "clean_up_tokenization_spaces": False,  # decoding must give back the exact text
         "padding_side": "left",
-        "chat_template": CHAT_TEMPLATE,
     }
+    if fam.chat_template is not None:
+        out["chat_template"] = fam.chat_template
+    return out
 
 
 def write_tokenizer(cfg: ModelConfig, out_dir: str | Path) -> None:
@@ -170,6 +189,7 @@ def save_tokenizer(tok: Tokenizer, cfg: ModelConfig, out_dir: str | Path) -> Non
     # Round-trip through json so the file is sorted-key and independent of the library's map order.
     (out / "tokenizer.json").write_text(json.dumps(json.loads(tok.to_str()), indent=2, sort_keys=True,
                                                    ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True) + "\n")
-    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS, "additional_special_tokens": [SOP, *ROLE_TOKENS]}
+    conf = tokenizer_config(cfg)
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    special = {k: conf[k] for k in ("bos_token", "eos_token", "pad_token", "additional_special_tokens")}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")

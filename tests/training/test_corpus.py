@@ -65,9 +65,10 @@ def test_chat_documents_render_like_the_chat_template():
     assert len(docs) == 3  # public, Box, Box.open; not _private
     template = jinja2.Environment().from_string(CHAT_TEMPLATE)
     for doc in docs:
-        prompt, answer = doc.split("<|assistant|>\n")
-        question = prompt.split("<|user|>\n")[1]
-        rendered = template.render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)
+        prompt, answer = doc.split("<|assistant|></think>")
+        question = prompt.split("<|user|>")[1]
+        rendered = template.render(messages=[{"role": "user", "content": question}], add_generation_prompt=True,
+                                   enable_thinking=False)
         assert doc == rendered + answer
         assert "More detail" not in answer and "pkg.mod" in question
     assert docs[0].endswith("Return x doubled, for the test.")

@@ -60,18 +60,39 @@ def test_auto_tokenizer_loads_it_with_special_tokens(hf):
     assert hf.encode("<|user|>hi<|assistant|>", add_special_tokens=False)[-1] == 5
 
 
-def test_chat_template_is_glm_style(hf):
+def test_chat_template_is_glm5_style(hf):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
                 {"role": "assistant", "content": "Hi."},
                 {"role": "tool", "content": [{"type": "text", "text": "42"}]}]
     text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("[gMASK]<sop><|system|>\nBe brief.<|user|>\nHello<|assistant|>\nHi."
-                    "<|observation|>\n42<|assistant|>\n")
+    assert text == ("[gMASK]<sop><|system|>Be brief.<|user|>Hello<|assistant|></think>Hi."
+                    "<|observation|><tool_response>42</tool_response><|assistant|><think>")
     no_prompt = hf.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=False)
-    assert no_prompt == "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHello"
+    assert no_prompt == "[gMASK]<sop><|system|>Be brief.<|user|>Hello"
+    off = hf.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off == "[gMASK]<sop><|user|>Hello<|assistant|></think>"
     ids = hf.apply_chat_template(messages[1:2], tokenize=True, add_generation_prompt=True, return_dict=False)
-    assert ids[:3] == [0, 2, 4] and ids[-2] == 5  # [gMASK] <sop> <|user|> ... <|assistant|> "\n"
-    assert hf.decode(ids) == "[gMASK]<sop><|user|>\nHello<|assistant|>\n"
+    assert ids[:3] == [0, 2, 4] and ids[-2] == 5  # [gMASK] <sop> <|user|> ... <|assistant|> <think>
+    assert ids[-1] == hf.convert_tokens_to_ids("<think>")
+    assert hf.decode(ids) == "[gMASK]<sop><|user|>Hello<|assistant|><think>"
+
+
+def test_think_and_tool_tokens_are_single_ids_kept_by_skip_special_tokens(hf):
+    for t in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>", "</arg_value>"):
+        ids = hf.encode(t, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] < 512
+        assert hf.decode(ids, skip_special_tokens=True) == t
+
+
+def test_deepseek_v32_tokenizer_has_its_own_special_tokens_and_no_jinja_template(tmp_path):
+    cfg = load_config("deepseek-v3.2-tiny")
+    write_tokenizer(cfg, tmp_path)
+    ds = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ds.bos_token, ds.eos_token) == ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+    assert (ds.bos_token_id, ds.eos_token_id) == (0, 1) and len(ds) == 512
+    assert len(ds.encode("<｜User｜>", add_special_tokens=False)) == 1
+    assert len(ds.encode("</think>", add_special_tokens=False)) == 1
+    assert ds.chat_template is None  # encoded in Python (server/chat_encoding/deepseek_v32.py), as the real one
 
 
 def test_chat_template_rejects_an_unknown_role(hf):
