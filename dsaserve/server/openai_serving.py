@@ -38,6 +38,7 @@ from dsaserve.server.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
+    UsageInfo,
     bad_request,
 )
 from dsaserve.server.request_state import GenerateRequest, Handle, SampleOutput
@@ -116,7 +117,7 @@ class OpenAIServing:
             choices = [] if choice < 0 else [CompletionChoice(index=choice, text=text, logprobs=lp,
                                                               finish_reason=reason)]
             return chunk_sse(CompletionResponse(id=h.id, created=created, model=self.model_name,
-                                                choices=choices, usage=u))
+                                                choices=choices, usage=u or _running_usage(h)))
 
         async def body() -> AsyncIterator[str]:
             if req.echo:
@@ -127,7 +128,7 @@ class OpenAIServing:
                 lp = CompletionLogprobs() if req.logprobs else None
                 _add_completion_logprobs(lp, out, offsets[out.choice])
                 offsets[out.choice] += len(out.text)
-                if out.text or out.finished or (lp and lp.tokens):
+                if _worth_a_chunk(h, out, bool(lp and lp.tokens)):
                     yield chunk(out.choice, out.text, lp, out.reason)
             if req.include_usage:
                 yield chunk(-1, "", u=h.usage.info())
@@ -155,14 +156,14 @@ class OpenAIServing:
 
         def chunk(choices: list[ChatChunkChoice], u: Any = None) -> str:
             return chunk_sse(ChatCompletionChunk(id=h.id, created=created, model=self.model_name,
-                                                 choices=choices, usage=u))
+                                                 choices=choices, usage=u or _running_usage(h)))
 
         async def body() -> AsyncIterator[str]:
             for c in range(req.n):  # OpenAI's first chunk of each choice carries the role
                 yield chunk([ChatChunkChoice(index=c, delta=DeltaMessage(role="assistant", content=""))])
             async for out in h.results():
                 lp = ChatLogprobs(content=_chat_logprobs(out.lps)) if req.logprobs and out.lps else None
-                if out.text or out.finished or lp:
+                if _worth_a_chunk(h, out, lp is not None):
                     delta = DeltaMessage(content=out.text or None)
                     yield chunk([ChatChunkChoice(index=out.choice, delta=delta, logprobs=lp,
                                                  finish_reason=out.reason)])
@@ -205,6 +206,19 @@ class OpenAIServing:
         if not work.done() or work.cancelled():
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(work.result())  # raises the APIError of a failed engine
+
+
+def _running_usage(h: Handle) -> UsageInfo | None:
+    """stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's
+    behaviour). Counts are request-wide (all choices), so they only grow and a chunk's tokens are the growth
+    of completion_tokens; for n=1 this is vLLM's per-choice count."""
+    return h.usage.info() if h.req.continuous_usage else None
+
+
+def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:
+    """An output is streamed when it has text, ends its choice, or carries logprobs; with running usage also
+    whenever it carries tokens, so that a client can time every token even when its text is empty."""
+    return bool(out.text or out.finished or has_logprobs or (h.req.continuous_usage and out.tokens))
 
 
 def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> None:

@@ -53,7 +53,7 @@ class Processor:
                 p.text = p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
         return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", prompts, sampling, max_tokens,
                                logprobs=req.logprobs is not None, stream=req.stream,
-                               include_usage=_include_usage(req), echo=req.echo)
+                               echo=req.echo, **_usage_options(req))
 
     async def chat(self, req: ChatCompletionRequest) -> GenerateRequest:
         if req.response_format is not None and req.response_format.type != "text":
@@ -69,7 +69,7 @@ class Processor:
         max_tokens = self._check_prompts([prompt], requested, "messages")
         sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None)
         return GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sampling, max_tokens,
-                               logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req))
+                               logprobs=req.logprobs, stream=req.stream, **_usage_options(req))
 
     # ---- checks -------------------------------------------------------------------------------
     @property
@@ -207,8 +207,12 @@ class Processor:
         return ids
 
 
-def _include_usage(req: Any) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _usage_options(req: Any) -> dict[str, bool]:
+    """stream_options -> (usage after the stream, running usage in every chunk). As vLLM, running usage
+    (`continuous_usage_stats`) is sent only when `include_usage` is set too."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return {"include_usage": include, "continuous_usage": include and bool(opts.continuous_usage_stats)}
 
 
 def _utf8_len(text: str) -> int:
