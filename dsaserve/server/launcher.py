@@ -5,6 +5,8 @@ spawning one scheduler process per GPU rank of this node and the detokenizer (pl
 subprocesses: nothing crosses by pickle, and all die with this process), the readiness state
 `Starting -> Up` (Up only when the leader scheduler has reported `scheduler_info` — which it does once every
 rank is built — and the detokenizer its tokenizer; `Down` when any child reports a fatal error or exits),
+the end of start-up (the first health probe, sent at Up: the entry point's StartupClock stops there and the
+"startup phases" line and --manifest-json are written),
 the HTTP server (which listens from the start so `/health` can say 503), and shutdown: SIGTERM/SIGINT stop
 new work (503 error objects while the listener stays open), in-flight requests drain for up to
 `drain_timeout_s` and those left end with an error object (a stream: an SSE error event and [DONE]), then
