@@ -34,7 +34,7 @@ class ServerArgs:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     startup_timeout_s: float | None = None  # None: wait for the scheduler as long as it takes
     log_level: str = "info"
-    manifest_json: str | None = None  # write the startup manifest here once Up
+    manifest_json: str | None = None  # write the startup manifest here once healthy (the first 200 of /health)
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -69,7 +69,7 @@ class ServerArgs:
         g.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM; those left then end "
                             "with an error")
-        g.add_argument("--manifest-json", default=None, help="write the startup manifest (GET /startup) here once Up")
+        g.add_argument("--manifest-json", default=None, help="write the startup manifest here once healthy")
         g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="log level of every process")
 
