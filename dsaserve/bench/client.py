@@ -2,13 +2,14 @@
 
 Owns: how a request asks for per-token timing and how a chunk's token count is read back.
 
-  --token-counts logprobs  (default) completions ask `logprobs: 0`, chat `logprobs: true, top_logprobs: 0`:
-                           the server then streams a chunk for every token-carrying output, also when its
-                           text is empty, and each chunk lists its tokens (completions: logprobs.tokens,
-                           chat: logprobs.content).
-  --token-counts usage     `stream_options.continuous_usage_stats: true` (vLLM's): a chunk's tokens are the
-                           growth of its cumulative usage.completion_tokens. Cheaper for the engine (no
-                           log-softmax), needs a server that sends usage in every chunk.
+  --token-counts usage     (default) `stream_options.continuous_usage_stats: true` (vLLM's): the server sends
+                           a chunk for every token-carrying output, also when its text is empty, each with
+                           the request's running usage; a chunk's tokens are the growth of its cumulative
+                           usage.completion_tokens. Costs the engine nothing.
+  --token-counts logprobs  completions ask `logprobs: 0`, chat `logprobs: true, top_logprobs: 0`: the server
+                           then streams a chunk for every token-carrying output, and each chunk lists its
+                           tokens (completions: logprobs.tokens, chat: logprobs.content). For servers without
+                           continuous usage; costs the engine a log-softmax per token.
 
 Every request also asks `stream_options.include_usage`; the final usage is the request's token count. A
 chunk with text but no count (a server that sends neither) counts as one token and marks the record.
@@ -25,7 +26,7 @@ from typing import Any
 from dsaserve.bench.datasets import BenchRequest
 from dsaserve.bench.metrics import Record
 
-TOKEN_COUNTS = ("logprobs", "usage")
+TOKEN_COUNTS = ("usage", "logprobs")  # the first is the default
 TICK_S = 1.0  # progress refresh while waiting
 REQUESTS_METRIC = "dsaserve_requests_received_total"  # generation requests the server accepted (HTTP)
 

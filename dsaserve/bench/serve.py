@@ -36,7 +36,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate max_tokens whatever the model samples")
-    s.add_argument("--token-counts", choices=TOKEN_COUNTS, default="logprobs",
+    s.add_argument("--token-counts", choices=TOKEN_COUNTS, default=TOKEN_COUNTS[0],
                    help="how each chunk's tokens are counted (see dsaserve/bench/client.py)")
     s.add_argument("--first-request", action="store_true",
                    help="first request vs later ones of the same shape (random ids, --input-len / --output-len)")

@@ -1,10 +1,18 @@
 """`dsaserve` command line: one subcommand per module in this package.
 
 Each module defines `register(subparsers)` (adds its parser and sets `func`). Modules are imported
-lazily by name so `dsaserve ledger` never imports torch and `dsaserve --help` stays fast.
+lazily by name so `dsaserve ledger` never imports torch and `dsaserve --help` stays fast. `FIRST_LINE` is
+the wall-clock time this module began, taken before any other import: `dsaserve serve`'s startup
+manifest counts from the process's creation, through here, to the first 200 of /health
+(server/startup_clock.py).
 """
 
+# ruff: noqa: E402 -- the clock is read before any import, so that imports are counted too
 from __future__ import annotations
+
+import time
+
+FIRST_LINE = time.time()
 
 import argparse
 import importlib

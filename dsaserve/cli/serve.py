@@ -28,29 +28,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from dsaserve.cli import FIRST_LINE
     from dsaserve.config import load_config
-    from dsaserve.distributed.parallel_state import free_port
     from dsaserve.engine.engine_args import EngineArgs
     from dsaserve.errors import CheckpointError
-    from dsaserve.server.launcher import run
     from dsaserve.server.server_args import ServerArgs
+    from dsaserve.server.startup_clock import StartupClock
     from dsaserve.weights.checkpoint_cache import resolve_model_dir
     from dsaserve.weights.checkpoint_check import check_checkpoint
 
+    clock = StartupClock(FIRST_LINE)
+    clock.lap("cli_imports")
     try:
         engine = EngineArgs.from_cli_args(ns)
-        model_dir = str(resolve_model_dir(engine.model, engine.load_format))
+        cache: dict = {}
+        model_dir = str(resolve_model_dir(engine.model, engine.load_format, cache))
+        clock.cache("model_files", **cache)
         if engine.load_format != "dummy":  # a broken checkpoint fails here, in one line, before any child starts
             check_checkpoint(model_dir)
         engine.check_layout(load_config(model_dir))  # a bad layout or too few GPUs: refused before any spawn
         if engine.world_size > 1 and not engine.dist_init_addr:
+            from dsaserve.distributed.parallel_state import free_port  # imports torch: only when ranks need it
+
             engine.dist_init_addr = f"127.0.0.1:{free_port()}"
         args = ServerArgs.from_cli_args(ns, engine, model_dir)
     except ValueError as e:  # a bad flag, or a CheckpointError naming the file or tensor
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
+    clock.lap("resolve_model")
+    from dsaserve.server.launcher import run
+
+    clock.lap("launcher_imports")
     try:
-        return run(args)
+        return run(args, clock)
     except CheckpointError as e:  # raised in this process (its tokenizer); the scheduler's come back as FATAL
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -23,10 +23,23 @@ Parallel layout (SGLang's flags; docs/PARALLELISM.md): world = max(tp, ep) ranks
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS
+
+
+def no_gpu_present() -> bool:
+    """True when torch could not see any GPU, known without importing it: CUDA_VISIBLE_DEVICES hides them
+    all, or the machine has no NVIDIA device (/dev/nvidia<N>, /proc/driver/nvidia/gpus) and no ROCm
+    (/dev/kfd). False means "maybe": then torch decides."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return True
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    has_nvidia = any(Path("/dev").glob("nvidia[0-9]*")) or (nvidia.is_dir() and any(nvidia.iterdir()))
+    return not has_nvidia and not Path("/dev/kfd").exists()
 
 DTYPES = ("auto", "float32", "bfloat16")
 _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas")
@@ -171,6 +184,8 @@ class EngineArgs:
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
+        if no_gpu_present():  # a CPU-only machine: known without torch's import (seconds in the HTTP process)
+            return "cpu"
         import torch  # only here: keeps the class importable without torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

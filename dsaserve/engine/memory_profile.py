@@ -135,6 +135,10 @@ class CompileCache:
         return {"kernel_compiles_after_up": n}
 
     def report(self) -> dict:
+        """status: "hit" (every kernel came from the cache), "miss" (an empty cache: all compiled now),
+        "partial" (some compiled now), "empty" (no kernel was needed)."""
         after = self._entries()
-        return {"dir": os.environ["TRITON_CACHE_DIR"], "entries_before": len(self.before),
-                "compiled_this_start": len(after - self.before)}
+        compiled, before = len(after - self.before), len(self.before)
+        status = ("partial" if compiled else "hit") if before else ("miss" if compiled else "empty")
+        return {"status": status, "dir": os.environ["TRITON_CACHE_DIR"], "entries_before": before,
+                "compiled_this_start": compiled}

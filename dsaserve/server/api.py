@@ -219,6 +219,7 @@ def _add_status_routes(app: FastAPI, args: Any, tm: Any, readiness: Any, metrics
             return JSONResponse({"status": readiness.describe()}, status_code=503)
         failure = await tm.health(args.health_timeout_s)  # coalesced: one probe in flight, cached ~1 s
         if failure is None:
+            readiness.mark_healthy()  # the first 200 ends startup (normally the launcher's own probe did)
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": failure}, status_code=503)
 

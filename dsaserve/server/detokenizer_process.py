@@ -5,10 +5,17 @@ live sample, send text outputs to the main process, and tell the scheduler to ab
 string matched (the scheduler does not know text, only ids) — and the logprob entries (token text and
 bytes). The text work itself (incremental decoding in context, stop strings with hold-back,
 include_stop_str_in_output, skip_special_tokens) is engine/incremental_detokenizer.py's IncrementalDetokenizer, the
-same class the offline Engine uses, so both fronts give the same text for the same ids.
+same class the offline Engine uses, so both fronts give the same text for the same ids. Its ready report
+carries its own start-up: `detokenizer_spawn` (the launcher's Popen -> this module's first line),
+`detokenizer_imports` and `detokenizer_tokenizer`.
 """
 
+# ruff: noqa: E402 -- the clock is read before any import: the process reports its own import time
 from __future__ import annotations
+
+import time
+
+FIRST_LINE = time.time()
 
 import json
 import sys
@@ -21,6 +28,7 @@ from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
 from dsaserve.engine.lifetime import start_child
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
+from dsaserve.server.startup_clock import child_phases
 
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
@@ -117,6 +125,7 @@ class Detokenizer:
 
 
 def run(cfg: dict[str, Any]) -> None:
+    t_start = time.time()
     log = start_child("detokenizer", cfg)
     ends = ipc.Endpoints(**cfg["endpoints"])
     ctx = zmq.Context()
@@ -124,11 +133,14 @@ def run(cfg: dict[str, Any]) -> None:
     to_main = ipc.push_socket(ctx, ends.main_in)
     to_sched = ipc.push_socket(ctx, ends.sched_in)
     try:
+        t_tok = time.time()
         detok = Detokenizer(HFTokenizer(cfg["model_dir"]))
     except Exception as e:
         to_main.send(ipc.pack(ipc.FATAL, who="detokenizer", message=f"{type(e).__name__}: {e}"))
         raise
-    to_main.send(ipc.pack(ipc.READY, who="detokenizer", info={}))
+    phases = {**child_phases("detokenizer", cfg.get("spawn_time"), FIRST_LINE, t_start),
+              "detokenizer_tokenizer": round(time.time() - t_tok, 4)}
+    to_main.send(ipc.pack(ipc.READY, who="detokenizer", info={"startup_time": phases}))
     log.info("ready")
     try:
         while True:

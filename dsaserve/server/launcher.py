@@ -5,6 +5,8 @@ spawning one scheduler process per GPU rank of this node and the detokenizer (pl
 subprocesses: nothing crosses by pickle, and all die with this process), the readiness state
 `Starting -> Up` (Up only when the leader scheduler has reported `scheduler_info` — which it does once every
 rank is built — and the detokenizer its tokenizer; `Down` when any child reports a fatal error or exits),
+the end of start-up (the first health probe, sent at Up: the entry point's StartupClock stops there and the
+"startup phases" line and --manifest-json are written),
 the HTTP server (which listens from the start so `/health` can say 503), and shutdown: SIGTERM/SIGINT stop
 new work (503 error objects while the listener stays open), in-flight requests drain for up to
 `drain_timeout_s` and those left end with an error object (a stream: an SSE error event and [DONE]), then
@@ -40,6 +42,7 @@ from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.ipc import Endpoints, make_ipc_dir
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.server_args import ServerArgs
+from dsaserve.server.startup_clock import StartupClock
 from dsaserve.server.tokenizer_manager import TokenizerManager
 
 log = logging.getLogger("dsaserve.server")
@@ -59,18 +62,20 @@ class State(enum.Enum):
 
 
 class Readiness:
-    """Starting -> Up -> (Down); plus `draining` after SIGTERM. Also collects the startup phases."""
+    """Starting -> Up -> (Down); plus `draining` after SIGTERM. Also collects the startup phases (its
+    StartupClock: from the process's creation to the first passing health probe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: StartupClock | None = None) -> None:
         self.t0 = time.perf_counter()
+        self.clock = clock or StartupClock()
         self.state = State.STARTING
         self.reason = ""
         self.kind: str | None = None
         self.draining = False
         self.info: dict[str, dict[str, Any]] = {}
-        self.phases: dict[str, float] = {}
         self.on_down: list[Callable[[str], None]] = []
         self.on_up: list[Callable[[], None]] = []
+        self.on_healthy: list[Callable[[], None]] = []
         self.pids: dict[str, int] = {"main": os.getpid()}
 
     @property
@@ -82,21 +87,33 @@ class Readiness:
             return "draining (shutting down)"
         return self.state.value + (f": {self.reason}" if self.reason else "")
 
-    def phase(self, name: str, since: float) -> None:
-        self.phases[name] = round(time.perf_counter() - since, 4)
+    @property
+    def phases(self) -> dict[str, float]:
+        """The main process's startup phases and milestones so far ("up" once Up)."""
+        return self.clock.phases()
 
     def mark_ready(self, who: str, info: dict[str, Any]) -> None:
         if self.state is not State.STARTING:
             return
         self.info[who] = info
-        self.phase(f"{who}_ready", self.t0)
+        self.clock.milestone(f"{who}_ready")
         if all(c in self.info for c in CHILDREN):
-            self.phase("up", self.t0)
+            self.clock.lap("wait_for_ready")
+            self.clock.milestone("up")
             self.state = State.UP
             log.info("server is Up after %.2f s (max_req_input_len=%s)", self.phases["up"],
                      self.info["scheduler"].get("max_req_input_len"))
             for cb in self.on_up:
                 cb()
+
+    def mark_healthy(self) -> None:
+        """A health probe passed: the first time, startup is over (its last phase, `health_probe`, ends)."""
+        if self.state is not State.UP or self.clock.done:
+            return
+        self.clock.lap("health_probe")
+        log.info("healthy after %.2f s from the process's start", self.clock.total_s())
+        for cb in self.on_healthy:
+            cb()
 
     def mark_down(self, reason: str, kind: str | None = None) -> None:
         """`kind` "checkpoint": a broken checkpoint found by a rank (exit 2 before Up, like the CLI's own check)."""
@@ -108,8 +125,17 @@ class Readiness:
             cb(reason)
 
     def startup_time(self) -> dict[str, float]:
-        engine = dict(self.info.get("scheduler", {}).get("startup_time", {}))
-        return {**engine, **self.phases}
+        """The main process's critical path, then each child's own phases, then milestones and total_s."""
+        c = self.clock
+        children = {k: v for who in CHILDREN for k, v in (self.info.get(who, {}).get("startup_time") or {}).items()}
+        return {**c.laps, **children, **c.phases()}
+
+    def startup(self, engine: dict[str, Any]) -> dict[str, Any]:
+        """total_s, the phases that add up to it, and what every cache did on this start."""
+        caches = dict(self.clock.caches)
+        compiled = engine.get("compile_cache")
+        caches["compile"] = compiled or {"status": "not used (no Triton kernels on this device)"}
+        return {"total_s": self.clock.total_s(), "critical_path": list(self.clock.laps), "caches": caches}
 
     def manifest(self, args: ServerArgs) -> dict[str, Any]:
         sched = dict(self.info.get("scheduler", {}))
@@ -117,7 +143,7 @@ class Readiness:
         return {
             "state": self.state.value, "reason": self.reason or None, "draining": self.draining,
             "model": args.served_model_name, "model_dir": args.model_dir,
-            "startup_time": self.startup_time(),
+            "startup_time": self.startup_time(), "startup": self.startup(engine),
             "max_req_input_len": sched.get("max_req_input_len"),
             "weights": engine.get("weights"), "kv_pool": engine.get("kv_pool"),
             "scheduler_info": sched, "engine": {k: v for k, v in engine.items() if k not in ("weights", "kv_pool")},
@@ -152,7 +178,8 @@ class _Server(uvicorn.Server):
 
 
 def report_startup(args: ServerArgs, readiness: Readiness) -> None:
-    """The startup manifest in the log (seconds per phase) and, with --manifest-json, as a file."""
+    """The startup manifest in the log (seconds per phase, total_s last) and, with --manifest-json, as a file;
+    once, when the first health probe passed."""
     phases = ", ".join(f"{k} {v:.3f}s" for k, v in readiness.startup_time().items())
     log.info("startup phases: %s", phases)
     if args.manifest_json:
@@ -240,24 +267,34 @@ def stop_children(children: dict[str, subprocess.Popen]) -> None:
             proc.wait()
 
 
-async def serve(args: ServerArgs) -> int:
-    readiness = Readiness()
-    t = time.perf_counter()
+def probe_at_up(args: ServerArgs, tm: TokenizerManager, readiness: Readiness, tasks: list[asyncio.Task]) -> None:
+    """At Up the first health probe runs at once (a client's /health meanwhile shares it), so startup ends
+    — and its phases are logged — when /health can first answer 200, whether or not anyone asked yet."""
+    async def probe() -> None:
+        if await tm.health(args.health_timeout_s) is None:
+            readiness.mark_healthy()
+
+    tasks.append(asyncio.get_running_loop().create_task(probe(), name="first-health-probe"))
+
+
+async def serve(args: ServerArgs, clock: StartupClock | None = None) -> int:
+    readiness = Readiness(clock)
     tok = HFTokenizer(args.model_dir)
-    readiness.phase("main_tokenizer", t)
+    readiness.clock.lap("main_tokenizer")
     ipc_dir = make_ipc_dir()  # after the tokenizer: a broken tokenizer must leave nothing behind
     children: dict[str, subprocess.Popen] = {}
     metrics = ServerMetrics(readiness)
     tm = TokenizerManager(tok, Endpoints.in_dir(ipc_dir), readiness, metrics, args.max_queued_requests)
     readiness.on_down.append(tm.fail_all)
-    readiness.on_up.append(lambda: report_startup(args, readiness))
+    probes: list[asyncio.Task] = []
+    readiness.on_up.append(lambda: probe_at_up(args, tm, readiness, probes))
+    readiness.on_healthy.append(lambda: report_startup(args, readiness))
     tm.bind()
     try:
-        t = time.perf_counter()
         children.update(spawn_ranks(args, tm.endpoints, readiness))
         children["detokenizer"] = spawn_child(DETOKENIZER_MODULE, args, tm.endpoints)
         readiness.pids["detokenizer"] = children["detokenizer"].pid
-        readiness.phase("spawn_processes", t)
+        readiness.clock.lap("spawn_processes")
         tm.start()
         app = build_app(args, tm, readiness, metrics)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
@@ -270,6 +307,8 @@ async def serve(args: ServerArgs) -> int:
         watcher.cancel()
         return server.exit_code
     finally:
+        for task in probes:
+            task.cancel()
         stop_children(children)
         await tm.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -300,8 +339,9 @@ def serve_ranks_only(args: ServerArgs) -> int:
         stop_children(children)
 
 
-def run(args: ServerArgs) -> int:
+def run(args: ServerArgs, clock: StartupClock | None = None) -> int:
+    """`clock`: the entry point's StartupClock (started at its first line); a new one starts here if none."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
     if args.engine_args.get("node_rank", 0) > 0:
         return serve_ranks_only(args)
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, clock))

@@ -40,6 +40,7 @@ from dsaserve.server.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
+    UsageInfo,
     bad_request,
 )
 from dsaserve.server.request_state import GenerateRequest, Handle, SampleOutput
@@ -119,7 +120,7 @@ class OpenAIServing:
             choices = [] if choice < 0 else [CompletionChoice(index=choice, text=text, logprobs=lp,
                                                               finish_reason=reason)]
             return chunk_sse(CompletionResponse(id=h.id, created=created, model=self.model_name,
-                                                choices=choices, usage=u))
+                                                choices=choices, usage=u or _running_usage(h)))
 
         async def body() -> AsyncIterator[str]:
             if req.echo:
@@ -130,7 +131,7 @@ class OpenAIServing:
                 lp = CompletionLogprobs() if req.logprobs else None
                 _add_completion_logprobs(lp, out, offsets[out.choice])
                 offsets[out.choice] += len(out.text)
-                if out.text or out.finished or (lp and lp.tokens):
+                if _worth_a_chunk(h, out, bool(lp and lp.tokens)):
                     yield chunk(out.choice, out.text, lp, out.reason)
             if req.include_usage:
                 yield chunk(-1, "", u=h.usage.info())
@@ -159,7 +160,7 @@ class OpenAIServing:
 
         def chunk(choices: list[ChatChunkChoice], u: Any = None) -> str:
             return chunk_sse(ChatCompletionChunk(id=h.id, created=created, model=self.model_name,
-                                                 choices=choices, usage=u))
+                                                 choices=choices, usage=u or _running_usage(h)))
 
         readers = [_reader(h) for _ in range(req.n)]
 
@@ -170,7 +171,8 @@ class OpenAIServing:
                 lp = ChatLogprobs(content=_chat_logprobs(out.lps)) if req.logprobs and out.lps else None
                 reader = readers[out.choice]
                 fields = reader.feed(out.text, final=out.finished)  # content / reasoning_content / tool_calls
-                if fields or out.finished or lp:
+                # buffered text (a tool call being read) is not worth an empty delta, unless usage is timed
+                if fields or out.finished or lp or (h.req.continuous_usage and out.tokens):
                     reason = reader.finish_reason(out.reason) if out.finished else None
                     yield chunk([ChatChunkChoice(index=out.choice, delta=DeltaMessage(**fields), logprobs=lp,
                                                  finish_reason=reason)])
@@ -218,6 +220,17 @@ class OpenAIServing:
 def _reader(h: Handle) -> ChoiceOutput:
     """How one choice's text is read back: the request's chat features, or plain content."""
     return h.req.chat.choice() if h.req.chat is not None else ChoiceOutput(ChatPlan(), None, False, False)
+def _running_usage(h: Handle) -> UsageInfo | None:
+    """stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's
+    behaviour). Counts are request-wide (all choices), so they only grow and a chunk's tokens are the growth
+    of completion_tokens; for n=1 this is vLLM's per-choice count."""
+    return h.usage.info() if h.req.continuous_usage else None
+
+
+def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:
+    """An output is streamed when it has text, ends its choice, or carries logprobs; with running usage also
+    whenever it carries tokens, so that a client can time every token even when its text is empty."""
+    return bool(out.text or out.finished or has_logprobs or (h.req.continuous_usage and out.tokens))
 
 
 def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> None:

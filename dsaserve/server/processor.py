@@ -67,7 +67,7 @@ class Processor:
                 p.text = p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
         return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", prompts, sampling, max_tokens,
                                logprobs=req.logprobs is not None, stream=req.stream,
-                               include_usage=_include_usage(req), echo=req.echo)
+                               echo=req.echo, **_usage_options(req))
 
     async def chat(self, req: ChatCompletionRequest) -> GenerateRequest:
         if req.top_logprobs is not None and not req.logprobs:
@@ -83,7 +83,7 @@ class Processor:
         if plan.grammar is not None:
             await self._check_grammar(plan.grammar_source or "structured_outputs", plan.grammar)
         return GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sampling, max_tokens,
-                               logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
+                               logprobs=req.logprobs, stream=req.stream, **_usage_options(req),
                                chat=self.chat_settings.readback(plan, thinking))
 
     async def _check_grammar(self, param: str, spec: dict[str, str]) -> None:
@@ -239,8 +239,12 @@ def _plan_or_400(fn: Callable[..., Any], *args: Any) -> Any:
         raise bad_request(str(e), e.param) from None
 
 
-def _include_usage(req: Any) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _usage_options(req: Any) -> dict[str, bool]:
+    """stream_options -> (usage after the stream, running usage in every chunk). As vLLM, running usage
+    (`continuous_usage_stats`) is sent only when `include_usage` is set too."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return {"include_usage": include, "continuous_usage": include and bool(opts.continuous_usage_stats)}
 
 
 def _utf8_len(text: str) -> int:

@@ -39,6 +39,7 @@ class GenerateRequest:
     logprobs: bool = False  # return logprob entries with the outputs
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: running usage in every chunk
     echo: bool = False
     internal: bool = False  # the health probe: no metrics, not counted against the queue bound
     chat: Any = None  # chat_features.ChatReadback: how to read tool calls / reasoning back (chat only)
@@ -82,11 +83,12 @@ class SampleOutput:
     lps: list[dict[str, Any]] | None
     finished: bool
     reason: str | None
+    tokens: int = 0  # token ids this output carries (its text may be empty: a partial UTF-8 character)
 
     @classmethod
     def from_item(cls, choice: int, item: dict[str, Any]) -> SampleOutput:
         return cls(choice, item["text"], item.get("lps"), bool(item["finished"]),
-                   item["reason"] if item["finished"] else None)
+                   item["reason"] if item["finished"] else None, len(item.get("ids") or ()))
 
 
 class Usage:

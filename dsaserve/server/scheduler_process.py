@@ -14,16 +14,24 @@ that report lets the server go Up. A follower rank only steps.
 Any exception is reported as `fatal` (naming the rank) and ends the process; the main process then turns
 Down, fails every pending request and exits.
 
+Every rank reports its own start-up before the engine's phases: `scheduler_spawn` (the launcher's Popen ->
+this module's first line), `scheduler_imports` (this module's imports) and `engine_imports` (torch and the
+engine, imported in run()).
+
 Test hook: `DSASERVE_TEST_READY_DELAY_S` sleeps before reporting ready, so tests can observe Starting.
 """
 
+# ruff: noqa: E402 -- the clock is read before any import: the process reports its own import time
 from __future__ import annotations
+
+import time
+
+FIRST_LINE = time.time()
 
 import json
 import logging
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -34,6 +42,7 @@ from dsaserve.engine.lifetime import start_child
 from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
 from dsaserve.server.grammar_gate import GrammarGate
+from dsaserve.server.startup_clock import child_phases
 
 log = logging.getLogger(__name__)
 
@@ -156,28 +165,30 @@ class SchedulerLoop:
                 "cached_tokens": d.cached_tokens}
 
 
-def rank_reports(group: Any) -> list[dict[str, Any]]:
-    """Every rank's startup phases, weights, KV pool and graph buckets (an all-gather over the ranks)."""
+def rank_reports(group: Any, process: dict[str, float]) -> list[dict[str, Any]]:
+    """Every rank's startup phases (its process's spawn and imports, then the engine's), weights, KV pool and
+    graph buckets (an all-gather over the ranks)."""
     import msgpack
 
     from dsaserve.engine.rank_group import all_gather_bytes
 
     m = group.core.manifest()
-    mine = plain({"rank": group.rank, "pid": os.getpid(), "device": m.get("device"),
-                  "startup_time": m.get("startup_time"), "weights": m.get("weights"), "kv_pool": m.get("kv_pool"),
+    phases = {**process, **(m.get("startup_time") or {})}
+    mine = plain({"rank": group.rank, "pid": os.getpid(), "device": m.get("device"), "startup_time": phases,
+                  "weights": m.get("weights"), "kv_pool": m.get("kv_pool"),
                   "cuda_graph_buckets": (m.get("cuda_graph") or {}).get("buckets")})
     if group.group is None:
         return [mine]
     return [msgpack.unpackb(b, raw=False) for b in all_gather_bytes(msgpack.packb(mine), group.group)]
 
 
-def scheduler_info(group: Any, cfg: dict[str, Any], t_start: float) -> dict[str, Any]:
+def scheduler_info(group: Any, process: dict[str, float]) -> dict[str, Any]:
+    """What the leader reports; `process`: this process's own start-up phases (spawn, imports)."""
     core = group.core
     info = plain(core.scheduler_info)
-    info["startup_time"] = {"scheduler_spawn": round(t_start - cfg.get("spawn_time", t_start), 4),
-                            **info.get("startup_time", {})}
+    info["startup_time"] = {**process, **info.get("startup_time", {})}
     info["manifest"] = plain(core.manifest())
-    ranks = rank_reports(group)
+    ranks = rank_reports(group, process)
     info["ranks"] = ranks
     totals = {r["rank"]: sum((r.get("startup_time") or {}).values()) for r in ranks}
     info["slowest_rank"] = max(totals, key=totals.get)
@@ -201,10 +212,13 @@ def run(cfg: dict[str, Any]) -> None:
     ends = ipc.Endpoints(**cfg["endpoints"]) if cfg.get("endpoints") else None
     to_main = ipc.push_socket(ctx, ends.main_in) if ends else None
     try:
+        t_imports = time.time()
         from dsaserve.engine.rank_group import RankGroup
 
+        process = {**child_phases("scheduler", cfg.get("spawn_time"), FIRST_LINE, t_start),
+                   "engine_imports": round(time.time() - t_imports, 4)}
         group = RankGroup.build(cfg["engine_args"], rank)
-        info = scheduler_info(group, cfg, t_start)
+        info = scheduler_info(group, process)
         delay = float(envs.DSASERVE_TEST_READY_DELAY_S or 0)
         if delay > 0 and rank == 0:
             log.warning("DSASERVE_TEST_READY_DELAY_S=%s: delaying readiness (tests only)", delay)

@@ -37,7 +37,7 @@ class ServerArgs:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     startup_timeout_s: float | None = None  # None: wait for the scheduler as long as it takes
     log_level: str = "info"
-    manifest_json: str | None = None  # write the startup manifest here once Up
+    manifest_json: str | None = None  # write the startup manifest here once healthy (the first 200 of /health)
     tool_call_parser: str = "auto"  # auto: the model family's (server/tool_parsers); none: tool calling off
     reasoning_parser: str | None = None  # None: reasoning stays in content (vLLM's default); auto: the family's
 
@@ -80,7 +80,7 @@ class ServerArgs:
         g.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM; those left then end "
                             "with an error")
-        g.add_argument("--manifest-json", default=None, help="write the startup manifest (GET /startup) here once Up")
+        g.add_argument("--manifest-json", default=None, help="write the startup manifest here once healthy")
         g.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                        help="how tool calls are read from the output (vLLM/SGLang names): auto = the model "
                             "family's (glm47 for GLM-5, deepseek_v32 for DeepSeek-V3.2); none = tools refused")

@@ -90,7 +90,7 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(name: str) -> Path:
+def _build(name: str, cache: dict | None = None) -> Path:
     cfg = load_config(name)
     total = sum(s.nbytes for s in checkpoint_specs(cfg))
     limit = _max_bytes()
@@ -103,11 +103,13 @@ def _build(name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{name}-seed{CACHE_SEED}"
     config_json = cfg.to_json() + "\n"
+    _note(cache, "checkpoint", "hit", target)
     if _is_current(target, name, config_json):
         return target
     with _file_lock(root / f".{target.name}.lock"):
         if _is_current(target, name, config_json):  # another process built it while we waited
             return target
+        _note(cache, "checkpoint", "miss", target)
         free = shutil.disk_usage(root).free
         if free < total * 1.05:
             raise CheckpointResolveError(f"model: {name!r} needs {total / 1e9:.1f} GB in {root}, "
@@ -126,16 +128,26 @@ def _build(name: str) -> Path:
     return target
 
 
-def resolve_model_dir(model: str | os.PathLike, load_format: str = "auto") -> Path:
+def _note(cache: dict | None, kind: str, status: str, path: Path) -> None:
+    """What resolution did, for the startup manifest: which cache, hit or miss (made now), where."""
+    if cache is not None:
+        cache.update(kind=kind, status=status, path=str(path))
+
+
+def resolve_model_dir(model: str | os.PathLike, load_format: str = "auto", cache: dict | None = None) -> Path:
     """What the server's processes read: the checkpoint, or — for `--load-format dummy` with a built-in name —
-    a directory with only its config.json and tokenizer (the full-size configs' weights would be ~0.7 TB)."""
+    a directory with only its config.json and tokenizer (the full-size configs' weights would be ~0.7 TB).
+    `cache`, when given, is filled with what happened: kind ("checkpoint", "config_and_tokenizer",
+    "directory"), status ("hit", "miss": made now, "not cached": the user's own directory) and path."""
     text = os.fspath(model)
     if load_format != "dummy" or Path(text).expanduser().is_dir() or text not in builtin_config_names():
-        return resolve_checkpoint(model)
+        return resolve_checkpoint(model, cache)
     cfg = load_config(text)
     target = cache_root() / "configs" / text
     config_json = cfg.to_json() + "\n"
+    _note(cache, "config_and_tokenizer", "hit", target)
     if not (target / "config.json").is_file() or (target / "config.json").read_text() != config_json:
+        _note(cache, "config_and_tokenizer", "miss", target)
         target.mkdir(parents=True, exist_ok=True)
         with _file_lock(target.parent / f".{text}.lock"):
             write_tokenizer(cfg, target)
@@ -143,20 +155,21 @@ def resolve_model_dir(model: str | os.PathLike, load_format: str = "auto") -> Pa
     return target
 
 
-def resolve_checkpoint(model: str | os.PathLike) -> Path:
+def resolve_checkpoint(model: str | os.PathLike, cache: dict | None = None) -> Path:
     """A directory with config.json as is; a built-in config name as its cached seed-0 checkpoint."""
     text = os.fspath(model)
     p = Path(text).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise CheckpointResolveError(f"model: directory {text!r} has no config.json, so it is not a checkpoint")
+        _note(cache, "directory", "not cached", p)
         return p
     names = builtin_config_names()
     packaged = packaged_checkpoint(text)
     if packaged is not None:
         return packaged
     if text in names:
-        return _build(text)
+        return _build(text, cache)
     raise CheckpointResolveError(f"model: {text!r} is neither a checkpoint directory (with config.json) nor a "
                                  f"built-in config ({', '.join(names)})")
 

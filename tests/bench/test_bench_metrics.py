@@ -165,3 +165,20 @@ def test_text_only_chunks_count_one_token_each_and_say_so():
 def test_errors_fail_the_request(body, status, error):
     rec = _run(body, status)
     assert not rec.ok and error in rec.error
+
+
+def test_default_token_counts_are_running_usage_without_logprobs():
+    import argparse
+
+    from dsaserve.bench.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--base-url", "u"]).token_counts == "usage"
+    req = BenchRequest([7, 8, 9], 3, 3)
+    for endpoint in ("completions", "chat"):
+        body = payload(req, "m", endpoint, "usage", True)
+        assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        assert "logprobs" not in body and "top_logprobs" not in body
+        lp = payload(req, "m", endpoint, "logprobs", True)
+        assert lp["stream_options"]["continuous_usage_stats"] is False and lp["logprobs"] in (0, True)

@@ -28,9 +28,10 @@ def _bench(server, tmp_path, *args: str) -> tuple[int, dict, dict[str, float]]:
     return rc, json.loads(out.read_text()), {k: value(after, k) - value(before, k) for k in TOKENS}
 
 
-def test_bench_serve_counts_tokens_not_text(server, tmp_path, capsys):
-    rc, r, grown = _bench(server, tmp_path, "--num-prompts", "12", "--input-len", "40", "--output-len", "8",
-                          "--range-ratio", "0.5", "--max-concurrency", "4", "--request-rate", "50")
+@pytest.mark.parametrize("counts", ["usage", "logprobs"])  # usage (continuous_usage_stats) is the default
+def test_bench_serve_counts_tokens_not_text(server, tmp_path, capsys, counts):
+    rc, r, grown = _bench(server, tmp_path, "--token-counts", counts, "--num-prompts", "12", "--input-len", "40",
+                          "--output-len", "8", "--range-ratio", "0.5", "--max-concurrency", "4", "--request-rate", "50")
     assert rc == 0 and r["completed"] == 12 and r["failed"] == 0 and set(r["errors"]) == {""}
     assert r["empty_text_chunks"] > 0  # random weights: some tokens decode to no text, and they still count
     assert r["output_lens"] == r["max_tokens"] and r["requests_short_of_max_tokens"] == 0  # --ignore-eos

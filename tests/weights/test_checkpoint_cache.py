@@ -33,12 +33,15 @@ def count_writes(monkeypatch):
 
 
 def test_builtin_name_is_written_once_under_the_cache_dir(cache, count_writes):
-    path = resolve_checkpoint("glm-5.3-tiny")
+    first, again = {}, {}
+    path = resolve_checkpoint("glm-5.3-tiny", first)
     assert path == cache / "checkpoints" / "glm-5.3-tiny-seed0"
+    assert first == {"kind": "checkpoint", "status": "miss", "path": str(path)}  # what the manifest says
     assert (path / INDEX_FILE).is_file() and (path / "tokenizer.json").is_file()
     assert load_config(path).to_hf_dict() == load_config("glm-5.3-tiny").to_hf_dict()
     mtime = (path / INDEX_FILE).stat().st_mtime_ns
-    assert resolve_checkpoint("glm-5.3-tiny") == path
+    assert resolve_checkpoint("glm-5.3-tiny", again) == path
+    assert again == {"kind": "checkpoint", "status": "hit", "path": str(path)}
     assert count_writes == ["glm-5.3-tiny"]
     assert (path / INDEX_FILE).stat().st_mtime_ns == mtime
     assert not [p for p in (cache / "checkpoints").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
@@ -81,8 +84,17 @@ def test_a_checkpoint_directory_is_returned_as_is(cache, tmp_path, count_writes)
     d = tmp_path / "mine"
     d.mkdir()
     (d / "config.json").write_text("{}")
-    assert resolve_checkpoint(str(d)) == d
-    assert count_writes == []
+    said = {}
+    assert resolve_checkpoint(str(d), said) == d
+    assert count_writes == [] and said["status"] == "not cached"
+
+
+def test_dummy_weights_cache_the_config_and_tokenizer_and_say_so(cache, count_writes):
+    first, again = {}, {}
+    path = checkpoint_cache.resolve_model_dir("glm-5.3-tiny", "dummy", first)
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and count_writes == []
+    assert checkpoint_cache.resolve_model_dir("glm-5.3-tiny", "dummy", again) == path
+    assert (first["kind"], first["status"], again["status"]) == ("config_and_tokenizer", "miss", "hit")
 
 
 def test_a_directory_without_config_json_is_named(cache, tmp_path):
