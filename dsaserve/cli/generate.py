@@ -1,6 +1,6 @@
 """`dsaserve generate`: one prompt through the offline Engine (the whole request path in one process).
 
-    dsaserve generate --prompt "Hello" --max-tokens 16                 # built-in glm-5.3-tiny, greedy
+    dsaserve generate --prompt "Hello" --max-tokens 16                 # built-in glm-5.3-mini (trained), greedy
     dsaserve generate --model DIR --prompt-ids 1,2,3 --max-tokens 8 --temperature 0.8 --seed 1 --json
 
 Every engine argument (`--dtype`, `--kv-layout`, `--num-pages`, `--max-num-batched-tokens`, ...) is

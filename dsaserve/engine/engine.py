@@ -90,7 +90,7 @@ class Engine:
     """With `tensor_parallel_size` / `expert_parallel_size` > 1 this process is rank 0 (the leader) and one
     follower process per other rank is spawned here (engine/rank_worker.py); `close()` stops them."""
 
-    def __init__(self, model: str = "glm-5.3-tiny", *, runner: Any = None, **engine_args: Any):
+    def __init__(self, model: str = "glm-5.3-mini", *, runner: Any = None, **engine_args: Any):
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
         self._followers = self._spawn_followers() if self.args.world_size > 1 and runner is None else []
         try:

@@ -138,7 +138,7 @@ def resolve_model_dir(model: str | os.PathLike, load_format: str = "auto", cache
     """What the server's processes read: the checkpoint, or — for `--load-format dummy` with a built-in name —
     a directory with only its config.json and tokenizer (the full-size configs' weights would be ~0.7 TB).
     `cache`, when given, is filled with what happened: kind ("checkpoint", "config_and_tokenizer",
-    "directory"), status ("hit", "miss": made now, "not cached": the user's own directory) and path."""
+    "directory", "packaged"), status ("hit", "miss": made now, "not cached": the user's own directory) and path."""
     text = os.fspath(model)
     if load_format != "dummy" or Path(text).expanduser().is_dir() or text not in builtin_config_names():
         return resolve_checkpoint(model, cache)
@@ -167,6 +167,7 @@ def resolve_checkpoint(model: str | os.PathLike, cache: dict | None = None) -> P
     names = builtin_config_names()
     packaged = packaged_checkpoint(text)
     if packaged is not None:
+        _note(cache, "packaged", "not cached", packaged)  # trained files shipped in the package: nothing to make
         return packaged
     if text in names:
         return _build(text, cache)
