@@ -52,8 +52,9 @@ def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
 
 @dataclass
 class EngineArgs:
-    model: str = _arg("checkpoint directory or built-in name (glm-5.3-mini: the trained model shipped in the package; "
-                      "a random-weight config such as glm-5.3-tiny: made into a checkpoint on first use)", "glm-5.3-mini")
+    model: str = _arg("checkpoint directory or built-in name (glm-5.3-mini: the trained model shipped in the "
+                      "package; a random-weight config such as glm-5.3-tiny: made into a checkpoint on first use)",
+                      "glm-5.3-mini")
     dtype: str = _arg("compute dtype: auto = bfloat16 on cuda, float32 on cpu (the reference path)", "auto",
                       choices=DTYPES)
     kv_layout: str = _arg("KV cache byte layout", DEFAULT_KV_LAYOUT, choices=ENGINE_KV_LAYOUTS)
