@@ -10,7 +10,8 @@ from dsaserve.cli import main
 
 def test_generate_json_prints_the_engines_greedy_tokens_and_text(tiny_checkpoint, capsys):
     tiny_checkpoint("glm-5.3-tiny")
-    rc = main(["generate", "--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--ignore-eos", "--json",
+    rc = main(["generate", "--model", "glm-5.3-tiny", "--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--ignore-eos",
+               "--json",
                "--device", "cpu", "--kv-layout", "bf16", "--num-pages", "4"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)

