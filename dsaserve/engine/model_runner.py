@@ -68,7 +68,7 @@ class ModelRunner:
                 dp_attention=args.enable_dp_attention)
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
         self.dtype = DTYPES[args.resolved_dtype()]
-        self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.cuda_graph_max_bs
+        self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
         self.profile: MemoryProfile | None = None
         self.graphs: CudaGraphRunner | None = None
@@ -123,7 +123,7 @@ class ModelRunner:
             # the largest step the scheduler may form: a full token budget, and every running row eager
             self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
-                                          max(a.cuda_graph_max_bs, a.max_running_requests),
+                                          max(a.graph_max_bs, a.max_running_requests),
                                           a.mem_fraction_static, self.graph_reserve_bytes)
         budget = self.profile.kv_budget_bytes
         if self.parallel.world_size > 1:
