@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.common.wire import plain
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest, TokenDelta
 
@@ -57,6 +58,7 @@ class RankGroup:
         self.busy = [False] * self.world  # leader, DP: who still had work after the last iteration
         self.stats_wanted = False
         self.stopped = False
+        self._head = torch.zeros(HEAD_BYTES + 8, dtype=torch.uint8)  # every iteration's broadcast, reused
 
     @classmethod
     def build(cls, engine_args: dict[str, Any], rank: int | None = None) -> RankGroup:
@@ -150,7 +152,7 @@ class RankGroup:
         if self.group is None:
             return [], work
         payload = msgpack.packb([work, inbox], use_bin_type=True) if self.is_leader else b""
-        head = torch.zeros(HEAD_BYTES + 8, dtype=torch.uint8)
+        head = self._head
         if self.is_leader:
             _put(head, payload)
         dist.broadcast(head, src=0, group=self.group)
@@ -169,7 +171,7 @@ class RankGroup:
     def _gather(self, deltas: list[TokenDelta], want_stats: bool) -> tuple[list[TokenDelta], list[dict]]:
         mine = {"deltas": [d.to_dict() for d in deltas], "busy": self.core.has_unfinished(),
                 "stats": self.core.stats() if want_stats else None}
-        parts = all_gather_bytes(msgpack.packb(mine, use_bin_type=True, default=_plain), self.group)
+        parts = all_gather_bytes(msgpack.packb(plain(mine), use_bin_type=True), self.group)
         if not self.is_leader:
             return [], []
         out: list[TokenDelta] = []
@@ -226,9 +228,3 @@ def _put(head: torch.Tensor, data: bytes) -> None:
 
 def _length(head: torch.Tensor) -> int:
     return int.from_bytes(bytes(head[:8].numpy()), "little")
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "item"):  # numpy / torch scalars in stats
-        return obj.item()
-    return str(obj)

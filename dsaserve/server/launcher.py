@@ -192,12 +192,17 @@ def rank_name(rank: int) -> str:
     return "scheduler" if rank == 0 else f"scheduler rank {rank}"
 
 
+def engine_layout(args: ServerArgs) -> Any:
+    """The EngineArgs the ranks are built from: the one place the world and this node's ranks are derived."""
+    from dsaserve.engine.engine_args import EngineArgs
+
+    return EngineArgs.from_kwargs(**{**args.engine_args, "model": args.model_dir})
+
+
 def local_ranks(args: ServerArgs) -> list[int]:
-    e = args.engine_args
-    world = max(e.get("tensor_parallel_size", 1), e.get("expert_parallel_size", 1))
-    per_node = world // e.get("nnodes", 1)
-    first = e.get("node_rank", 0) * per_node
-    return list(range(first, first + per_node))
+    e = engine_layout(args)
+    first = e.node_rank * e.ranks_per_node
+    return list(range(first, first + e.ranks_per_node))
 
 
 def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int | None = None) -> subprocess.Popen:
@@ -210,9 +215,8 @@ def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int
     # on 2 cores). A user's own setting wins.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if rank is not None:
-        e = args.engine_args
-        world = max(e.get("tensor_parallel_size", 1), e.get("expert_parallel_size", 1))
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % (world // e.get("nnodes", 1))))
+        e = engine_layout(args)
+        env.update(RANK=str(rank), WORLD_SIZE=str(e.world_size), LOCAL_RANK=str(rank % e.ranks_per_node))
     return subprocess.Popen([sys.executable, "-m", module, json.dumps(cfg)], stdin=subprocess.DEVNULL, env=env)
 
 
@@ -342,6 +346,6 @@ def serve_ranks_only(args: ServerArgs) -> int:
 def run(args: ServerArgs, clock: StartupClock | None = None) -> int:
     """`clock`: the entry point's StartupClock (started at its first line); a new one starts here if none."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
-    if args.engine_args.get("node_rank", 0) > 0:
+    if engine_layout(args).node_rank > 0:
         return serve_ranks_only(args)
     return asyncio.run(serve(args, clock))

@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from dsaserve.common import envs
+from dsaserve.common.wire import plain
 from dsaserve.engine.lifetime import start_child
 from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
@@ -47,19 +48,6 @@ from dsaserve.server.startup_clock import child_phases
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle leader waits for a message before the next (empty) iteration
-
-
-def plain(obj: Any) -> Any:
-    """Make stats/info msgpack-safe: numbers, strings, lists and str-keyed maps; anything else as str."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
-        return plain(obj.item())
-    return str(obj)
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
