@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import bench_prefill, cuda_time, decode_bytes, fill_pool, measure_ceilings  # noqa: E402
 
 from dsaserve.common.counters import COUNTERS  # noqa: E402
+from dsaserve.common.wire import free_port  # noqa: E402
 from dsaserve.distributed import collectives  # noqa: E402
-from dsaserve.distributed.parallel_state import free_port, get_parallel_state  # noqa: E402
+from dsaserve.distributed.parallel_state import get_parallel_state  # noqa: E402
 from dsaserve.engine.memory_profile import dummy_decode  # noqa: E402
 from dsaserve.engine.model_runner import ModelRunner  # noqa: E402
 from dsaserve.model.layers.moe import fold_device_expert_counts  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from dsaserve.distributed.parallel_state import free_port
+from dsaserve.common.wire import free_port
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
 

@@ -22,6 +22,7 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
+    from dsaserve.common.kv_layout import ENGINE_KV_LAYOUTS
     from dsaserve.quality.report import ALL_GROUPS, EvalArgs
 
     d = EvalArgs(model="")
@@ -30,7 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="glm-5.3-mini",
                    help="checkpoint directory (with tokenizer.json) or built-in name (default: glm-5.3-mini)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    p.add_argument("--kv-layout", default=d.kv_layout, choices=("fp8_ds_mla", "fp8_e4m3", "bf16", "fp32"),
+    p.add_argument("--kv-layout", default=d.kv_layout, choices=ENGINE_KV_LAYOUTS,
                    help="KV layout of the base setting")
     p.add_argument("--groups", default=",".join(ALL_GROUPS), help=f"comma-separated subset of {','.join(ALL_GROUPS)}")
     p.add_argument("--windows", type=int, default=d.windows, help="held-out windows for perplexity")

@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     from dsaserve.cli import FIRST_LINE
+    from dsaserve.common.wire import free_port
     from dsaserve.config import load_config
     from dsaserve.engine.engine_args import EngineArgs
     from dsaserve.errors import CheckpointError
@@ -44,12 +45,10 @@ def main(ns: argparse.Namespace) -> int:
         cache: dict = {}
         model_dir = str(resolve_model_dir(engine.model, engine.load_format, cache))
         clock.cache("model_files", **cache)
-        if engine.load_format != "dummy":  # a broken checkpoint fails here, in one line, before any child starts
-            check_checkpoint(model_dir)
-        engine.check_layout(load_config(model_dir))  # a bad layout or too few GPUs: refused before any spawn
+        # a broken checkpoint fails here, in one line, before any child starts (dummy weights: no files)
+        cfg = load_config(model_dir) if engine.load_format == "dummy" else check_checkpoint(model_dir)
+        engine.check_layout(cfg)  # a bad layout or too few GPUs: refused before any spawn
         if engine.world_size > 1 and not engine.dist_init_addr:
-            from dsaserve.distributed.parallel_state import free_port  # imports torch: only when ranks need it
-
             engine.dist_init_addr = f"127.0.0.1:{free_port()}"
         args = ServerArgs.from_cli_args(ns, engine, model_dir)
     except ValueError as e:  # a bad flag, or a CheckpointError naming the file or tensor

@@ -27,6 +27,19 @@ from collections import defaultdict
 from collections.abc import Callable
 
 
+def ring_wire_factor(kind: str, n: int) -> float:
+    """Bytes one of n ranks sends per message byte under the ring algorithms (DESIGN.md "The ledger"):
+    all_reduce 2(n-1)/n, all_gather / reduce_scatter / broadcast (n-1)/n; 0 for one rank. The counting
+    wrapper and the ledger share it; all_to_all has no ring factor (the wrapper counts its splits)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return (n - 1) / n
+    raise ValueError(f"collective kind {kind!r}: no ring factor (all_reduce, all_gather, reduce_scatter, broadcast)")
+
+
 class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()

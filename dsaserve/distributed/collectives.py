@@ -12,9 +12,9 @@ a no-op and counts nothing. Otherwise, per call, on every rank (kind = the funct
                                 its own split included; summed over ranks = the ledger's sender total).
   collective_wire_bytes.<kind>  what this rank puts on the wire under the ring algorithms the ledger assumes
                                 (DESIGN.md "The ledger"): all_reduce 2(n-1)/n x message; all_gather,
-                                reduce_scatter, broadcast (n-1)/n x message; all_to_all the bytes of the
-                                splits addressed to other ranks (the ledger's factor 1 also counts the 1/n a
-                                rank "sends" itself).
+                                reduce_scatter, broadcast (n-1)/n x message (`ring_wire_factor`); all_to_all
+                                the bytes of the splits addressed to other ranks (the ledger estimates them
+                                as (n-1)/n of the message: experts spread evenly).
 
 Counting happens on the host; inside a captured CUDA graph the calls are not re-counted at replay (the graph
 runner re-adds a warm forward's deltas, as it does for weight bytes).
@@ -27,24 +27,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from dsaserve.common.counters import COUNTERS
+from dsaserve.common.counters import COUNTERS, ring_wire_factor
 from dsaserve.distributed.parallel_state import Group, get_parallel_state
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 # torch 2.13 renamed the *_tensor single-tensor forms; the GPU machine runs 2.11, which has only the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def wire_factor(kind: str, n: int) -> float:
-    """Bytes one rank sends per message byte under ring algorithms (all_to_all is measured, not a factor)."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "broadcast"):
-        return (n - 1) / n
-    raise ValueError(f"collective kind {kind!r}: no ring factor (one of {', '.join(KINDS[:3])}, broadcast)")
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -72,7 +61,7 @@ def all_reduce(x: torch.Tensor, group: Group | None = None, op: str = "sum") -> 
     if g.size == 1:
         return x
     x = x.contiguous()
-    _count("all_reduce", _nbytes(x), _nbytes(x) * wire_factor("all_reduce", g.size))
+    _count("all_reduce", _nbytes(x), _nbytes(x) * ring_wire_factor("all_reduce", g.size))
     dist.all_reduce(x, op=_OPS[op], group=g.pg)
     return x
 
@@ -84,7 +73,7 @@ def all_gather(x: torch.Tensor, group: Group | None = None, dim: int = 0) -> tor
         return x
     x = x.contiguous()
     out = torch.empty((g.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major rows
-    _count("all_gather", _nbytes(out), _nbytes(out) * wire_factor("all_gather", g.size))
+    _count("all_gather", _nbytes(out), _nbytes(out) * ring_wire_factor("all_gather", g.size))
     _all_gather_single(out, x, group=g.pg)
     if dim < 0:
         dim += x.dim()
@@ -105,7 +94,7 @@ def reduce_scatter(x: torch.Tensor, group: Group | None = None, dim: int = 0) ->
         raise ValueError(f"reduce_scatter: dim {dim} has {x.shape[dim]} rows, not divisible by {g.size} ranks")
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // g.size, *src.shape[1:]), dtype=x.dtype, device=x.device)
-    _count("reduce_scatter", _nbytes(src), _nbytes(src) * wire_factor("reduce_scatter", g.size))
+    _count("reduce_scatter", _nbytes(src), _nbytes(src) * ring_wire_factor("reduce_scatter", g.size))
     _reduce_scatter_single(out, src, group=g.pg)
     return out.movedim(0, dim)
 
@@ -137,7 +126,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torc
         return x
     if not x.is_contiguous():
         raise ValueError("broadcast: x must be contiguous (it is received in place)")
-    _count("broadcast", _nbytes(x), _nbytes(x) * wire_factor("broadcast", g.size))
+    _count("broadcast", _nbytes(x), _nbytes(x) * ring_wire_factor("broadcast", g.size))
     dist.broadcast(x, src=dist.get_global_rank(g.pg, src) if g.pg is not dist.group.WORLD else src, group=g.pg)
     return x
 

@@ -123,10 +123,12 @@ def _unpack(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return rows, ids, buf[:, body + 4:].contiguous().view(torch.float32)[:, 0]
 
 
-def _exchange_counts(send: torch.Tensor, g: Group) -> list[int]:
-    """all_to_all of per-destination pair counts: what every rank is about to send me."""
+def _exchange_counts(send: torch.Tensor, g: Group) -> tuple[list[int], list[int]]:
+    """all_to_all of per-destination pair counts: (what I send to each rank, what each rank sends me), read
+    back to the host in one copy (the split sizes the row exchange needs)."""
     recv = all_to_all(send, [1] * g.size, [1] * g.size, g)
-    return recv.tolist()
+    sent, got = torch.stack([send, recv]).tolist()
+    return sent, got
 
 
 def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -137,9 +139,7 @@ def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torc
     dest = torch.div(ids.reshape(-1), p.count, rounding_mode="floor")  # EP rank of every pair (ep = world)
     order = torch.argsort(dest, stable=True)  # pairs grouped by destination, token-major within one
     send_tok, send_slot = torch.div(order, k, rounding_mode="floor"), order % k
-    send_counts_t = torch.bincount(dest, minlength=g.size)
-    recv_counts = _exchange_counts(send_counts_t, g)
-    send_counts = send_counts_t.tolist()
+    send_counts, recv_counts = _exchange_counts(torch.bincount(dest, minlength=g.size), g)
     packed = _pack(x[send_tok], ids[send_tok, send_slot], weights[send_tok, send_slot])
     rows, r_ids, r_w = _unpack(all_to_all(packed, recv_counts, send_counts, g), x.dtype)
     # 0 rows received: skip the expert GEMMs (a 0-row launch is not safe on every GPU kernel)

@@ -20,7 +20,6 @@ max(tp, ep) ranks.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -113,13 +112,6 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_parallel_state()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the default rendezvous of ranks on one machine)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device | str) -> str:

@@ -108,7 +108,7 @@ class Engine:
             raise ValueError("--nnodes: the offline Engine runs on one machine; span nodes with `dsaserve serve`")
         from dataclasses import asdict
 
-        from dsaserve.distributed.parallel_state import free_port
+        from dsaserve.common.wire import free_port
         from dsaserve.engine.rank_worker import spawn_followers
         from dsaserve.weights.checkpoint_cache import resolve_model_dir
 

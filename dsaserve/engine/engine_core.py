@@ -27,7 +27,7 @@ API (the server, issue 4, builds on exactly this):
                                              # prompt_tokens, generation_tokens, computed_tokens, steps
     core.check_no_leak()                     # AssertionError unless every page is free or held only by
                                              # the prefix cache and no request / row is left
-    core.tokenizer / core.chat_template / core.eos_token_ids / core.cfg   # from the runner
+    core.tokenizer / core.eos_token_ids / core.cfg   # from the runner
     core.grammars -> GrammarCompiler          # built on first use (or at startup for --precompile-schemas);
                                              # add_request compiles a structured_outputs spec (cached) and
                                              # gives each sample its GrammarState
@@ -92,10 +92,6 @@ class EngineCore:
     @property
     def tokenizer(self) -> Any:
         return getattr(self.runner, "tokenizer", None)
-
-    @property
-    def chat_template(self) -> str | None:
-        return getattr(self.runner, "chat_template", None)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +46,19 @@ def setup_child_logging(name: str, level: str) -> logging.Logger:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
                         stream=sys.stderr)
     return logging.getLogger(f"dsaserve.{name}")
+
+
+def spawn_child_process(module: str, cfg: dict, rank: int | None = None, world: int = 1,
+                        local_rank: int = 0) -> subprocess.Popen:
+    """`python -m module <cfg as JSON>` (nothing crosses by pickle); a rank also gets RANK / WORLD_SIZE /
+    LOCAL_RANK. The child runs `start_child` first, so it dies with this process."""
+    env = dict(os.environ)
+    # Idle OpenMP threads of torch must sleep, not spin: spinning threads of one process starve the others on a
+    # small CPU (measured: 64 batched requests took 26 s instead of 1.6 s on 2 cores). A user's own setting wins.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if rank is not None:
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    return subprocess.Popen([sys.executable, "-m", module, json.dumps(cfg)], stdin=subprocess.DEVNULL, env=env)
 
 
 def start_child(name: str, cfg: dict) -> logging.Logger:

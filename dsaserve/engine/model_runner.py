@@ -11,7 +11,6 @@ torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -98,7 +97,7 @@ class ModelRunner:
                 with _Timer(self.startup_time, "cuda_graph_capture"):
                     self.graphs = self._capture_graphs()
         with _Timer(self.startup_time, "tokenizer"):
-            self.tokenizer, self.chat_template = self._load_tokenizer()
+            self.tokenizer = self._load_tokenizer()
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
         self.eos_token_ids = self.cfg.eos_token_ids
         fold_device_expert_counts(reset=True)  # profile / warmup / capture forwards are not traffic
@@ -185,20 +184,16 @@ class ModelRunner:
         return runner
 
     def _load_tokenizer(self):
+        """The checkpoint's tokenizer (offline Engine: prompts as text); the server's processes read their own."""
         if self.checkpoint is None or not (self.checkpoint / "tokenizer.json").exists():
-            return None, None
+            return None
         from tokenizers import Tokenizer
 
-        path, cfg_path = self.checkpoint / "tokenizer.json", self.checkpoint / "tokenizer_config.json"
+        path = self.checkpoint / "tokenizer.json"
         try:
-            tok = Tokenizer.from_file(str(path))
+            return Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type
             raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
-        try:
-            template = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.exists() else None
-        except (ValueError, AttributeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{cfg_path}: not a valid tokenizer_config.json ({e})") from None
-        return tok, template
 
     # ---- steps -----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

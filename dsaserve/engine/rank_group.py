@@ -169,9 +169,10 @@ class RankGroup:
         return msgs, work
 
     def _gather(self, deltas: list[TokenDelta], want_stats: bool) -> tuple[list[TokenDelta], list[dict]]:
-        mine = {"deltas": [d.to_dict() for d in deltas], "busy": self.core.has_unfinished(),
-                "stats": self.core.stats() if want_stats else None}
-        parts = all_gather_bytes(msgpack.packb(plain(mine), use_bin_type=True), self.group)
+        mine = {"deltas": [{f: getattr(d, f) for f in TokenDelta.__slots__} for d in deltas],
+                "busy": self.core.has_unfinished(), "stats": self.core.stats() if want_stats else None}
+        # `plain` only for what msgpack cannot take itself (numpy scalars in stats): token ids pass as they are
+        parts = all_gather_bytes(msgpack.packb(mine, use_bin_type=True, default=plain), self.group)
         if not self.is_leader:
             return [], []
         out: list[TokenDelta] = []

@@ -17,14 +17,10 @@ from typing import Any
 
 
 def spawn_followers(engine_args: dict[str, Any], world: int) -> list[subprocess.Popen]:
-    procs = []
-    for rank in range(1, world):
-        cfg = {"parent_pid": os.getpid(), "rank": rank, "engine_args": engine_args}
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not starve the other ranks
-        procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(cfg)], stdin=subprocess.DEVNULL,
-                                      env=env))
-    return procs
+    from dsaserve.engine.lifetime import spawn_child_process
+
+    return [spawn_child_process(__name__, {"parent_pid": os.getpid(), "rank": rank, "engine_args": engine_args},
+                                rank, world, local_rank=rank) for rank in range(1, world)]
 
 
 def main(cfg: dict[str, Any]) -> None:

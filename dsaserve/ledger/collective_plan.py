@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsaserve.common.counters import ring_wire_factor
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
@@ -25,13 +26,9 @@ def wire_factor(kind: str, n: int) -> float:
     """Bytes a rank sends over its link per message byte: ring all-reduce 2(n-1)/n, all-gather /
     reduce-scatter (n-1)/n, all-to-all (n-1)/n (the message is every (token, expert) copy of the rank's
     tokens; with experts spread evenly 1/n of the copies stay on the rank)."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    raise ValueError(f"collective kind {kind!r} unknown ({', '.join(KINDS)})")
+    if kind == "all_to_all":
+        return (n - 1) / n if n > 1 else 0.0
+    return ring_wire_factor(kind, n)
 
 
 def a2a_tokens(dep: Deployment, asm: Assumptions, tokens: int, one_request: bool = False) -> int:

@@ -20,6 +20,7 @@ constrained sample's matcher takes its token (a grammar waiting for the reasonin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -167,13 +168,16 @@ def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     32w + 8k + b is bit b of byte k of word w), unpacked with one uint8 shift, and used by masked_fill."""
     vocab, dev = x.shape[1], x.device
     raw = bitmask.to(dev, non_blocking=True).contiguous().view(torch.uint8)
-    allowed = ((raw.unsqueeze(-1) >> _BIT_SHIFTS.to(dev)) & 1).view(raw.shape[0], -1).bool()
+    allowed = ((raw.unsqueeze(-1) >> _bit_shifts(dev)) & 1).view(raw.shape[0], -1).bool()
     if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     return x.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+@functools.lru_cache(maxsize=8)
+def _bit_shifts(dev: torch.device) -> torch.Tensor:
+    """0..7 on the sampling device, made once per device (not a host-to-device copy every step)."""
+    return torch.arange(8, dtype=torch.uint8, device=dev)
 
 
 def _unsuppress_dead_rows(x: torch.Tensor, rows: Sequence[SampleSource], states: list, bitmask: torch.Tensor

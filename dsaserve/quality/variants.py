@@ -19,8 +19,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dsaserve.weights.checkpoint_check import INDEX_FILE
+
 VARIANTS = ("base", "dense", "all_full")
-INDEX_FILE = "model.safetensors.index.json"
 EXTRA_SHARD = "model-variant-indexers.safetensors"
 
 

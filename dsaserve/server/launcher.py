@@ -37,6 +37,7 @@ from typing import Any
 
 import uvicorn
 
+from dsaserve.engine.lifetime import spawn_child_process
 from dsaserve.server.api import build_app
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.ipc import Endpoints, make_ipc_dir
@@ -199,31 +200,24 @@ def engine_layout(args: ServerArgs) -> Any:
     return EngineArgs.from_kwargs(**{**args.engine_args, "model": args.model_dir})
 
 
-def local_ranks(args: ServerArgs) -> list[int]:
-    e = engine_layout(args)
-    first = e.node_rank * e.ranks_per_node
-    return list(range(first, first + e.ranks_per_node))
-
-
-def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int | None = None) -> subprocess.Popen:
+def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int | None = None,
+                layout: Any = None) -> subprocess.Popen:
+    """A server child; a scheduler rank gets its place in `layout` (the EngineArgs, `engine_layout`)."""
     cfg = {"parent_pid": os.getpid(), "endpoints": ends.to_dict() if ends else None, "log_level": args.log_level,
            "spawn_time": time.time(), "model_dir": args.model_dir, "rank": rank,
            "engine_args": {**args.engine_args, "model": args.model_dir}}
-    env = dict(os.environ)
-    # Idle OpenMP threads of torch must sleep, not spin: spinning threads of the scheduler starve the main
-    # and detokenizer processes on a small CPU (measured: 64 batched requests took 26 s instead of 1.6 s
-    # on 2 cores). A user's own setting wins.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if rank is not None:
-        e = engine_layout(args)
-        env.update(RANK=str(rank), WORLD_SIZE=str(e.world_size), LOCAL_RANK=str(rank % e.ranks_per_node))
-    return subprocess.Popen([sys.executable, "-m", module, json.dumps(cfg)], stdin=subprocess.DEVNULL, env=env)
+    if rank is None:
+        return spawn_child_process(module, cfg)
+    return spawn_child_process(module, cfg, rank, layout.world_size, rank % layout.ranks_per_node)
 
 
 def spawn_ranks(args: ServerArgs, ends: Endpoints | None, readiness: Readiness | None) -> dict[str, subprocess.Popen]:
+    """One scheduler process per rank of this node."""
+    layout = engine_layout(args)
+    first = layout.node_rank * layout.ranks_per_node
     children = {}
-    for rank in local_ranks(args):
-        children[rank_name(rank)] = spawn_child(SCHEDULER_MODULE, args, ends, rank)
+    for rank in range(first, first + layout.ranks_per_node):
+        children[rank_name(rank)] = spawn_child(SCHEDULER_MODULE, args, ends, rank, layout)
         if readiness is not None:
             readiness.pids[rank_name(rank)] = children[rank_name(rank)].pid
     return children

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_START, THINK_END = "<think>", "</think>"
+from dsaserve.server.chat_encoding.base import THINK_END, THINK_START
+
 REASONING_PARSERS = ("glm45", "deepseek_v3", "deepseek-v3", "deepseek_r1")
 REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS)
 FAMILY_REASONING_PARSER = {"glm_moe_dsa": "glm45", "deepseek_v32": "deepseek_v3"}

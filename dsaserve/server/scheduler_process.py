@@ -48,6 +48,7 @@ from dsaserve.server.startup_clock import child_phases
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle leader waits for a message before the next (empty) iteration
+GATE_POLL_MS = 2  # ... while a parked request's grammar compiles: it is picked up within this much
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,13 +79,20 @@ class SchedulerLoop:
             self.run_once()
 
     def busy(self) -> bool:
-        return self.core.has_unfinished() or any(getattr(self.group, "busy", ())) or self.gate.busy
+        return self.core.has_unfinished() or any(self.group.busy) or self.gate.busy
+
+    def poll_ms(self) -> int:
+        """How long to wait for messages: not at all with work to step; briefly while only a grammar compiles
+        (its thread needs the core; every iteration is a collective over the ranks); else the idle poll."""
+        if self.core.has_unfinished() or any(self.group.busy):
+            return 0
+        return GATE_POLL_MS if self.gate.busy else IDLE_POLL_MS
 
     def run_once(self) -> None:
         register: list[dict[str, Any]] = []
         drop: list[str] = []
         stats_qids: list[tuple[str, bool]] = []
-        for msg in ipc.drain(self.pull, 0 if self.busy() else IDLE_POLL_MS):
+        for msg in ipc.drain(self.pull, self.poll_ms()):
             self.handle(msg, register, drop, stats_qids)
         for msg in self.gate.ready_requests():
             self.generate(msg, register)
@@ -153,15 +161,13 @@ class SchedulerLoop:
                 "cached_tokens": d.cached_tokens}
 
 
-def rank_reports(group: Any, process: dict[str, float]) -> list[dict[str, Any]]:
+def rank_reports(group: Any, m: dict[str, Any], phases: dict[str, float]) -> list[dict[str, Any]]:
     """Every rank's startup phases (its process's spawn and imports, then the engine's), weights, KV pool and
-    graph buckets (an all-gather over the ranks)."""
+    graph buckets (an all-gather over the ranks); `m` is this rank's manifest."""
     import msgpack
 
     from dsaserve.engine.rank_group import all_gather_bytes
 
-    m = group.core.manifest()
-    phases = {**process, **(m.get("startup_time") or {})}
     mine = plain({"rank": group.rank, "pid": os.getpid(), "device": m.get("device"), "startup_time": phases,
                   "weights": m.get("weights"), "kv_pool": m.get("kv_pool"),
                   "cuda_graph_buckets": (m.get("cuda_graph") or {}).get("buckets")})
@@ -175,8 +181,9 @@ def scheduler_info(group: Any, process: dict[str, float]) -> dict[str, Any]:
     core = group.core
     info = plain(core.scheduler_info)
     info["startup_time"] = {**process, **info.get("startup_time", {})}
-    info["manifest"] = plain(core.manifest())
-    ranks = rank_reports(group, process)
+    m = core.manifest()  # built once: it walks the pool, the kernels and the ledger's prediction
+    info["manifest"] = plain(m)
+    ranks = rank_reports(group, m, {**process, **(m.get("startup_time") or {})})
     info["ranks"] = ranks
     totals = {r["rank"]: sum((r.get("startup_time") or {}).values()) for r in ranks}
     info["slowest_rank"] = max(totals, key=totals.get)

@@ -9,7 +9,6 @@ layer is `model.layers.N.*` on disk and `mtp.*` here; HF's rotary tables are not
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from dsaserve.config import ModelConfig, load_config
+from dsaserve.weights.checkpoint_check import read_index
 from dsaserve.weights.fp8 import dequantize_fp8_block
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -55,7 +55,7 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
 def read_checkpoint(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """All weights of a checkpoint directory in float32, FP8 ones dequantised with their block scales."""
     ckpt = Path(ckpt)
-    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map = read_index(ckpt)
     raw: dict[str, torch.Tensor] = {}
     for fname in sorted(set(weight_map.values())):
         with safe_open(str(ckpt / fname), framework="pt") as f:

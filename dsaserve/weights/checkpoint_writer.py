@@ -29,12 +29,12 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dsaserve.config import ModelConfig
+from dsaserve.weights.checkpoint_check import INDEX_FILE
 from dsaserve.weights.fp8 import quantize_fp8_block
 from dsaserve.weights.spec import TensorSpec, checkpoint_specs
 from dsaserve.weights.tokenizer_builder import write_tokenizer
 
 SHARD_TARGET_BYTES = 5 * 10**9  # HF `max_shard_size="5GB"`, the size the GLM-5 / DeepSeek releases use
-INDEX_FILE = "model.safetensors.index.json"
 STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -128,9 +128,10 @@ def random_tensor(cfg: ModelConfig, spec: TensorSpec, seed: int, gen: torch.Gene
     return torch.randn(spec.shape, generator=g, dtype=torch.float32, device=g.device).mul_(std).add_(mean)
 
 
-def _shard_tensors(shard: list[TensorSpec], values: Callable[[TensorSpec], torch.Tensor]
+def stored_tensors(shard: list[TensorSpec], values: Callable[[TensorSpec], torch.Tensor]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, stored tensor) for one shard; `values(spec)` gives a weight's float values before storage."""
+    """(name, stored tensor) for these specs, in order; `values(spec)` gives a weight's float values before
+    storage (FP8 weights are quantised here and their scale follows under its own spec)."""
     scales: dict[str, torch.Tensor] = {}
     for spec in shard:
         if spec.name in scales:
@@ -198,7 +199,7 @@ def _write_shards(cfg: ModelConfig, out: Path, values: Callable[[TensorSpec], to
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="make-checkpoint", disable=not sys.stderr.isatty())
     for i, shard in enumerate(plan):
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors = dict(_shard_tensors(shard, values))
+        tensors = dict(stored_tensors(shard, values))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors
         weight_map.update((s.name, fname) for s in shard)

@@ -98,7 +98,8 @@ def not_mine(name: str, placement: ExpertPlacement | None) -> str | None:
             f"{placement.ep_size}; this rank holds experts {placement.first}-{last}")
 
 
-def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target) -> int:
+def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target: Target,
+                    check_finite: bool = True) -> int:
     """Copy `tensor` (this rank's slice of it) into its place in `param`; returns the bytes kept."""
     tensor = shard_source(param, tensor, name.endswith("weight_scale_inv"))  # this rank's TP slice, if sharded
     dest = param.data[target.index] if target.index else param.data
@@ -109,7 +110,8 @@ def _check_and_copy(name: str, tensor: torch.Tensor, param: torch.Tensor, target
         raise CheckpointError(f"{name}: stored as {tensor.dtype}, the model expects {dest.dtype} "
                               "(check quantization_config.modules_to_not_convert)")
     dest.copy_(tensor.to(dest.dtype))
-    _refuse_non_finite(name, dest)
+    if check_finite:
+        _refuse_non_finite(name, dest)
     return tensor.numel() * tensor.element_size()
 
 
@@ -168,8 +170,7 @@ def load_dummy(model: torch.nn.Module, seed: int = 0) -> LoadReport:
     drawn on the model's device instead of read from files, through the same routing and TP / EP slicing as a
     checkpoint. Each tensor is drawn whole from its own seeded generator, so every layout of ranks holds the
     parts of one and the same model (TP2 gives TP1's tokens), and a rank draws only the experts it holds."""
-    from dsaserve.weights.checkpoint_writer import STORAGE_DTYPES, random_tensor, tensor_generator_seed
-    from dsaserve.weights.fp8 import quantize_fp8_block
+    from dsaserve.weights.checkpoint_writer import random_tensor, stored_tensors, tensor_generator_seed
     from dsaserve.weights.spec import checkpoint_specs
 
     t0, cfg = time.perf_counter(), model.cfg
@@ -177,21 +178,13 @@ def load_dummy(model: torch.nn.Module, seed: int = 0) -> LoadReport:
     params, report, filled = dict(model.named_parameters()), LoadReport("dummy"), set()
     skip_layers = set() if model.with_mtp else set(cfg.mtp_layer_ids)
     inter_blocks, placement = -(-cfg.moe_intermediate_size // 128), _expert_placement(model)
-    scales: dict[str, torch.Tensor] = {}
     gen = torch.Generator(device=device)
-    for spec in checkpoint_specs(cfg):
-        if in_layers(spec.name, skip_layers) or not_mine(spec.name, placement):
-            continue
-        if spec.name in scales:
-            tensor = scales.pop(spec.name)
-        else:
-            tensor = random_tensor(cfg, spec, seed, gen.manual_seed(tensor_generator_seed(seed, spec.name)))
-            if spec.dtype == "fp8":
-                tensor, scales[spec.name + "_scale_inv"] = quantize_fp8_block(tensor)
-            else:
-                tensor = tensor.to(STORAGE_DTYPES[spec.dtype])  # rounded as the file would store it
-        target = route(spec.name, cfg, inter_blocks, placement)
-        report.bytes_loaded += _check_and_copy(spec.name, tensor, params[target.param], target)
+    mine = [s for s in checkpoint_specs(cfg) if not in_layers(s.name, skip_layers) and not not_mine(s.name, placement)]
+    draw = lambda spec: random_tensor(cfg, spec, seed, gen.manual_seed(tensor_generator_seed(seed, spec.name)))
+    for name, tensor in stored_tensors(mine, draw):
+        target = route(name, cfg, inter_blocks, placement)
+        # drawn finite by construction: no per-tensor non-finite scan (a device sync each, at start-up)
+        report.bytes_loaded += _check_and_copy(name, tensor, params[target.param], target, check_finite=False)
         report.tensors_loaded += 1
         filled.add(target.param)
     unfilled = sorted(set(params) - filled)

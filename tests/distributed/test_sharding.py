@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsaserve.common.counters import COUNTERS
+from dsaserve.common.counters import COUNTERS, ring_wire_factor
 from dsaserve.config import load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import (
@@ -80,9 +80,10 @@ def test_one_rank_collectives_are_noops_and_count_nothing():
 
 
 def test_ring_factors_are_the_ledgers():
+    assert ring_wire_factor("all_reduce", 8) == 2 * 7 / 8 and ring_wire_factor("broadcast", 8) == 7 / 8
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         for n in (1, 2, 8):
-            assert collectives.wire_factor(kind, n) == ledger_wire_factor(kind, n)
+            assert ring_wire_factor(kind, n) == ledger_wire_factor(kind, n)
 
 
 @pytest.mark.parametrize("dim", [0, 1])

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from dsaserve.server.hf_tokenizer import ChatTemplateError
 
-THINK_START = "<think>"
+THINK_START, THINK_END = "<think>", "</think>"  # both families' reasoning block
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsaserve.server.chat_encoding.base import EncodedPrompt, parsed_tool_calls
+from dsaserve.server.chat_encoding.base import THINK_END, THINK_START, EncodedPrompt, parsed_tool_calls
 from dsaserve.server.hf_tokenizer import ChatTemplateError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-THINK_START, THINK_END = "<think>", "</think>"
 DSML = "｜DSML｜"
 
 TOOLS_SYSTEM = """## Tools
