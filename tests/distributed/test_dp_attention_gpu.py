@@ -40,6 +40,7 @@ def runs(request, tmp_path_factory):
 def test_dp2_ep2_on_two_gpus_gives_each_rank_one_gpus_logits(runs):
     fp8_act, (refs, ranks) = runs
     cfg = load_config(NAME)
+    errors = {}
     for rank, res in enumerate(ranks):
         assert res[NAME]["parallel"]["backend"] == "nccl"
         steps = res[NAME]["steps"]
@@ -51,4 +52,6 @@ def test_dp2_ep2_on_two_gpus_gives_each_rank_one_gpus_logits(runs):
             want = expected_logits(refs[NAME], cfg, rank, s["what"]).float().cpu()
             got = s["logits"].float().cpu()
             assert not got.isnan().any()
-            assert (got - want).norm() / want.norm() < BOUND[fp8_act], (rank, i, s["what"])
+            errors[(rank, i, s["what"])] = round(float((got - want).norm() / want.norm()), 4)
+    print(f"DSASERVE_FP8_ACTIVATIONS={fp8_act}: relative logit distance per (rank, step):", errors)
+    assert max(errors.values()) < BOUND[fp8_act], errors
