@@ -3,9 +3,10 @@
 Owns: one symmetric buffer per process group, allocated and exchanged once at the startup chain's
 "communication warm-up" (`enable`), and `all_reduce_in_place(x, group)`: the sum, in place, by torch's
 one-shot kernel (every rank reads each peer's copy of the message straight over NVLink and adds them; a
-barrier on the buffer's signal pad orders the reads). It needs no NVLink multicast (the device machines keep
-it off), and it captures into CUDA graphs. It answers False where NCCL must run the call instead: not CUDA,
-a message larger than the buffer, a dtype other than bf16/fp32, a group `enable` did not set up.
+barrier on the buffer's signal pad orders the reads). It needs no NVLink multicast (the device machines
+keep it off), and it captures into CUDA graphs. It answers False where NCCL must run the call instead: not
+CUDA, a message larger than the buffer or not a whole number of 16-byte vectors, a dtype other than
+bf16/fp32, a group `enable` did not set up.
 
 Why: NCCL's ring costs ~12 µs per decode-size all-reduce inside a CUDA graph on two H200s (bench/RESULTS.md,
 "Two GPUs"), against the ledger's 5 µs; glm-5.3-x2 at TP2 makes 32 of them a step. One-shot moves
@@ -23,6 +24,7 @@ from dsaserve.common import envs
 
 MAX_BYTES = 2 << 20  # covers a decode step's hidden state up to 128 rows x 7168 (DeepSeek-V3.2) in bf16
 DTYPES = (torch.bfloat16, torch.float32)
+ALIGN = 16  # bytes: the one-shot kernel moves 16-byte vectors; hidden states (H a multiple of 128) always are
 _BUFFERS: dict[int, tuple[torch.Tensor, str]] = {}  # id(process group) -> (uint8 symmetric buffer, group name)
 
 
@@ -66,7 +68,7 @@ def all_reduce_in_place(x: torch.Tensor, pg: object) -> bool:
     must do it. x must be contiguous."""
     entry = _BUFFERS.get(id(pg))
     nbytes = x.numel() * x.element_size()
-    if entry is None or not x.is_cuda or x.dtype not in DTYPES or nbytes > MAX_BYTES or nbytes == 0:
+    if entry is None or not x.is_cuda or x.dtype not in DTYPES or nbytes > MAX_BYTES or nbytes % ALIGN:
         return False
     buf, name = entry
     staged = buf[:nbytes].view(x.dtype)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests.distributed.harness import spawn
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-SHAPES = [(1, 6144), (7, 6144), (128, 6144), (3, 129)]
+SHAPES = [(1, 6144), (7, 6144), (128, 6144), (3, 136)]
 
 
 def _rel_max(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -51,7 +51,8 @@ def _worker(rank: int, init_method: str, out: str) -> None:
         results[("graph", i)] = _rel_max(static, want)
     big = torch.ones(symm_mem.MAX_BYTES // 2 + 1, dtype=torch.bfloat16, device=dev)
     results["big"] = symm_mem.all_reduce_in_place(big, pg)
-    results["fp16"] = symm_mem.all_reduce_in_place(torch.ones(4, dtype=torch.float16, device=dev), pg)
+    results["fp16"] = symm_mem.all_reduce_in_place(torch.ones(8, dtype=torch.float16, device=dev), pg)
+    results["odd"] = symm_mem.all_reduce_in_place(torch.ones(3, 129, dtype=torch.bfloat16, device=dev), pg)
     torch.cuda.synchronize(dev)
     torch.save(results, f"{out}/rank{rank}.pt")
     symm_mem.reset()
@@ -69,4 +70,4 @@ def test_one_shot_all_reduce_equals_nccl_eager_and_in_a_cuda_graph(tmp_path):
                 assert err <= (1e-6 if "float32" in key[0] else 2 ** -7), (key, err)  # a 2-term sum rounded once
             elif isinstance(key, tuple) and key[0] == "graph":
                 assert val <= 2 ** -7, (key, val)
-        assert res["big"] is False and res["fp16"] is False
+        assert res["big"] is False and res["fp16"] is False and res["odd"] is False
