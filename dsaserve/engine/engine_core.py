@@ -144,6 +144,7 @@ class EngineCore:
             "num_pages": s.cfg.num_pages,
             "kv_layout": self.args.kv_layout,
             "enable_prefix_caching": s.cfg.enable_prefix_caching,
+            "overlap_schedule": self.overlap,
             "vocab_size": s.cfg.vocab_size,
             "eos_token_ids": list(self.eos_token_ids),
             "startup_time": dict(self._startup),
