@@ -17,6 +17,10 @@ An `n` > 1 request never waits for n free rows at once (that stalled the whole q
 leader is admitted when one row is free and reserves rows for as many followers as are free then; when
 its prompt is in KV the followers that have a row fork from it, and the rest join the front of the
 waiting queue as ordinary requests (their prompt's full pages come back from the prefix cache).
+After the forward, `launched` counts the step's tokens as in KV (prefix-cache registration, forks) and gives
+each sample a placeholder token; `resolve` puts the sampled tokens in and runs the finish checks. They run
+back to back, or one step apart under overlap scheduling (engine/overlap.py): then a sample may be scheduled,
+or preempted, while its last token is still on the device, and `live_samples` leaves out those that ended.
 Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request
 (SGLang's PrefillAdder); a single request can always fit alone because a request's length is capped at
 `max_seq_len = min(max_model_len, pool tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room

@@ -126,6 +126,22 @@ def test_preemption_with_n_samples_matches_the_synchronous_engine(caching):
     assert out[("r1", 2)]["tokens"] == fake_greedy(ps[1], 40, ignore_eos=True)
 
 
+def test_a_sample_preempted_while_its_last_token_is_on_the_way_finishes_from_the_waiting_queue():
+    """Three pages: "a" fills two and needs a third for its first decode, "b" holds the third and has just
+    sampled its only token. Synchronously "b" has finished and left; overlapped, it is still running when
+    step 2 is scheduled, so it is preempted, and then its token ends it in the waiting queue."""
+    a, b = prompts(1, 128, 128, seed=40)[0], prompts(1, 60, 60, seed=41)[0]
+
+    def scenario(core: EngineCore) -> Outputs:
+        add(core, "a", a, max_tokens=4, ignore_eos=True)
+        add(core, "b", b, max_tokens=1, ignore_eos=True)
+        return run(core)
+
+    out, core = both(scenario, num_pages=3)
+    assert out[("b", 0)]["reason"] == "length" and out[("a", 0)]["tokens"] == fake_greedy(a, 4, ignore_eos=True)
+    assert core.stats()["preemptions"] == 1 and not core.scheduler.waiting
+
+
 def test_prefix_cache_hits_report_the_same_cached_tokens():
     shared = prompts(1, 200, 200, seed=3)[0]
 
