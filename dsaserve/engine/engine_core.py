@@ -64,6 +64,15 @@ def build_runner(args: EngineArgs, rank: int | None = None) -> Any:
     return ModelRunner(args, rank=rank)
 
 
+def _overlap(args: EngineArgs, runner: Any) -> bool:
+    """Overlap scheduling needs a runner that reads placeholder input ids from its `future_token_ids`; by
+    default it is on where that buffer is on a GPU (a test's fake runner on a GPU machine stays synchronous)."""
+    future = getattr(runner, "future_token_ids", None)
+    if future is None:
+        return False
+    return future.is_cuda if args.disable_overlap_schedule is None else not args.disable_overlap_schedule
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, runner: Any | None = None, rank: int | None = None):
         t0 = time.perf_counter()
@@ -80,8 +89,7 @@ class EngineCore:
         self.builder = BatchBuilder(args.max_running_requests, self.scheduler.max_pages_per_seq,
                                     self.runner.page_size)
         self.sampler = Sampler(seed=args.seed)
-        # overlap scheduling needs a runner that reads placeholder input ids from its `future_token_ids`
-        self.overlap = args.overlap_schedule and getattr(self.runner, "future_token_ids", None) is not None
+        self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
         self._pending: tuple[list[Req], SampleFuture | None] | None = None  # launched, tokens not yet on the host
         self._grammars: GrammarCompiler | None = None

@@ -340,3 +340,9 @@ def test_the_flag_defaults_to_the_device():
     assert not EngineArgs(device="cuda", disable_overlap_schedule=True).overlap_schedule
     with pytest.raises(ValueError, match="--disable-overlap-schedule"):
         EngineArgs(disable_overlap_schedule="yes")
+    # by default the engine core follows where its runner's `future_token_ids` live: a CPU runner steps
+    # synchronously even on a GPU machine, and a runner without the buffer always does
+    assert not EngineCore(EngineArgs(), runner=FakeRunner()).overlap
+    runner = FakeRunner()
+    del runner.future_token_ids
+    assert not EngineCore(EngineArgs(disable_overlap_schedule=False), runner=runner).overlap
