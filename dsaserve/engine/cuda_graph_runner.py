@@ -24,6 +24,7 @@ import torch
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
+from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.step_counts import count_step
 
@@ -70,8 +71,10 @@ class _Graph:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int):
+    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
+                 future_token_ids: torch.Tensor | None = None):
         self.model, self.pool, self.page_size = model, pool, pool.page_size
+        self.future_token_ids = future_token_ids  # overlap scheduling: placeholder ids resolve in the graph
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
@@ -141,6 +144,8 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool_handle):
                     if self.copy_in_graph:
                         self._copy_staged(bs)
+                    if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
+                        resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
                     logits, _ = self.model(self._static_batch(bs), self.pool)
             finally:
                 COUNTERS.enabled = enabled

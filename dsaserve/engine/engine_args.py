@@ -77,6 +77,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = _arg("largest decode batch captured in a CUDA graph (default: "
                                          "--max-running-requests, so every decode batch the scheduler forms has one)")
     disable_cuda_graph: bool = _arg("run every decode step eagerly", False)
+    disable_overlap_schedule: bool | None = _arg(
+        "step synchronously: schedule step N+1 only once step N's tokens are on the host (default: overlap on "
+        "cuda, where the host prepares step N+1 while the GPU runs step N; off on cpu, where nothing runs "
+        "asynchronously; --no-disable-overlap-schedule forces it on, as the CPU tests do)", bool_flag=True)
     load_mtp: bool = _arg("also load the MTP layer's weights", False)
     # parallel layout (one process per rank; validated against the model before any weight is read)
     tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
@@ -131,6 +135,9 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
+        if self.disable_overlap_schedule is not None and not isinstance(self.disable_overlap_schedule, bool):
+            raise ValueError(f"--disable-overlap-schedule: must be a boolean or None (auto), "
+                             f"got {self.disable_overlap_schedule!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"--seed: must be an integer, got {self.seed!r}")
         self._validate_parallel()
@@ -190,6 +197,14 @@ class EngineArgs:
     def chunk_size(self) -> int:
         return self.chunked_prefill_size or self.max_num_batched_tokens
 
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the engine core overlaps scheduling with the device (engine/overlap.py): as asked, else on
+        cuda only."""
+        if self.disable_overlap_schedule is not None:
+            return not self.disable_overlap_schedule
+        return self.resolved_device() == "cuda"
+
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device
@@ -231,7 +246,7 @@ class EngineArgs:
             default = f.default if f.default is not MISSING else None
             kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
             names = (flag(f.name), *f.metadata.get("aliases", ()))
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.metadata.get("bool_flag"):  # bool_flag: a bool whose default is None
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = f.metadata.get("type") or (str if f.name in _STR_FIELDS else int)

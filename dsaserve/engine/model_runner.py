@@ -28,6 +28,7 @@ from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
@@ -87,6 +88,10 @@ class ModelRunner:
             kv_budget_bytes = self._profile_memory()
         with _Timer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
+        # overlap scheduling (engine/overlap.py): the last step's samples, which the next step's placeholder input
+        # ids read on the device; allocated before the capture (the graphs hold its address)
+        self.future_token_ids = (torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
+                                 if args.overlap_schedule else None)
         with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
@@ -173,7 +178,8 @@ class ModelRunner:
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
             return None
         max_pages = -(-self.max_model_len // PAGE_SIZE)
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
+                                 self.future_token_ids)
         try:
             runner.capture()
         except RuntimeError as e:  # serve eagerly rather than not at all; the manifest and metrics say why
@@ -199,7 +205,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed step's may be
         a view of the graph's output: read them before the next forward). A host batch goes to the device
-        here: into the graphs' static inputs in one copy, or field by field for an eager step."""
+        here: into the graphs' static inputs in one copy, or field by field for an eager step. Under overlap
+        scheduling an input id -1-j is the token the step before sampled in row j (`future_token_ids[j]`),
+        resolved on the device — inside the graph for a replay."""
         if self.graphs is not None:
             reason = self.graphs.fallback_reason(batch)
             if reason is None:
@@ -208,6 +216,8 @@ class ModelRunner:
                 COUNTERS.add(f"eager_fallbacks.{reason}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if self.future_token_ids is not None:
+            resolve_placeholders_(batch.input_ids, self.future_token_ids)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
