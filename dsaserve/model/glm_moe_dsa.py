@@ -19,6 +19,7 @@ from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
 from dsaserve.kernels.registry import get_ops
+from dsaserve.kernels.variants import SELECT_MAX_ROWS
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.layers.context import PagedKV, StepContext
 from dsaserve.model.layers.embedding import Embedding, LMHead
@@ -163,13 +164,11 @@ class DsaForCausalLM(nn.Module):
         return StepContext(batch, pool, cos, sin, ops, side_stream=stream)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
-        """The side stream full layers run their indexer selection on (`MLAAttention._start_indexer`): GPU
+        """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`): GPU
         kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
         DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
         if not ops.graph_safe or not envs.DSASERVE_OVERLAP_INDEXER:
             return None
-        from dsaserve.kernels.triton_indexer import SELECT_MAX_ROWS  # Triton is importable: graph_safe
-
         if batch.num_tokens > SELECT_MAX_ROWS:
             return None
         if self._side_stream is None or self._side_stream.device != batch.input_ids.device:
@@ -184,7 +183,7 @@ class DsaForCausalLM(nn.Module):
         ctx = self._context(batch, pool, rope=False)
         carry = self.segment(0, ctx, None)
         for i in range(self.cfg.num_hidden_layers):
-            self.attention_core(i, ctx, carry)
+            self.attention_core(i, ctx, carry.attn)
             carry = self.segment(i + 1, ctx, carry)
         return carry.hidden
 
@@ -213,9 +212,9 @@ class DsaForCausalLM(nn.Module):
         attn, residual = layers[i].open(h, ctx, residual)
         return SegmentCarry(residual, attn)
 
-    def attention_core(self, i: int, ctx: StepContext, carry: SegmentCarry) -> None:
-        """Layer i's attention core (indexer selection + sparse MLA) on what segment i left in carry."""
-        self.model.layers[i].self_attn.attention_core(carry.attn, ctx)
+    def attention_core(self, i: int, ctx: StepContext, attn: AttentionInputs) -> None:
+        """Layer i's attention core (indexer selection + sparse MLA) on what segment i made (`carry.attn`)."""
+        self.model.layers[i].self_attn.attention_core(attn, ctx)
 
     @torch.inference_mode()
     def forward_idle(self, mtp_layer: int | None = None) -> None:
