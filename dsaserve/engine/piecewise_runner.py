@@ -70,7 +70,13 @@ class _Segment:
     carry: SegmentCarry  # its outputs: weak references, except the last segment's hidden states
 
 
-ROWS = 3  # static per-token rows of the segments: input_ids, positions, out_cache_loc
+ROWS = 4  # per-token rows: input_ids, positions, out_cache_loc (what the segments read), req_index (the core)
+ALIGN = 16  # elements: every field of the staging buffer starts 128-byte aligned, whatever the step's sizes,
+# so the core's Triton kernels always see pointers of the same alignment (Triton specialises on it)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class PiecewiseRunner:
@@ -82,9 +88,11 @@ class PiecewiseRunner:
         self.max_rows, self.max_pages = max_rows, core_width(max_pages)
         dev = pool.kv_buffer.device
         self.capture_graphs = dev.type == "cuda"
-        t = self.max_tokens
-        # per-token rows at fixed addresses (what the graphs read), then the core's fields of this step
-        n = ROWS * t + 2 * t + 2 * max_rows + max_rows * self.max_pages  # logits rows: up to one per token
+        # staging layout (int64): ROWS per-token rows of `stride` (the segments' at fixed addresses), the
+        # per-request fields (seq_lens, extend_lens, logits_indices: up to one per token), then the page table
+        self.stride = _aligned(self.max_tokens)
+        self.table_at = ROWS * self.stride + _aligned(2 * max_rows + self.max_tokens)
+        n = self.table_at + max_rows * self.max_pages
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=self.capture_graphs)
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -129,7 +137,7 @@ class PiecewiseRunner:
 
     def _segment_context(self, bucket: int) -> StepContext:
         """The context segments of `bucket` read: views of the static rows (the core's fields are unused)."""
-        t, d = self.max_tokens, self.dev
+        t, d = self.stride, self.dev
         none = d[:0]
         batch = ForwardBatch(d[:bucket], d[t:t + bucket], none, none, none, none.view(0, 1), d[2 * t:2 * t + bucket],
                              none, self.page_size)
@@ -138,9 +146,8 @@ class PiecewiseRunner:
     @torch.inference_mode()
     def _warm(self, bucket: int) -> dict[str, float]:
         """One eager run of the bucket's segments on padding rows only (no core); their collectives."""
-        t = self.max_tokens
         pad = torch.tensor([[0], [0], [self.sink_slot]], device=self.dev.device)  # token 0, position 0, the sink
-        self.dev[:ROWS * t].view(ROWS, t)[:, :bucket] = pad
+        self.dev[:3 * self.stride].view(3, self.stride)[:, :bucket] = pad
         before = COUNTERS.host_values()
         self._run(bucket, 0, None, eager=True)
         static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items() if k.startswith("collective_")}
@@ -206,32 +213,30 @@ class PiecewiseRunner:
         raise AssertionError("the last segment returns the hidden states")
 
     def _stage(self, batch: ForwardBatch, bucket: int) -> ForwardBatch:
-        """The host batch into the pinned staging buffer (per-token rows at their fixed offsets, padded to the
-        bucket; then the core's req_index, seq_lens, extend_lens, logits_indices and page table), one copy to
-        the device, and the core's batch as views of it."""
+        """The host batch into the pinned staging buffer (per-token rows padded to the bucket, the requests'
+        fields, the page table padded to the core's width), one copy to the device, and the core's batch
+        as views of it."""
         n, b, w = batch.num_tokens, batch.batch_size, core_width(batch.page_table.shape[1])
-        t, h, nl = self.max_tokens, self.host_np, batch.logits_indices.numel()
+        t, h, nl = self.stride, self.host_np, batch.logits_indices.numel()
         if self.staged is not None:
             self.staged.synchronize()
         for row, (src, pad) in enumerate(((batch.input_ids, 0), (batch.positions, 0),
-                                          (batch.out_cache_loc, self.sink_slot))):
+                                          (batch.out_cache_loc, self.sink_slot), (batch.req_index, 0))):
             h[row * t:row * t + n] = src.numpy()
             h[row * t + n:row * t + bucket] = pad
         o = ROWS * t
-        parts = (batch.req_index, batch.seq_lens, batch.extend_lens, batch.logits_indices)
-        for src in parts:
+        for src in (batch.seq_lens, batch.extend_lens, batch.logits_indices):
             h[o:o + src.numel()] = src.numpy()
             o += src.numel()
-        table = h[o:o + b * w].reshape(b, w)
+        table = h[self.table_at:self.table_at + b * w].reshape(b, w)
         table[:, : batch.page_table.shape[1]] = batch.page_table.numpy()
         table[:, batch.page_table.shape[1]:] = self.pool.sink_page
-        end = o + b * w
+        end = self.table_at + b * w
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self.staged is not None:
             self.staged.record()
         d, o = self.dev, ROWS * t
-        req, seq, ext, logit_rows = (d[o:o + n], d[o + n:o + n + b], d[o + n + b:o + n + 2 * b],
-                                     d[o + n + 2 * b:o + n + 2 * b + nl])
+        seq, ext, logit_rows = d[o:o + b], d[o + b:o + 2 * b], d[o + 2 * b:o + 2 * b + nl]
         seq_cpu, ext_cpu = batch.host_lens()
-        return ForwardBatch(d[:n], d[t:t + n], req, seq, ext, d[end - b * w:end].view(b, w), d[2 * t:2 * t + n],
-                            logit_rows, self.page_size, seq_cpu, ext_cpu)
+        return ForwardBatch(d[:n], d[t:t + n], d[3 * t:3 * t + n], seq, ext, d[self.table_at:end].view(b, w),
+                            d[2 * t:2 * t + n], logit_rows, self.page_size, seq_cpu, ext_cpu)

@@ -93,18 +93,20 @@ class KernelLoads:
     miss) after `mark_up()`. Chains to a hook someone else installed; absent (0) without Triton's knobs."""
 
     def __init__(self) -> None:
-        self.count, self.at_up = 0, None
+        self.count, self.at_up, self.installed = 0, None, False
         try:
             from triton import knobs
-        except ImportError:  # Triton < 3.4 or not installed: nothing to count
+
+            previous = knobs.runtime.jit_post_compile_hook
+        except (ImportError, AttributeError):  # Triton < 3.4 or not installed: nothing to count
             return
-        previous = knobs.runtime.jit_post_compile_hook
 
         def hook(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return previous(*args, **kwargs) if previous is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook
+        self.installed = True
 
     def mark_up(self) -> None:
         self.at_up = self.count

@@ -92,7 +92,7 @@ def test_a_host_batch_is_staged_where_segments_and_core_read_it(runner):
     pw = PiecewiseRunner(runner.model, _pool(runner), [16, 64], 8, PAGES)
     batch = contiguous_batch([[21, 22, 23], [24]], [0, 70], [0, 2 * 64])
     core = pw._stage(batch, 16)
-    t, sink = pw.max_tokens, pw.sink_slot
+    t, sink = pw.stride, pw.sink_slot
     assert pw.dev[:5].tolist() == [21, 22, 23, 24, 0] and pw.dev[5:16].eq(0).all()
     assert pw.dev[t:t + 4].tolist() == [0, 1, 2, 70] and pw.dev[t + 4:t + 16].eq(0).all()
     assert pw.dev[2 * t:2 * t + 4].tolist() == [0, 1, 2, 2 * 64 + 70] and pw.dev[2 * t + 4:2 * t + 16].eq(sink).all()
@@ -102,6 +102,8 @@ def test_a_host_batch_is_staged_where_segments_and_core_read_it(runner):
     assert core.page_table.shape == (2, CORE_WIDTH_ALIGN)  # width 2 padded: one compiled variant per class
     assert core.page_table[:, :2].tolist() == [[0, 0], [2, 3]] and core.page_table[:, 2:].eq(pw.pool.sink_page).all()
     assert core.host_lens() == ([3, 71], [3, 1])
+    for field in (core.positions, core.req_index, core.page_table):  # the core's kernels see aligned pointers
+        assert (field.data_ptr() - pw.dev.data_ptr()) % 128 == 0
 
 
 def test_the_runner_routes_mixed_steps_to_the_piecewise_path_and_counts_eager_reasons(runner):
