@@ -241,27 +241,32 @@ class ModelRunner:
         """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed decode step's
         may be a view of the graph's output: read them before the next forward). A host batch goes to the
         device here: into a graph runner's static inputs in one copy, or field by field for an eager step."""
-        if self.graphs is not None or self.piecewise is not None:
-            run = self._graph_path(batch)
-            if run is not None:
-                return run(batch)
+        route = self.route(batch)
+        if route == "decode_graph":
+            return self.graphs.replay(batch)
+        if route == "piecewise":
+            return self.piecewise.forward(batch)
+        if route != "eager":
+            COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
-    def _graph_path(self, batch: ForwardBatch):
-        """The decode graph's replay for a pure decode batch, else the piecewise graphs' forward, else None:
-        eager, counted under `eager_fallbacks.<reason>`."""
+    def route(self, batch: ForwardBatch) -> str:
+        """The path `forward` takes: 'decode_graph' (every row decodes, within the captured buckets),
+        'piecewise' (within the token buckets), else 'eager:<reason>' (counted), or 'eager' where no graphs
+        were captured (CPU, --disable-cuda-graph: every step is eager by design)."""
+        if self.graphs is None and self.piecewise is None:
+            return "eager"
         reason = self.graphs.fallback_reason(batch) if self.graphs is not None else "no_decode_graphs"
         if reason is None:
-            return self.graphs.replay
+            return "decode_graph"
         if self.piecewise is not None:
             reason = self.piecewise.fallback_reason(batch)
             if reason is None:
-                return self.piecewise.forward
-        COUNTERS.add(f"eager_fallbacks.{reason}")
-        return None
+                return "piecewise"
+        return f"eager:{reason}"
 
     def forward_idle(self, mtp_layer: int | None = None) -> None:
         """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
