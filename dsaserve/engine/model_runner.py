@@ -220,7 +220,7 @@ class ModelRunner:
     def _capture_decode(self) -> CudaGraphRunner:
         max_pages = -(-self.max_model_len // PAGE_SIZE)
         runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
-        runner.pool_handle = self.piecewise.pool_handle if self.piecewise else None  # one pool: never replayed at once
+        # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
         runner.capture()
         return runner
 

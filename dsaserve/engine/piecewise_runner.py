@@ -11,7 +11,7 @@ rows and page table (width padded to `kernels/variants.CORE_WIDTH_ALIGN` pages):
 shapes depend on the requests' lengths. The lm_head runs eagerly on the logits rows. Counters: one
 `piecewise_replays` per step, the segments' collectives measured once per bucket (as the decode graphs do).
 
-Memory: all buckets share one graph pool (and the decode graphs with it). A segment's outputs are held by
+Memory: all buckets share one graph pool (the decode graphs keep theirs). A segment's outputs are held by
 weak references (vLLM's weak_ref_tensors): during capture each is freed when the forward is done with it,
 as in an eager forward, so the pool holds about one eager forward of the largest bucket; a replay
 reproduces the capture's order, so no later segment overwrites what an earlier core still reads.
@@ -120,8 +120,8 @@ class PiecewiseRunner:
     # ---- capture ----------------------------------------------------------------------------
     def capture(self, pool_handle=None) -> list[int]:
         """Per bucket, largest first: one eager run (compiles the segments' kernels; measures their
-        collectives), then on CUDA one graph per segment into the shared pool (`pool_handle`: another
-        runner's, or None for a new one). Off CUDA the capture is a no-op: the segments stay eager."""
+        collectives), then on CUDA one graph per segment into the buckets' shared pool (`pool_handle`: one
+        to join, or None for a new one). Off CUDA the capture is a no-op: the segments stay eager."""
         t0 = time.perf_counter()
         self.pool_handle = pool_handle
         before = torch.cuda.memory_reserved() if self.capture_graphs else 0
