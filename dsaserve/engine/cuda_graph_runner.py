@@ -8,7 +8,8 @@ batch is written into the twin with numpy and reaches the device in one copy cap
 so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
 before a synchronous step starts (bench/RESULTS.md).
 
-Why the whole decode step fits in one graph (no piecewise split): the indexer's top-k runs on a static
+Why the whole decode step fits in one graph (the piecewise graphs of engine/piecewise_runner.py are for
+steps with a prefill part): the indexer's top-k runs on a static
 [bs, max_context] score buffer masked by each token's position, and slot translation reads the static
 page table on the device — no host sync, no data-dependent shapes. Padded rows write their KV into a
 reserved sink page that no request owns.
@@ -25,6 +26,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.engine.overlap import resolve_placeholders_
+from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.step_counts import count_step
 
@@ -47,16 +49,6 @@ def _graph_h2d_copy_works(device: torch.device) -> bool:
     except Exception:  # noqa: BLE001 - any capture error means: copy outside the graph
         torch.cuda.synchronize(device)
         return False
-
-
-def decode_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, then every 16 (SGLang's shape of bucket list)."""
-    out = [b for b in (1, 2, 4) if b < max_bs]
-    b = 8
-    while b < max_bs:
-        out.append(b)
-        b += 8 if b < 64 else 16
-    return sorted(set(out + [max_bs]))
 
 
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
@@ -162,7 +154,7 @@ class CudaGraphRunner:
             return "no_graphs"
         seq_lens, ext = batch.host_lens()
         if all(n != 1 for n in ext):
-            return "prefill"  # prefill is eager by design; not counted as a fallback
+            return "prefill"  # the piecewise graphs' (engine/piecewise_runner.py), or eager
         if any(n != 1 for n in ext):
             return "mixed_prefill_decode"
         if len(ext) > self.max_bs:

@@ -104,11 +104,15 @@ class EngineCollector(Collector):
 
 
 def _graph_counters(counters: dict[str, float]):
-    yield CounterMetricFamily("dsaserve_graph_replays", "CUDA-graph replays",
+    yield CounterMetricFamily("dsaserve_graph_replays", "decode CUDA-graph replays",
                               value=float(counters.get("graph_replays", 0)))
+    yield CounterMetricFamily("dsaserve_piecewise_replays", "steps with a prefill part replayed on piecewise "
+                              "CUDA graphs (attention cores eager between the segments)",
+                              value=float(counters.get("piecewise_replays", 0)))
     reasons = {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("eager_fallbacks.")}
-    yield CounterMetricFamily("dsaserve_eager_fallbacks", "decode forwards that ran eagerly although CUDA graphs "
-                              "were captured (batch past --cuda-graph-max-bs, ...), all reasons; 0 without graphs "
+    yield CounterMetricFamily("dsaserve_eager_fallbacks", "forwards that ran eagerly although CUDA graphs were "
+                              "captured (a prefill step past the largest piecewise bucket, ...), all reasons; "
+                              "0 without graphs "
                               "(CPU, --disable-cuda-graph): every forward is eager there, see "
                               "dsaserve_engine_counter{name=\"forward_steps\"}",
                               value=float(sum(reasons.values()) + counters.get("eager_fallbacks", 0)))
