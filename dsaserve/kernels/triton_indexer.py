@@ -370,6 +370,11 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
         select = t <= SELECT_MAX_ROWS
         scores = index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
                               positions[sl], page_size, skip_below=k if select else 0)
+        if select and max_seq > ROW_IN_REGS_MAX:  # long rows: split over programs (triton_indexer_long)
+            from dsaserve.kernels.triton_indexer_long import long_row_select
+
+            long_row_select(scores, page_table, req_index[sl], positions[sl], out[sl], k, page_size)
+            continue
         if select:
             o = out[sl]
             _topk_select_kernel[(o.shape[0],)](scores, page_table, req_index[sl], positions[sl], o, max_seq, k,
