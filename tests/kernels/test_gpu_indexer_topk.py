@@ -5,9 +5,12 @@ model's (GLM-5.3: 32 heads x 128, top-2048, rows up to 202752 keys) only on CUDA
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
 from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, randn, requires_gpu_kernels
 from tests.kernels.test_gpu_attention import _check_topk, _indexer_case, _position_ordered_topk
 
@@ -62,3 +65,102 @@ def test_indexer_topk_long_context_decode_selects_the_reference_keys(gen):
     assert table.shape[1] * ps > idx.ROW_IN_REGS_MAX
     got = idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
     _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
+# ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------
+# (heads, head dim, topk) of GLM-5.3, glm-5.3-mini and glm-5.3-tiny; the interpreter takes GLM-5.3's heads
+# with a small top-k. (bn, cap) force a compaction every few tiles where the default buffer would hold it all.
+PREFILL_SHAPES = [(32, 128, 2048 if BIG else 64), (16, 64, 64), (16, 32, 8)]
+
+
+def _prefill_inputs(gen, hi, d, topk):
+    ps = 64 if BIG else 16
+    seq_lens, ext = ([9000, 2500, 4200], [700, 2500, 300]) if BIG else ([520, 40, 200], [12, 40, 5])
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    w -= 0.3  # some heads count against a key
+    conf = None if BIG else {"bn": 32, "cap": triton_next_pow2(topk + 64)}
+    return q, w, cache, table, req, pos, ps, seq_lens, ext, conf
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _round_q_kernel():
+    """A Triton kernel rounding q / s as the prefill kernel does (the interpreter's e4m3 rounding drops a carry
+    into the exponent, so torch's rounding is not what the kernel computes there). Built on first use: the
+    module imports without Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr):
+        r = tl.program_id(0) * N + tl.arange(0, N)
+        y = tl.clamp(tl.load(x_ptr + r) / tl.load(s_ptr + tl.program_id(0)), -448.0, 448.0)
+        if FP8:
+            tl.store(o_ptr + r, y.to(tl.float8e4nv).to(tl.float32))
+        else:
+            tl.store(o_ptr + r, y.to(tl.float16).to(tl.float32))
+
+    return kernel
+
+
+def _kernel_q(q, fp8):
+    """q as the kernel multiplies it (float64): q / s rounded to e4m3 (or fp16) times s, one s = amax / 448
+    per (token, head)."""
+    x = q.float().contiguous()
+    scale = x.abs().amax(-1).clamp(min=1e-12) / 448.0
+    y = torch.empty_like(x)
+    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8)
+    return y.double() * scale.double()[..., None]
+
+
+def _sorted_true_scores(sel, q, w, cache, table, req, pos, ps):
+    keys = decode_index_k(cache, "fp8_ds_mla").double()
+    out = []
+    for t in range(len(pos)):
+        row = sel[t][sel[t] >= 0]
+        out.append(((q[t].double() @ keys[row].t()).relu() * w[t, :, None].double()).sum(0).sort().values)
+    return out
+
+
+@pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
+def test_prefill_topk_fp8_selects_the_top_keys_of_its_scores(gen, hi, d, topk):
+    """FP8 q: the selection is the exact top-k of the scores the kernel computes (q rounded to e4m3, checked
+    in float64), and against the reference every selected score is within twice the largest score change
+    that rounding q makes (the bound for a top-k of perturbed scores)."""
+    from dsaserve.kernels import reference as R
+    from dsaserve.kernels.triton_indexer_prefill import prefill_topk
+
+    q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
+    poison_free_memory()
+    got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
+                       q_fp8=True, config=conf)
+    assert got.shape == (len(pos), topk) and got.dtype == torch.int64
+    q8 = _kernel_q(q, True)
+    _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    keys = decode_index_k(cache, "fp8_ds_mla").double()
+    qe = (q8 - q.double()).abs()  # |score change| <= sum_h |w| |dq_h| . |k|
+    bound = 2 * ((qe @ keys.abs().t()) * w.double().abs()[..., None]).sum(1).max() + 1e-9
+    for t, (a, b) in enumerate(zip(_sorted_true_scores(got, q, w, cache, table, req, pos, ps),
+                                   _sorted_true_scores(ref, q, w, cache, table, req, pos, ps), strict=True)):
+        assert a.shape == b.shape and (a - b).abs().max() <= bound, f"seed {gen.initial_seed()} token {t}"
+
+
+@pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
+def test_prefill_topk_bf16_q_selects_the_reference_keys(gen, hi, d, topk):
+    """bf16 q (DSASERVE_FP8_ACTIVATIONS=0): the reference's selection, near-ties at the k-th score aside."""
+    from dsaserve.kernels import reference as R
+    from dsaserve.kernels.triton_indexer_prefill import prefill_topk
+
+    q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
+    got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
+                       q_fp8=False, config=conf)
+    _check_topk(got, _kernel_q(q, False), w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    same = sum(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(got, ref, strict=True))
+    assert same >= len(pos) - 2, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
+    for a, b in zip(got, ref, strict=True):  # position order: slots follow the page table's key order
+        assert (a >= 0).sum() == (b >= 0).sum() and (a[(a >= 0).sum():] == -1).all()
