@@ -1,29 +1,29 @@
 """Prefill DSA indexer: scores as one tensor-core GEMM with a streaming top-k (request path stage 6, full
-indexer layers; `triton_indexer.indexer_topk` sends prefill-size batches here).
+indexer layers; `triton_indexer.indexer_topk` sends prefill-size batches with FP8 keys here).
 
-Owns: `prefill_topk`, the GPU `reference.indexer_topk` for batches of more than SELECT_MAX_ROWS tokens, which
+Owns: `prefill_topk`, the GPU `reference.indexer_topk` for batches of more than SELECT_MAX_ROWS tokens; it
 never writes the [tokens x context] score matrix. One program per block of BM query tokens of one request
 sweeps that request's keys 0..max position in tiles of BN keys:
-  scores: q in FP8 e4m3 with one scale per (token, head) folded into the head weights (DeepGEMM's
-      fp8_mqa_logits does the same; fp16 q, as exact as the bf16 input, with DSASERVE_FP8_ACTIVATIONS=0), keys FP8 straight from the
-      paged 132-byte rows (int32 words split into 4 byte planes, as `triton_indexer` reads them), and
-      `tl.dot` swap-AB: keys are the MMA's rows, (token, head) its columns, so summing the heads of a token
-      stays inside a thread and its quad (DeepGEMM's sm90 layout), not across warps. ReLU, the head weights,
-      the head sum and the key scale are the epilogue; a score never leaves registers unless it is a candidate.
+  scores: q / s rounded to e4m3, one s = amax / 448 per (token, head), folded into the head weight (s > 0
+      commutes with the ReLU; DeepGEMM's fp8_mqa_logits also takes FP8 q with the scale in the weights;
+      DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 instead: the bf16 input to 2^-12). Keys are FP8
+      straight from the paged 132-byte rows (int32 words in 4 byte planes, as `triton_indexer` reads them).
+      `tl.dot` swap-AB: keys are the MMA's rows, (token, head) its columns, so a token's head sum stays in a
+      thread and its quad (DeepGEMM's sm90 layout), not across warps; ReLU, the weights, the head sum and the
+      key scale are the epilogue, and a score leaves registers only as a candidate.
   selection: each token keeps a running threshold theta (the exact k-th largest key seen so far, or -inf)
-      and appends the (order key, position) of every score above it to its own bounded buffer of CAP
-      entries in HBM. When a buffer might not take another MIN_ROOM keys, all of the block's rows are
-      compacted at once: an interpolated 4-way search per row (`triton_indexer`'s, vectorised over rows,
-      over the L2-resident buffers) finds the k-th largest key, the buffer keeps exactly the top k (ties by
-      position) and theta rises to it. After the sweep the same compaction writes the physical slots.
-      Between compactions the tile loop has no data-dependent branch, so Triton pipelines it.
-Why a running threshold, not a histogram or two GEMM passes: the threshold is exact after the first
-compaction (when the first CAP = 2k keys are in), and after it only keys above the k-th largest so far are
-written, ~k ln(n / 2k) per row for scores in no particular order, so a row pays 1 + ln(n / 2k) compactions
-(each ~ a few passes over 2k keys in L2) and the GEMM is done once. Scores that rise along the context
-(recent keys score high) compact more often but stay exact. Output: the same slots, in position order with
-ties in position order, as the decode kernels give; -1 past a token's visible keys.
-Buffers: CAP x 8 bytes per token, at most BUF_BUDGET bytes per launch (longer batches take several launches).
+      and appends (order key, position) of every score above it to its own buffer of CAP entries in HBM.
+      When a buffer might not take MIN_ROOM_TILES more tiles, the block's rows are compacted together: the
+      interpolated 4-way search of `triton_indexer` (vectorised over rows, over the L2-resident buffers)
+      finds each row's k-th largest key, the buffer keeps exactly the top k (ties by position) and theta
+      rises to it. After the sweep the same compaction writes the physical slots. Between compactions the
+      tile loop has no data-dependent branch, so Triton pipelines it (cp.async of the key words).
+Why a running threshold, not a score histogram or two GEMM passes: the threshold is exact from the first
+compaction on (when 2k keys are in), so afterwards only keys above the k-th largest so far are written,
+~k ln(n / 2k) per row for scores in no particular order: a row pays ~1 + ln(n / 2k) compactions of a few
+passes over 2k keys in L2, and the GEMM runs once. Scores rising along the context compact more often but
+stay exact. Output: the slots, in position order with ties in position order, as the decode kernels give
+them; -1 past a token's visible keys. Buffers: CAP x 8 bytes per token, at most BUF_BUDGET per launch.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import triton
 import triton.language as tl
 
 from dsaserve.common import envs
-from dsaserve.common.kv_layout import KVLayout
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels.triton_indexer import KEY_NEG_INF, _narrow, _order_key32, _thresholds
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 BN = 128  # keys per tile: the MMA's M (two warpgroups of 64 rows)
 NCOL = 128  # MMA N: query tokens per program x heads padded to a power of two (32 heads -> 4 tokens)
 CC = 512  # buffer columns per pass of a compaction ([BM, CC] keys in registers)
-MIN_ROOM_TILES = 4  # compact when a buffer has room for fewer than this many tiles
+MIN_ROOM_TILES = tl.constexpr(4)  # compact when a buffer has room for fewer than this many tiles
 BUF_BUDGET = 256 << 20  # candidate-buffer bytes per launch (8192 tokens at CAP 4096)
 HEAD_DIMS = (32, 64, 128)  # 128: int32 words in 4 byte planes (K = 32 each); 32 / 64: byte rows, one dot
 
@@ -59,9 +59,9 @@ def capacity(k: int, bn: int = BN) -> int:
 def _plane(words, j: tl.constexpr, Q_FP8: tl.constexpr):
     """Byte j of every int32 word as e4m3 (fp16, exactly, when q is fp16): key dims j, j+4, ..."""
     b = ((words >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    if Q_FP8:
-        return b
-    return b.to(tl.float16)
+    if not Q_FP8:
+        b = b.to(tl.float16)
+    return b
 
 
 @triton.jit
@@ -80,8 +80,10 @@ def _q_operand(x, scale, Q_FP8: tl.constexpr):
     range whatever q's magnitude; the interpreter's bf16 dot is broken, its fp16 one is not)."""
     y = tl.clamp(x / scale[None, :], -448.0, 448.0)
     if Q_FP8:
-        return y.to(tl.float8e4nv)
-    return y.to(tl.float16)
+        op = y.to(tl.float8e4nv)
+    else:
+        op = y.to(tl.float16)
+    return op
 
 
 @triton.jit
@@ -278,7 +280,7 @@ def _host_lens(req_index: torch.Tensor, positions: torch.Tensor) -> tuple[list[i
     return seq, ext
 
 
-def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
+def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int] | None = None, extend_lens: list[int] | None = None,
                  q_fp8: bool | None = None, config: dict | None = None) -> torch.Tensor:
@@ -286,6 +288,7 @@ def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     -1 padded. q_fp8: None follows DSASERVE_FP8_ACTIVATIONS. config: bn / ncol / cap / num_warps / num_stages
     (tests and the benchmark's sweep)."""
     t, n_heads, d = q.shape
+    layout = get_kv_layout(layout, "prefill_topk: layout")
     if not supported(layout, d):
         raise ValueError(f"prefill_topk: layout {layout} / head dim {d} not supported (FP8 keys, {HEAD_DIMS})")
     conf = {"bn": BN, "ncol": NCOL, "num_warps": 8, "num_stages": 2, **(config or {})}
@@ -299,7 +302,7 @@ def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     bm, cap, words = max(1, conf["ncol"] // hp), conf.get("cap") or capacity(topk, conf["bn"]), d % 128 == 0
     if cap < topk + conf["bn"]:
         raise ValueError(f"prefill_topk: buffer of {cap} entries cannot hold top-{topk} + a {conf['bn']}-key tile")
-    qk, w = q if q.stride(-1) == 1 else q.contiguous(), head_weights.float()
+    qk, w = q if q.stride(-1) == 1 else q.contiguous(), head_weights.float().contiguous()
     kq = index_cache.view(torch.int32) if words else index_cache
     ks = index_cache.view(torch.float32)
     starts = torch.tensor(_block_starts(seq_lens, extend_lens, bm), dtype=torch.int32, device=q.device)

@@ -164,3 +164,33 @@ def test_prefill_topk_bf16_q_selects_the_reference_keys(gen, hi, d, topk):
     assert same >= len(pos) - 2, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
     for a, b in zip(got, ref, strict=True):  # position order: slots follow the page table's key order
         assert (a >= 0).sum() == (b >= 0).sum() and (a[(a >= 0).sum():] == -1).all()
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------
+def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch):
+    """Prefill-size batches with FP8 keys take the GEMM + streaming top-k (bf16 keys keep torch.topk); decode
+    batches whose static row bound passes ROW_IN_REGS_MAX take the split radix select. Thresholds lowered so
+    small inputs cross them."""
+    from dsaserve.kernels import triton_indexer as idx
+    from dsaserve.kernels import triton_indexer_long, triton_indexer_prefill
+
+    calls = []
+    for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(idx, "SELECT_MAX_ROWS", 8)
+    monkeypatch.setattr(idx, "ROW_IN_REGS_MAX", 256)
+    ps, hi, d, topk = 16, 16, 32, 24
+    for layout, seq_lens, ext, want in (("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"]),
+                                        ("bf16", [300, 60], [6, 9], []),
+                                        ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"])):
+        q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
+        calls.clear()
+        got = idx.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+        assert calls == want, (layout, ext, calls)
+        if want == ["prefill_topk"]:
+            assert torch.equal(got, triton_indexer_prefill.prefill_topk(q, w, cache, layout, table, req, pos, topk, ps,
+                                                                       seq_lens, ext))
+        if DEVICE == "cuda":  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
+            _check_topk(got, q if want != ["prefill_topk"] else _kernel_q(q, True), w, cache, layout, table, req, pos,
+                        topk, ps, gen.initial_seed())
