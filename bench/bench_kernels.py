@@ -309,7 +309,9 @@ def bench_indexer_prefill(cfg, ceil, sweep):
     from dsaserve.kernels import triton_indexer_prefill as PRE
 
     topk, t = cfg.index_topk, PREFILL_CHUNK
-    confs = [(True, {}), (False, {})] + ([(True, {"num_stages": 3}), (True, {"bn": 64, "ncol": 256})] if sweep else [])
+    confs = [(True, {}), (False, {})]
+    if sweep:  # pipeline depth, fewer compactions (a 2x buffer), a 64-key tile
+        confs += [(True, {"num_stages": 3}), (True, {"cap": 2 * PRE.capacity(topk)}), (True, {"bn": 64})]
     for ctx in PREFILL_CTX:
         q, w, cache, table, req, pos = _indexer_inputs(t, ctx, cfg, one_request=True)
         flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * sum(range(ctx - t + 1, ctx + 1))  # causal keys
