@@ -26,6 +26,7 @@ from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_indexer as IDX
+from dsaserve.kernels import triton_indexer_dispatch as DISPATCH
 from dsaserve.kernels import triton_kv_write as KVW
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_sparse_mla as MLA
@@ -342,8 +343,8 @@ def bench_indexer_long(cfg, ceil, sweep):
             keys = t * ctx * cfg.index_head_dim  # FP8 key bytes read
             bound = f"keys at 4.25 TB/s {keys / H200_HBM_Bps * 1e6:.1f} us"
             sets = [_indexer_inputs(t, ctx, cfg) for _ in range(copies_for(t * ctx * 132, cap=8))]
-            sec = graph_time([lambda a=a: IDX.indexer_topk(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], topk, 64)
-                              for a in sets])
+            sec = graph_time([lambda a=a: DISPATCH.indexer_topk(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], topk,
+                                                                64) for a in sets])
             record("indexer_topk decode", f"T={t} ctx={ctx} ({bound})", "triton scores + radix select", sec, keys, 0,
                    "hbm", ceil, x_hbm_bound=sec * H200_HBM_Bps / keys)
             a = sets[0]

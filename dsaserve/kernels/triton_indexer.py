@@ -8,9 +8,7 @@ Owns: the GPU variant of `reference.indexer_topk`, built to run inside a capture
      token's position (causal) and past the page table are written as -inf, never read;
   2. selection: decode-size batches use a Triton kernel (a row that sees <= topk keys takes them all;
      otherwise a 4-way interpolation search, in registers up to 16K keys, finds the k-th largest score, then one
-     compacting pass writes physical slots); decode rows bounded above 16K keys go to `triton_indexer_long`
-     (split over programs). Prefill-size batches with FP8 keys go to `triton_indexer_prefill` (one GEMM with
-     a streaming top-k, no score matrix); other layouts' use torch.topk + a page-table gather.
+     compacting pass writes physical slots); large prefill slices use torch.topk + a page-table gather.
      When max_seq <= topk every visible key is selected and no score is computed.
 No host loop over requests and no host sync: `seq_lens` / `extend_lens` (host lists in the reference
 signature) are not needed, positions and req_index on the device say everything. The selection order is
@@ -366,23 +364,12 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
         slots = page_table[req_index[:, None], j // page_size] * page_size + j % page_size
         out[:, :max_seq] = slots.masked_fill_(j[None, :] > positions[:, None], -1)
         return out
-    if t > SELECT_MAX_ROWS:  # prefill: one FP8 GEMM with a streaming top-k, no [T, max_seq] scores
-        from dsaserve.kernels import triton_indexer_prefill as prefill
-
-        if prefill.supported(layout, q.shape[2]):
-            return prefill.prefill_topk(q, head_weights, index_cache, layout, page_table, req_index, positions, topk,
-                                        page_size, seq_lens, extend_lens)
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)  # k == topk here: every slot is written
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))
         select = t <= SELECT_MAX_ROWS
         scores = index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
                               positions[sl], page_size, skip_below=k if select else 0)
-        if select and max_seq > ROW_IN_REGS_MAX:  # long rows: split over programs (triton_indexer_long)
-            from dsaserve.kernels.triton_indexer_long import long_row_select
-
-            long_row_select(scores, page_table, req_index[sl], positions[sl], out[sl], k, page_size)
-            continue
         if select:
             o = out[sl]
             _topk_select_kernel[(o.shape[0],)](scores, page_table, req_index[sl], positions[sl], o, max_seq, k,

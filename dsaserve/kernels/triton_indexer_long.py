@@ -1,7 +1,7 @@
 """Long-row decode selection of the DSA indexer (request path stage 6, full indexer layers).
 
-Owns: `long_row_select`, the top-k of score rows too long for one program. `triton_indexer.indexer_topk`
-sends a decode batch here when its static row bound (page_table.shape[1] * page_size) exceeds
+Owns: `long_row_select`, the top-k of score rows too long for one program. `triton_indexer_dispatch` sends
+a decode batch here when its static row bound (page_table.shape[1] * page_size) exceeds
 `triton_indexer.ROW_IN_REGS_MAX` (16K keys); shorter bounds keep the one-program-per-row kernel there.
 
 Why: one program per row searches a 32K-key row over L2 with a single SM (~150 µs per row on the H200),

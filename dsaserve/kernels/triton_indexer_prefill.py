@@ -1,5 +1,5 @@
 """Prefill DSA indexer: scores as one tensor-core GEMM with a streaming top-k (request path stage 6, full
-indexer layers; `triton_indexer.indexer_topk` sends prefill-size batches with FP8 keys here).
+indexer layers; `triton_indexer_dispatch` sends prefill-size batches with FP8 keys here).
 
 Owns: `prefill_topk`, the GPU `reference.indexer_topk` for batches of more than SELECT_MAX_ROWS tokens; it
 never writes the [tokens x context] score matrix. One program per block of BM query tokens of one request

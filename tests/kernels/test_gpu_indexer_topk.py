@@ -58,12 +58,13 @@ def test_long_row_select_takes_the_kth_key_exactly(gen, kind):
 @pytest.mark.skipif(not BIG, reason="the model's context bound: CUDA only")
 def test_indexer_topk_long_context_decode_selects_the_reference_keys(gen):
     """The dispatcher takes the long-row path past 16K keys; the selection is the reference's (near-ties aside)."""
-    idx = gpu_modules()[1]
+    from dsaserve.kernels import triton_indexer_dispatch
+
     ps, hi, d, topk = 64, 32, 128, 2048
     seq_lens, ext = [40000, 3000, 70000], [1, 1, 1]
     q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
-    assert table.shape[1] * ps > idx.ROW_IN_REGS_MAX
-    got = idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    assert table.shape[1] * ps > gpu_modules()[1].ROW_IN_REGS_MAX
+    got = triton_indexer_dispatch.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
     _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 
 
@@ -175,11 +176,11 @@ def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, h
 
 # ---- dispatch ---------------------------------------------------------------------------------------
 def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch):
-    """Prefill-size batches with FP8 keys take the GEMM + streaming top-k (bf16 keys keep torch.topk); decode
-    batches whose static row bound passes ROW_IN_REGS_MAX take the split radix select. Thresholds lowered so
-    small inputs cross them."""
+    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the GEMM +
+    streaming top-k (bf16 keys keep torch.topk); decode batches whose static row bound passes ROW_IN_REGS_MAX
+    take the split radix select. Thresholds lowered so small inputs cross them."""
     from dsaserve.kernels import triton_indexer as idx
-    from dsaserve.kernels import triton_indexer_long, triton_indexer_prefill
+    from dsaserve.kernels import triton_indexer_dispatch, triton_indexer_long, triton_indexer_prefill
 
     calls = []
     for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select")):
@@ -193,7 +194,7 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
                                         ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"])):
         q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
         calls.clear()
-        got = idx.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+        got = triton_indexer_dispatch.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
         assert calls == want, (layout, ext, calls)
         if want == ["prefill_topk"]:
             assert torch.equal(got, triton_indexer_prefill.prefill_topk(q, w, cache, layout, table, req, pos, topk, ps,
