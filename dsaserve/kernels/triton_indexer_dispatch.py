@@ -2,8 +2,9 @@
 (request path stage 6, full indexer layers).
 
 Owns: the routing, nothing else.
-  prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys -> `triton_indexer_prefill`:
-      one FP8 GEMM with a streaming top-k, no [tokens x context] score matrix;
+  prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys, outside CUDA-graph capture
+      (a decode graph bucket may hold that many tokens; the prefill kernel's block table is built on the host)
+      -> `triton_indexer_prefill`: one FP8 GEMM with a streaming top-k, no [tokens x context] score matrix;
   decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
       triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
       split over programs);
@@ -45,7 +46,9 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     layout = get_kv_layout(layout, "indexer_topk: layout")
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     if max_seq > topk:
-        if t > triton_indexer.SELECT_MAX_ROWS and triton_indexer_prefill.supported(layout, q.shape[2]):
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # prefill builds a host block table
+        if (t > triton_indexer.SELECT_MAX_ROWS and not capturing
+                and triton_indexer_prefill.supported(layout, q.shape[2])):
             return triton_indexer_prefill.prefill_topk(q, head_weights, index_cache, layout, page_table, req_index,
                                                        positions, topk, page_size, seq_lens, extend_lens)
         if t <= triton_indexer.SELECT_MAX_ROWS and max_seq > triton_indexer.ROW_IN_REGS_MAX:

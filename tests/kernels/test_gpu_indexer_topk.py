@@ -68,6 +68,25 @@ def test_indexer_topk_long_context_decode_selects_the_reference_keys(gen):
     _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_long_context_decode_replays_from_a_cuda_graph(gen):
+    """The long-row path allocates and launches only: a captured step replays with new positions."""
+    from dsaserve.kernels import triton_indexer_dispatch
+
+    ps, hi, d, topk = 64, 32, 128, 2048
+    seq_lens, ext = [30000, 20000], [1, 1]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    run = lambda: triton_indexer_dispatch.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q.copy_(randn(*q.shape, gen=gen, dtype=q.dtype))
+    pos.copy_(torch.tensor([25000, 1000], device=DEVICE))  # the second token now sees fewer than topk keys
+    graph.replay()
+    _check_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
 # ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------
 # (heads, head dim, topk) of GLM-5.3, glm-5.3-mini and glm-5.3-tiny; the interpreter takes GLM-5.3's heads
 # with a small top-k. (bn, cap) force a compaction every few tiles where the default buffer would hold it all.
