@@ -26,6 +26,7 @@ from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_indexer as IDX
+from dsaserve.kernels import triton_indexer_dispatch as DISPATCH
 from dsaserve.kernels import triton_kv_write as KVW
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_sparse_mla as MLA
@@ -272,6 +273,94 @@ def bench_indexer(cfg, ceil, sweep):
     record("indexer scores only", f"prefill T={t} ctx={ctx}", "triton", sec, 0, flops, "bf16_flops", ceil)
 
 
+# ---- indexer at prefill and long-context decode (issue 17) ---------------------------------------------
+PREFILL_CHUNK = 8192  # tokens of one prefill chunk: the last 8K tokens of an 8K / 32K prompt
+PREFILL_CTX = (8192, 32768)
+LONG_CONTEXTS = (32768, 131072, 202752)  # decode rows past the one-program selection, to the model's max
+H200_HBM_Bps = 4.25e12  # spec bandwidth: a decode row's bound is its FP8 keys (128 B / token) read once
+
+
+def event_time(fn, reps: int = 5) -> float:
+    """Seconds per call, back to back on the stream (prefill ops build a host-side block table: no graph)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def _deep_gemm_peer(q, w, cache, ctx, t):
+    """DeepGEMM's fp8_mqa_logits (logits only, contiguous keys) on the same shape, when it is installed."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    k8 = cache[:ctx, :128].contiguous().view(torch.float8_e4m3fn)
+    ks = cache[:ctx, 128:].contiguous().view(torch.float32).view(-1)
+    q8 = q.to(torch.float8_e4m3fn)
+    ke = torch.arange(ctx - t + 1, ctx + 1, dtype=torch.int32, device=DEV)
+    return event_time(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), w, torch.zeros_like(ke), ke))
+
+
+def bench_indexer_prefill(cfg, ceil, sweep):
+    from dsaserve.kernels import triton_indexer_prefill as PRE
+
+    topk, t = cfg.index_topk, PREFILL_CHUNK
+    confs = [(True, {}), (False, {})]
+    if sweep:  # pipeline depth, fewer compactions (a 2x buffer), a 64-key tile
+        confs += [(True, {"num_stages": 3}), (True, {"cap": 2 * PRE.capacity(topk)}), (True, {"bn": 64})]
+    for ctx in PREFILL_CTX:
+        q, w, cache, table, req, pos = _indexer_inputs(t, ctx, cfg, one_request=True)
+        flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * sum(range(ctx - t + 1, ctx + 1))  # causal keys
+        for q_fp8, conf in confs:
+            try:
+                sec = event_time(lambda: PRE.prefill_topk(q, w, cache, "fp8_ds_mla", table, req, pos,
+                                                          topk, 64, [ctx], [t], q_fp8=q_fp8, config=conf))
+                tag = f"triton {'fp8' if q_fp8 else 'fp16'}-q GEMM + stream top-k {conf or ''}"
+                record("indexer prefill", f"T={t} ctx={ctx} top{topk}", tag, sec, 0, flops, "fp8_flops", ceil)
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is a data point
+                print("indexer prefill failed", conf, repr(ex)[:300])
+        if ctx == PREFILL_CTX[0]:  # the path it replaces: [T, ctx] fp32 scores + torch.topk
+            sec = event_time(lambda: IDX.index_scores(q, w, cache, "fp8_ds_mla", table, req, pos, 64).topk(topk, dim=1))
+            record("indexer prefill", f"T={t} ctx={ctx} top{topk}", "old: triton scores + torch.topk", sec, 0, flops,
+                   "fp8_flops", ceil)
+        peer = _deep_gemm_peer(q, w, cache, ctx, t)
+        if peer:
+            record("indexer prefill", f"T={t} ctx={ctx}", "peer: deep_gemm.fp8_mqa_logits (logits only)", peer, 0,
+                   flops, "fp8_flops", ceil)
+
+
+def bench_indexer_long(cfg, ceil, sweep):
+    from dsaserve.kernels import triton_indexer_long as LONG
+
+    topk = cfg.index_topk
+    for ctx in LONG_CONTEXTS:
+        for t in (1, 8):
+            keys = t * ctx * cfg.index_head_dim  # FP8 key bytes read
+            bound = f"keys at 4.25 TB/s {keys / H200_HBM_Bps * 1e6:.1f} us"
+            sets = [_indexer_inputs(t, ctx, cfg) for _ in range(copies_for(t * ctx * 132, cap=8))]
+            sec = graph_time([lambda a=a: DISPATCH.indexer_topk(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], topk,
+                                                                64) for a in sets])
+            record("indexer_topk decode", f"T={t} ctx={ctx} ({bound})", "triton scores + radix select", sec, keys, 0,
+                   "hbm", ceil, x_hbm_bound=sec * H200_HBM_Bps / keys)
+            a = sets[0]
+            scores = IDX.index_scores(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], 64, skip_below=topk)
+            out = torch.empty(t, topk, dtype=torch.int64, device=DEV)
+            sec = graph_time([lambda: LONG.long_row_select(scores, a[3], a[4], a[5], out, topk, 64)])
+            record("indexer select only", f"T={t} ctx={ctx}", "triton radix, split over programs", sec, 0, 0, "hbm")
+            if ctx == LONG_CONTEXTS[0]:  # the one-program path it replaces past 16K keys
+                conf = IDX._select_config(ctx, t)
+                sec = graph_time([lambda: IDX._topk_select_kernel[(t,)](
+                    scores, a[3], a[4], a[5], out, ctx, topk, 64, scores.stride(0), a[3].stride(0), out.stride(0),
+                    **conf)])
+                record("indexer select only", f"T={t} ctx={ctx}", "old: one program per row over L2", sec, 0, 0, "hbm")
+            del sets
+
+
 # ---- sparse MLA ----------------------------------------------------------------------------------------
 def _mla_inputs(t, ctx, cfg, topk, layout="fp8_ds_mla"):
     h, dc, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -347,7 +436,8 @@ def bench_kv_write(cfg, ceil, sweep):
         record("indexer_k_write", f"T={t}", "triton", sec, t * (256 + 132), 0, "hbm", ceil)
 
 
-SECTIONS = {"fp8": bench_fp8, "moe": bench_moe, "indexer": bench_indexer, "mla": bench_mla, "kvw": bench_kv_write}
+SECTIONS = {"fp8": bench_fp8, "moe": bench_moe, "indexer": bench_indexer, "indexer_prefill": bench_indexer_prefill,
+            "indexer_long": bench_indexer_long, "mla": bench_mla, "kvw": bench_kv_write}
 
 
 def to_markdown(ceil: dict) -> str:
