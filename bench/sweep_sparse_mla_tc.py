@@ -26,16 +26,17 @@ import torch
 CASES = {"decode T=16": 16, "decode T=32": 32, "decode T=128": 128, "prefill T=4096": 4096}
 CTX = 8192  # decode context (rows drawn from T x CTX); prefill draws from 1M rows
 FLASHMLA = {"decode": 410.0, "prefill": 640.0}  # TFLOP/s, H800 (FlashMLA README / deep-dive blog)
-CONFIGS = {  # name: config overrides (DEFAULT elsewhere)
+CONFIGS = {  # name: overrides of triton_sparse_mla_tc.DEFAULT (4 warps, 32-key tiles, dv_split 2, bits, prefetch)
     "default": {},
     "no-prefetch": {"prefetch": False},
     "cvt-decode": {"bits": False},
     "pipeliner-ns2": {"prefetch": False, "num_stages": 2},
-    "bk32": {"block_k": 32},
-    "dv2-w8": {"dv_split": 2},
-    "dv2-w4-bk32": {"dv_split": 2, "num_warps": 4, "block_k": 32},
-    "dv2-w4-bk64": {"dv_split": 2, "num_warps": 4},
-    "dv2-w4-bk32-ns2": {"dv_split": 2, "num_warps": 4, "block_k": 32, "prefetch": False, "num_stages": 2},
+    "w4-bk64": {"block_k": 64},
+    "w8-bk32-dv2": {"num_warps": 8},
+    "w8-bk64-dv2": {"num_warps": 8, "block_k": 64},
+    "w8-bk64-dv1": {"num_warps": 8, "block_k": 64, "dv_split": 1},
+    "w8-bk32-dv1": {"num_warps": 8, "dv_split": 1},
+    "w8-bk64-dv1-ns2": {"num_warps": 8, "block_k": 64, "dv_split": 1, "prefetch": False, "num_stages": 2},
 }
 
 

@@ -39,7 +39,13 @@ BITS_SHIFT = 56
 _KEY_DOWN = tl.constexpr(2.0 ** -BITS_SHIFT)  # a BF16 rope brought to the FP8 nope tiles' scale
 _SCALE_UP = tl.constexpr(2.0 ** (120 - BITS_SHIFT))  # what an FP8 value's scale is multiplied by
 RESCALE_LOG2 = tl.constexpr(8.0)
-DEFAULT = {"block_k": 64, "num_warps": 8, "num_stages": 1, "dv_split": 1, "bits": True, "prefetch": True,
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
+# 4 warps, 32-key tiles, each program half the output columns: ~104 KB of shared memory and <= 255 registers, so
+# two programs share an SM and one's gathers / dequant / softmax overlap the other's MMAs (Triton has no warp
+# specialisation on Hopper). 8 warps on all 512 columns (one program a token) runs S twice anyway (Triton gives
+# a chained dot all warps along M = 64 rows: both warpgroups compute the same S) and spills (offline sm_90
+# compile: ~140 local loads a tile); bench/sweep_sparse_mla_tc.py times both.
+DEFAULT = {"block_k": 32, "num_warps": 4, "num_stages": 1, "dv_split": 2, "bits": True, "prefetch": True,
            "splits": None}
 _LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 1, "fp8_e4m3": 2}  # the kernel's LAYOUT constexpr
 
@@ -196,9 +202,11 @@ def _sparse_mla_tc_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_hea
     """The nope columns come in halves a, b of HW: both feed the scores; P @ half a (and P @ half b when
     DV_SPLIT is 1) accumulate. Halves keep the bf16 tile live in registers during the dequant small."""
     grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1) // DV_SPLIT
-    col_a = (tl.program_id(1) % DV_SPLIT) * HW  # DV_SPLIT 2: this program's output half
+    # the output halves of one token are neighbouring programs, so they run together and the second gather of
+    # its rows hits L2
+    hb = tl.program_id(0) // DV_SPLIT
+    col_a = (tl.program_id(0) % DV_SPLIT) * HW  # DV_SPLIT 2: this program's output half
+    t = tl.program_id(1).to(tl.int64)
     col_b = HW - col_a
     sp = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -316,11 +324,14 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
             "DV_SPLIT": dv, "PREFETCH": cfg["prefetch"], "BLOCK_H": bh, "HW": triton.next_power_of_2(dc) // 2,
             "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk, "num_warps": cfg["num_warps"],
             "num_stages": cfg["num_stages"]}
-    _sparse_mla_tc_kernel[(t, grid1, splits)](
-        q_nope, q_rope, view, slots, part, lse, h, n_keys, per_split, softmax_scale * LOG2E * shift, shift,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), view.stride(0), slots.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0) if splits > 1 else 0,
-        lse.stride(1) if splits > 1 else 0, **meta, **pdl_args(q_nope.device))
+    for i in range(0, t, MAX_GRID_Y):  # tokens on grid axis 1: at most 65535 a launch
+        j = min(t, i + MAX_GRID_Y)
+        _sparse_mla_tc_kernel[(grid1, j - i, splits)](
+            q_nope[i:j], q_rope[i:j], view, slots[i:j], part[:, i:j], lse[:, i:j] if splits > 1 else lse, h, n_keys,
+            per_split, softmax_scale * LOG2E * shift, shift, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0),
+            q_rope.stride(1), view.stride(0), slots.stride(0), part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0, **meta,
+            **pdl_args(q_nope.device))
     if splits > 1:
         _combine_kernel[(t, h)](part, lse, out, splits, h, dc, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),

@@ -45,8 +45,9 @@ def test_tc_kernel_matches_reference_on_every_layout(gen, layout, t):
     _check(gen, _case(gen, t, GLM, layout, (slice(0, 1), slice(k // 3, k // 2))), layout, GLM[1])
 
 
-@pytest.mark.parametrize("config", [{"dv_split": 2}, {"bits": False}, {"prefetch": False, "block_k": 32},
-                                    {"num_warps": 4, "dv_split": 2, "block_k": 32}, {"splits": 3}])
+@pytest.mark.parametrize("config", [{"num_warps": 8, "dv_split": 1, "block_k": 64}, {"bits": False},
+                                    {"prefetch": False, "num_stages": 2}, {"dv_split": 1, "num_warps": 8},
+                                    {"splits": 3}])
 def test_tc_kernel_configs_match_reference(gen, config):
     _check(gen, _case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
 
@@ -56,6 +57,15 @@ def test_tc_kernel_handles_head_and_latent_dims_off_the_powers_of_two(gen, layou
     """80 heads (two head blocks, the second partly masked), kv_lora 384 (half b masked), rope 48."""
     dims = (80, 384, 48, 256, 1024) if BIG else (20, 384, 48, 24, 64)
     _check(gen, _case(gen, 17 if BIG else 2, dims, layout), layout, dims[1])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tc_kernel_launches_many_tokens_in_chunks_of_the_grid_limit(gen, monkeypatch, splits):
+    """More tokens than CUDA's grid axis allows (65535, here lowered to 2): one launch per chunk of tokens."""
+    from dsaserve.kernels import triton_sparse_mla_tc
+
+    monkeypatch.setattr(triton_sparse_mla_tc, "MAX_GRID_Y", 2)
+    _check(gen, _case(gen, 5, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], {"splits": splits})
 
 
 def test_tc_kernel_gives_zeros_for_a_token_with_no_slots(gen):
