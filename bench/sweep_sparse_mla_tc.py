@@ -25,6 +25,8 @@ import torch
 
 CASES = {"decode T=16": 16, "decode T=32": 32, "decode T=128": 128, "prefill T=4096": 4096}
 CTX = 8192  # decode context (rows drawn from T x CTX); prefill draws from 1M rows
+CHECK_T = (20, 128)  # reference checks: split top-k (and its combine), unsplit
+CHECK_LAYOUTS = ("fp8_ds_mla", "bf16", "fp8_e4m3", "fp32")
 FLASHMLA = {"decode": 410.0, "prefill": 640.0}  # TFLOP/s, H800 (FlashMLA README / deep-dive blog)
 CONFIGS = {  # name: overrides of triton_sparse_mla_tc.DEFAULT (4 warps, 32-key tiles, dv_split 2, bits, prefetch)
     "default": {},
@@ -56,27 +58,27 @@ def _inputs(t: int, layout: str = "fp8_ds_mla", rows: int | None = None):
     return qn, qr, cache, slots, cfg.qk_head_dim ** -0.5, dc
 
 
-def _warm(job: tuple[str, int]) -> tuple[str, int, str]:
-    """Worker: run one config once on one case's shapes (a small cache), so its binary lands in the cache."""
-    name, t = job
+def _warm(job: tuple[str | None, int, str]) -> tuple[str | None, int, str]:
+    """Worker: run one config (None: the split-K kernel) once on one case's shapes with a small cache, so its
+    binary lands in Triton's on-disk cache (the strides, hence the specialisation, are the timed run's)."""
+    name, t, layout = job
     try:
-        from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
-
-        qn, qr, cache, slots, scale, dc = _inputs(t, rows=4096)
-        sparse_mla_attention_tc(qn, qr, cache, "fp8_ds_mla", slots, scale, dc, config=CONFIGS[name])
+        qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=4096)
+        _call(None if name is None else CONFIGS[name], (qn, qr, cache, slots, scale, dc), layout)
         torch.cuda.synchronize()
         return name, t, ""
     except Exception as ex:  # noqa: BLE001 - report, the sweep goes on without this config
         return name, t, f"{type(ex).__name__}: {str(ex)[-300:]}"
 
 
-def precompile(workers: int) -> dict[str, str]:
-    jobs = [(name, t) for name in CONFIGS for t in CASES.values()]
+def precompile(names: list[str], workers: int) -> dict[str, str]:
+    jobs = [(n, t, "fp8_ds_mla") for n in [None, *names] for t in CASES.values()]
+    jobs += [("default", t, lay) for lay in CHECK_LAYOUTS[1:] for t in CHECK_T]
     failed = {}
     with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
         for name, t, err in pool.imap_unordered(_warm, jobs):
             if err:
-                failed[name] = err
+                failed[str(name)] = err
                 print(f"compile/run FAILED {name} T={t}: {err}", flush=True)
     return failed
 
@@ -84,14 +86,13 @@ def precompile(workers: int) -> dict[str, str]:
 def check(names: list[str]) -> dict[str, float]:
     """Relative error against the reference: each config on fp8_ds_mla, the default on every layout."""
     from dsaserve.kernels import reference as R
-    from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
 
     errs = {}
-    runs = [(n, "fp8_ds_mla") for n in names] + [("default", lay) for lay in ("bf16", "fp8_e4m3", "fp32")]
+    runs = [(n, "fp8_ds_mla") for n in names] + [("default", lay) for lay in CHECK_LAYOUTS[1:]]
     for name, layout in runs:
-        for t in (20, 128):
+        for t in CHECK_T:
             qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=50_000)
-            got = sparse_mla_attention_tc(qn, qr, cache, layout, slots, scale, dc, config=CONFIGS[name])
+            got = _call(CONFIGS[name], (qn, qr, cache, slots, scale, dc), layout)
             ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, scale, dc)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
             errs[f"{name} {layout} T={t}"] = err
@@ -100,14 +101,14 @@ def check(names: list[str]) -> dict[str, float]:
     return errs
 
 
-def _call(conf: dict | None, a: tuple) -> torch.Tensor:
+def _call(conf: dict | None, a: tuple, layout: str = "fp8_ds_mla") -> torch.Tensor:
     """One sparse MLA on input set `a`: the split-K kernel it replaces (conf None) or the tc kernel with conf."""
     from dsaserve.kernels import triton_sparse_mla as OLD
     from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
 
     if conf is None:
-        return OLD.sparse_mla_attention(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5])
-    return sparse_mla_attention_tc(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], config=conf)
+        return OLD.sparse_mla_attention(a[0], a[1], a[2], layout, a[3], a[4], a[5])
+    return sparse_mla_attention_tc(a[0], a[1], a[2], layout, a[3], a[4], a[5], config=conf)
 
 
 def timings(names: list[str], peak: float) -> list[dict]:
@@ -180,7 +181,7 @@ def main() -> None:
     for name in args.only.split(","):
         if name not in CONFIGS:
             raise SystemExit(f"--only: unknown config {name!r}; known: {', '.join(CONFIGS)}")
-    failed = precompile(args.workers)
+    failed = precompile(args.only.split(","), args.workers)
     names = [n for n in args.only.split(",") if n not in failed]
     torch.manual_seed(0)
     peak = bf16_peak()

@@ -29,7 +29,7 @@ import triton.language as tl
 from dsaserve.common.kv_layout import FP8_DS_MLA, FP8_E4M3, QUANT_GROUP, KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel, pick_splits
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, opaque_index, pdl_args
 
 TC_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and decode batches >= 16)
@@ -272,6 +272,20 @@ def _config(layout: KVLayout, dc: int, config: dict | None) -> dict:
     return cfg
 
 
+def programs_per_sm(cfg: dict) -> int:
+    """How many programs of `cfg` share an SM: two for 4 warps x 32-key tiles (offline sm_90 compile: 104 KB of
+    shared memory, <= 255 registers of 128 threads), else one (the Q tile alone is 72 KB)."""
+    return 2 if cfg["num_warps"] == 4 and cfg["block_k"] <= 32 else 1
+
+
+def pick_splits(programs: int, n_keys: int, block_k: int, slots: int) -> int:
+    """Top-k splits (flash-decoding) so the programs fill one wave of `slots` resident programs: each split costs
+    a partial [T, H, kv_lora] fp32 write and read, so no more than that; each split keeps >= 2 key tiles."""
+    if programs >= slots:
+        return 1
+    return max(1, min(slots // programs, n_keys // (2 * block_k)))
+
+
 def _cache_view(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int) -> tuple[torch.Tensor, int]:
     """(the view the kernel reads rows from, its element bytes): uint8 rows for the FP8 layouts (the fp8_ds_mla
     scales and rope addressed in bytes), typed rows for bf16 / fp32."""
@@ -309,7 +323,7 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
     bh, bk, dv = min(64, max(16, triton.next_power_of_2(h))), cfg["block_k"], cfg["dv_split"]
     n_keys = topk_slots.shape[1]
     grid1 = triton.cdiv(h, bh) * dv
-    splits = cfg["splits"] or pick_splits(t, grid1, n_keys, bk, _sm_count(q_nope))
+    splits = cfg["splits"] or pick_splits(t * grid1, n_keys, bk, _sm_count(q_nope) * programs_per_sm(cfg))
     per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
     splits = max(1, triton.cdiv(n_keys, per_split))
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()

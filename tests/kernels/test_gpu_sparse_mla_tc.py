@@ -125,3 +125,13 @@ def test_registry_op_takes_the_tc_kernel_from_16_tokens(monkeypatch):
     for t in (1, triton_sparse_mla_tc.TC_MIN_TOKENS - 1, triton_sparse_mla_tc.TC_MIN_TOKENS, 4096):
         triton_sparse_mla_tc.sparse_mla_attention(torch.zeros(t, 4, 128), None, None, "bf16", None, 0.1, 128)
     assert calls == ["split-k", "split-k", "tc", "tc"]
+
+
+def test_split_count_fills_one_wave_of_resident_programs():
+    from dsaserve.kernels.triton_sparse_mla_tc import pick_splits, programs_per_sm
+
+    assert programs_per_sm({"num_warps": 4, "block_k": 32}) == 2
+    assert programs_per_sm({"num_warps": 8, "block_k": 32}) == 1
+    assert pick_splits(64, 2048, 32, 264) == 4  # decode T=32, two half-column programs a token: 256 programs
+    assert pick_splits(256, 2048, 32, 264) == 1  # decode T=128 fills the wave without splitting
+    assert pick_splits(2, 2048, 32, 264) == 32  # capped: every split keeps two 32-key tiles
