@@ -32,13 +32,11 @@ CONFIGS = {  # name: overrides of triton_sparse_mla_tc.DEFAULT (4 warps, 32-key 
     "default": {},
     "no-prefetch": {"prefetch": False},
     "cvt-decode": {"bits": False},
-    "pipeliner-ns2": {"prefetch": False, "num_stages": 2},
-    "w4-bk64": {"block_k": 64},
+    "pipeliner-ns2": {"prefetch": False, "num_stages": 2},  # Triton stages the gathers in shared memory
+    "w4-bk16": {"block_k": 16},  # smaller tiles: two programs a SM even if the compiler takes more memory
+    "w4-bk64": {"block_k": 64},  # S as m64n64 (balanced shared-memory reads), one program a SM
     "w8-bk32-dv2": {"num_warps": 8},
-    "w8-bk64-dv2": {"num_warps": 8, "block_k": 64},
-    "w8-bk64-dv1": {"num_warps": 8, "block_k": 64, "dv_split": 1},
-    "w8-bk32-dv1": {"num_warps": 8, "dv_split": 1},
-    "w8-bk64-dv1-ns2": {"num_warps": 8, "block_k": 64, "dv_split": 1, "prefetch": False, "num_stages": 2},
+    "w8-bk64-dv1": {"num_warps": 8, "block_k": 64, "dv_split": 1},  # one program a token (S runs twice in it)
 }
 
 

@@ -46,7 +46,7 @@ def test_tc_kernel_matches_reference_on_every_layout(gen, layout, t):
 
 
 @pytest.mark.parametrize("config", [{"num_warps": 8, "dv_split": 1, "block_k": 64}, {"bits": False},
-                                    {"prefetch": False, "num_stages": 2}, {"dv_split": 1, "num_warps": 8},
+                                    {"prefetch": False, "num_stages": 2}, {"num_warps": 8}, {"block_k": 16},
                                     {"splits": 3}])
 def test_tc_kernel_configs_match_reference(gen, config):
     _check(gen, _case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
