@@ -263,7 +263,7 @@ def _sparse_mla_tc_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_hea
         tl.store(lse_ptr + sp * stride_ls + t * stride_lt + offs_h, lse, mask=hmask & (offs_h * 0 + col_a == 0))
 
 
-def _config(layout: KVLayout, dc: int, config: dict | None) -> dict:
+def _config(layout: KVLayout, config: dict | None) -> dict:
     cfg = dict(DEFAULT)
     cfg.update(config or {})
     if cfg["dv_split"] not in (1, 2):
@@ -308,26 +308,43 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
 
     `config` (bench/tuning only) overrides DEFAULT: block_k, num_warps, num_stages, dv_split (1 or 2 programs
     per token's output columns), bits (the bit-level FP8 decode), prefetch (L2 prefetch of the next tile),
-    splits (top-k splits; None: enough programs for ~2 waves).
+    splits (top-k splits; None: one wave of resident programs, `pick_splits`).
     """
     layout = get_kv_layout(layout, "sparse_mla_attention: layout")
+    if q_nope.shape[-1] != kv_lora_rank:
+        raise ValueError(f"sparse_mla_attention: q_nope has {q_nope.shape[-1]} channels, kv_lora_rank is "
+                         f"{kv_lora_rank}")
+    out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+    if out.shape[0] == 0:
+        return out
+    part, lse, launches, meta = launch_plan(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, out,
+                                            _config(layout, config), _sm_count(q_nope))
+    for grid, args in launches:
+        _sparse_mla_tc_kernel[grid](*args, **meta, **pdl_args(q_nope.device))
+    if part.shape[0] > 1:
+        t, h, dc = out.shape
+        _combine_kernel[(t, h)](part, lse, out, part.shape[0], h, dc, part.stride(0), part.stride(1),
+                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                BLOCK_S=triton.next_power_of_2(part.shape[0]), BLOCK_C=triton.next_power_of_2(dc),
+                                num_warps=4, **pdl_args(part.device))
+    return out
+
+
+def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
+                topk_slots: torch.Tensor, softmax_scale: float, out: torch.Tensor, cfg: dict, sms: int):
+    """(partials [splits, T, H, dc], lse, [(grid, kernel args)], constexprs) of one call, nothing launched
+    (bench/offline_sm90.py compiles from it). Unsplit, the partials are `out` itself."""
     t, h, dc = q_nope.shape
     dr = q_rope.shape[-1]
-    if dc != kv_lora_rank:
-        raise ValueError(f"sparse_mla_attention: q_nope has {dc} channels, kv_lora_rank is {kv_lora_rank}")
-    out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
-    if t == 0:
-        return out
-    cfg = _config(layout, dc, config)
     view, elem = _cache_view(kv_cache, layout, dc, dr)
     bh, bk, dv = min(64, max(16, triton.next_power_of_2(h))), cfg["block_k"], cfg["dv_split"]
     n_keys = topk_slots.shape[1]
     grid1 = triton.cdiv(h, bh) * dv
-    splits = cfg["splits"] or pick_splits(t * grid1, n_keys, bk, _sm_count(q_nope) * programs_per_sm(cfg))
+    splits = cfg["splits"] or pick_splits(t * grid1, n_keys, bk, sms * programs_per_sm(cfg))
     per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
     splits = max(1, triton.cdiv(n_keys, per_split))
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
-    part, lse = out.unsqueeze(0), out  # lse unused when unsplit
+    part, lse = out.unsqueeze(0), out[:, :, 0].unsqueeze(0)  # lse unused when unsplit
     if splits > 1:
         part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)
         lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
@@ -338,20 +355,15 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
             "DV_SPLIT": dv, "PREFETCH": cfg["prefetch"], "BLOCK_H": bh, "HW": triton.next_power_of_2(dc) // 2,
             "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk, "num_warps": cfg["num_warps"],
             "num_stages": cfg["num_stages"]}
+    launches = []
     for i in range(0, t, MAX_GRID_Y):  # tokens on grid axis 1: at most 65535 a launch
         j = min(t, i + MAX_GRID_Y)
-        _sparse_mla_tc_kernel[(grid1, j - i, splits)](
-            q_nope[i:j], q_rope[i:j], view, slots[i:j], part[:, i:j], lse[:, i:j] if splits > 1 else lse, h, n_keys,
-            per_split, softmax_scale * LOG2E * shift, shift, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0),
+        launches.append(((grid1, j - i, splits), (
+            q_nope[i:j], q_rope[i:j], view, slots[i:j], part[:, i:j], lse[:, i:j], h, n_keys, per_split,
+            softmax_scale * LOG2E * shift, shift, q_nope.stride(0), q_nope.stride(1), q_rope.stride(0),
             q_rope.stride(1), view.stride(0), slots.stride(0), part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0, **meta,
-            **pdl_args(q_nope.device))
-    if splits > 1:
-        _combine_kernel[(t, h)](part, lse, out, splits, h, dc, part.stride(0), part.stride(1), part.stride(2),
-                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=triton.next_power_of_2(dc),
-                                num_warps=4, **pdl_args(part.device))
-    return out
+            lse.stride(0), lse.stride(1))))
+    return part, lse, launches, meta
 
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
