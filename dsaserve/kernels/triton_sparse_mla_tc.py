@@ -1,23 +1,23 @@
 """GPU sparse MLA for many tokens (prefill, decode batches >= 16): tensor-core tiles over the gathered top-k rows
 (request path stage 6, attention).
 
-Owns: `sparse_mla_attention_tc`, the same op as `reference.sparse_mla_attention` (weight-absorbed: scores on the
-latent = kv_lora nope + rope; output the attention-weighted nope latent), after FlashMLA's sparse kernels. One
-program takes one token, all its heads (<= 64, the MMA rows: every gathered KV row feeds 64 of them), its output
-columns (or half of them, `dv_split=2`) and one split of its top-k. Per BLOCK_K slots it
+Owns: `sparse_mla_attention`, the registry's op (this kernel from TC_MIN_TOKENS tokens on, `triton_sparse_mla`'s
+split-K flash-decoding below), and `sparse_mla_attention_tc`, the same op as `reference.sparse_mla_attention`
+(weight-absorbed: scores on the latent = kv_lora nope + rope; output the attention-weighted nope latent), after
+FlashMLA's sparse kernels. One program takes one token, all its heads (<= 64, the MMA rows: every gathered KV
+row feeds 64 of them), half of its output columns (`dv_split` 2; 1: all) and one split of its top-k. Per
+BLOCK_K slots it
   gathers the rows (-1 = skip; 64-bit row offsets; the next tile's rows are prefetched into L2 meanwhile),
   dequantises the nope part once into two bf16 halves that serve both dots (fp8_ds_mla: scale per 128 applied
   on the tile; `e4m3_bf16` decodes FP8 with integer ops instead of sm_90's slow conversion path),
   scores S = Q_a C_a^T + Q_b C_b^T + Q_rope R^T in one accumulator chain (wgmma),
   runs an online softmax in fp32 / exp2 that rescales the accumulator only when a row's maximum grew by more
-  than 2^RESCALE_LOG2 (FlashAttention-4's lazy rescale: P stays below 2^8, and 128 multiplies a thread are
-  skipped on most tiles), and accumulates P C (the gathered rows are never reloaded).
-The [64, 512] fp32 accumulator takes 128 registers a thread at 8 warps (two warpgroups, 256 columns each).
+  than 2^RESCALE_LOG2 (FlashAttention-4's lazy rescale: P stays below 2^8, and the accumulator multiplies are
+  skipped on most tiles), and accumulates P C over its own columns (the gathered rows are never reloaded).
 Few tokens split the top-k over programs (flash-decoding), merged by `triton_sparse_mla`'s combine kernel.
-`triton_sparse_mla.sparse_mla_attention` dispatches here from TC_MIN_TOKENS tokens on;
-bench/sweep_sparse_mla_tc.py times the configs.
+Configs: DEFAULT's comment; bench/sweep_sparse_mla_tc.py times them, bench/offline_sm90.py compiles them for
+sm_90 without a GPU (registers, spills, shared memory, loop instructions).
 """
-
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -92,7 +92,8 @@ else:
 @triton.jit
 def e4m3_bf16(x, BITS: tl.constexpr):
     """uint8 e4m3 bytes -> bf16, exact: with BITS the e4m3 exponent read as bf16's (value * 2^-120, subnormals
-    included, NaN not kept); else Triton's conversion (e4m3 -> f16 -> f32 -> bf16 on sm_90)."""
+    included, NaN not kept: the cache never holds one); else Triton's own conversion (sm_90 has no direct
+    e4m3 -> bf16 instruction; bench/sweep_sparse_mla_tc.py times both)."""
     if BITS:
         y = _e4m3_bits(x)
     else:
