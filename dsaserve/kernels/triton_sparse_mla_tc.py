@@ -84,9 +84,9 @@ else:
         return a * b
 
     @triton.jit
-    def _prefetch_l2(ptrs):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    def _prefetch_l2(ptrs):  # not pure: kept although its (dummy) result is unused
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
