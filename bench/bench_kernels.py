@@ -30,6 +30,7 @@ from dsaserve.kernels import triton_indexer_dispatch as DISPATCH
 from dsaserve.kernels import triton_kv_write as KVW
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_sparse_mla as MLA
+from dsaserve.kernels import triton_sparse_mla_tc as MLA_TC
 from dsaserve.weights.fp8 import quantize_fp8_block
 
 L2_BYTES = 60 << 20
@@ -40,6 +41,7 @@ LINEAR_M = (1, 8, 32, 64, 128)  # 128 crosses into the _scaled_mm path
 PREFILL_M = (4096, 8192)
 PREFILL_T = 4096  # prefill tokens for MoE and sparse MLA
 INDEXER_PREFILL = (2048, 8192)  # (new tokens, context) of one prefill chunk
+FLASHMLA_TFLOPS = {"decode": 410.0, "prefill": 640.0}  # FlashMLA's sparse FP8 decode / prefill kernels, H800
 PREFILL_MOE_SWEEP = False  # prefill MoE tile sweep (three 5 ms configs); its result is the default now
 RESULTS: list[dict] = []
 
@@ -409,12 +411,31 @@ def bench_mla(cfg, ceil, sweep):
                    "triton fp8_ds_mla", sec, 0, fl, "bf16_flops", ceil)
         except Exception as ex:  # noqa: BLE001
             print("mla prefill failed", conf, repr(ex)[:200])
+    bench_mla_tc(cfg, ceil)
     for layout in ("bf16",):
         t = DECODE_T[-2]
         b = _mla_inputs(t, CONTEXTS[-1], cfg, topk, layout)
         sec = graph_time([lambda: MLA.sparse_mla_attention(b[0], b[1], b[2], layout, b[3], scale, dc)])
         record("sparse_mla", f"T={t} ctx={CONTEXTS[-1]} topk={topk}", f"triton {layout}", sec,
                t * min(topk, CONTEXTS[-1]) * 2 * (dc + dr), 0, "hbm", ceil)
+
+
+def bench_mla_tc(cfg, ceil):
+    """The tensor-core kernel (issue 17) where the registry takes it (T >= 16), beside FlashMLA's figures; the
+    ratio column reads its TFLOP/s against this run's bf16 GEMM (bench/sweep_sparse_mla_tc.py: its configs)."""
+    topk, h, dc, dr = cfg.index_topk, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = (cfg.qk_head_dim) ** -0.5
+    for t in (32, 128, PREFILL_T):
+        kind = "prefill" if t == PREFILL_T else "decode"
+        nbytes = t * topk * 656 + 2 * t * h * (2 * dc + dr)
+        sets = [_mla_inputs(t, CONTEXTS[-1], cfg, topk) for _ in range(copies_for(nbytes, cap=16))]
+        sec = graph_time([lambda a=a: MLA_TC.sparse_mla_attention_tc(a[0], a[1], a[2], "fp8_ds_mla", a[3], scale, dc)
+                          for a in sets], reps=5 if kind == "prefill" else 20)
+        fl = MLA.flops(t, h, topk, dc, dr)
+        ref = FLASHMLA_TFLOPS[kind]
+        record("sparse_mla", f"{kind} T={t} topk={topk} (FlashMLA H800: {ref:.0f})", "triton tensor-core fp8_ds_mla",
+               sec, nbytes, fl, "bf16_flops", ceil, flashmla_TFLOPs=ref, vs_flashmla=fl / sec / 1e12 / ref)
+        del sets
 
 
 # ---- KV writes ------------------------------------------------------------------------------------------
