@@ -59,7 +59,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_kv_write,
         triton_moe,
         triton_moe_route,
-        triton_sparse_mla_tc,
+        triton_sparse_mla,
     )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
@@ -89,9 +89,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
-        "sparse_mla_attention": (triton_sparse_mla_tc.sparse_mla_attention,
-                                 f"triton tensor-core tiles (T>={triton_sparse_mla_tc.TC_MIN_TOKENS}), "
-                                 "else sparse flash-decoding"),
+        "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
     })

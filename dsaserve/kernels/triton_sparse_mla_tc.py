@@ -15,6 +15,11 @@ BLOCK_K slots it
   than 2^RESCALE_LOG2 (FlashAttention-4's lazy rescale: P stays below 2^8, and the accumulator multiplies are
   skipped on most tiles), and accumulates P C over its own columns (the gathered rows are never reloaded).
 Few tokens split the top-k over programs (flash-decoding), merged by `triton_sparse_mla`'s combine kernel.
+Measured on an H200 (bench/RESULTS.md, 2026-11-30): the integer FP8 decode (`bits`) gives wrong numbers on the
+hardware (rel 0.34 on fp8_ds_mla; exact in the interpreter and in emulation), and with sm_90's conversion
+this kernel is 0.92-1.00x the split-K kernel (107 vs 91 TFLOP/s at T=128 only with the wrong decode). So
+the registry does not bind it; it stays for the sweep (the next step is a pipelined gather, e.g. cp.async
+or TMA, which Triton 3.6 does not give us for row gathers on Hopper).
 Configs: DEFAULT's comment; bench/sweep_sparse_mla_tc.py times them, bench/offline_sm90.py compiles them for
 sm_90 without a GPU (registers, spills, shared memory, loop instructions).
 """
@@ -45,7 +50,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
 # specialisation on Hopper). 8 warps on all 512 columns (one program a token) runs S twice anyway (Triton gives
 # a chained dot all warps along M = 64 rows: both warpgroups compute the same S) and spills (offline sm_90
 # compile: ~140 local loads a tile); bench/sweep_sparse_mla_tc.py times both.
-DEFAULT = {"block_k": 32, "num_warps": 4, "num_stages": 1, "dv_split": 2, "bits": True, "prefetch": True,
+DEFAULT = {"block_k": 32, "num_warps": 4, "num_stages": 1, "dv_split": 2, "bits": False, "prefetch": True,
            "splits": None}
 _LAYOUT = {"fp8_ds_mla": 0, "bf16": 1, "fp32": 1, "fp8_e4m3": 2}  # the kernel's LAYOUT constexpr
 
