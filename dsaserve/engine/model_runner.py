@@ -178,8 +178,11 @@ class ModelRunner:
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
         with _Timer(self.startup_time, "warmup"):
-            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size],
-                                                 self.cfg.vocab_size)
+            # the chunk size, and one step just over the piecewise buckets: large eager steps of either
+            # alignment class (Triton specialises integer arguments divisible by 16) compile before Up
+            large = [max(self.args.piecewise_tokens) + 1] if self.args.piecewise_tokens else []
+            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool,
+                                                 [self.chunked_prefill_size, *large], self.cfg.vocab_size)
         if not self.args.disable_cuda_graph and self._graphs_possible():
             with _Timer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
@@ -254,7 +257,9 @@ class ModelRunner:
             return self.graphs.replay(batch)
         if route == "piecewise":
             return self.piecewise.forward(batch)
-        if route != "eager":
+        if route == "eager_large":
+            COUNTERS.add("eager_large_steps")
+        elif route != "eager":
             COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
@@ -276,6 +281,8 @@ class ModelRunner:
             reason = self.piecewise.fallback_reason(batch)
             if reason is None:
                 return "piecewise"
+            if reason == "tokens_over_piecewise_max":
+                return "eager_large"  # by design (warmup_plan.piecewise_buckets says why), not a fallback
         return f"eager:{reason}"
 
     def forward_idle(self, mtp_layer: int | None = None) -> None:

@@ -54,27 +54,28 @@ def decode_buckets(max_bs: int) -> list[int]:
     return sorted(set(out + [max_bs]))
 
 
-def piecewise_buckets(max_tokens: int) -> list[int]:
-    """Token counts of the piecewise graphs: 8, 16, 32, then every 64 to 512, then 4 per octave (640, 768,
-    896, 1024, 1280, ...), and max_tokens itself (every step has at most max_num_batched_tokens tokens).
+# the default largest bucket: measured on an H200 (piecewise_buckets); one 64-row step past the attention core's
+# last row class (ROW_SWEEP + 1 = 513 rows) so that class is warmed through the piecewise path
+PIECEWISE_MAX_TOKENS = 576
+
+
+def piecewise_buckets(max_tokens: int, cap: int = PIECEWISE_MAX_TOKENS) -> list[int]:
+    """Token counts of the piecewise graphs: 8, 16, 32, then every 64 up to min(max_tokens, cap) (576), and
+    that bound itself. A larger step runs eagerly, counted as `eager_large_steps` (not a fallback).
 
     Why this shape: a replay saves the host's launches of every per-token op (~25 per layer, tens of µs each
     on the H200's host), a constant per step; padding costs the GPU time of the padded rows. Up to ~512
     tokens a layer's GEMMs read their weights once whatever the row count (padding is nearly free, but
-    M <= 32 has its own skinny GEMM path, hence 8/16/32); past it the step grows ~linearly in tokens, so
-    the spacing is relative: at most 25 % padding (12 % on average) for ~4 graphs per octave. Padded rows
+    M <= 32 has its own skinny GEMM path, hence 8/16/32). Why the cap: on the H200 (glm-5.3-slice, 32 decode
+    rows + a chunk) piecewise replay took a mixed step of 288 tokens from 14.1 to 12.0 ms, but one of 1056
+    tokens (33.9 ms) and of 4128 (99.8 ms) not at all: past a few hundred tokens the GPU time hides the
+    launches, while each bucket costs capture time at every start-up and graph-pool memory. Padded rows
     are identical (token 0 at position 0, zero attention output): they add at most one row's experts."""
     if max_tokens < 1:
         raise ValueError(f"piecewise_buckets: max_tokens must be positive, got {max_tokens}")
-    out, t = [8, 16, 32], 64
-    while t <= 512:
-        out.append(t)
-        t += 64
-    t = 640
-    while t < max_tokens:
-        out.append(t)
-        t += max(128, (1 << (t.bit_length() - 1)) // 4)
-    return sorted({b for b in out if b < max_tokens} | {max_tokens})
+    top = min(max_tokens, cap)
+    out = [8, 16, 32, *range(64, cap + 1, 64)]
+    return sorted({b for b in out if b < top} | {top})
 
 
 def parse_buckets(text: str, flag: str) -> list[int]:
