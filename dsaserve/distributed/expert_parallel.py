@@ -1,8 +1,8 @@
 """Expert parallelism for the routed experts of MoE layers (stage 6, "MoE").
 
-Owns the three ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
+Owns the four ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
 computes the same top-k from the same hidden states, so every rank also knows every other rank's send and
-receive counts without exchanging them); in the third, each rank routes only its own tokens:
+receive counts without exchanging them); in the last two (DP-attention), each rank holds its own tokens:
 
   simple EP (default): every rank runs its own experts on all tokens — pairs routed elsewhere get weight 0
     on local expert 0 — and the MoE layer's one all-reduce (the same call TP needs anyway) sums the parts.
@@ -19,6 +19,13 @@ receive counts without exchanging them); in the third, each rank routes only its
     first, then dispatch (each pair's row with its expert id and routing weight packed on as 8 bytes, one
     call) and combine (the weighted output rows back). Per MoE layer: 3 all_to_all, nothing else. A rank
     with no tokens still makes all three calls (`idle_exchange`), so the collectives never hang.
+  DP-attention gather (`dp_gather_forward`, SGLang's DP-attention MoE without DeepEP): every rank's batch
+    is padded to the same row count P (engine/dp_step.py agrees on it each step; an idle rank runs P rows
+    of padding), so each MoE layer all-gathers the n x P hidden rows, routes them (row-wise: the top-k each
+    rank would pick for its own), runs this rank's experts on all of them — pairs of other ranks' experts at
+    weight 0, as simple EP — and reduce-scatters the routed sums back to the rows' own rank; the shared
+    expert stays local. Per MoE layer 1 all_gather + 1 reduce_scatter of n x P x H, shapes fixed by P: the
+    collectives replay inside the decode CUDA graphs.
 
 Also: turning global expert ids into this rank's local ones, and slicing experts whose intermediate part is
 not 128-aligned after dequantising them (see distributed/sharding.py).
@@ -147,6 +154,15 @@ def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torc
     back = all_to_all(y, send_counts, recv_counts, g)  # combine: my pairs' weighted outputs, in send order
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, send_tok, back.float()).to(x.dtype)
+
+
+def dp_gather_forward(moe: nn.Module, x: torch.Tensor, ctx: object) -> torch.Tensor:
+    """The MoE layer's output [P, H] (routed + shared) for this rank's P rows (padding included), every rank
+    holding the same P: all-gather, this rank's experts over all ranks' rows, reduce-scatter."""
+    every = all_gather(x, moe.group)  # [n * P, H], rank-major: rank r's rows at [r * P, (r + 1) * P)
+    weights, ids = moe.gate(every, ctx)
+    routed = reduce_scatter(moe.experts(every, weights, ids, ctx), moe.group)  # sums over the experts' ranks
+    return routed if moe.shared_experts is None else routed + moe.shared_experts(x)
 
 
 def idle_exchange(experts: nn.Module, group: Group, hidden: int, dtype: torch.dtype, device: torch.device,

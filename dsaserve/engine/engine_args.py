@@ -16,7 +16,8 @@ Parallel layout (SGLang's flags; docs/PARALLELISM.md): world = max(tp, ep) ranks
   tensor_parallel_size (--tp)      attention / dense MLP / shared expert / vocab split over the world
   expert_parallel_size (--ep)      routed experts split over ep ranks
   enable_dp_attention              attention data-parallel: each rank schedules its own requests over its
-                                   own KV pool; the MoE layers exchange tokens (all-to-all) across ranks
+                                   own KV pool; the MoE layers gather (decode, in CUDA graphs) or exchange
+                                   (all-to-all) tokens across ranks, per step (--dp-moe)
   nnodes / node_rank / dist_init_addr   the same ranks over several machines (node 0 serves HTTP)
 """
 
@@ -42,8 +43,10 @@ def no_gpu_present() -> bool:
     return not has_nvidia and not Path("/dev/kfd").exists()
 
 DTYPES = ("auto", "float32", "bfloat16")
-_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas")
+_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas",
+               "dp_moe")
 DEVICES = ("cpu", "cuda")
+DP_MOE = ("auto", "gather", "a2a")  # engine/dp_step.py
 
 
 def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
@@ -84,6 +87,10 @@ class EngineArgs:
                                      aliases=("--ep", "--ep-size"))
     enable_dp_attention: bool = _arg("attention data-parallel over the ranks (each its own requests and KV "
                                      "pool); MoE tokens exchanged by all-to-all; needs --ep = the world size", False)
+    dp_moe: str = _arg("DP-attention: how each step's MoE layers meet (engine/dp_step.py). auto: padded "
+                       "all-gather / reduce-scatter inside the decode CUDA graphs when every rank decodes within "
+                       "--cuda-graph-max-bs, all-to-all exchange (eager) when a rank prefills or the batch is "
+                       "larger; gather / a2a: always that way", "auto", choices=DP_MOE)
     moe_a2a: bool = _arg("routed experts via all-to-all dispatch/combine instead of one all-reduce (needs --ep "
                          "= the world size; implied by --enable-dp-attention)", False)
     nnodes: int = _arg("machines the ranks span", 1)

@@ -24,7 +24,8 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
+from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
+from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch, pad_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
@@ -66,6 +67,10 @@ class ModelRunner:
                 device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
                 dp_attention=args.enable_dp_attention)
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
+        # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
+        self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
+            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs), args.dp_moe)
+        self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
         self.dtype = DTYPES[args.resolved_dtype()]
         self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
@@ -162,18 +167,21 @@ class ModelRunner:
             num_pages = pool_pages_for_budget(self.cfg, layout, budget, layers)
             if num_pages <= 0:
                 raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
-        sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
+        # CUDA-graph padding rows write here, and DP-attention's padded steps on any device
+        sink = 1 if self.device.type == "cuda" or self.dp_sync is not None else 0
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
-        if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
+        gather = self.dp_sync is not None and self.args.dp_moe != A2A  # DP: the padded steps replay graphs
+        if self.parallel.moe_a2a and not gather:  # dispatch/combine need host split sizes: eager every step
             COUNTERS.add("eager_fallbacks.moe_a2a", 0)
             return None
         if not getattr(get_ops(self.device), "graph_safe", False):
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
             return None
         max_pages = -(-self.max_model_len // PAGE_SIZE)
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
+                                 moe_gather=gather)
         try:
             runner.capture()
         except RuntimeError as e:  # serve eagerly rather than not at all; the manifest and metrics say why
@@ -199,22 +207,52 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed step's may be
         a view of the graph's output: read them before the next forward). A host batch goes to the device
-        here: into the graphs' static inputs in one copy, or field by field for an eager step."""
-        if self.graphs is not None:
-            reason = self.graphs.fallback_reason(batch)
+        here: into the graphs' static inputs in one copy, or field by field for an eager step. Under
+        DP-attention every rank calls this or `forward_idle()` once per step (they agree on the step first)."""
+        if self.dp_sync is not None:
+            return self._dp_forward(batch)
+        return self._forward(batch)
+
+    def forward_idle(self, mtp_layer: int | None = None) -> None:
+        """DP-attention: nothing scheduled on this rank this step while others step. The main forward's
+        idle step takes part in the step's agreement and then runs padding through the graph (gather) or the
+        zero-token exchange (a2a); `mtp_layer=k` pairs with another rank's model-level `forward_mtp(k=k)`:
+        the zero-token exchange of that layer (`DsaForCausalLM.forward_idle`), so its collectives never hang."""
+        if self.dp_sync is not None and mtp_layer is None:
+            self._dp_forward(None)
+            return
+        self.model.forward_idle(mtp_layer)
+
+    def _forward(self, batch: ForwardBatch, rows: int | None = None) -> torch.Tensor:
+        """One rank's forward; `rows`: a DP gather step, every rank padded to that many rows (a graph bucket,
+        or eagerly padded here when this rank cannot replay it)."""
+        if self.graphs is not None and (self.dp_sync is None or rows is not None):
+            reason = self.graphs.fallback_reason(batch, rows)
             if reason is None:
-                return self.graphs.replay(batch)
+                return self.graphs.replay(batch, rows)
             if reason != "prefill":
                 COUNTERS.add(f"eager_fallbacks.{reason}")
+        if rows is not None:
+            batch = pad_batch(batch.to("cpu"), rows, self.kv_pool.sink_page)
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
-    def forward_idle(self, mtp_layer: int | None = None) -> None:
-        """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
-        with zero tokens (`DsaForCausalLM.forward_idle`), so theirs never hang."""
-        self.model.forward_idle(mtp_layer)
+    def _dp_forward(self, batch: ForwardBatch | None) -> torch.Tensor | None:
+        """DP-attention: agree on the step with the other ranks (engine/dp_step.py), then run it; None when
+        this rank had nothing scheduled."""
+        step = self.dp_step = self.dp_sync.agree(batch)
+        if step.mode == SKIP:
+            return None
+        if step.mode == A2A and batch is None:
+            self.model.forward_idle()
+            return None
+        if batch is None:
+            COUNTERS.add("idle_steps")
+            self._forward(empty_batch(self.page_size), step.rows)
+            return None
+        return self._forward(batch, step.rows if step.mode == GATHER else None)
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""
@@ -233,7 +271,8 @@ class ModelRunner:
         info = self.kv_pool.info()
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
-                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives},
+                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives}
+                | ({"dp_moe": self.args.dp_moe} if self.dp_sync is not None else {}),
                 "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
                 "memory_profile": self.profile.to_dict() if self.profile else None,
                 "kv_pool_ledger": self._ledger_pool_prediction(),

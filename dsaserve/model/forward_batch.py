@@ -27,6 +27,11 @@ class ForwardBatch:
     # host-side copies the reference kernels loop over (avoid device syncs in hot paths)
     seq_lens_cpu: list[int] | None = None
     extend_lens_cpu: list[int] | None = None
+    # DP-attention's graph-safe step (engine/dp_step.py): every rank's batch padded to one row count, the MoE
+    # layers all-gather / reduce-scatter instead of exchanging by all-to-all; the last `num_padding` requests
+    # are padding (one token each, KV into the sink page), not traffic
+    moe_gather: bool = False
+    num_padding: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,10 @@ normalised weights x routed_scaling_factor), the stacked expert weights (w13 = [
 down) that per-expert checkpoint tensors are loaded into, and the shared expert added to the routed sum.
 Under TP / EP a rank holds its experts (and rows) only, and the layer ends with one reduction over the MoE
 group, or all-to-all dispatch / combine (dsaserve/distributed/expert_parallel.py, docs/PARALLELISM.md).
-Under DP-attention each rank routes its own tokens and exchanges them (`dp_exchange`); `forward_idle` is the
-same layer with no tokens, so a rank without work still makes every call.
+Under DP-attention each rank holds its own tokens: a padded step (`batch.moe_gather`, every rank the same row
+count) gathers every rank's rows (`dp_gather_forward`, graph-safe); otherwise each rank routes its own and
+exchanges them (`dp_exchange`), and `forward_idle` is that layer with no tokens, so a rank without work still
+makes every call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dsaserve.distributed.collectives import all_reduce
 from dsaserve.distributed.expert_parallel import (
     a2a_moe_forward,
     dp_exchange,
+    dp_gather_forward,
     finalize_deferred_experts,
     idle_exchange,
     local_routes,
@@ -183,6 +186,8 @@ class MoE(nn.Module):
             idle_exchange(self.experts, self.group, self.gate.cfg.hidden_size, dtype, device, ctx)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.dp and ctx.batch.moe_gather:  # padded DP step: route every rank's rows, after the gather
+            return dp_gather_forward(self, x, ctx)
         weights, ids = self.gate(x, ctx)
         if self.dp:  # own tokens only: routed experts by exchange, the (replicated) shared expert here
             out = dp_exchange(self.experts, self.group, x, weights, ids, ctx)
