@@ -110,7 +110,7 @@ class CudaGraphRunner:
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.req_index[:bs], self.seq_lens[:bs],
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
                             torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones,
-                            moe_gather=self.moe_gather)
+                            dp_rows=bs if self.moe_gather else 0)
 
     def _reset_padding(self, start: int, end: int | None = None, host: bool = False) -> None:
         """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page

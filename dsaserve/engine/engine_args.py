@@ -87,10 +87,11 @@ class EngineArgs:
                                      aliases=("--ep", "--ep-size"))
     enable_dp_attention: bool = _arg("attention data-parallel over the ranks (each its own requests and KV "
                                      "pool); MoE tokens exchanged by all-to-all; needs --ep = the world size", False)
-    dp_moe: str = _arg("DP-attention: how each step's MoE layers meet (engine/dp_step.py). auto: padded "
-                       "all-gather / reduce-scatter inside the decode CUDA graphs when every rank decodes within "
-                       "--cuda-graph-max-bs, all-to-all exchange (eager) when a rank prefills or the batch is "
-                       "larger; gather / a2a: always that way", "auto", choices=DP_MOE)
+    dp_moe: str = _arg("DP-attention: how each step's MoE layers meet (engine/dp_step.py). auto: all-gather / "
+                       "reduce-scatter of every rank's rows, inside the decode CUDA graphs when every rank decodes "
+                       "within --cuda-graph-max-bs, eager while ranks x the busiest rank's tokens fit "
+                       "--max-num-batched-tokens, else the all-to-all exchange; gather / a2a: always that way",
+                       "auto", choices=DP_MOE)
     moe_a2a: bool = _arg("routed experts via all-to-all dispatch/combine instead of one all-reduce (needs --ep "
                          "= the world size; implied by --enable-dp-attention)", False)
     nnodes: int = _arg("machines the ranks span", 1)

@@ -11,6 +11,7 @@ torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
-from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch, pad_batch
+from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
@@ -69,7 +70,8 @@ class ModelRunner:
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
         # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
         self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
-            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs), args.dp_moe)
+            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs),
+            max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)  # the step the profile sizes
         self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
         self.dtype = DTYPES[args.resolved_dtype()]
         self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
@@ -167,8 +169,7 @@ class ModelRunner:
             num_pages = pool_pages_for_budget(self.cfg, layout, budget, layers)
             if num_pages <= 0:
                 raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
-        # CUDA-graph padding rows write here, and DP-attention's padded steps on any device
-        sink = 1 if self.device.type == "cuda" or self.dp_sync is not None else 0
+        sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
@@ -215,44 +216,49 @@ class ModelRunner:
 
     def forward_idle(self, mtp_layer: int | None = None) -> None:
         """DP-attention: nothing scheduled on this rank this step while others step. The main forward's
-        idle step takes part in the step's agreement and then runs padding through the graph (gather) or the
-        zero-token exchange (a2a); `mtp_layer=k` pairs with another rank's model-level `forward_mtp(k=k)`:
-        the zero-token exchange of that layer (`DsaForCausalLM.forward_idle`), so its collectives never hang."""
+        idle step takes part in the step's agreement and then replays padding through the step's graph, or
+        runs the MoE layers' collectives with no tokens of its own (`DsaForCausalLM.forward_idle`);
+        `mtp_layer=k` pairs with another rank's model-level `forward_mtp(k=k)`: the zero-token exchange of
+        that layer, so its collectives never hang."""
         if self.dp_sync is not None and mtp_layer is None:
             self._dp_forward(None)
             return
         self.model.forward_idle(mtp_layer)
 
-    def _forward(self, batch: ForwardBatch, rows: int | None = None) -> torch.Tensor:
-        """One rank's forward; `rows`: a DP gather step, every rank padded to that many rows (a graph bucket,
-        or eagerly padded here when this rank cannot replay it)."""
-        if self.graphs is not None and (self.dp_sync is None or rows is not None):
-            reason = self.graphs.fallback_reason(batch, rows)
+    def _forward(self, batch: ForwardBatch, step: DPStep | None = None) -> torch.Tensor:
+        """One rank's forward. `step`: a DP gather step — a graph step replays the agreed bucket where this
+        rank can; otherwise eager, its own tokens, the MoE layers padding them to the agreed rows."""
+        bucket = step.rows if step is not None and step.graph else None
+        if self.graphs is not None and (self.dp_sync is None or bucket is not None):
+            reason = self.graphs.fallback_reason(batch, bucket)
             if reason is None:
-                return self.graphs.replay(batch, rows)
+                return self.graphs.replay(batch, bucket)
             if reason != "prefill":
                 COUNTERS.add(f"eager_fallbacks.{reason}")
-        if rows is not None:
-            batch = pad_batch(batch.to("cpu"), rows, self.kv_pool.sink_page)
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if step is not None:
+            batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
 
     def _dp_forward(self, batch: ForwardBatch | None) -> torch.Tensor | None:
         """DP-attention: agree on the step with the other ranks (engine/dp_step.py), then run it; None when
-        this rank had nothing scheduled."""
+        this rank had nothing scheduled (its padding replays the step's graph, or its MoE layers run idle)."""
         step = self.dp_step = self.dp_sync.agree(batch)
         if step.mode == SKIP:
             return None
-        if step.mode == A2A and batch is None:
-            self.model.forward_idle()
-            return None
-        if batch is None:
+        gather = step if step.mode == GATHER else None
+        if batch is not None:
+            return self._forward(batch, gather)
+        idle = empty_batch(self.page_size)
+        if gather is not None and step.graph and self.graphs is not None \
+                and self.graphs.fallback_reason(idle, step.rows) is None:
             COUNTERS.add("idle_steps")
-            self._forward(empty_batch(self.page_size), step.rows)
-            return None
-        return self._forward(batch, step.rows if step.mode == GATHER else None)
+            self.graphs.replay(idle, step.rows)
+        else:
+            self.model.forward_idle(dp_rows=step.rows, dp_tokens=step.tokens if gather else ())
+        return None
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""

@@ -159,10 +159,11 @@ def dp_a2a_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int
 
 def dp_padded_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, rank_rows: int,
                    mtp: bool = False) -> list[CollectiveRow]:
-    """dsaserve's graph-safe DP-attention decode (distributed/expert_parallel.py `dp_gather_forward`): every
-    rank pads its batch to the same `rank_rows` (engine: the decode-graph bucket of the busiest rank's
-    tokens; an idle rank runs a batch of padding), and each MoE layer all-gathers the n x rank_rows hidden
-    rows, runs the rank's experts on all of them and reduce-scatters the routed sums back to their ranks.
+    """dsaserve's DP-attention gather steps (distributed/expert_parallel.py `dp_gather_forward`): every rank
+    contributes the same `rank_rows` (engine/dp_step.py: at decode the graph bucket of the busiest rank's
+    tokens, an idle rank's batch all padding; eager steps the busiest rank's count), and each MoE layer
+    all-gathers the n x rank_rows hidden rows, runs the rank's experts on them and reduce-scatters the
+    routed sums back to their ranks.
     Messages are one rank's (the gathered output, the full reduce-scatter input), the same on every rank.
     Against `dp_a2a_plan`: 2 calls instead of 3 and no host split sizes; per rank on the wire
     2 (n-1) x rank_rows x h x a instead of about 2 k (n-1)/n x tokens x h x a (k = top-k): fewer bytes

@@ -66,9 +66,7 @@ def step_counts(shape: ForwardShape, pool: PagedKV, seq_lens: list[int], extend_
 
 def count_step(shape: ForwardShape, pool: PagedKV, batch: ForwardBatch) -> None:
     """Add one forward's counters from the batch's host lengths (nothing while counting is off: profile,
-    warmup, capture). Padding requests (DP-attention's padded steps) are not traffic, as in a graph replay."""
+    warmup, capture)."""
     if COUNTERS.enabled:
-        seq_lens, extend_lens = batch.host_lens()
-        real = len(seq_lens) - batch.num_padding
-        for name, value in step_counts(shape, pool, seq_lens[:real], extend_lens[:real]).items():
+        for name, value in step_counts(shape, pool, *batch.host_lens()).items():
             COUNTERS.add(name, value)

@@ -1,8 +1,9 @@
 """DP2 + EP2 on two gloo ranks: each rank runs its own requests (uneven token counts; at some steps none,
 through `forward_idle`) and its logits equal the single-rank model's for those requests; its counted
 collectives are exactly the ledger's plan for the layout and the step the ranks agreed on (dsaserve's
-DP-attention: prefills `dp_moe="a2a"`, decodes the padded gather, `dp_moe="padded"`).
-Scenario: tests/distributed/dp_harness.py. float32 weights, fp32 KV.
+DP-attention, engine/dp_step.py: decodes take the graph-sized gather, `dp_moe="padded"`; with a step budget
+of 128 tokens rank 1's prefill takes the eager gather and rank 0's, twice its tokens past the budget, the
+all-to-all exchange, `dp_moe="a2a"`). Scenario: tests/distributed/dp_harness.py. float32 weights, fp32 KV.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ FP32 = 4
 DEP = Deployment(tp=2, ep=2, dp_attention=True)
 ASM = Assumptions(dp_moe="a2a", act_bytes=FP32, dispatch_bytes=FP32, combine_bytes=FP32, logits_bytes=FP32)
 PADDED = Assumptions(dp_moe="padded", act_bytes=FP32)
+BUDGET = 128  # the runs' max_num_batched_tokens: gather steps gather at most this many rows over both ranks
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_ranks(dp_worker, N_DECODE, tmp_path_factory.mktemp("dp_ranks"))
+    return run_ranks(dp_worker, N_DECODE, tmp_path_factory.mktemp("dp_ranks"), max_num_batched_tokens=BUDGET)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -48,16 +50,24 @@ def _by_kind(plan) -> dict[str, tuple[float, float]]:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_the_ranks_agree_on_each_step_prefills_exchange_and_decodes_gather(runs, name):
-    """The rule (engine/dp_step.py): a prefill on any rank -> all-to-all; decode-only steps, idle rank or not ->
-    the padded gather at the graph bucket of the busiest rank (rank 0's 2 tokens: bucket 2, rank 1 pads 1 row,
-    or 2 when idle; rank 1 alone: bucket 1, rank 0 pads 1 row)."""
+def test_the_ranks_agree_on_each_step_and_every_path_runs(runs, name):
+    """The rule (engine/dp_step.py): decode-only steps, idle rank or not -> a graph gather step at the bucket of
+    the busiest rank (rank 0's 2 tokens: bucket 2, rank 1 pads 1 row, or 2 when idle; rank 1 alone: bucket 1);
+    a prefill -> an eager gather of the busiest rank's tokens while both ranks' rows fit the budget, else the
+    all-to-all exchange."""
     _, ranks = runs
+    paths = set()
     for a, b in zip(ranks[0][name]["steps"][:-1], ranks[1][name]["steps"][:-1], strict=True):
-        assert a["dp_step"] == b["dp_step"] and a["dp_step"].tokens == (a["tokens"], b["tokens"])
-        prefill = "prefill" in (a["what"][0], b["what"][0])
-        busiest = max(a["tokens"], b["tokens"])  # 1 or 2: buckets of their own
-        assert (a["dp_step"].mode, a["dp_step"].rows) == (("a2a", 0) if prefill else ("gather", busiest)), a["what"]
+        step = a["dp_step"]
+        assert step == b["dp_step"] and step.tokens == (a["tokens"], b["tokens"])
+        busiest = max(step.tokens)  # decode: 1 or 2, buckets of their own
+        if "prefill" not in (a["what"][0], b["what"][0]):
+            want = ("gather", busiest, True)
+        else:
+            want = ("a2a", 0, False) if 2 * busiest > BUDGET else ("gather", busiest, False)
+        assert (step.mode, step.rows, step.graph) == want, a["what"]
+        paths.add(want[::2])
+    assert paths == {("gather", True), ("gather", False), ("a2a", False)}
 
 
 @pytest.mark.parametrize("name", CONFIGS)

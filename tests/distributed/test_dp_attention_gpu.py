@@ -1,10 +1,10 @@
 """DP2 + EP2 on two GPUs over NCCL (skipped without them): the scenario of test_dp_attention.py — each rank
 its own requests, idle steps — on the GPU kernels (FP8 weights, bf16, fp32 KV), against one GPU's logits for
-the same requests (its decode steps replayed from CUDA graphs). DP-attention's decode steps are the padded
-gather steps (engine/dp_step.py) and must replay CUDA graphs on both ranks too — the busy rank's batch and
-the idle rank's padding, the MoE all-gather / reduce-scatter inside the graph — with the ledger's
-`dp_moe="padded"` collectives; prefills take the all-to-all exchange (eager), or with `dp_moe="gather"` the
-padded path too (eager past the largest bucket).
+the same requests (its decode steps replayed from CUDA graphs). DP-attention's decode steps are graph gather
+steps (engine/dp_step.py) and must replay CUDA graphs on both ranks too — the busy rank's batch and the idle
+rank's padding, the MoE all-gather / reduce-scatter inside the graph — with the ledger's `dp_moe="padded"`
+collectives. With a 128-token step budget rank 1's prefill is an eager gather step and rank 0's the
+all-to-all exchange; `dp_moe="gather"` runs rank 0's through the eager gather too.
 
 With bf16 activations (DSASERVE_FP8_ACTIVATIONS=0) the bound is the single-GPU tests' "same math, another
 kernel order" (tests/engine/test_engine_gpu.py). With FP8 activations a rank's batch takes another GEMM path
@@ -29,7 +29,7 @@ from tests.distributed.harness import run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 NAME = "glm-5.3-tiny"  # EP2 and DP-attention cut no FP8 block of it (TP2 would: 96 q_b rows per rank)
-GPU = {"device": "cuda", "dtype": "bfloat16", "num_pages": 32, "cuda_graph_max_bs": 4}
+GPU = {"device": "cuda", "dtype": "bfloat16", "num_pages": 32, "cuda_graph_max_bs": 4, "max_num_batched_tokens": 128}
 DEP, PADDED = Deployment(tp=2, ep=2, dp_attention=True), Assumptions(dp_moe="padded", act_bytes=2)
 
 BOUND = {"0": 1e-2, "1": 0.25}  # by DSASERVE_FP8_ACTIVATIONS: see the module docstring
@@ -66,16 +66,14 @@ def test_decode_steps_replay_graphs_with_the_ledgers_padded_collectives(runs):
     cfg = load_config(NAME)
     steps = list(zip(ranks[0][NAME]["steps"], ranks[1][NAME]["steps"], strict=True))
     for a, b in steps[:-1]:  # the last step is the MTP one: both ranks call the model, exchange path
-        step = a["dp_step"]
-        assert step == b["dp_step"]
+        step, decode = a["dp_step"], "prefill" not in (a["what"][0], b["what"][0])
+        assert step == b["dp_step"] and step.graph == decode
         if step.mode == "a2a":
-            assert "prefill" in (a["what"][0], b["what"][0])
             assert {s["counters"]["collective_calls.all_to_all"] for s in (a, b)} == {3 * len(cfg.moe_layers)}
             continue
         want = {f"collective_{w}.{r.kind}": v for r in step_plan(cfg, DEP, PADDED, a["tokens"] + b["tokens"],
                                                                  rank_rows=step.rows)
                 for w, v in (("calls", r.calls), ("bytes", r.total_message))}
-        decode = "prefill" not in (a["what"][0], b["what"][0])
         for s in (a, b):  # the busy rank's batch and the idle rank's padding both replay the bucket's graph
             assert s["graph_replays"] == (1 if decode else 0), (s["what"], step)
             assert {k: v for k, v in s["counters"].items() if not k.startswith("collective_wire")} == want
