@@ -257,7 +257,8 @@ def main() -> None:
                   f"{row['comm_measured_ms']:.3f} ms vs ledger {_vs(row, 'comm_ledger_ms')}, with measured latency "
                   f"{_vs(row, 'comm_ledger_calibrated_ms')}, + sweep bandwidth "
                   f"{_vs(row, 'comm_ledger_calibrated_bw_ms')}"
-                  + (f" [dp {row['dp_step']['mode']} rows {row['dp_step']['rows']}]" if row.get("dp_step") else ""))
+                  + (f" [dp {row['dp_step']['mode']} rows {row['dp_step']['rows']}"
+                     f"{' graph' if row['dp_step']['graph'] else ''}]" if row.get("dp_step") else ""))
     for row in r0.get("prefill", []):
         print(f"{args.config} {args.layout} prefill {row['tokens']}: {row['seconds']:.3f} s ({row['ratio']:.2f}x)")
     if r0.get("latency_sweep"):
