@@ -17,12 +17,15 @@ control plane, not counted with the model's collectives) — and every rank deri
   skip: no rank has a token (the leader stepped everybody, nobody could schedule): no forward at all.
 
 The rule (`--dp-moe auto`): a graph gather step when every busy rank is decode-only and the busiest holds at
-most `cuda_graph_max_bs` tokens; else an eager gather step while the gathered rows (ranks x busiest) fit the
-step size the memory profile sized activations for (`max_gather_rows` = max(chunked_prefill_size,
-max_num_batched_tokens)); else a2a. Why gather first: per MoE layer the busiest rank puts 2(n-1) x rows x H x a
+most `cuda_graph_max_bs` tokens; else an eager gather step while the gathered rows (ranks x busiest) fit what
+the memory profile sized (`max_gather_rows` = ranks x max(chunked_prefill_size, max_num_batched_tokens): the
+profile runs its largest prefill as a gather step of every rank, `as_gather_step` — so every step the
+scheduler forms gathers); else a2a (a forward larger than the scheduler's budget, e.g. a benchmark's).
+Why gather first: per MoE layer the busiest rank puts 2(n-1) x rows x H x a
 bytes on the wire against 2k(n-1)/n x rows x H x a for its dispatch + combine (k = top-k, 8 for GLM-5.3:
 gather is never more while n <= k), in 2 calls instead of 3 and with no host sync; the experts compute only
-their own pairs either way (other ranks' pairs and padding rows are absent experts, skipped by the kernels).
+their own pairs either way (other ranks' pairs, and an eager step's padding rows, are absent experts, which
+the kernels skip).
 What gather costs is memory: every rank's experts see n x rows tokens' pairs, n times a rank's own — so a
 step past what the profile measured goes a2a. `--dp-moe gather` / `a2a` force one way for every step.
 """
@@ -30,7 +33,7 @@ step past what the profile measured goes a2a. `--dp-moe gather` / `a2a` force on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -84,6 +87,15 @@ class DPStepSync:
         table = torch.stack(self._table).tolist()
         return choose_dp_step([t for t, _ in table], [bool(d) for _, d in table], self.buckets,
                               self.max_gather_rows, self.policy)
+
+
+def as_gather_step(batch: ForwardBatch, dp_world: int) -> ForwardBatch:
+    """The batch as a gather step of `dp_world` ranks that each hold as many tokens: how the memory profile and
+    the prefill warmup run under DP-attention, so they size (and compile for) the largest step the rule lets
+    gather — every rank's experts over dp_world x its tokens. One rank (dp_world 1): the batch as it is."""
+    if dp_world <= 1:
+        return batch
+    return replace(batch, dp_rows=batch.num_tokens, dp_tokens=(batch.num_tokens,) * dp_world)
 
 
 def empty_batch(page_size: int) -> ForwardBatch:

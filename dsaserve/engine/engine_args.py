@@ -89,8 +89,8 @@ class EngineArgs:
                                      "pool); MoE tokens exchanged by all-to-all; needs --ep = the world size", False)
     dp_moe: str = _arg("DP-attention: how each step's MoE layers meet (engine/dp_step.py). auto: all-gather / "
                        "reduce-scatter of every rank's rows, inside the decode CUDA graphs when every rank decodes "
-                       "within --cuda-graph-max-bs, eager while ranks x the busiest rank's tokens fit "
-                       "--max-num-batched-tokens, else the all-to-all exchange; gather / a2a: always that way",
+                       "within --cuda-graph-max-bs, else eager (every step the scheduler forms: the memory profile "
+                       "sizes for it); the all-to-all exchange past that; gather / a2a: always that way",
                        "auto", choices=DP_MOE)
     moe_a2a: bool = _arg("routed experts via all-to-all dispatch/combine instead of one all-reduce (needs --ep "
                          "= the world size; implied by --enable-dp-attention)", False)

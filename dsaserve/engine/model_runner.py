@@ -71,7 +71,9 @@ class ModelRunner:
         # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
         self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
             self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs),
-            max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)  # the step the profile sizes
+            self.parallel.world_size * max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)
+        # the memory profile and the prefill warmup run as the largest gather step the rule allows
+        self.dp_world = self.parallel.world_size if self.dp_sync is not None and args.dp_moe != A2A else 1
         self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
         self.dtype = DTYPES[args.resolved_dtype()]
         self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
@@ -99,7 +101,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             with _Timer(self.startup_time, "warmup"):
                 self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size],
-                                                     self.cfg.vocab_size)
+                                                     self.cfg.vocab_size, self.dp_world)
             if not args.disable_cuda_graph:
                 with _Timer(self.startup_time, "cuda_graph_capture"):
                     self.graphs = self._capture_graphs()
@@ -130,7 +132,7 @@ class ModelRunner:
             self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.graph_max_bs, a.max_running_requests),
-                                          a.mem_fraction_static, self.graph_reserve_bytes)
+                                          a.mem_fraction_static, self.graph_reserve_bytes, self.dp_world)
         budget = self.profile.kv_budget_bytes
         if self.parallel.world_size > 1:
             t = torch.tensor([budget], dtype=torch.int64, device=self.device)

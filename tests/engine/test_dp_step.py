@@ -9,7 +9,7 @@ from dsaserve.engine.cuda_graph_runner import decode_buckets
 from dsaserve.engine.dp_step import DPStep, choose_dp_step, empty_batch
 
 BUCKETS = decode_buckets(16)  # 1, 2, 4, 8, 16
-BUDGET = 256  # max(chunked_prefill_size, max_num_batched_tokens): the step the memory profile sized
+BUDGET = 256  # max_gather_rows: 2 ranks x max(chunked_prefill_size, max_num_batched_tokens) = 128, as profiled
 
 
 @pytest.mark.parametrize("tokens, decode, policy, want", [
