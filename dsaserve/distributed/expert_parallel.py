@@ -1,11 +1,12 @@
 """Expert parallelism for the routed experts of MoE layers (stage 6, "MoE").
 
-Owns the three ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
+Owns the four ways a rank's experts meet the tokens. In the first two, routing is replicated (every rank
 computes the same top-k from the same hidden states, so every rank also knows every other rank's send and
-receive counts without exchanging them); in the third, each rank routes only its own tokens:
+receive counts without exchanging them); in the last two (DP-attention), each rank holds its own tokens:
 
-  simple EP (default): every rank runs its own experts on all tokens — pairs routed elsewhere get weight 0
-    on local expert 0 — and the MoE layer's one all-reduce (the same call TP needs anyway) sums the parts.
+  simple EP (default): every rank runs its own experts on all tokens — pairs routed elsewhere are skipped
+    (`local_routes`: an absent expert's id) — and the MoE layer's one all-reduce (the same call TP needs
+    anyway) sums the parts.
     One collective per MoE layer, message T x H; the cost is each rank touching every token.
   all-to-all dispatch / combine (`moe_a2a=True`, ep = world; the DP-attention + EP row of note 001 that the
     ledger models for large deployments): each rank takes a contiguous 1/n of the tokens, sends each
@@ -19,6 +20,13 @@ receive counts without exchanging them); in the third, each rank routes only its
     first, then dispatch (each pair's row with its expert id and routing weight packed on as 8 bytes, one
     call) and combine (the weighted output rows back). Per MoE layer: 3 all_to_all, nothing else. A rank
     with no tokens still makes all three calls (`idle_exchange`), so the collectives never hang.
+  DP-attention gather (`dp_gather_forward`, SGLang's DP-attention MoE without DeepEP): every rank
+    contributes the same row count P (engine/dp_step.py agrees on it each step: a replayed graph's padded
+    batch, or the rank's own tokens padded here), so each MoE layer all-gathers the n x P hidden rows,
+    routes them (row-wise: the top-k each rank would pick for its own), runs this rank's experts on all of
+    them — pairs of other ranks' experts, and padding rows, are absent experts the kernels skip — and
+    reduce-scatters the routed sums back to the rows' own rank; the shared expert stays local. Per MoE layer
+    1 all_gather + 1 reduce_scatter of n x P x H, shapes fixed by P: they replay inside the decode graphs.
 
 Also: turning global expert ids into this rank's local ones, and slicing experts whose intermediate part is
 not 128-aligned after dequantising them (see distributed/sharding.py).
@@ -37,12 +45,13 @@ from dsaserve.kernels.reference import dequant_fp8_weight
 
 def local_routes(weights: torch.Tensor, ids: torch.Tensor,
                  p: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(weights, ids) over global experts -> over this rank's experts: pairs routed to other ranks become
-    (weight 0, local expert 0). Returns the mask of pairs that are really local (None: all experts here)."""
+    """(weights, ids) over global experts -> over this rank's experts: pairs routed to other ranks (or to no
+    expert: id -1) become (weight 0, id p.count), an absent expert the MoE kernels skip
+    (`fused_moe(absent=True)`). Returns the mask of pairs that are really local (None: all experts here)."""
     if p.count == p.total:
         return weights, ids, None
     local = (ids >= p.first) & (ids < p.first + p.count)
-    return weights.masked_fill(~local, 0.0), torch.where(local, ids - p.first, 0), local
+    return weights.masked_fill(~local, 0.0), torch.where(local, ids - p.first, p.count), local
 
 
 def finalize_deferred_experts(experts: nn.Module, dtype: torch.dtype, keep_fp8: bool) -> None:
@@ -147,6 +156,25 @@ def dp_exchange(experts: nn.Module, group: Group, x: torch.Tensor, weights: torc
     back = all_to_all(y, send_counts, recv_counts, g)  # combine: my pairs' weighted outputs, in send order
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, send_tok, back.float()).to(x.dtype)
+
+
+def dp_gather_forward(moe: nn.Module, x: torch.Tensor, rows: int, tokens: tuple[int, ...],
+                      ctx: object) -> torch.Tensor:
+    """The MoE layer's output [T, H] (routed + shared) for this rank's T <= rows rows: padded to `rows`,
+    all-gathered, this rank's experts over every rank's rows, reduce-scattered. `tokens` (eager steps):
+    every rank's own count, whose padding rows then route to no expert; () when every row is computed (a
+    graph's padded batch)."""
+    t = x.shape[0]
+    mine = torch.nn.functional.pad(x, (0, 0, 0, rows - t)) if rows > t else x
+    every = all_gather(mine, moe.group)  # [n * rows, H], rank-major: rank r's rows at [r * rows, (r + 1) * rows)
+    weights, ids = moe.gate(every, ctx)
+    if any(n < rows for n in tokens):
+        real = torch.arange(rows, device=x.device)[None, :] < torch.tensor(tokens, device=x.device)[:, None]
+        ids = ids.masked_fill(~real.reshape(-1, 1), -1)  # -1: no rank's expert (`local_routes`)
+    routed = reduce_scatter(moe.experts(every, weights, ids, ctx), moe.group)[:t]  # sums over the experts' ranks
+    if moe.shared_experts is None or t == 0:  # an idle rank: no 0-row GEMM launch
+        return routed
+    return routed + moe.shared_experts(x)
 
 
 def idle_exchange(experts: nn.Module, group: Group, hidden: int, dtype: torch.dtype, device: torch.device,

@@ -12,7 +12,8 @@ max(tp, ep) ranks.
   - attention, dense MLPs, shared experts, embedding and lm_head: TP over `tp_group` (tp = world), or
     replicated (tp = 1, only with ep = world: "replicated attention + EP");
   - DP-attention (`dp_attention`, ep = world): the same modules replicated, but each rank runs them on its
-    *own* batch (its own requests and KV pool); the state records tp_size = 1 and moe_a2a = True;
+    *own* batch (its own requests and KV pool); the state records tp_size = 1 and moe_a2a = True (the
+    all-to-all exchange is one of its two MoE paths) and a CPU group for the per-step agreement;
   - routed experts: `moe_group` = the world; experts split ep ways, each expert's intermediate split
     moe_tp = world / ep ways. EP rank = rank // moe_tp, so ranks of one EP rank are consecutive.
 """
@@ -53,6 +54,9 @@ class ParallelState:
     world: Group = Group("world")
     tp_group: Group = Group("tp")
     moe_group: Group = Group("moe")
+    # DP-attention: the CPU (gloo) group over which the ranks agree on every step (engine/dp_step.py); the
+    # world itself when the backend is gloo
+    dp_cpu_group: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def dp_size(self) -> int:
@@ -183,11 +187,15 @@ def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool 
         return set_parallel_state(ParallelState(moe_a2a=False))
     rank = dist.get_rank()
     world_group = Group("world", real_world, rank, dist.group.WORLD)
+    dp_cpu = None
+    if dp_attention:  # every rank creates it, in the same order (new_group is collective)
+        dp_cpu = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=timeout_s))
     tp_group = Group("tp", real_world, rank, dist.group.WORLD) if lay.attn_tp > 1 else Group("tp")
     return set_parallel_state(ParallelState(
         world_size=real_world, rank=rank, tp_size=lay.attn_tp, ep_size=ep_size, moe_a2a=moe_a2a or dp_attention,
         dp_attention=bool(dp_attention), backend=dist.get_backend(), world=world_group, tp_group=tp_group,
-        moe_group=Group("moe", real_world, rank, dist.group.WORLD)))
+        moe_group=Group("moe", real_world, rank, dist.group.WORLD), dp_cpu_group=dp_cpu))
 
 
 def validate_for_model(cfg, state: ParallelState) -> None:

@@ -63,10 +63,14 @@ class _Graph:
 
 
 class CudaGraphRunner:
+    """`moe_gather`: DP-attention — the graphs are captured with every rank's batch padded to the bucket and the
+    MoE layers' all-gather / reduce-scatter inside (engine/dp_step.py); `replay` then takes the agreed bucket.
+    `future_token_ids`: overlap scheduling — placeholder input ids resolve inside the graph."""
+
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
-                 future_token_ids: torch.Tensor | None = None):
-        self.model, self.pool, self.page_size = model, pool, pool.page_size
-        self.future_token_ids = future_token_ids  # overlap scheduling: placeholder ids resolve in the graph
+                 future_token_ids: torch.Tensor | None = None, moe_gather: bool = False):
+        self.model, self.pool, self.page_size, self.moe_gather = model, pool, pool.page_size, moe_gather
+        self.future_token_ids = future_token_ids
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
@@ -101,7 +105,8 @@ class CudaGraphRunner:
         ones = [1] * bs
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.req_index[:bs], self.seq_lens[:bs],
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
-                            torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones)
+                            torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones,
+                            dp_rows=bs if self.moe_gather else 0)
 
     def _reset_padding(self, start: int, end: int | None = None, host: bool = False) -> None:
         """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page
@@ -148,26 +153,28 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         return sorted(self.graphs)
 
-    def fallback_reason(self, batch: ForwardBatch) -> str | None:
-        """None if this batch can replay a graph, else why it runs eager (counted by reason)."""
+    def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
+        """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it
+        runs eager (counted by reason). A batch of no requests (an idle DP rank's) replays padding only."""
         if not self.graphs:
             return "no_graphs"
         seq_lens, ext = batch.host_lens()
-        if all(n != 1 for n in ext):
+        if ext and all(n != 1 for n in ext):
             return "prefill"  # the piecewise graphs' (engine/piecewise_runner.py), or eager
         if any(n != 1 for n in ext):
             return "mixed_prefill_decode"
-        if len(ext) > self.max_bs:
+        if len(ext) > self.max_bs or (bucket is not None and bucket not in self.graphs):
             return "batch_over_max_bs"
         if batch.page_table.shape[1] > self.max_pages:
             return "context_over_capture"
         return None
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of the batch's logits rows. When every row samples (decode) they are a view of the graph's
-        output buffer: valid until the next replay (the engine samples before it builds the next step)."""
+    def replay(self, batch: ForwardBatch, bucket: int | None = None) -> torch.Tensor:
+        """Logits of the batch's logits rows (the graph of `bucket`, default the smallest that holds the
+        batch). When every row samples (decode) they are a view of the graph's output buffer: valid until the
+        next replay (the engine samples before it builds the next step)."""
         bs = batch.batch_size
-        bucket = next(b for b in self.buckets if b >= bs)
+        bucket = bucket or next(b for b in self.buckets if b >= bs)
         if batch.input_ids.is_cuda and not self.copy_in_graph:
             self._load_device(batch, bs, bucket)
         else:

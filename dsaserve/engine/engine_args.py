@@ -16,7 +16,8 @@ Parallel layout (SGLang's flags; docs/PARALLELISM.md): world = max(tp, ep) ranks
   tensor_parallel_size (--tp)      attention / dense MLP / shared expert / vocab split over the world
   expert_parallel_size (--ep)      routed experts split over ep ranks
   enable_dp_attention              attention data-parallel: each rank schedules its own requests over its
-                                   own KV pool; the MoE layers exchange tokens (all-to-all) across ranks
+                                   own KV pool; the MoE layers gather (decode, in CUDA graphs) or exchange
+                                   (all-to-all) tokens across ranks, per step (--dp-moe)
   nnodes / node_rank / dist_init_addr   the same ranks over several machines (node 0 serves HTTP)
 """
 
@@ -44,8 +45,9 @@ def no_gpu_present() -> bool:
 
 DTYPES = ("auto", "float32", "bfloat16")
 _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas",
-               "piecewise_cuda_graph_tokens")
+               "piecewise_cuda_graph_tokens", "dp_moe")
 DEVICES = ("cpu", "cuda")
+DP_MOE = ("auto", "gather", "a2a")  # engine/dp_step.py
 
 
 def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
@@ -95,6 +97,11 @@ class EngineArgs:
                                      aliases=("--ep", "--ep-size"))
     enable_dp_attention: bool = _arg("attention data-parallel over the ranks (each its own requests and KV "
                                      "pool); MoE tokens exchanged by all-to-all; needs --ep = the world size", False)
+    dp_moe: str = _arg("DP-attention: how each step's MoE layers meet (engine/dp_step.py). auto: all-gather / "
+                       "reduce-scatter of every rank's rows, inside the decode CUDA graphs when every rank decodes "
+                       "within --cuda-graph-max-bs, else eager (every step the scheduler forms: the memory profile "
+                       "sizes for it); the all-to-all exchange past that; gather / a2a: always that way",
+                       "auto", choices=DP_MOE)
     moe_a2a: bool = _arg("routed experts via all-to-all dispatch/combine instead of one all-reduce (needs --ep "
                          "= the world size; implied by --enable-dp-attention)", False)
     nnodes: int = _arg("machines the ranks span", 1)

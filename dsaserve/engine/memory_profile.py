@@ -20,6 +20,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout
+from dsaserve.engine.dp_step import as_gather_step
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 
@@ -64,10 +65,12 @@ def indexer_score_budget() -> int:
 
 def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int,
-                   activation_copies: int = 1) -> MemoryProfile:
+                   activation_copies: int = 1, dp_world: int = 1) -> MemoryProfile:
     """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool.
     activation_copies 2: the piecewise graphs' pool keeps one forward's activations at the largest token
-    bucket for good, beside what eager work (the attention cores, fallbacks) still allocates."""
+    bucket for good, beside what eager work (the attention cores, fallbacks) still allocates. `dp_world` > 1
+    (DP-attention): both as gather steps of that many ranks (engine/dp_step.py), the largest MoE
+    activations a step may have."""
     torch.cuda.synchronize()
     _, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
@@ -78,8 +81,8 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     torch.cuda.reset_peak_memory_stats(device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic
     try:
-        model(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device), scratch)
-        model(dummy_decode(min(max_decode_bs, pages // 2), 1, page, device), scratch)
+        model(as_gather_step(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device), dp_world), scratch)
+        model(as_gather_step(dummy_decode(min(max_decode_bs, pages // 2), 1, page, device), dp_world), scratch)
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
@@ -96,15 +99,16 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     return MemoryProfile(total, weights, max(peak, 0), graph_reserve_bytes, mem_fraction_static, budget)
 
 
-def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int) -> list[int]:
-    """One eager forward per configured chunk size, writing into the first pages (nobody owns them yet)."""
+def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int, dp_world: int = 1) -> list[int]:
+    """One eager forward per configured chunk size, writing into the first pages (nobody owns them yet);
+    under DP-attention (`dp_world` > 1) as the gather step it would be."""
     warmed = []
     enabled, COUNTERS.enabled = COUNTERS.enabled, False
     try:
         for n in sorted(set(chunk_sizes)):
             if -(-n // pool.page_size) > pool.num_pages:
                 continue
-            model(dummy_prefill(n, pool.page_size, vocab, pool.kv_buffer.device), pool)
+            model(as_gather_step(dummy_prefill(n, pool.page_size, vocab, pool.kv_buffer.device), dp_world), pool)
             warmed.append(n)
         if pool.kv_buffer.is_cuda:
             torch.cuda.synchronize()

@@ -11,6 +11,7 @@ torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
+from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
+from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
@@ -70,6 +72,13 @@ class ModelRunner:
                 device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
                 dp_attention=args.enable_dp_attention)
         self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
+        # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
+        self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
+            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs),
+            self.parallel.world_size * max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)
+        # the memory profile and the prefill warmup run as the largest gather step the rule allows
+        self.dp_world = self.parallel.world_size if self.dp_sync is not None and args.dp_moe != A2A else 1
+        self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
         self.dtype = DTYPES[args.resolved_dtype()]
         self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
@@ -132,7 +141,8 @@ class ModelRunner:
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.graph_max_bs, a.max_running_requests),
                                           a.mem_fraction_static, self.graph_reserve_bytes,
-                                          activation_copies=2 if a.piecewise_tokens else 1)
+                                          activation_copies=2 if a.piecewise_tokens and self.dp_sync is None else 1,
+                                          dp_world=self.dp_world)
         budget = self.profile.kv_budget_bytes
         if self.parallel.world_size > 1:
             t = torch.tensor([budget], dtype=torch.int64, device=self.device)
@@ -181,8 +191,8 @@ class ModelRunner:
             # the chunk size, and one step just over the piecewise buckets: large eager steps of either
             # alignment class (Triton specialises integer arguments divisible by 16) compile before Up
             large = [max(self.args.piecewise_tokens) + 1] if self.args.piecewise_tokens else []
-            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool,
-                                                 [self.chunked_prefill_size, *large], self.cfg.vocab_size)
+            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size, *large],
+                                                 self.cfg.vocab_size, self.dp_world)
         if not self.args.disable_cuda_graph and self._graphs_possible():
             with _Timer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
@@ -197,8 +207,13 @@ class ModelRunner:
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
                            "core_shapes": cores, "sampler_variants": sampler}
 
+    @property
+    def _dp_gather_graphs(self) -> bool:
+        """DP-attention with the gather MoE: the padded decode steps replay graphs (engine/dp_step.py)."""
+        return self.dp_sync is not None and self.args.dp_moe != A2A
+
     def _graphs_possible(self) -> bool:
-        if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
+        if self.parallel.moe_a2a and not self._dp_gather_graphs:  # host split sizes: eager every step
             COUNTERS.add("eager_fallbacks.moe_a2a", 0)
             return False
         if not getattr(get_ops(self.device), "graph_safe", False):
@@ -218,7 +233,7 @@ class ModelRunner:
             return None
 
     def _capture_piecewise(self) -> PiecewiseRunner | None:
-        if not self.args.piecewise_tokens:
+        if not self.args.piecewise_tokens or self.dp_sync is not None:  # DP: its MoE exchange is not segmented
             return None
         runner = PiecewiseRunner(self.model, self.kv_pool, self.args.piecewise_tokens, self.args.max_running_requests,
                                  -(-self.max_model_len // PAGE_SIZE), self.future_token_ids)
@@ -228,7 +243,7 @@ class ModelRunner:
     def _capture_decode(self) -> CudaGraphRunner:
         max_pages = -(-self.max_model_len // PAGE_SIZE)
         runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
-                                 self.future_token_ids)
+                                 self.future_token_ids, moe_gather=self._dp_gather_graphs)
         # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
         runner.capture()
         return runner
@@ -251,30 +266,20 @@ class ModelRunner:
         may be a view of the graph's output: read them before the next forward). A host batch goes to the
         device here: into a graph runner's static inputs in one copy, or field by field for an eager step.
         Under overlap scheduling an input id -1-j is the token the step before sampled in row j
-        (`future_token_ids[j]`), resolved on the device — inside the decode graph for a replay."""
-        route = self.route(batch)
-        if route == "decode_graph":
-            return self.graphs.replay(batch)
-        if route == "piecewise":
-            return self.piecewise.forward(batch)
-        if route == "eager_large":
-            COUNTERS.add("eager_large_steps")
-        elif route != "eager":
-            COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
-        if batch.input_ids.device != self.device:
-            batch = batch.to(self.device)
-        if self.future_token_ids is not None:
-            resolve_placeholders_(batch.input_ids, self.future_token_ids)
-        logits, _ = self.model(batch, self.kv_pool)
-        return logits
+        (`future_token_ids[j]`), resolved on the device — inside the decode graph for a replay. Under
+        DP-attention every rank calls this or `forward_idle()` once per step (they agree on the step first)."""
+        if self.dp_sync is not None:
+            return self._dp_forward(batch)
+        return self._forward(batch)
 
-    def route(self, batch: ForwardBatch) -> str:
-        """The path `forward` takes: 'decode_graph' (every row decodes, within the captured buckets),
-        'piecewise' (within the token buckets), else 'eager:<reason>' (counted), or 'eager' where no graphs
-        were captured (CPU, --disable-cuda-graph: every step is eager by design)."""
-        if self.graphs is None and self.piecewise is None:
+    def route(self, batch: ForwardBatch, bucket: int | None = None) -> str:
+        """The path `forward` takes: 'decode_graph' (every row decodes, within the captured buckets; under
+        DP-attention the agreed `bucket`), 'piecewise' (within the token buckets), 'eager_large' (over them, by
+        design), else 'eager:<reason>' (counted), or 'eager' where no graph applies by design (CPU,
+        --disable-cuda-graph, a DP step the ranks agreed to run eagerly)."""
+        if (self.graphs is None and self.piecewise is None) or (self.dp_sync is not None and bucket is None):
             return "eager"
-        reason = self.graphs.fallback_reason(batch) if self.graphs is not None else "no_decode_graphs"
+        reason = self.graphs.fallback_reason(batch, bucket) if self.graphs is not None else "no_decode_graphs"
         if reason is None:
             return "decode_graph"
         if self.piecewise is not None:
@@ -286,9 +291,55 @@ class ModelRunner:
         return f"eager:{reason}"
 
     def forward_idle(self, mtp_layer: int | None = None) -> None:
-        """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
-        with zero tokens (`DsaForCausalLM.forward_idle`), so theirs never hang."""
+        """DP-attention: nothing scheduled on this rank this step while others step. The main forward's
+        idle step takes part in the step's agreement and then replays padding through the step's graph, or
+        runs the MoE layers' collectives with no tokens of its own (`DsaForCausalLM.forward_idle`);
+        `mtp_layer=k` pairs with another rank's model-level `forward_mtp(k=k)`: the zero-token exchange of
+        that layer, so its collectives never hang."""
+        if self.dp_sync is not None and mtp_layer is None:
+            self._dp_forward(None)
+            return
         self.model.forward_idle(mtp_layer)
+
+    def _forward(self, batch: ForwardBatch, step: DPStep | None = None) -> torch.Tensor:
+        """One rank's forward. `step`: a DP gather step — a graph step replays the agreed bucket where this
+        rank can; otherwise eager, its own tokens, the MoE layers padding them to the agreed rows."""
+        bucket = step.rows if step is not None and step.graph else None
+        route = self.route(batch, bucket)
+        if route == "decode_graph":
+            return self.graphs.replay(batch, bucket)
+        if route == "piecewise":
+            return self.piecewise.forward(batch)
+        if route == "eager_large":
+            COUNTERS.add("eager_large_steps")
+        elif route != "eager":
+            COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        if self.future_token_ids is not None:
+            resolve_placeholders_(batch.input_ids, self.future_token_ids)
+        if step is not None:
+            batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
+        logits, _ = self.model(batch, self.kv_pool)
+        return logits
+
+    def _dp_forward(self, batch: ForwardBatch | None) -> torch.Tensor | None:
+        """DP-attention: agree on the step with the other ranks (engine/dp_step.py), then run it; None when
+        this rank had nothing scheduled (its padding replays the step's graph, or its MoE layers run idle)."""
+        step = self.dp_step = self.dp_sync.agree(batch)
+        if step.mode == SKIP:
+            return None
+        gather = step if step.mode == GATHER else None
+        if batch is not None:
+            return self._forward(batch, gather)
+        idle = empty_batch(self.page_size)
+        if gather is not None and step.graph and self.graphs is not None \
+                and self.graphs.fallback_reason(idle, step.rows) is None:
+            COUNTERS.add("idle_steps")
+            self.graphs.replay(idle, step.rows)
+        else:
+            self.model.forward_idle(dp_rows=step.rows, dp_tokens=step.tokens if gather else ())
+        return None
 
     def _ledger_pool_prediction(self) -> dict:
         """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""
@@ -307,7 +358,8 @@ class ModelRunner:
         info = self.kv_pool.info()
         return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
-                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives},
+                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives}
+                | ({"dp_moe": self.args.dp_moe} if self.dp_sync is not None else {}),
                 "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
                 "memory_profile": self.profile.to_dict() if self.profile else None,
                 "kv_pool_ledger": self._ledger_pool_prediction(),

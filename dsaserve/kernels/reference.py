@@ -182,24 +182,28 @@ def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
 
 
 def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) -> None:
-    """counter (int64 scalar on ids' device) += how many distinct values in [0, num_values) ids holds; no
-    host sync, so it replays inside CUDA graphs (the `moe_experts_touched` counter)."""
-    hit = torch.zeros(num_values, dtype=torch.int64, device=ids.device)
-    counter += hit.index_fill_(0, ids.reshape(-1).clamp(0, num_values - 1), 1).sum()
+    """counter (int64 scalar on ids' device) += how many distinct values in [0, num_values) ids holds (an id
+    of num_values — an absent expert's pair, `fused_moe` — is not counted); no host sync, so it replays
+    inside CUDA graphs (the `moe_experts_touched` counter)."""
+    hit = torch.zeros(num_values + 1, dtype=torch.int64, device=ids.device)
+    counter += hit.index_fill_(0, ids.reshape(-1).clamp(0, num_values), 1)[:num_values].sum()
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              add: torch.Tensor | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None, absent: bool = False) -> torch.Tensor:
     """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k] (+ add, e.g. the
     shared expert's output, after the sum is rounded to x.dtype).
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; FP8 with block scales, or dense when the
-    scales are None (the CPU path dequantises once at load).
+    scales are None (the CPU path dequantises once at load). `absent`: ids may be E — a pair whose expert
+    another rank holds (`local_routes`) — which contributes nothing and costs nothing.
     """
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
     for e in topk_ids.unique().tolist():
+        if e >= w13.shape[0]:  # an absent expert's pairs
+            continue
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         a = w13[e] if w13_scale is None else dequant_fp8_weight(w13[e], w13_scale[e])
         b = w2[e] if w2_scale is None else dequant_fp8_weight(w2[e], w2_scale[e])

@@ -32,13 +32,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     """Sort pairs by expert and pad each expert's run to a multiple of block_m (static output sizes).
 
     Returns sorted_ids [max_blocks * block_m] int32 (pair index t*k+j, or T*k for padding), expert of each
-    block [max_blocks] int32, and the padded total [1] int32 (blocks at or past it are skipped).
+    block [max_blocks] int32, and the padded total [1] int32 (blocks at or past it are skipped). Pairs of id
+    num_experts (an absent expert's, `fused_moe(absent=True)`) sort into one last run past the total: no
+    GEMM block reads or writes them.
     """
     flat = topk_ids.reshape(-1)
     n = flat.numel()
-    max_blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
+    max_blocks = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m)
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pcum = padded.cumsum(0)
     start = counts.cumsum(0) - counts
@@ -49,7 +51,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(max_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(pcum, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, pcum[-1:].to(torch.int32)
+    return sorted_ids, block_expert, pcum[num_experts - 1:num_experts].to(torch.int32)
 
 
 @triton.jit
@@ -282,11 +284,13 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              add: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False) -> torch.Tensor:
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
-    ("unsorted" | "swap" | "gemm").
+    ("unsorted" | "swap" | "gemm"). `absent`: ids may be E (another rank's expert): no program computes those
+    pairs (the unsorted kernel's experts never match E, `moe_align` sorts them past its total) and their rows
+    of the per-pair output are zeros, so the combine adds nothing for them.
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -316,7 +320,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
 
     act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
     _grouped_gemm(*activations(x), w13, w13_scale, act, None, route, inter, h, top_k, True, **launch)
-    out = torch.empty(pairs, h, dtype=act_dtype, device=x.device)  # per-pair rows, summed in fp32 below
+    # per-pair rows, summed in fp32 below; absent pairs' rows are never written: zeros
+    out = (torch.zeros if absent else torch.empty)(pairs, h, dtype=act_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)

@@ -122,7 +122,8 @@ def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
 
 
 @triton.jit
-def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _count_distinct_kernel(ids_ptr, n, num_values, counter_ptr, E: tl.constexpr, CHUNK: tl.constexpr,
+                           PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     e = tl.arange(0, E)
     hit = tl.zeros([E], dtype=tl.int32)
@@ -130,6 +131,7 @@ def _count_distinct_kernel(ids_ptr, n, counter_ptr, E: tl.constexpr, CHUNK: tl.c
         offs = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
         hit = tl.maximum(hit, tl.max((ids[None, :] == e[:, None]).to(tl.int32), axis=1))
+    hit = tl.where(e < num_values, hit, 0)  # an absent expert's id (num_values) is not a value
     tl.atomic_add(counter_ptr, tl.sum(hit, axis=0).to(tl.int64))
 
 
@@ -137,5 +139,5 @@ def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) ->
     """GPU `reference.count_distinct`: counter (int64 scalar) += number of distinct values in ids, in one
     launch (the `moe_experts_touched` counter, accumulated on the device inside CUDA graphs)."""
     flat = ids.contiguous().view(-1)
-    _count_distinct_kernel[(1,)](flat, flat.numel(), counter, E=triton.next_power_of_2(num_values), CHUNK=64,
-                                 **pdl_args(flat.device))
+    _count_distinct_kernel[(1,)](flat, flat.numel(), num_values, counter, E=triton.next_power_of_2(num_values + 1),
+                                 CHUNK=64, **pdl_args(flat.device))

@@ -81,16 +81,20 @@ def row_time(row: CollectiveRow, hw: Hardware, asm: Assumptions, link: str = "nv
 
 
 def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, logits_rows: int | None = None,
-              mtp: bool = False, one_request: bool = False) -> list[CollectiveRow]:
+              mtp: bool = False, one_request: bool = False, rank_rows: int | None = None) -> list[CollectiveRow]:
     """Collectives of one forward over `tokens` tokens of the whole deployment (decode: b; prefill: chunk).
 
     `logits_rows` = rows the lm_head computes (decode: b; prefill chunk: 1 per request, 0 mid-prompt).
     `one_request`: the tokens are one request's (a prefill chunk), so under DP-attention one rank holds them
     all. MoE dispatch / combine rows are one rank's: see `a2a_tokens`.
-    DP-attention with `asm.dp_moe == "a2a"` is dsaserve's engine (`dp_a2a_plan`); otherwise the notes' table.
+    DP-attention with `asm.dp_moe` "a2a" or "padded" is dsaserve's engine (`dp_a2a_plan`, `dp_padded_plan`;
+    `rank_rows`: the rows every rank was padded to, default ceil(tokens / dp)); "gather" the notes' table.
     """
     if dep.dp_attention and asm.dp_moe == "a2a":
         return dp_a2a_plan(cfg, dep, asm, tokens, mtp)
+    if dep.dp_attention and asm.dp_moe == "padded":
+        rows = ceil_div(tokens, dep.dp) if rank_rows is None else rank_rows
+        return dp_padded_plan(cfg, dep, asm, rows, mtp)
     h, n = cfg.hidden_size, dep.tp
     layers = cfg.num_hidden_layers + (len(cfg.mtp_layer_ids) if mtp else 0)
     n_dense = len(cfg.dense_layers)
@@ -150,6 +154,27 @@ def dp_a2a_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int
                           "per row"),
             CollectiveRow("MoE combine", "all_to_all", n_moe, pairs * h * asm.combine_bytes, n,
                           f"{k} weighted expert outputs back per token")]
+    return [r for r in rows if r.ranks > 1 and r.calls]
+
+
+def dp_padded_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, rank_rows: int,
+                   mtp: bool = False) -> list[CollectiveRow]:
+    """dsaserve's DP-attention gather steps (distributed/expert_parallel.py `dp_gather_forward`): every rank
+    contributes the same `rank_rows` (engine/dp_step.py: at decode the graph bucket of the busiest rank's
+    tokens, an idle rank's batch all padding; eager steps the busiest rank's count), and each MoE layer
+    all-gathers the n x rank_rows hidden rows, runs the rank's experts on them and reduce-scatters the
+    routed sums back to their ranks.
+    Messages are one rank's (the gathered output, the full reduce-scatter input), the same on every rank.
+    Against `dp_a2a_plan`: 2 calls instead of 3 and no host split sizes; per rank on the wire
+    2 (n-1) x rank_rows x h x a instead of about 2 k (n-1)/n x tokens x h x a (k = top-k): fewer bytes
+    whenever rank_rows < k/n x the rank's tokens, i.e. for GLM-5.3 at n = 2 unless a rank holds 4x another's."""
+    n, h = dep.ep, cfg.hidden_size
+    n_moe = len(cfg.moe_layers) + (sum(cfg.is_moe(i) for i in cfg.mtp_layer_ids) if mtp else 0)
+    message = n * rank_rows * h * asm.act_bytes
+    rows = [CollectiveRow("MoE all-gather of every DP rank's rows", "all_gather", n_moe, message, n,
+                          f"{n} ranks x {rank_rows:,} padded rows: each rank runs its experts on every token"),
+            CollectiveRow("MoE reduce-scatter of the routed sums", "reduce_scatter", n_moe, message, n,
+                          "each rank's experts' partial sums back to the rows' own rank")]
     return [r for r in rows if r.ranks > 1 and r.calls]
 
 

@@ -106,9 +106,11 @@ class Assumptions:
     dp_gather: str = _a("once", "DP-attention: hidden all-gather once per step (note's table) or per layer "
                         "(note's worked example, 156 calls)", ("once", "per_layer"))
     dp_moe: str = _a("gather", "DP-attention MLP side: 'gather' = the notes' table (hidden all-gather, per-layer "
-                     "reduce-scatter, dense MLPs / shared experts / lm_head TP-split); 'a2a' = dsaserve's engine "
-                     "(all but the routed experts replicated; per MoE layer a count all-to-all, dispatch, combine)",
-                     ("gather", "a2a"))
+                     "reduce-scatter, dense MLPs / shared experts / lm_head TP-split); dsaserve's engine (all but the "
+                     "routed experts replicated) as 'padded' = its graph-safe decode path (every rank padded to one "
+                     "row count; per MoE layer an all-gather of the hidden rows and a reduce-scatter of the routed "
+                     "sums) or 'a2a' = its all-to-all path (per MoE layer a count all-to-all, dispatch, combine)",
+                     ("gather", "padded", "a2a"))
     dp_embed_allreduce: bool = _a(False, "DP-attention: embedding still vocab-parallel (one more all-reduce, the "
                                   "note's '1+1+78+3')")
     a2a_count: str = _a("rank", "MoE dispatch / combine bytes: 'rank' = one rank's own tokens (ceil(b/dp) under "
@@ -135,6 +137,11 @@ class Assumptions:
                                     "of ms to seconds)")
     uncovered_prefill_shapes: int = _a(0, "prefill shapes of the first request that warmup did not run")
     grammar_compile_s: float = _a(0.0, "first use of a JSON schema: grammar compile")
+
+    @property
+    def engine_dp(self) -> bool:
+        """DP-attention as dsaserve's engine runs it: everything but the routed experts whole on every rank."""
+        return self.dp_moe in ("padded", "a2a")
 
     def with_updates(self, updates: dict[str, str | Any]) -> Assumptions:
         """Set fields from strings (`--assume key=value`); errors name the key and the allowed values."""

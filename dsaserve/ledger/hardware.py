@@ -15,6 +15,15 @@ from typing import Any
 from dsaserve.ledger.units import GB, TFLOPS, US, MiB
 
 _NVLINK_OVERHEAD = "note 001: 'NVLink 上每次约 3–5µs' (kernel launch + sync + protocol); upper end taken"
+# The H200's NVLink per-collective latency: what one small collective costs when it replays inside a CUDA graph
+# (no host launch), the way dsaserve's decode steps run them. bench/bench_multi_gpu.py measures it in every
+# multi-GPU run (an in-graph latency sweep of all_reduce / all_gather / reduce_scatter, `fit_latency`) and
+# prints the two lines to put here. Until a sweep has run, note 001's assumption; bench/RESULTS.md
+# (2026-11-30) saw ~12 us per small all-reduce in a graph on two H200s, with the 5 us below the ledger's
+# communication came out 2.3-2.4x under the measured time.
+H200_NVLINK_LATENCY_S = 5 * US
+H200_NVLINK_LATENCY_SOURCE = (_NVLINK_OVERHEAD + "; bench/RESULTS.md 2026-11-30 saw ~12 us per in-graph all-reduce "
+                              "on 2xH200 (bench/bench_multi_gpu.py's latency sweep prints the measured value)")
 _IB_OVERHEAD = "assumption: inter-node NCCL small-message latency is several times NVLink's; measure on your fabric"
 _IB_CX7 = "ConnectX-7 400 Gb/s NDR, one NIC per GPU in the HGX reference design = 50 GB/s each way"
 
@@ -57,7 +66,7 @@ class Hardware:
 PRESETS: dict[str, Hardware] = {
     "h200": Hardware(
         "h200", hbm_bytes=150_109_880_320, hbm_bw=4.8e12, bf16_flops=989 * TFLOPS, fp8_flops=1979 * TFLOPS,
-        nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
+        nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=H200_NVLINK_LATENCY_S, ib_overhead_s=15 * US,
         sources={
             "hbm_bytes": "measured: torch.cuda.mem_get_info() total on an H200 SXM (nvidia-smi 143,771 MiB; "
                          "datasheet '141 GB')",
@@ -65,7 +74,7 @@ PRESETS: dict[str, Hardware] = {
             "bf16_flops": "H200 SXM datasheet 1,979 TFLOPS BF16 with sparsity -> 989 dense",
             "fp8_flops": "H200 SXM datasheet 3,958 TFLOPS FP8 with sparsity -> 1,979 dense",
             "nvlink_bw": "datasheet NVLink 900 GB/s (bidirectional, 18 NVLink4 links) -> 450 GB/s each way",
-            "ib_bw": _IB_CX7, "nvlink_overhead_s": _NVLINK_OVERHEAD, "ib_overhead_s": _IB_OVERHEAD}),
+            "ib_bw": _IB_CX7, "nvlink_overhead_s": H200_NVLINK_LATENCY_SOURCE, "ib_overhead_s": _IB_OVERHEAD}),
     "h100": Hardware(
         "h100", hbm_bytes=81_559 * MiB, hbm_bw=3.35e12, bf16_flops=989 * TFLOPS, fp8_flops=1979 * TFLOPS,
         nvlink_bw=450 * GB, ib_bw=50 * GB, nvlink_overhead_s=5 * US, ib_overhead_s=15 * US,
@@ -107,3 +116,19 @@ def get_hardware(name: str) -> Hardware:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"--hardware: {name!r} is not a preset ({', '.join(PRESETS)})") from None
+
+
+def fit_latency(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, bytes/s) of `seconds = latency + wire_bytes / bandwidth`, least squares over measured
+    (wire_bytes, seconds) points — how bench/bench_multi_gpu.py turns its in-graph sweep of small collectives
+    into this module's per-collective latency. A flat or falling sweep (latency-bound everywhere) gives an
+    infinite bandwidth and the mean time as the latency; the latency is never negative."""
+    if not points:
+        raise ValueError("fit_latency: no (wire_bytes, seconds) points")
+    n = len(points)
+    mx, my = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    var = sum((b - mx) ** 2 for b, _ in points)
+    slope = sum((b - mx) * (t - my) for b, t in points) / var if var else 0.0
+    if slope <= 0:
+        return max(my, 0.0), float("inf")
+    return max(my - slope * mx, 0.0), 1.0 / slope

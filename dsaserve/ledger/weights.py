@@ -107,7 +107,7 @@ def inventory(cfg: ModelConfig) -> WeightInventory:
 def divisor(group: str, dep: Deployment, asm: Assumptions) -> int:
     """How many ranks share one copy of a group (1 = replicated on every rank)."""
     g = group.removeprefix("mtp.")
-    if dep.dp_attention and asm.dp_moe == "a2a" and g != "experts":
+    if dep.dp_attention and asm.engine_dp and g != "experts":
         return 1  # dsaserve's DP-attention: everything but the routed experts is whole on every rank
     if g == "experts":
         return dep.ep if dep.ep > 1 else dep.tp

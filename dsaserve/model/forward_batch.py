@@ -27,6 +27,12 @@ class ForwardBatch:
     # host-side copies the reference kernels loop over (avoid device syncs in hot paths)
     seq_lens_cpu: list[int] | None = None
     extend_lens_cpu: list[int] | None = None
+    # DP-attention's gather step (engine/dp_step.py): the MoE layers all-gather `dp_rows` rows from every rank
+    # and reduce-scatter them back instead of exchanging by all-to-all. A replayed graph's batch is padded to
+    # them; an eager batch has its own tokens and the MoE pads (`dp_tokens`: every rank's own count, so the
+    # padding rows route to no expert)
+    dp_rows: int = 0
+    dp_tokens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

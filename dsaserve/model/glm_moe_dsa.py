@@ -217,11 +217,12 @@ class DsaForCausalLM(nn.Module):
         self.model.layers[i].self_attn.attention_core(attn, ctx)
 
     @torch.inference_mode()
-    def forward_idle(self, mtp_layer: int | None = None) -> None:
+    def forward_idle(self, mtp_layer: int | None = None, dp_rows: int = 0, dp_tokens: tuple[int, ...] = ()) -> None:
         """DP-attention: this rank has no tokens while the others run `forward` (or, with mtp_layer=k,
         `forward_mtp(k=k)`): make exactly the collectives of that forward with zero tokens — per MoE layer
-        the count exchange, dispatch and combine (nothing else in a DP-attention forward communicates) —
-        and run this rank's experts on what others send. One rank: nothing to do."""
+        the count exchange, dispatch and combine, or with `dp_rows` (an eager gather step, engine/dp_step.py)
+        the all-gather and reduce-scatter of that many padding rows (nothing else in a DP-attention forward
+        communicates) — and run this rank's experts on the others' rows. One rank: nothing to do."""
         if self.parallel.world_size > 1 and not self.parallel.dp_attention:
             raise RuntimeError("forward_idle: only DP-attention ranks run their own batches; TP/EP ranks must "
                                "all run the same forward")
@@ -234,7 +235,7 @@ class DsaForCausalLM(nn.Module):
         ctx = SimpleNamespace(ops=get_ops(device))  # the experts only need the kernels
         for layer in layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.forward_idle(self.dtype, device, ctx)
+                layer.mlp.forward_idle(self.dtype, device, ctx, dp_rows, dp_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,11 @@ Requests 0 and 2 live on rank 0, request 1 on rank 1 (the prompts and slot bases
   decode j of [0, 2]   | idle                       take turns, as in the first two steps
   idle                 | decode j of [1]
   MTP over prompt 0 (main forward, then the MTP layer) | idle, idle (MTP layer)
-Each rank saves, per step, its logits (None when idle), its token count and its collective counters.
+The MTP step calls the model directly on both ranks (no step agreement: the exchange path); every other step
+goes through the runner, which agrees on the step first (engine/dp_step.py): prefills take the all-to-all
+exchange, decodes the padded all-gather / reduce-scatter path (an idle rank runs padding).
+Each rank saves, per step, its logits (None when idle), its token count, the agreed step, its collective
+counters and its graph replays.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ def _step(runner: ModelRunner, batch, log: list, what: tuple) -> None:
         logits, tokens, what = None, 0, ("idle",)
     else:
         logits, tokens = runner.forward(batch), batch.num_tokens
-    log.append({"what": what, "logits": logits, "tokens": tokens, "counters": _collective_delta(before)})
+    replays = COUNTERS.diff(COUNTERS.snapshot(), before).get("graph_replays", 0)
+    log.append({"what": what, "logits": logits, "tokens": tokens, "counters": _collective_delta(before),
+                "dp_step": runner.dp_step, "graph_replays": replays})
 
 
 def _prefill(prompts: list[list[int]], mine: list[int]):
@@ -60,8 +66,8 @@ def run_dp_scenario(runner: ModelRunner, rank: int, tokens: list[list[int]]) -> 
     before = COUNTERS.snapshot()
     if rank == 0:
         mtp = _mtp_logits(runner, prompts[0])
-    else:
-        runner.forward_idle()
+    else:  # rank 0 calls the model itself (`_mtp_logits`): so does this rank, with no tokens
+        runner.model.forward_idle()
         runner.forward_idle(mtp_layer=0)
         mtp = None
     log.append({"what": ("mtp",) if rank == 0 else ("idle",), "logits": mtp, "tokens": None,

@@ -123,6 +123,31 @@ def test_moe_align_puts_every_pair_once_in_a_block_of_its_expert(gen):
     assert int(total) % 16 == 0 and int(total) >= flat.numel()
 
 
+@pytest.mark.parametrize("t", [1, 9, 64, 700] if BIG else [1, 9, 300])
+def test_fused_moe_skips_absent_experts_pairs(gen, t):
+    """EP: pairs of another rank's experts carry id E (`local_routes`) and must add exactly nothing, in every
+    kernel (unsorted, swap, gemm); `moe_align` puts them past its total and `count_distinct` ignores them."""
+    moe = gpu_modules()[3]
+    from dsaserve.kernels import triton_moe_route as RT
+
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
+    ids = torch.where(ids % 2 == 0, ids, e)  # odd experts live elsewhere
+    poison_free_memory()
+    ref = R.fused_moe(x, w13, s13, w2, s2, tw, ids, absent=True)
+    for conf in ({}, {"kernel": "gemm"}, {"kernel": "swap", "block_m": 16}, {"kernel": "unsorted", "block_m": 16}):
+        got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, config=conf, absent=True)
+        assert torch.isfinite(got).all() and rel(got, ref) < FP8A, f"seed {gen.initial_seed()} {conf}"
+    sorted_ids, bexp, total = moe.moe_align(ids, e, 16)
+    live = sorted_ids[: int(total)]
+    flat = ids.reshape(-1)
+    assert sorted(live[live < flat.numel()].tolist()) == (flat < e).nonzero().flatten().tolist()
+    got_n, want_n = (torch.zeros((), dtype=torch.int64, device=DEVICE) for _ in range(2))
+    RT.count_distinct(ids, e, got_n)
+    R.count_distinct(ids, e, want_n)
+    assert int(got_n) == int(want_n) == int(flat[flat < e].unique().numel())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_fused_moe_replays_from_a_cuda_graph(gen):
     moe = gpu_modules()[3]

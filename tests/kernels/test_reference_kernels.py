@@ -174,6 +174,23 @@ def test_fused_moe_equals_a_per_token_loop_over_its_experts(fp8):
         assert _rel(got[i], acc) < 1e-5
 
 
+def test_an_absent_experts_pairs_add_nothing_and_are_not_counted_as_touched():
+    """Id E = an expert another rank holds (`local_routes`): the pair contributes 0 (as weight 0 would), and
+    `count_distinct` does not count it."""
+    g = torch.Generator().manual_seed(3)
+    t, e, hdim, inter = 4, 3, 64, 32
+    w13, w2 = torch.randn(e, 2 * inter, hdim, generator=g), torch.randn(e, hdim, inter, generator=g)
+    x, tw = torch.randn(t, hdim, generator=g), torch.rand(t, 2, generator=g)
+    ids = torch.tensor([[0, 3], [3, 3], [2, 1], [1, 3]])
+    got = R.fused_moe(x, w13, None, w2, None, tw, ids, absent=True)
+    here = ids < e
+    want = R.fused_moe(x, w13, None, w2, None, tw * here, torch.where(here, ids, 0))  # weight 0 on expert 0
+    assert torch.allclose(got, want, atol=1e-5) and got[1].eq(0).all()
+    counter = torch.zeros((), dtype=torch.int64)
+    R.count_distinct(ids, e, counter)
+    assert int(counter) == 3
+
+
 def test_registry_on_cpu_binds_every_op_to_the_reference(monkeypatch):
     ops = registry.get_ops("cpu")
     for name in registry.OPS:

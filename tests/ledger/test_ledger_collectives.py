@@ -9,6 +9,7 @@ from dsaserve.ledger.collective_plan import a2a_tokens, hidden_reduction_rows, r
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import PRESETS
 
+LAT = PRESETS["h200"].nvlink_overhead_s  # the per-collective latency the H200 preset assumes (or measured)
 GLM, DS = load_config("glm-5.3"), load_config("deepseek-v3.2")
 TP8, DPEP8 = Deployment(tp=8), Deployment(tp=8, ep=8, dp_attention=True)
 
@@ -82,8 +83,8 @@ def test_wire_basis_vs_message_basis():
     row = hidden_reduction_rows(step_plan(GLM, TP8, Assumptions(), 256))[1]  # 78 attention all-reduces
     wire = row_time(row, hw, Assumptions())
     msg = row_time(row, hw, Assumptions(comm_basis="message"))
-    assert wire == pytest.approx(78 * 256 * 6144 * 2 * 1.75 / 450e9 + 78 * 5e-6)
-    assert msg == pytest.approx(78 * 256 * 6144 * 2 / 450e9 + 78 * 5e-6)
+    assert wire == pytest.approx(78 * 256 * 6144 * 2 * 1.75 / 450e9 + 78 * LAT)
+    assert msg == pytest.approx(78 * 256 * 6144 * 2 / 450e9 + 78 * LAT)
     assert row_time(row, hw, Assumptions(), "ib") == pytest.approx(78 * 256 * 6144 * 2 * 1.75 / 50e9 + 78 * 15e-6)
 
 
@@ -110,4 +111,21 @@ def test_worked_step_dispatch_and_combine_per_gpu():
     assert sum(r.total_message for r in a2a) == 75 * 4 * 8 * 6144 * 3 == 44_236_800
     assert sum(r.wire_bytes for r in a2a) == pytest.approx(44_236_800 * 7 / 8)
     t = sum(row_time(r, PRESETS["h200"], Assumptions()) for r in a2a)
-    assert t == pytest.approx(38_707_200 / 450e9 + 150 * 5e-6)  # 0.836 ms, not 1.536 ms
+    assert t == pytest.approx(38_707_200 / 450e9 + 150 * LAT)  # 0.836 ms, not 1.536 ms
+
+
+def test_dsaserve_padded_dp_attention_gathers_and_scatters_every_ranks_padded_rows():
+    """dp_moe=padded (the engine's graph-safe DP decode): per MoE layer one all-gather and one reduce-scatter of
+    dp x padded rows, the same on every rank whatever its own count; weights as under a2a."""
+    from dsaserve.ledger.weights import inventory, stored_per_gpu
+
+    asm = Assumptions(dp_moe="padded")
+    by = {r.kind: r for r in step_plan(GLM, DPEP8, asm, 30, rank_rows=8)}  # 30 tokens, busiest rank padded to 8
+    assert set(by) == {"all_gather", "reduce_scatter"} and {r.calls for r in by.values()} == {75}
+    assert by["all_gather"].message_bytes == by["reduce_scatter"].message_bytes == 8 * 8 * 6144 * 2
+    assert by["all_gather"].wire_bytes == pytest.approx(75 * 8 * 8 * 6144 * 2 * 7 / 8)
+    even = {r.kind: r for r in step_plan(GLM, DPEP8, asm, 30)}  # default: ceil(30 / 8) = 4 rows per rank
+    assert even["all_gather"].message_bytes == 8 * 4 * 6144 * 2
+    assert sum(r.calls for r in step_plan(GLM, DPEP8, asm, 0, mtp=True, rank_rows=1)) == 2 * 76
+    assert stored_per_gpu(inventory(GLM), DPEP8, asm) == stored_per_gpu(inventory(GLM), DPEP8,
+                                                                        Assumptions(dp_moe="a2a"))

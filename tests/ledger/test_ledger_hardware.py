@@ -51,3 +51,23 @@ def test_inputs_validate_with_the_flag_name():
     with pytest.raises(ValueError, match="--indexer-q-tile"):
         Assumptions(indexer_q_tile=0)
     assert Assumptions().with_updates({"speculative": "true", "kernels_per_op": "1.5"}).speculative is True
+
+
+def test_latency_fit_recovers_the_intercept_and_bandwidth_of_a_sweep():
+    from dsaserve.ledger.hardware import fit_latency
+
+    lat, bw = 12e-6, 200e9
+    points = [(b, lat + b / bw) for b in (1e3, 4e3, 16e3, 64e3, 256e3)]
+    got_lat, got_bw = fit_latency(points)
+    assert got_lat == pytest.approx(lat) and got_bw == pytest.approx(bw)
+    assert fit_latency([(1e3, 10e-6), (4e3, 9e-6)]) == (pytest.approx(9.5e-6), float("inf"))  # latency-bound
+    with pytest.raises(ValueError, match="no .* points"):
+        fit_latency([])
+
+
+def test_h200_nvlink_latency_is_the_named_hook_with_its_source():
+    from dsaserve.ledger.hardware import H200_NVLINK_LATENCY_S
+
+    hw = PRESETS["h200"]
+    assert hw.nvlink_overhead_s == H200_NVLINK_LATENCY_S
+    assert "bench_multi_gpu" in hw.sources["nvlink_overhead_s"]

@@ -14,9 +14,11 @@ from dataclasses import replace
 import glm_arithmetic as g
 import pytest
 
+from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.note_catalogue import note_figures
 from dsaserve.ledger.notes import UNITS, Figure
 
+LAT = PRESETS["h200"].nvlink_overhead_s  # the per-collective latency the H200 preset assumes (or measured)
 NV, IB, HBM = 787.5e9, 25e9, 4.8e12  # the notes' NVLink "ring effective", IB, and HBM bandwidths
 W_DP, V, H = g.W_DP_READ, g.V, g.H
 POOL85, POOL95 = 0.85 * 141e9 - g.W_TP8, 0.95 * 141e9 - g.W_TP8
@@ -216,7 +218,7 @@ def test_ttft_lower_bound_sits_below_the_notes_55_to_65_s_estimate_and_above_the
 def test_figures_that_depend_on_the_ledgers_own_conventions_also_carry_the_default():
     # TP8 b=256 reductions: the note's 0.63 ms is message bytes / 787 GB/s; the ledger's default is ring wire bytes
     f = FIGURES["001.coll.tp8_b256_nvlink"]
-    assert f.default == pytest.approx(157 * 256 * H * 2 * 1.75 / 450e9 + 157 * 5e-6)
+    assert f.default == pytest.approx(157 * 256 * H * 2 * 1.75 / 450e9 + 157 * LAT)
 
 
 
@@ -231,10 +233,10 @@ def test_docs_list_every_figure_that_differs():
 def test_dispatch_and_combine_defaults_are_one_ranks_own_tokens():
     # the note's table counts all b tokens' copies; one DP rank sends its ceil(b/8) tokens', 7/8 of them off the GPU
     worked = FIGURES["001.worked.a2a_time"]
-    assert worked.default == pytest.approx(75 * 4 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * 5e-6)  # 0.836 ms
+    assert worked.default == pytest.approx(75 * 4 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * LAT)  # 0.836 ms
     assert FIGURES["001.worked.a2a_bytes"].default == pytest.approx(75 * 4 * 8 * H * 3 * 7 / 8)
     b256 = FIGURES["001.coll.a2a_step_nvlink"]
-    assert b256.default == pytest.approx(75 * 32 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * 5e-6)
+    assert b256.default == pytest.approx(75 * 32 * 8 * H * 3 * 7 / 8 / 450e9 + 150 * LAT)
 
 
 def test_worked_step_reads_report_the_notes_own_8x():

@@ -5,8 +5,10 @@ normalised weights x routed_scaling_factor), the stacked expert weights (w13 = [
 down) that per-expert checkpoint tensors are loaded into, and the shared expert added to the routed sum.
 Under TP / EP a rank holds its experts (and rows) only, and the layer ends with one reduction over the MoE
 group, or all-to-all dispatch / combine (dsaserve/distributed/expert_parallel.py, docs/PARALLELISM.md).
-Under DP-attention each rank routes its own tokens and exchanges them (`dp_exchange`); `forward_idle` is the
-same layer with no tokens, so a rank without work still makes every call.
+Under DP-attention each rank holds its own tokens: a gather step (`batch.dp_rows`, every rank the same row
+count) gathers every rank's rows (`dp_gather_forward`, graph-safe); otherwise each rank routes its own and
+exchanges them (`dp_exchange`). `forward_idle` is either with no tokens, so a rank without work still makes
+every call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dsaserve.distributed.collectives import all_reduce
 from dsaserve.distributed.expert_parallel import (
     a2a_moe_forward,
     dp_exchange,
+    dp_gather_forward,
     finalize_deferred_experts,
     idle_exchange,
     local_routes,
@@ -144,7 +147,8 @@ class Experts(nn.Module):
         """The routed sum (+ add, summed in the same kernel on the GPU)."""
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
         self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids)
-        return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add)
+        return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add,
+                                 absent=local is not None)
 
 
 DEVICE_EXPERT_COUNTERS: list[Experts] = []
@@ -177,12 +181,21 @@ class MoE(nn.Module):
         self.group, self.shared_split, self.a2a = state.moe_group, state.tp_size > 1, state.moe_a2a
         self.dp = state.dp_attention and state.moe_group.size > 1
 
-    def forward_idle(self, dtype: torch.dtype, device: torch.device, ctx) -> None:
-        """DP-attention, no tokens on this rank: the layer's collectives (and its experts' work for others)."""
-        if self.dp:
+    def forward_idle(self, dtype: torch.dtype, device: torch.device, ctx, dp_rows: int = 0,
+                     dp_tokens: tuple[int, ...] = ()) -> None:
+        """DP-attention, no tokens on this rank: the layer's collectives (and its experts' work for others) —
+        of a gather step when `dp_rows`, else of the exchange."""
+        if not self.dp:
+            return
+        if dp_rows:
+            dp_gather_forward(self, torch.empty(0, self.gate.cfg.hidden_size, dtype=dtype, device=device), dp_rows,
+                              dp_tokens, ctx)
+        else:
             idle_exchange(self.experts, self.group, self.gate.cfg.hidden_size, dtype, device, ctx)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.dp and ctx.batch.dp_rows:  # DP gather step: route every rank's rows, after the gather
+            return dp_gather_forward(self, x, ctx.batch.dp_rows, ctx.batch.dp_tokens, ctx)
         weights, ids = self.gate(x, ctx)
         if self.dp:  # own tokens only: routed experts by exchange, the (replicated) shared expert here
             out = dp_exchange(self.experts, self.group, x, weights, ids, ctx)
