@@ -15,7 +15,7 @@ import torch
 
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
-from tests.oracle import _dequantised_tensors, hf_model, hf_state_dict
+from dsaserve.quality.hf_oracle import dequantised_tensors, hf_model, hf_state_dict
 
 
 def _rms(x, w, eps):
@@ -29,7 +29,7 @@ def _reference_mtp(ckpt, prompt):
     n, eps = raw["num_hidden_layers"], raw["rms_norm_eps"]
     main = hf_model(str(ckpt))
     hidden = main.model(torch.tensor([prompt])).last_hidden_state[0]  # after model.norm
-    w = _dequantised_tensors(ckpt)
+    w = dequantised_tensors(ckpt)
     one = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "quantization_config")}
     one.update(num_hidden_layers=1, mlp_layer_types=["sparse"], indexer_types=["full"], first_k_dense_replace=0)
     one.pop("index_topk_freq", None)

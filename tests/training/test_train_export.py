@@ -68,7 +68,7 @@ def _prompt(out, n: int) -> list[int]:
 
 
 def test_engine_matches_hf_on_exported_weights(trained):
-    from tests.oracle import hf_model
+    from dsaserve.quality.hf_oracle import hf_model
 
     out, _ = trained
     cfg = load_config(out)
