@@ -1,10 +1,10 @@
 """The numerics oracle: HF transformers' GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM on the same weights,
 optionally with a KV layout's codec (`dsaserve eval`'s "hf" group and the HF-comparison tests).
 
-Owns: building the HF model (float32, eager attention, on the CPU) from a dsaserve checkpoint directory by
-dequantising every FP8 weight with its block scales and stacking per-expert tensors the way HF stores experts
-(gate_up_proj [E, 2I, H], down_proj [E, H, I]); HF ignores the MTP layer, so its tensors are dropped.
-Greedy continuations (batched per prompt length) and held-out perplexity of that model.
+Owns: building the HF model (float32, eager attention, on the CPU) from a dsaserve checkpoint directory (the
+trainer's name mapping, `training/export.py`: FP8 weights dequantised with their block scales, experts stacked
+as HF stores them; HF ignores the MTP layer, so its tensors are dropped). Greedy continuations (batched per
+prompt length) and held-out perplexity of that model.
 
 HF has no quantised KV cache, so a quantised engine layout is compared fairly with `kv_codec`: HF with what
 the engine stores - the MLA latent (RMSNorm'd nope | RoPE'd rope, just before HF expands it through
@@ -19,57 +19,24 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from dsaserve.common.kv_layout import get_kv_layout
-from dsaserve.kernels.reference import dequant_fp8_weight
+from dsaserve.config import load_config
+from dsaserve.training.export import hf_state_from_checkpoint, read_checkpoint
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 MAX_CHECKPOINT_BYTES = 4 << 30  # on disk (mostly FP8): ~4x that in float32 on the host, the oracle's limit
 
 
-def dequantised_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in float32, FP8 weights dequantised with their block scales."""
-    weight_map = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    raw: dict[str, torch.Tensor] = {}
-    for fname in sorted(set(weight_map.values())):
-        with safe_open(str(ckpt / fname), framework="pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                raw[k] = f.get_tensor(k)
-    out = {}
-    for k, v in raw.items():
-        if k.endswith("weight_scale_inv"):
-            continue
-        if v.dtype == torch.float8_e4m3fn:
-            v = dequant_fp8_weight(v, raw[k + "_scale_inv"])
-        out[k] = v.float()
-    return out
-
-
-def hf_state_dict(ckpt: Path, num_layers: int) -> dict[str, torch.Tensor]:
-    tensors = dequantised_tensors(ckpt)
-    sd: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for k, v in tensors.items():
-        m = re.match(r"model\.layers\.(\d+)\.", k)
-        if m and int(m.group(1)) >= num_layers:
-            continue  # MTP layer: transformers ignores it
-        e = _EXPERT.match(k)
-        if e:
-            experts.setdefault(e.group(1), {}).setdefault(int(e.group(2)), {})[e.group(3)] = v
-        else:
-            sd[k] = v
-    for prefix, per in experts.items():
-        ids = sorted(per)
-        sd[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per[j]["gate"], per[j]["up"]]) for j in ids])
-        sd[f"{prefix}.down_proj"] = torch.stack([per[j]["down"] for j in ids])
-    return sd
+def hf_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The HF model's state: the trainer's checkpoint mapping (`training/export.py`: FP8 dequantised, experts
+    stacked) without the MTP layer, which HF does not have."""
+    sd = hf_state_from_checkpoint(load_config(ckpt), read_checkpoint(ckpt))
+    return {k.removeprefix("lm."): v for k, v in sd.items() if k.startswith("lm.")}
 
 
 @lru_cache(maxsize=4)
@@ -85,7 +52,7 @@ def hf_model(ckpt: str):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls_model[raw["model_type"]](config).float().eval()
-    missing, unexpected = model.load_state_dict(hf_state_dict(Path(ckpt), config.num_hidden_layers), strict=False)
+    missing, unexpected = model.load_state_dict(hf_state_dict(Path(ckpt)), strict=False)
     missing = [m for m in missing if "rotary_emb" not in m]
     assert not missing and not unexpected, (missing[:5], unexpected[:5])
     return model
