@@ -47,11 +47,11 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, layout: KVLayout | str = DEFAULT_KV_LAYOUT,
                  kv_layer_ids: list[int] | None = None, page_size: int = PAGE_SIZE,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", sink_pages: int = 0):
+                 device: torch.device | str = "cpu", sink_pages: int = 0):
         layout = get_kv_layout(layout)
         if num_pages <= 0:
             raise ValueError(f"num_pages: the KV pool needs at least one page, got {num_pages}")
-        self.cfg, self.layout, self.page_size, self.dtype = cfg, layout, page_size, dtype
+        self.cfg, self.layout, self.page_size = cfg, layout, page_size
         self.num_pages = num_pages  # pages the scheduler may hand out
         # sink pages sit after them: CUDA-graph padding rows write their KV there, no request ever reads it
         self.sink_page = num_pages if sink_pages else -1
@@ -66,7 +66,6 @@ class KVPool:
                                      device=device)
         self.index_buffer = torch.zeros(max(len(self.index_row), 1), self.num_slots, self.idx_bpt,
                                         dtype=torch.uint8, device=device)
-        self.kv_lora_rank = cfg.kv_lora_rank
 
     def info(self) -> KVPoolInfo:
         per_token = self.kv_bpt * len(self.kv_layer_ids) + self.idx_bpt * len(self.index_row)
@@ -81,18 +80,3 @@ class KVPool:
 
     def index_cache(self, layer: int) -> torch.Tensor:
         return self.index_buffer[self.index_row[layer]]
-
-    # convenience accessors (tests, debugging); the model goes through the kernels
-    def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        self.kv_cache(layer).index_copy_(0, slots, self.layout.encode_latent(latent, self.kv_lora_rank))
-
-    def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.kv_cache(layer).index_select(0, slots.reshape(-1))
-        return self.layout.decode_latent(rows, self.kv_lora_rank).to(self.dtype).view(*slots.shape, -1)
-
-    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        self.index_cache(layer).index_copy_(0, slots, self.layout.encode_index_k(k))
-
-    def read_index_k(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.index_cache(layer).index_select(0, slots.reshape(-1))
-        return self.layout.decode_index_k(rows).to(self.dtype).view(*slots.shape, -1)

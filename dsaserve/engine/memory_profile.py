@@ -61,7 +61,7 @@ def indexer_score_budget() -> int:
     return SCORE_BUDGET
 
 
-def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
+def profile_memory(model, cfg, layout: KVLayout, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
     """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
     torch.cuda.synchronize()
@@ -69,7 +69,7 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     weights = torch.cuda.memory_allocated(device)
     page = 64
     pages = max(-(-max_prefill_tokens // page), max_decode_bs * 2) + 1
-    scratch = KVPool(cfg, pages, layout, kv_layer_ids, page, dtype, device)
+    scratch = KVPool(cfg, pages, layout, kv_layer_ids, page, device)
     scratch_bytes = scratch.info().total_bytes
     torch.cuda.reset_peak_memory_stats(device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic

@@ -120,7 +120,7 @@ class ModelRunner:
         a = self.args
         with _Timer(self.startup_time, "memory_profile"):
             # the largest step the scheduler may form: a full token budget, and every running row eager
-            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
+            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.graph_max_bs, a.max_running_requests),
                                           a.mem_fraction_static, self.graph_reserve_bytes)
@@ -163,7 +163,7 @@ class ModelRunner:
             if num_pages <= 0:
                 raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
         sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
-        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
+        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.device, sink_pages=sink)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
