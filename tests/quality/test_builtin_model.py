@@ -72,7 +72,8 @@ def test_engine_greedy_equals_hf_with_the_fp8_kv_codec(data, cpu_runs):
       layer 6 of 7. Teacher-forced logits agree to ~0.01 (median per-position max |diff|; fp32 KV: 1e-4);
     - on top of that, discrete jumps where a selection has a near-tie: an indexer top-k boundary swap (<= 0.13
       logit) or an MoE router flip (~1 logit). The same happens with bf16 KV (layer 6's router on prompt 5:
-      expert scores 0.474955 vs 0.474943), which parts one continuation there at 32 tokens."""
+      expert scores 0.474955 vs 0.474943), which parted one continuation at 32 tokens from HF run one prompt
+      at a time (not from HF batched, as here)."""
     _, prompts = data
     assert greedy_against_hf(prompts, cpu_runs["fp8_ds_mla"]["greedy"], "fp8_ds_mla") >= len(prompts) - 1
 
