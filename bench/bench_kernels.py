@@ -26,9 +26,11 @@ from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_indexer as IDX
+from dsaserve.kernels import triton_indexer_dispatch as DISPATCH
 from dsaserve.kernels import triton_kv_write as KVW
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_sparse_mla as MLA
+from dsaserve.kernels import triton_sparse_mla_tc as MLA_TC
 from dsaserve.weights.fp8 import quantize_fp8_block
 
 L2_BYTES = 60 << 20
@@ -39,6 +41,7 @@ LINEAR_M = (1, 8, 32, 64, 128)  # 128 crosses into the _scaled_mm path
 PREFILL_M = (4096, 8192)
 PREFILL_T = 4096  # prefill tokens for MoE and sparse MLA
 INDEXER_PREFILL = (2048, 8192)  # (new tokens, context) of one prefill chunk
+FLASHMLA_TFLOPS = {"decode": 410.0, "prefill": 640.0}  # FlashMLA's sparse FP8 decode / prefill kernels, H800
 PREFILL_MOE_SWEEP = False  # prefill MoE tile sweep (three 5 ms configs); its result is the default now
 RESULTS: list[dict] = []
 
@@ -272,6 +275,94 @@ def bench_indexer(cfg, ceil, sweep):
     record("indexer scores only", f"prefill T={t} ctx={ctx}", "triton", sec, 0, flops, "bf16_flops", ceil)
 
 
+# ---- indexer at prefill and long-context decode (issue 17) ---------------------------------------------
+PREFILL_CHUNK = 8192  # tokens of one prefill chunk: the last 8K tokens of an 8K / 32K prompt
+PREFILL_CTX = (8192, 32768)
+LONG_CONTEXTS = (32768, 131072, 202752)  # decode rows past the one-program selection, to the model's max
+H200_HBM_Bps = 4.25e12  # spec bandwidth: a decode row's bound is its FP8 keys (128 B / token) read once
+
+
+def event_time(fn, reps: int = 5) -> float:
+    """Seconds per call, back to back on the stream (prefill ops build a host-side block table: no graph)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def _deep_gemm_peer(q, w, cache, ctx, t):
+    """DeepGEMM's fp8_mqa_logits (logits only, contiguous keys) on the same shape, when it is installed."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    k8 = cache[:ctx, :128].contiguous().view(torch.float8_e4m3fn)
+    ks = cache[:ctx, 128:].contiguous().view(torch.float32).view(-1)
+    q8 = q.to(torch.float8_e4m3fn)
+    ke = torch.arange(ctx - t + 1, ctx + 1, dtype=torch.int32, device=DEV)
+    return event_time(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), w, torch.zeros_like(ke), ke))
+
+
+def bench_indexer_prefill(cfg, ceil, sweep):
+    from dsaserve.kernels import triton_indexer_prefill as PRE
+
+    topk, t = cfg.index_topk, PREFILL_CHUNK
+    confs = [(True, {}), (False, {})]
+    if sweep:  # pipeline depth, fewer compactions (a 2x buffer), a 64-key tile
+        confs += [(True, {"num_stages": 3}), (True, {"cap": 2 * PRE.capacity(topk)}), (True, {"bn": 64})]
+    for ctx in PREFILL_CTX:
+        q, w, cache, table, req, pos = _indexer_inputs(t, ctx, cfg, one_request=True)
+        flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * sum(range(ctx - t + 1, ctx + 1))  # causal keys
+        for q_fp8, conf in confs:
+            try:
+                sec = event_time(lambda: PRE.prefill_topk(q, w, cache, "fp8_ds_mla", table, req, pos,
+                                                          topk, 64, [ctx], [t], q_fp8=q_fp8, config=conf))
+                tag = f"triton {'fp8' if q_fp8 else 'fp16'}-q GEMM + stream top-k {conf or ''}"
+                record("indexer prefill", f"T={t} ctx={ctx} top{topk}", tag, sec, 0, flops, "fp8_flops", ceil)
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is a data point
+                print("indexer prefill failed", conf, repr(ex)[:300])
+        if ctx == PREFILL_CTX[0]:  # the path it replaces: [T, ctx] fp32 scores + torch.topk
+            sec = event_time(lambda: IDX.index_scores(q, w, cache, "fp8_ds_mla", table, req, pos, 64).topk(topk, dim=1))
+            record("indexer prefill", f"T={t} ctx={ctx} top{topk}", "old: triton scores + torch.topk", sec, 0, flops,
+                   "fp8_flops", ceil)
+        peer = _deep_gemm_peer(q, w, cache, ctx, t)
+        if peer:
+            record("indexer prefill", f"T={t} ctx={ctx}", "peer: deep_gemm.fp8_mqa_logits (logits only)", peer, 0,
+                   flops, "fp8_flops", ceil)
+
+
+def bench_indexer_long(cfg, ceil, sweep):
+    from dsaserve.kernels import triton_indexer_long as LONG
+
+    topk = cfg.index_topk
+    for ctx in LONG_CONTEXTS:
+        for t in (1, 8):
+            keys = t * ctx * cfg.index_head_dim  # FP8 key bytes read
+            bound = f"keys at 4.25 TB/s {keys / H200_HBM_Bps * 1e6:.1f} us"
+            sets = [_indexer_inputs(t, ctx, cfg) for _ in range(copies_for(t * ctx * 132, cap=8))]
+            sec = graph_time([lambda a=a: DISPATCH.indexer_topk(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], topk,
+                                                                64) for a in sets])
+            record("indexer_topk decode", f"T={t} ctx={ctx} ({bound})", "triton scores + radix select", sec, keys, 0,
+                   "hbm", ceil, x_hbm_bound=sec * H200_HBM_Bps / keys)
+            a = sets[0]
+            scores = IDX.index_scores(a[0], a[1], a[2], "fp8_ds_mla", a[3], a[4], a[5], 64, skip_below=topk)
+            out = torch.empty(t, topk, dtype=torch.int64, device=DEV)
+            sec = graph_time([lambda: LONG.long_row_select(scores, a[3], a[4], a[5], out, topk, 64)])
+            record("indexer select only", f"T={t} ctx={ctx}", "triton radix, split over programs", sec, 0, 0, "hbm")
+            if ctx == LONG_CONTEXTS[0]:  # the one-program path it replaces past 16K keys
+                conf = IDX._select_config(ctx, t)
+                sec = graph_time([lambda: IDX._topk_select_kernel[(t,)](
+                    scores, a[3], a[4], a[5], out, ctx, topk, 64, scores.stride(0), a[3].stride(0), out.stride(0),
+                    **conf)])
+                record("indexer select only", f"T={t} ctx={ctx}", "old: one program per row over L2", sec, 0, 0, "hbm")
+            del sets
+
+
 # ---- sparse MLA ----------------------------------------------------------------------------------------
 def _mla_inputs(t, ctx, cfg, topk, layout="fp8_ds_mla"):
     h, dc, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -320,12 +411,31 @@ def bench_mla(cfg, ceil, sweep):
                    "triton fp8_ds_mla", sec, 0, fl, "bf16_flops", ceil)
         except Exception as ex:  # noqa: BLE001
             print("mla prefill failed", conf, repr(ex)[:200])
+    bench_mla_tc(cfg, ceil)
     for layout in ("bf16",):
         t = DECODE_T[-2]
         b = _mla_inputs(t, CONTEXTS[-1], cfg, topk, layout)
         sec = graph_time([lambda: MLA.sparse_mla_attention(b[0], b[1], b[2], layout, b[3], scale, dc)])
         record("sparse_mla", f"T={t} ctx={CONTEXTS[-1]} topk={topk}", f"triton {layout}", sec,
                t * min(topk, CONTEXTS[-1]) * 2 * (dc + dr), 0, "hbm", ceil)
+
+
+def bench_mla_tc(cfg, ceil):
+    """The tensor-core kernel (issue 17) where the registry takes it (T >= 16), beside FlashMLA's figures; the
+    ratio column reads its TFLOP/s against this run's bf16 GEMM (bench/sweep_sparse_mla_tc.py: its configs)."""
+    topk, h, dc, dr = cfg.index_topk, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = (cfg.qk_head_dim) ** -0.5
+    for t in (32, 128, PREFILL_T):
+        kind = "prefill" if t == PREFILL_T else "decode"
+        nbytes = t * topk * 656 + 2 * t * h * (2 * dc + dr)
+        sets = [_mla_inputs(t, CONTEXTS[-1], cfg, topk) for _ in range(copies_for(nbytes, cap=16))]
+        sec = graph_time([lambda a=a: MLA_TC.sparse_mla_attention_tc(a[0], a[1], a[2], "fp8_ds_mla", a[3], scale, dc)
+                          for a in sets], reps=5 if kind == "prefill" else 20)
+        fl = MLA.flops(t, h, topk, dc, dr)
+        ref = FLASHMLA_TFLOPS[kind]
+        record("sparse_mla", f"{kind} T={t} topk={topk} (FlashMLA H800: {ref:.0f})", "triton tensor-core fp8_ds_mla",
+               sec, nbytes, fl, "bf16_flops", ceil, flashmla_TFLOPs=ref, vs_flashmla=fl / sec / 1e12 / ref)
+        del sets
 
 
 # ---- KV writes ------------------------------------------------------------------------------------------
@@ -347,7 +457,8 @@ def bench_kv_write(cfg, ceil, sweep):
         record("indexer_k_write", f"T={t}", "triton", sec, t * (256 + 132), 0, "hbm", ceil)
 
 
-SECTIONS = {"fp8": bench_fp8, "moe": bench_moe, "indexer": bench_indexer, "mla": bench_mla, "kvw": bench_kv_write}
+SECTIONS = {"fp8": bench_fp8, "moe": bench_moe, "indexer": bench_indexer, "indexer_prefill": bench_indexer_prefill,
+            "indexer_long": bench_indexer_long, "mla": bench_mla, "kvw": bench_kv_write}
 
 
 def to_markdown(ceil: dict) -> str:

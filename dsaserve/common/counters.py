@@ -16,8 +16,10 @@ README's JSON keys use them):
   collective_wire_bytes.<kind>  bytes on the wire per rank (ring all-reduce: 2(n-1)/n x message)
   forward_steps            model forwards; decode_steps / prefill_tokens / decode_tokens likewise
   idle_steps               DP-attention: steps a rank had no tokens and only took part in the MoE exchange
-  graph_replays            CUDA-graph replays; eager_fallbacks.<reason> eager runs by reason
+  graph_replays            decode CUDA-graph replays; piecewise_replays steps on the piecewise graphs;
+                           eager_fallbacks.<reason> eager runs by reason (only counted where graphs exist)
   kernel_compiles_after_up Triton kernels compiled after startup (a cold path warmup did not cover)
+  kernel_loads_after_up    Triton kernels the JIT compiled or loaded from its disk cache after startup
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.common.counters import COUNTERS, ring_wire_factor
+from dsaserve.distributed import symm_mem
 from dsaserve.distributed.parallel_state import Group, get_parallel_state
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -62,6 +63,8 @@ def all_reduce(x: torch.Tensor, group: Group | None = None, op: str = "sum") -> 
         return x
     x = x.contiguous()
     _count("all_reduce", _nbytes(x), _nbytes(x) * ring_wire_factor("all_reduce", g.size))
+    if op == "sum" and symm_mem.all_reduce_in_place(x, g.pg):  # decode-size messages on NVLink
+        return x
     dist.all_reduce(x, op=_OPS[op], group=g.pg)
     return x
 
@@ -133,10 +136,12 @@ def broadcast(x: torch.Tensor, src: int = 0, group: Group | None = None) -> torc
 
 def warmup(device: torch.device | str, group: Group | None = None) -> list[str]:
     """Startup chain "warmup": one collective of every kind (first NCCL calls set up channels and buffers),
-    uncounted so per-step reconciliation sees only the model's own calls. Returns the kinds it ran."""
+    uncounted so per-step reconciliation sees only the model's own calls, and the symmetric-memory buffer of
+    small all-reduces (`symm_mem`). Returns what it ran, and how small all-reduces go."""
     g = _group(group)
     if g.size == 1:
         return []
+    off = symm_mem.enable(g.pg, torch.device(device))
     x = torch.ones(g.size, 4, device=device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False
     try:
@@ -147,4 +152,5 @@ def warmup(device: torch.device | str, group: Group | None = None) -> list[str]:
         broadcast(x.clone(), 0, g)
     finally:
         COUNTERS.enabled = enabled
-    return list(KINDS)
+    return [*KINDS, f"all_reduce <= {symm_mem.MAX_BYTES >> 20} MiB: " + (
+        "symmetric memory one-shot" if off is None else f"NCCL ({off})")]

@@ -109,6 +109,9 @@ def reset_parallel_state() -> None:
 
 def shutdown_distributed() -> None:
     """Leave the process group and go back to one rank (an Engine that closes, tests)."""
+    from dsaserve.distributed import symm_mem
+
+    symm_mem.reset()  # its buffers belong to the group being destroyed
     if dist.is_initialized():
         dist.destroy_process_group()
     reset_parallel_state()

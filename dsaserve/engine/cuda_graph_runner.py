@@ -8,7 +8,8 @@ batch is written into the twin with numpy and reaches the device in one copy cap
 so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
 before a synchronous step starts (bench/RESULTS.md).
 
-Why the whole decode step fits in one graph (no piecewise split): the indexer's top-k runs on a static
+Why the whole decode step fits in one graph (the piecewise graphs of engine/piecewise_runner.py are for
+steps with a prefill part): the indexer's top-k runs on a static
 [bs, max_context] score buffer masked by each token's position, and slot translation reads the static
 page table on the device — no host sync, no data-dependent shapes. Padded rows write their KV into a
 reserved sink page that no request owns.
@@ -24,6 +25,8 @@ import torch
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
+from dsaserve.engine.overlap import resolve_placeholders_
+from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.step_counts import count_step
 
@@ -48,16 +51,6 @@ def _graph_h2d_copy_works(device: torch.device) -> bool:
         return False
 
 
-def decode_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, then every 16 (SGLang's shape of bucket list)."""
-    out = [b for b in (1, 2, 4) if b < max_bs]
-    b = 8
-    while b < max_bs:
-        out.append(b)
-        b += 8 if b < 64 else 16
-    return sorted(set(out + [max_bs]))
-
-
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 
 
@@ -70,8 +63,10 @@ class _Graph:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int):
+    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
+                 future_token_ids: torch.Tensor | None = None):
         self.model, self.pool, self.page_size = model, pool, pool.page_size
+        self.future_token_ids = future_token_ids  # overlap scheduling: placeholder ids resolve in the graph
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
@@ -141,6 +136,8 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=self.pool_handle):
                     if self.copy_in_graph:
                         self._copy_staged(bs)
+                    if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
+                        resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
                     logits, _ = self.model(self._static_batch(bs), self.pool)
             finally:
                 COUNTERS.enabled = enabled
@@ -157,7 +154,7 @@ class CudaGraphRunner:
             return "no_graphs"
         seq_lens, ext = batch.host_lens()
         if all(n != 1 for n in ext):
-            return "prefill"  # prefill is eager by design; not counted as a fallback
+            return "prefill"  # the piecewise graphs' (engine/piecewise_runner.py), or eager
         if any(n != 1 for n in ext):
             return "mixed_prefill_decode"
         if len(ext) > self.max_bs:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS
+from dsaserve.engine.warmup_plan import parse_buckets, piecewise_buckets
 
 
 def no_gpu_present() -> bool:
@@ -42,7 +43,8 @@ def no_gpu_present() -> bool:
     return not has_nvidia and not Path("/dev/kfd").exists()
 
 DTYPES = ("auto", "float32", "bfloat16")
-_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas")
+_STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas",
+               "piecewise_cuda_graph_tokens")
 DEVICES = ("cpu", "cuda")
 
 
@@ -76,7 +78,16 @@ class EngineArgs:
                                       type=float)
     cuda_graph_max_bs: int | None = _arg("largest decode batch captured in a CUDA graph (default: "
                                          "--max-running-requests, so every decode batch the scheduler forms has one)")
-    disable_cuda_graph: bool = _arg("run every decode step eagerly", False)
+    disable_cuda_graph: bool = _arg("run every step eagerly (no decode or piecewise CUDA graphs)", False)
+    disable_piecewise_cuda_graph: bool = _arg("run steps with a prefill part (mixed prefill + decode, prefill "
+                                              "chunks) eagerly instead of on piecewise CUDA graphs", False)
+    piecewise_cuda_graph_tokens: str | None = _arg(
+        "token counts of the piecewise CUDA graphs, comma-separated (default: 8, 16, 32, every 64 to 512, then 4 "
+        "per octave up to --max-num-batched-tokens; a step over the largest runs eagerly)")
+    disable_overlap_schedule: bool | None = _arg(
+        "step synchronously: schedule step N+1 only once step N's tokens are on the host (default: overlap on "
+        "cuda, where the host prepares step N+1 while the GPU runs step N; off on cpu, where nothing runs "
+        "asynchronously; --no-disable-overlap-schedule forces it on, as the CPU tests do)", bool_flag=True)
     load_mtp: bool = _arg("also load the MTP layer's weights", False)
     # parallel layout (one process per rank; validated against the model before any weight is read)
     tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
@@ -128,9 +139,14 @@ class EngineArgs:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size > self.max_num_batched_tokens:
             raise ValueError(f"--chunked-prefill-size: {self.chunked_prefill_size} exceeds "
                              f"--max-num-batched-tokens {self.max_num_batched_tokens}")
-        for name in ("enable_prefix_caching", "disable_cuda_graph"):
+        if self.piecewise_cuda_graph_tokens is not None:
+            parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
+        for name in ("enable_prefix_caching", "disable_cuda_graph", "disable_piecewise_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
+        if self.disable_overlap_schedule is not None and not isinstance(self.disable_overlap_schedule, bool):
+            raise ValueError(f"--disable-overlap-schedule: must be a boolean or None (auto), "
+                             f"got {self.disable_overlap_schedule!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"--seed: must be an integer, got {self.seed!r}")
         self._validate_parallel()
@@ -180,8 +196,25 @@ class EngineArgs:
         return self.cuda_graph_max_bs or self.max_running_requests
 
     @property
+    def piecewise_tokens(self) -> list[int]:
+        """Token buckets of the piecewise CUDA graphs ([] when they are off)."""
+        if self.disable_cuda_graph or self.disable_piecewise_cuda_graph:
+            return []
+        if self.piecewise_cuda_graph_tokens is not None:
+            return parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
+        return piecewise_buckets(self.max_num_batched_tokens)
+
+    @property
     def chunk_size(self) -> int:
         return self.chunked_prefill_size or self.max_num_batched_tokens
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the engine core overlaps scheduling with the device (engine/overlap.py): as asked, else on
+        cuda only."""
+        if self.disable_overlap_schedule is not None:
+            return not self.disable_overlap_schedule
+        return self.resolved_device() == "cuda"
 
     def resolved_device(self) -> str:
         if self.device is not None:
@@ -224,7 +257,7 @@ class EngineArgs:
             default = f.default if f.default is not MISSING else None
             kw: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
             names = (flag(f.name), *f.metadata.get("aliases", ()))
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.metadata.get("bool_flag"):  # bool_flag: a bool whose default is None
                 kw["action"] = argparse.BooleanOptionalAction
             else:
                 kw["type"] = f.metadata.get("type") or (str if f.name in _STR_FIELDS else int)

@@ -1,7 +1,9 @@
 """EngineCore: one scheduler + one model runner + the sampler, stepped by its owner (request path 3-10).
 
 Owns: the step loop's body — schedule (engine/scheduler.py) -> build the ForwardBatch (engine/batch.py)
--> model forward (engine/model_runner.py) -> sample (model/sampler.py) -> per-request deltas. It does no
+-> model forward (engine/model_runner.py) -> sample (model/sampler.py) -> per-request deltas, either
+synchronously or overlapped: step N+1 scheduled and launched before step N's tokens reach the host
+(--disable-overlap-schedule; engine/overlap.py has the order and what it costs). It does no
 text work: stop *strings* are matched by whoever detokenizes (the offline `Engine`, or the server's
 detokenizer process), which then calls `abort_request`. Single-threaded by design: the owner (the
 offline Engine, or the server's scheduler process loop) calls add/abort/step from one thread.
@@ -20,11 +22,14 @@ API (the server, issue 4, builds on exactly this):
                                              # frees its pages at once (all n samples, or one); the next
                                              # step() reports TokenDelta(finished=True, finish_reason="abort")
     core.step() -> list[TokenDelta]          # one forward (or none when idle); at most one delta per
-                                             # running sample that produced a token or finished
-    core.has_unfinished() -> bool
+                                             # running sample that produced a token or finished — under
+                                             # overlap, the tokens of the step before (so one more step()
+                                             # after the last forward collects the last tokens)
+    core.has_unfinished() -> bool            # requests in flight, or a launched step not yet collected
     core.stats() -> dict                     # num_running, num_waiting, kv_pages_used/cached/free/total,
                                              # prefix_cache_hit_tokens, evicted_pages, preemptions,
-                                             # prompt_tokens, generation_tokens, computed_tokens, steps
+                                             # prompt_tokens, generation_tokens, computed_tokens, steps,
+                                             # overlap_schedule, overlap_steps, overlap_discarded_tokens
     core.check_no_leak()                     # AssertionError unless every page is free or held only by
                                              # the prefix cache and no request / row is left
     core.tokenizer / core.eos_token_ids / core.cfg   # from the runner
@@ -45,9 +50,9 @@ from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
-from dsaserve.engine.request import EngineRequest, TokenDelta
-from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
-from dsaserve.model.sampler import Sampler
+from dsaserve.engine.request import EngineRequest, Req, TokenDelta
+from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsaserve.model.sampler import SampleFuture, Sampler, to_device
 
 __all__ = ["EngineCore", "EngineRequest", "TokenDelta", "SamplingParams", "EngineArgs"]
 
@@ -57,6 +62,15 @@ def build_runner(args: EngineArgs, rank: int | None = None) -> Any:
     from dsaserve.engine.model_runner import ModelRunner
 
     return ModelRunner(args, rank=rank)
+
+
+def _overlap(args: EngineArgs, runner: Any) -> bool:
+    """Overlap scheduling needs a runner that reads placeholder input ids from its `future_token_ids`; by
+    default it is on where that buffer is on a GPU (a test's fake runner on a GPU machine stays synchronous)."""
+    future = getattr(runner, "future_token_ids", None)
+    if future is None:
+        return False
+    return future.is_cuda if args.disable_overlap_schedule is None else not args.disable_overlap_schedule
 
 
 class EngineCore:
@@ -75,6 +89,9 @@ class EngineCore:
         self.builder = BatchBuilder(args.max_running_requests, self.scheduler.max_pages_per_seq,
                                     self.runner.page_size)
         self.sampler = Sampler(seed=args.seed)
+        self.overlap = _overlap(args, self.runner)
+        self.overlap_steps = 0
+        self._pending: tuple[list[Req], SampleFuture | None] | None = None  # launched, tokens not yet on the host
         self._grammars: GrammarCompiler | None = None
         self.warmed_schemas = 0
         self._startup = dict(getattr(self.runner, "startup_time", {}) or {})
@@ -135,6 +152,7 @@ class EngineCore:
             "num_pages": s.cfg.num_pages,
             "kv_layout": self.args.kv_layout,
             "enable_prefix_caching": s.cfg.enable_prefix_caching,
+            "overlap_schedule": self.overlap,
             "vocab_size": s.cfg.vocab_size,
             "eos_token_ids": list(self.eos_token_ids),
             "startup_time": dict(self._startup),
@@ -173,30 +191,55 @@ class EngineCore:
         return self.scheduler.abort_request(request_id, index)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in flight, or a launched step whose tokens the next `step()` collects."""
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, idle_forward: bool = False) -> list[TokenDelta]:
-        """One scheduled forward and its deltas. `idle_forward`: with nothing scheduled, still run the model's
+        """One scheduled forward and the deltas of the step before it (overlap; engine/overlap.py has the
+        order) or of this one (synchronous). `idle_forward`: with nothing scheduled, still run the model's
         empty step (DP-attention: every rank takes part in every step's MoE collectives)."""
         deltas = self.scheduler.take_abort_deltas()
         sched = self.scheduler.schedule()
         if sched is None:
             if idle_forward:
                 self.runner.forward_idle()
-            return deltas
-        batch = self.builder.build(sched)  # host tensors: the runner copies them to its device
-        logits = self.runner.forward(batch)
-        if sched.sample_logit_rows != list(range(len(sched.logit_reqs))):  # n>1 forks reuse a row
-            logits = logits.index_select(0, torch.tensor(sched.sample_logit_rows, device=logits.device))
-        out = self.sampler.sample(logits, sched.sample_reqs)
-        deltas += self.scheduler.update(sched, out.token_ids, out.logprobs)
+            return deltas + self._resolve()
+        logits = self.runner.forward(self.builder.build(sched))  # a host batch: the runner copies it over
+        deltas += self._resolve()  # overlap: the previous step's tokens, waited for while this forward runs
+        self._launch_sample(sched, logits)
+        if not self.overlap:
+            deltas += self._resolve()
         return deltas
+
+    def _launch_sample(self, sched: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Queue the sampling of the rows still wanted; their tokens become the next step's placeholders."""
+        samples, rows = self.scheduler.live_samples(sched)
+        if rows != list(range(logits.shape[0])):  # n>1 forks reuse a row; finished samples drop theirs
+            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
+        future = self.sampler.sample_async(logits, samples) if samples else None
+        if self.overlap:
+            self.overlap_steps += 1
+            if future is not None:
+                self.runner.future_token_ids[: len(samples)].copy_(future.tokens, non_blocking=True)
+        self.scheduler.launched(sched, samples)
+        self._pending = (samples, future)
+
+    def _resolve(self) -> list[TokenDelta]:
+        """The launched step's tokens on the host (waiting for them) -> finish checks and deltas."""
+        if self._pending is None:
+            return []
+        (samples, future), self._pending = self._pending, None
+        if future is None:
+            return []
+        out = future.result()
+        return self.scheduler.resolve(samples, out.token_ids, out.logprobs)
 
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         g = self._grammars.stats if self._grammars is not None else {}
-        return {**self.scheduler.stats(), "grammar_compiles": g.get("misses", 0),
+        return {**self.scheduler.stats(), "overlap_schedule": self.overlap, "overlap_steps": self.overlap_steps,
+                "grammar_compiles": g.get("misses", 0),
                 "grammar_cache_hits": g.get("hits", 0), "grammar_compile_failures": g.get("failures", 0),
                 "grammar_compile_timeouts": g.get("timeouts", 0)}
 

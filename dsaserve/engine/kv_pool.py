@@ -47,11 +47,11 @@ class KVPool:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, layout: KVLayout | str = DEFAULT_KV_LAYOUT,
                  kv_layer_ids: list[int] | None = None, page_size: int = PAGE_SIZE,
-                 device: torch.device | str = "cpu", sink_pages: int = 0):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", sink_pages: int = 0):
         layout = get_kv_layout(layout)
         if num_pages <= 0:
             raise ValueError(f"num_pages: the KV pool needs at least one page, got {num_pages}")
-        self.cfg, self.layout, self.page_size = cfg, layout, page_size
+        self.cfg, self.layout, self.page_size, self.dtype = cfg, layout, page_size, dtype
         self.num_pages = num_pages  # pages the scheduler may hand out
         # sink pages sit after them: CUDA-graph padding rows write their KV there, no request ever reads it
         self.sink_page = num_pages if sink_pages else -1

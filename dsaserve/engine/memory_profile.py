@@ -3,8 +3,9 @@
 Owns: the dummy batches (largest prefill chunk, largest decode batch), measuring peak activation memory
 with a throwaway pool, the KV budget formula SGLang uses —
     pool bytes = total x mem_fraction_static - weights - peak activations - graph reserve
-— and running every configured prefill chunk size once before Up so its kernels are compiled and its
-temporaries allocated before the first request (note 000: "warmup 覆盖哪些形状").
+(with piecewise CUDA graphs, minus one more forward's activations: their pool keeps them) — and running
+every configured prefill chunk size once before Up so its kernels are compiled and its temporaries
+allocated before the first request (note 000: "warmup 覆盖哪些形状").
 """
 
 from __future__ import annotations
@@ -61,15 +62,18 @@ def indexer_score_budget() -> int:
     return SCORE_BUDGET
 
 
-def profile_memory(model, cfg, layout: KVLayout, device, kv_layer_ids: list[int], max_prefill_tokens: int,
-                   max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int) -> MemoryProfile:
-    """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool."""
+def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
+                   max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int,
+                   activation_copies: int = 1) -> MemoryProfile:
+    """Run the largest prefill chunk and the largest decode batch on a throwaway pool; size the real pool.
+    activation_copies 2: the piecewise graphs' pool keeps one forward's activations at the largest token
+    bucket for good, beside what eager work (the attention cores, fallbacks) still allocates."""
     torch.cuda.synchronize()
     _, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
     page = 64
     pages = max(-(-max_prefill_tokens // page), max_decode_bs * 2) + 1
-    scratch = KVPool(cfg, pages, layout, kv_layer_ids, page, device)
+    scratch = KVPool(cfg, pages, layout, kv_layer_ids, page, dtype, device)
     scratch_bytes = scratch.info().total_bytes
     torch.cuda.reset_peak_memory_stats(device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic
@@ -83,7 +87,9 @@ def profile_memory(model, cfg, layout: KVLayout, device, kv_layer_ids: list[int]
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + indexer_score_budget()
     del scratch
     torch.cuda.empty_cache()
-    budget = int(total * mem_fraction_static - weights - peak - graph_reserve_bytes)
+    # the graphs' pool holds no indexer scores: the attention core allocates them eagerly
+    graph_pool = max(peak - indexer_score_budget(), 0) * (activation_copies - 1)
+    budget = int(total * mem_fraction_static - weights - peak - graph_pool - graph_reserve_bytes)
     if budget <= 0:
         raise RuntimeError(f"mem_fraction_static: {mem_fraction_static} leaves no room for the KV pool "
                            f"(weights {weights / GiB:.1f} GiB, activations {peak / GiB:.1f} GiB of {total / GiB:.1f})")

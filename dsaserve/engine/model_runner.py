@@ -28,6 +28,10 @@ from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.engine.overlap import resolve_placeholders_
+from dsaserve.engine.piecewise_runner import PiecewiseRunner
+from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_sampler
+from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
@@ -71,9 +75,12 @@ class ModelRunner:
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
         self.profile: MemoryProfile | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseRunner | None = None
         self.warmed_prefill: list[int] = []
-        self.graph_error: str | None = None
+        self.warmed: dict[str, Any] = {}
+        self.graph_errors: dict[str, str] = {}
         self.compile_cache = CompileCache(None) if self.device.type == "cuda" else None
+        self.kernel_loads = KernelLoads() if self.device.type == "cuda" else None  # before any kernel compiles
         torch.manual_seed(args.seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
@@ -87,15 +94,14 @@ class ModelRunner:
             kv_budget_bytes = self._profile_memory()
         with _Timer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
+        # overlap scheduling (engine/overlap.py): the last step's samples, which the next step's placeholder input
+        # ids read on the device; allocated before the capture (the graphs hold its address)
+        self.future_token_ids = (torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
+                                 if args.overlap_schedule else None)
         with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
-            with _Timer(self.startup_time, "warmup"):
-                self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size],
-                                                     self.cfg.vocab_size)
-            if not args.disable_cuda_graph:
-                with _Timer(self.startup_time, "cuda_graph_capture"):
-                    self.graphs = self._capture_graphs()
+            self._warmup_and_capture()
         with _Timer(self.startup_time, "tokenizer"):
             self.tokenizer = self._load_tokenizer()
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
@@ -103,7 +109,9 @@ class ModelRunner:
         fold_device_expert_counts(reset=True)  # profile / warmup / capture forwards are not traffic
         if self.compile_cache is not None:
             self.compile_cache.mark_up()
+            self.kernel_loads.mark_up()
             COUNTERS.add_source(self.compile_cache.compiles_after_up)
+            COUNTERS.add_source(self.kernel_loads.read)
 
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
@@ -120,10 +128,11 @@ class ModelRunner:
         a = self.args
         with _Timer(self.startup_time, "memory_profile"):
             # the largest step the scheduler may form: a full token budget, and every running row eager
-            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.device,
+            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
                                           self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
                                           max(a.graph_max_bs, a.max_running_requests),
-                                          a.mem_fraction_static, self.graph_reserve_bytes)
+                                          a.mem_fraction_static, self.graph_reserve_bytes,
+                                          activation_copies=2 if a.piecewise_tokens else 1)
         budget = self.profile.kv_budget_bytes
         if self.parallel.world_size > 1:
             t = torch.tensor([budget], dtype=torch.int64, device=self.device)
@@ -163,24 +172,62 @@ class ModelRunner:
             if num_pages <= 0:
                 raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
         sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
-        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.device, sink_pages=sink)
+        return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 
-    def _capture_graphs(self) -> CudaGraphRunner | None:
+    def _warmup_and_capture(self) -> None:
+        """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
+        between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
+        with _Timer(self.startup_time, "warmup"):
+            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size],
+                                                 self.cfg.vocab_size)
+        if not self.args.disable_cuda_graph and self._graphs_possible():
+            with _Timer(self.startup_time, "cuda_graph_capture"):
+                self.piecewise = self._capture("piecewise", self._capture_piecewise)
+                self.graphs = self._capture("decode", self._capture_decode)
+        with _Timer(self.startup_time, "warmup_shapes"):
+            max_pages = -(-self.max_model_len // PAGE_SIZE)
+            plan = WarmupPlan.build(self.graphs.max_bs if self.graphs else 0,
+                                    self.piecewise.buckets if self.piecewise else [], max_pages, PAGE_SIZE,
+                                    self.cfg.index_topk)
+            cores = warm_core_shapes(self.piecewise, plan, self.max_model_len) if self.piecewise else 0
+            sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids))
+            self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
+                           "core_shapes": cores, "sampler_variants": sampler}
+
+    def _graphs_possible(self) -> bool:
         if self.parallel.moe_a2a:  # dispatch/combine need host split sizes: eager (and counted) every step
             COUNTERS.add("eager_fallbacks.moe_a2a", 0)
-            return None
+            return False
         if not getattr(get_ops(self.device), "graph_safe", False):
             COUNTERS.add("eager_fallbacks.kernels_not_graph_safe", 0)
-            return None
-        max_pages = -(-self.max_model_len // PAGE_SIZE)
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page)
+            return False
+        return True
+
+    def _capture(self, kind: str, make) -> Any:
+        """make() -> a captured runner, or None when capture fails: serve eagerly rather than not at all
+        (the manifest and metrics say why)."""
         try:
-            runner.capture()
-        except RuntimeError as e:  # serve eagerly rather than not at all; the manifest and metrics say why
-            self.graph_error = f"{type(e).__name__}: {e}"[:500]
-            COUNTERS.add("eager_fallbacks.capture_failed", 0)
+            return make()
+        except RuntimeError as e:
+            self.graph_errors[kind] = f"{type(e).__name__}: {e}"[:500]
+            COUNTERS.add(f"eager_fallbacks.{kind}_capture_failed", 0)
             torch.cuda.synchronize()
             return None
+
+    def _capture_piecewise(self) -> PiecewiseRunner | None:
+        if not self.args.piecewise_tokens:
+            return None
+        runner = PiecewiseRunner(self.model, self.kv_pool, self.args.piecewise_tokens, self.args.max_running_requests,
+                                 -(-self.max_model_len // PAGE_SIZE), self.future_token_ids)
+        runner.capture()
+        return runner
+
+    def _capture_decode(self) -> CudaGraphRunner:
+        max_pages = -(-self.max_model_len // PAGE_SIZE)
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
+                                 self.future_token_ids)
+        # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
+        runner.capture()
         return runner
 
     def _load_tokenizer(self):
@@ -197,19 +244,39 @@ class ModelRunner:
 
     # ---- steps -----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed step's may be
-        a view of the graph's output: read them before the next forward). A host batch goes to the device
-        here: into the graphs' static inputs in one copy, or field by field for an eager step."""
-        if self.graphs is not None:
-            reason = self.graphs.fallback_reason(batch)
-            if reason is None:
-                return self.graphs.replay(batch)
-            if reason != "prefill":
-                COUNTERS.add(f"eager_fallbacks.{reason}")
+        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed decode step's
+        may be a view of the graph's output: read them before the next forward). A host batch goes to the
+        device here: into a graph runner's static inputs in one copy, or field by field for an eager step.
+        Under overlap scheduling an input id -1-j is the token the step before sampled in row j
+        (`future_token_ids[j]`), resolved on the device — inside the decode graph for a replay."""
+        route = self.route(batch)
+        if route == "decode_graph":
+            return self.graphs.replay(batch)
+        if route == "piecewise":
+            return self.piecewise.forward(batch)
+        if route != "eager":
+            COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if self.future_token_ids is not None:
+            resolve_placeholders_(batch.input_ids, self.future_token_ids)
         logits, _ = self.model(batch, self.kv_pool)
         return logits
+
+    def route(self, batch: ForwardBatch) -> str:
+        """The path `forward` takes: 'decode_graph' (every row decodes, within the captured buckets),
+        'piecewise' (within the token buckets), else 'eager:<reason>' (counted), or 'eager' where no graphs
+        were captured (CPU, --disable-cuda-graph: every step is eager by design)."""
+        if self.graphs is None and self.piecewise is None:
+            return "eager"
+        reason = self.graphs.fallback_reason(batch) if self.graphs is not None else "no_decode_graphs"
+        if reason is None:
+            return "decode_graph"
+        if self.piecewise is not None:
+            reason = self.piecewise.fallback_reason(batch)
+            if reason is None:
+                return "piecewise"
+        return f"eager:{reason}"
 
     def forward_idle(self, mtp_layer: int | None = None) -> None:
         """DP-attention: nothing scheduled on this rank this step while others step: the same collectives
@@ -242,8 +309,15 @@ class ModelRunner:
                                "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
-                               "error": self.graph_error},
+                               "error": self.graph_errors.get("decode")},
+                "piecewise_cuda_graph": {
+                    "buckets": sorted(self.piecewise.graphs) if self.piecewise else [],
+                    "segments_per_bucket": self.model.num_segments if self.piecewise else 0,
+                    "capture_seconds": round(self.piecewise.capture_seconds, 3) if self.piecewise else 0,
+                    "pool_bytes": self.piecewise.capture_bytes if self.piecewise else 0,
+                    "error": self.graph_errors.get("piecewise")},
                 "warmed_prefill_chunks": self.warmed_prefill,
+                "warmed_shapes": self.warmed,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None,
                 "env": envs.set_switches()}
 

@@ -20,6 +20,13 @@ from typing import Any
 from dsaserve.common.sampling_params import SamplingParams
 
 
+def placeholder(sample_row: int) -> int:
+    """The host's stand-in in `Req.tokens` for the token sampled in row `sample_row` of the step still on the
+    device (overlap scheduling, engine/overlap.py): negative, so never a real id; the runner reads it as
+    `future_token_ids[sample_row]`."""
+    return -1 - sample_row
+
+
 @dataclass
 class EngineRequest:
     """One request entering the core. `prompt_token_ids` are already tokenized (chat template applied)."""
@@ -130,6 +137,11 @@ class Req:
     def priority(self) -> tuple[float, int]:
         """Older first; the newest running request is the first preempted."""
         return (self.arrival_time, self.seq_no)
+
+    def drop_placeholder(self) -> None:
+        """Forget a token still on its way (the sample was aborted): it is never reported."""
+        if len(self.tokens) > self.prompt_len and self.tokens[-1] < 0:
+            self.tokens.pop()
 
     def delta(self, finished: bool) -> TokenDelta:
         """Output tokens (and logprobs) not yet reported, and mark them reported."""

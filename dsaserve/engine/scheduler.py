@@ -17,6 +17,10 @@ An `n` > 1 request never waits for n free rows at once (that stalled the whole q
 leader is admitted when one row is free and reserves rows for as many followers as are free then; when
 its prompt is in KV the followers that have a row fork from it, and the rest join the front of the
 waiting queue as ordinary requests (their prompt's full pages come back from the prefix cache).
+After the forward, `launched` counts the step's tokens as in KV (prefix-cache registration, forks) and gives
+each sample a placeholder token; `resolve` puts the sampled tokens in and runs the finish checks. They run
+back to back, or one step apart under overlap scheduling (engine/overlap.py): then a sample may be scheduled,
+or preempted, while its last token is still on the device, and `live_samples` leaves out those that ended.
 Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request
 (SGLang's PrefillAdder); a single request can always fit alone because a request's length is capped at
 `max_seq_len = min(max_model_len, pool tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room
@@ -34,7 +38,7 @@ from dsaserve.common.request_limits import RequestLimits
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
-from dsaserve.engine.request import Req, ReqStatus, TokenDelta
+from dsaserve.engine.request import Req, ReqStatus, TokenDelta, placeholder
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class Scheduler:
         self._abort_deltas: list[TokenDelta] = []
         self._seq = itertools.count()
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
-                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0)
+                             prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0,
+                             overlap_discarded_tokens=0)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -153,6 +158,8 @@ class Scheduler:
                 return
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if len(req.tokens) >= req.max_len:
+                continue  # overlap: its token still on the way ends it (max_tokens / context) when resolved
             if len(req.tokens) - req.num_computed != 1:
                 prefilling.append(req)
                 continue
@@ -245,22 +252,48 @@ class Scheduler:
             self.row_reservations[leader] = len(keep)
         return keep
 
-    # ---- after the forward -----------------------------------------------------------------
-    def update(self, sched: ScheduledBatch, token_ids: list[int], logprobs: list[dict | None]) -> list[TokenDelta]:
+    # ---- after the forward ---------------------------------------------------------------------
+    def live_samples(self, sched: ScheduledBatch) -> tuple[list[Req], list[int]]:
+        """The sample rows still wanted, and the logits row of each: a sample that finished after the batch
+        was scheduled (overlap: its previous token, resolved since, was a stop) is not sampled."""
+        if all(r.status is not ReqStatus.FINISHED for r in sched.sample_reqs):
+            return sched.sample_reqs, sched.sample_logit_rows
+        keep = [i for i, r in enumerate(sched.sample_reqs) if r.status is not ReqStatus.FINISHED]
+        return [sched.sample_reqs[i] for i in keep], [sched.sample_logit_rows[i] for i in keep]
+
+    def launched(self, sched: ScheduledBatch, samples: list[Req]) -> None:
+        """The step is queued on the device: its tokens count as in KV (full pages go to the prefix cache; every
+        token they hold is known), n>1 followers fork, and sample j gets the placeholder of sample row j
+        (engine/overlap.py) until `resolve` brings its token."""
         ps, cache = self.cfg.page_size, self.cache
+        computed = 0
         for req, n in zip(sched.reqs, sched.num_new, strict=True):
+            if req.status is ReqStatus.FINISHED:  # overlap: it ended after it was scheduled; the row is wasted
+                self.counters["overlap_discarded_tokens"] += n
+                continue
             req.num_computed += n
+            computed += n
             full = req.num_computed // ps
             if full > req.num_registered and cache.enabled:
                 req.chain_uid = cache.insert(req.pages, req.tokens, req.page_hashes, req.num_registered, full,
                                              req.chain_uid)
                 req.num_registered = full
-        self.counters["computed_tokens"] += sched.num_tokens
-        deltas = []
-        for req, tok, lp in zip(sched.sample_reqs, token_ids, logprobs, strict=True):
+        self.counters["computed_tokens"] += computed
+        for j, req in enumerate(samples):
             if req.followers:
                 self._fork(req)
-            req.tokens.append(tok)
+            req.tokens.append(placeholder(j))
+
+    def resolve(self, samples: list[Req], token_ids: list[int], logprobs: list[dict | None]) -> list[TokenDelta]:
+        """The launched step's tokens reached the host: they replace the placeholders, then the finish checks
+        (stop ids, EOS, max_tokens, context, a completed grammar) and one delta per sample."""
+        deltas = []
+        for req, tok, lp in zip(samples, token_ids, logprobs, strict=True):
+            if req.status is ReqStatus.FINISHED:  # aborted while its token was on the way: dropped
+                self.counters["overlap_discarded_tokens"] += 1
+                continue
+            req.tokens[-1] = tok
+            self.counters["generation_tokens"] += 1
             if lp is not None and req.pending_logprobs is not None:
                 req.pending_logprobs.append(lp)
             reason = None
@@ -272,7 +305,6 @@ class Scheduler:
                 if reason is not None:
                     self._finish(req, reason)
             deltas.append(req.delta(reason is not None))
-        self.counters["generation_tokens"] += len(token_ids)
         return deltas
 
     def _finish_reason(self, req: Req, tok: int) -> str | None:
@@ -321,7 +353,10 @@ class Scheduler:
         self.counters["preemptions"] += 1
 
     def _finish(self, req: Req, reason: str) -> None:
-        self._release(req)
+        if req.status is ReqStatus.RUNNING:
+            self._release(req)
+        elif req.status is ReqStatus.WAITING:  # overlap: preempted while its last token was on the way
+            self.waiting.remove(req)
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
         group = self.groups.get(req.request_id)
         if group is not None and all(r.status is ReqStatus.FINISHED for r in group):
@@ -347,6 +382,7 @@ class Scheduler:
             elif req.status is ReqStatus.PARKED and req.leader is not None:
                 req.leader.followers.remove(req)
                 self._shrink_reservation(req.leader)
+            req.drop_placeholder()  # overlap: its token still on the way is dropped, never reported
             req.followers = []
             req.status, req.finish_reason = ReqStatus.FINISHED, "abort"
             self._abort_deltas.append(req.delta(True))

@@ -135,8 +135,9 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
 
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
-                         topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Weight-absorbed sparse MLA over the paged latent cache.
+                         topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-absorbed sparse MLA over the paged latent cache (written into `out` when given).
 
     q_nope [T, H, kv_lora_rank] (already multiplied by W_uk), q_rope [T, H, rope], topk_slots [T, K]
     (-1 = skip). score = (q_nope . c + q_rope . k_rope) * scale over the selected slots, softmax, and the
@@ -150,7 +151,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     scores = (torch.einsum("thc,tkc->thk", q_nope.float(), c) + torch.einsum("thr,tkr->thk", q_rope.float(), k_rope))
     scores = (scores * softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("thk,tkc->thc", probs, c).to(q_nope.dtype)
+    res = torch.einsum("thk,tkc->thc", probs, c).to(q_nope.dtype)
+    return res if out is None else out.copy_(res)
 
 
 def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:

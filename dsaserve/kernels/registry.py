@@ -55,10 +55,11 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_fp8_gemm,
         triton_head_gemm,
         triton_indexer,
+        triton_indexer_dispatch,
         triton_kv_write,
         triton_moe,
         triton_moe_route,
-        triton_sparse_mla,
+        triton_sparse_mla_tc,
     )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
@@ -87,13 +88,22 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
-        "indexer_topk": (triton_indexer.indexer_topk,
-                         "triton paged FP8 scores + triton select (decode) / torch.topk (prefill)"),
-        "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),
+        "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
+        "sparse_mla_attention": (triton_sparse_mla_tc.sparse_mla_attention,
+                                 f"triton tensor-core tiles (T>={triton_sparse_mla_tc.TC_MIN_TOKENS}), "
+                                 "else sparse flash-decoding"),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
     })
     return ops
+
+
+def _indexer_impl(triton_indexer, fp8_flag: str) -> str:
+    """What the indexer runs, by batch shape and static row length (`triton_indexer_dispatch`)."""
+    q = "FP8" if fp8_flag != "0" else "fp16"
+    return (f"decode (<={triton_indexer.SELECT_MAX_ROWS} tokens): triton paged FP8 scores + triton select, one program "
+            f"per row up to {triton_indexer.ROW_IN_REGS_MAX} keys, radix split over programs past it; prefill: "
+            f"triton {q}-q GEMM + streaming top-k (FP8 keys), torch.topk (bf16/fp32 keys)")
 
 
 def get_ops(device: torch.device | str) -> SimpleNamespace:

@@ -311,8 +311,15 @@ def triton_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, a_fp
 
 
 def scaled_mm_ok(n: int, k: int, device: torch.device) -> bool:
-    """cuBLAS block scaling (1x128 x 128x128) on Hopper; other shapes/devices use the Triton kernel."""
-    return (device.type == "cuda" and n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
+    """cuBLAS block scaling (1x128 x 128x128) on Hopper; other shapes/devices use the Triton kernel.
+
+    cuBLASLt reads the weight's scales as [round_up(K/128, 4), N/128] with leading dimension round_up(K/128, 4)
+    (its "scaling factors layout"; pytorch PR 166752). Ours is [K/128, N/128] unpadded, so with K/128 not a
+    multiple of 4 cuBLAS reads every 128-column block after the first at the wrong offset, the last ones
+    past the tensor: a silently wrong output (found on glm-5.3-tiny, K = 256: the merged q_a|kv_a|wk GEMM's
+    indexer-key columns came out zero on one process and garbage on another). GLM-5.3's and
+    DeepSeek-V3.2's K are all multiples of 512; the small configs take the Triton GEMM."""
+    return (device.type == "cuda" and n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 

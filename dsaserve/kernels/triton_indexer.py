@@ -24,6 +24,7 @@ import triton.language as tl
 
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
+from dsaserve.kernels.variants import ROW_IN_REGS_MAX, SELECT_MAX_ROWS
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
 
@@ -80,7 +81,6 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
 
 
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
-SELECT_MAX_ROWS = 512  # rows (tokens) up to which the Triton selection replaces torch.topk (decode)
 
 
 @triton.jit
@@ -337,9 +337,9 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     return out[:, :max_seq]
 
 
-ROW_IN_REGS_MAX = 16384  # keys per row up to which the selection holds the row in registers (16 warps;
-# ptxas -v for sm_90: no spills at 8K, 132 bytes at 16K). The model's 8K-context rows (8256-key bound,
-# bench run 4): 35-38 µs per row in registers against 39-49 µs in 4096-key chunks over L2
+# ROW_IN_REGS_MAX (kernels/variants.py): keys per row up to which the selection holds the row in registers
+# (16 warps; ptxas -v for sm_90: no spills at 8K, 132 bytes at 16K). The model's 8K-context rows (8256-key
+# bound, bench run 4): 35-38 µs per row in registers against 39-49 µs in 4096-key chunks over L2
 
 
 def _select_config(max_seq: int, rows: int) -> dict:
@@ -357,7 +357,9 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     t = q.shape[0]
     max_seq = page_table.shape[1] * page_size
     k = min(topk, max_seq)
-    step = max(1, min(t, SCORE_BUDGET // (4 * max(max_seq, 1))))
+    # slices start at multiples of 16 rows: their int64 position / request pointers stay 16-byte aligned, so
+    # a sliced chunk launches the variant the warmup compiled (Triton specialises on pointer alignment)
+    step = max(16, SCORE_BUDGET // (4 * max(max_seq, 1)) // 16 * 16)
     if max_seq <= topk:  # every visible key is selected: no scores needed
         out = torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
         j = torch.arange(max_seq, device=q.device)

@@ -219,8 +219,9 @@ def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         config: dict | None = None) -> torch.Tensor:
-    """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype.
+                         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype (`out`, contiguous, when
+    given: the piecewise graphs' buffer).
 
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
     (fp8_ds_mla at kv_lora 512: scales outside the dots, `_sparse_mla_ds4_kernel`; False: dequantise first).
@@ -231,7 +232,11 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     if dc != kv_lora_rank:
         raise ValueError(f"sparse_mla_attention: q_nope has {dc} channels, kv_lora_rank is {kv_lora_rank}")
     n_keys = topk_slots.shape[1]
-    out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
+    if out is None:
+        out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
+    elif out.shape != (t, h, dc) or out.dtype != q_nope.dtype or not out.is_contiguous():
+        raise ValueError(f"sparse_mla_attention: out must be a contiguous {(t, h, dc)} {q_nope.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if t == 0:
         return out
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from

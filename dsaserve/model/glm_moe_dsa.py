@@ -8,6 +8,7 @@ the loader's name table is the identity except for the stacked experts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -18,15 +19,29 @@ from dsaserve.common.counters import COUNTERS
 from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state, validate_for_model
 from dsaserve.kernels.registry import get_ops
+from dsaserve.kernels.variants import SELECT_MAX_ROWS
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.layers.context import PagedKV, StepContext
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
-from dsaserve.model.layers.mla import MLAAttention
+from dsaserve.model.layers.mla import AttentionInputs, MLAAttention
 from dsaserve.model.layers.moe import DenseMLP, MoE
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.model.step_counts import ForwardShape, count_step, forward_shape
+
+
+@dataclass
+class SegmentCarry:
+    """What one segment hands to the next: the residual stream and the layer's attention inputs; after
+    the last segment, the final-normed hidden states (in `residual`, attn None)."""
+
+    residual: torch.Tensor
+    attn: AttentionInputs | None
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.residual
 
 
 class DecoderLayer(nn.Module):
@@ -42,11 +57,23 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller's next norm adds the two (SGLang's layout:
         each residual add is fused into the norm that follows it). residual None: h is the stream."""
+        a, residual = self.open(h, ctx, residual)
+        self.self_attn.attention_core(a, ctx)
+        return self.close(a, residual, ctx)
+
+    def open(self, h: torch.Tensor, ctx: StepContext,
+             residual: torch.Tensor | None) -> tuple[AttentionInputs, torch.Tensor]:
+        """The layer up to its attention core: input norm (+ the residual add) and the pre-attention ops."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
-        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, ctx), residual)
+        return self.self_attn.pre_attention(x, ctx), residual
+
+    def close(self, a: AttentionInputs, residual: torch.Tensor,
+              ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention core: W_uv + o_proj, residual add + norm, dense MLP / MoE."""
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn.post_attention(a.latent), residual)
         return self.mlp(x, ctx), residual
 
 
@@ -129,19 +156,19 @@ class DsaForCausalLM(nn.Module):
             self._shapes[mtp] = forward_shape(layers, self.lm_head, main=mtp < 0)
         return self._shapes[mtp]
 
-    def _context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
-        cos, sin = self.rotary(batch.positions, self.dtype)
+    def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True) -> StepContext:
+        """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture)."""
+        cos, sin = self.rotary(batch.positions, self.dtype) if rope else (None, None)
         ops = get_ops(batch.input_ids.device)
-        return StepContext(batch, pool, cos, sin, ops, side_stream=self._indexer_stream(batch, ops))
+        stream = self._indexer_stream(batch, ops) if side_stream else None
+        return StepContext(batch, pool, cos, sin, ops, side_stream=stream)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
-        """The side stream full layers run their indexer selection on (`MLAAttention._start_indexer`): GPU
+        """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`): GPU
         kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
         DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
         if not ops.graph_safe or not envs.DSASERVE_OVERLAP_INDEXER:
             return None
-        from dsaserve.kernels.triton_indexer import SELECT_MAX_ROWS  # Triton is importable: graph_safe
-
         if batch.num_tokens > SELECT_MAX_ROWS:
             return None
         if self._side_stream is None or self._side_stream.device != batch.input_ids.device:
@@ -151,12 +178,43 @@ class DsaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, pool: PagedKV) -> torch.Tensor:
-        """Main stack; returns final-normed hidden states [T, H] for every token of the batch."""
-        ctx = self._context(batch, pool)
-        h, residual = self.model.embed_tokens(batch.input_ids), None
-        for layer in self.model.layers[: self.cfg.num_hidden_layers]:
-            h, residual = layer(h, ctx, residual)
-        return self.model.norm.add_forward(h, residual)[0]
+        """Main stack; returns final-normed hidden states [T, H] for every token of the batch: the segments
+        with each layer's attention core between them (what a piecewise CUDA graph replays, eagerly)."""
+        ctx = self._context(batch, pool, rope=False)
+        carry = self.segment(0, ctx, None)
+        for i in range(self.cfg.num_hidden_layers):
+            self.attention_core(i, ctx, carry.attn)
+            carry = self.segment(i + 1, ctx, carry)
+        return carry.hidden
+
+    # ---- the forward as segments between attention cores (engine/piecewise_runner.py) -----------
+    @property
+    def num_segments(self) -> int:
+        return self.cfg.num_hidden_layers + 1
+
+    def segment_context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
+        """The context segments read (input_ids, positions, out_cache_loc; RoPE rows made by segment 0)."""
+        return self._context(batch, pool, rope=False, side_stream=False)
+
+    def segment(self, i: int, ctx: StepContext, carry: SegmentCarry | None) -> SegmentCarry:
+        """Segment i of the main stack, everything between two attention cores: segment 0 = RoPE rows +
+        embedding + layer 0 up to its core; segment i = the rest of layer i-1 (o_proj, residual + norm, MLP /
+        MoE) + layer i up to its core; the last = the rest of the last layer + the final norm. Per-token ops
+        and the collectives of TP / EP: fixed shapes at a fixed token count, so each may be a CUDA graph."""
+        layers, n = self.model.layers, self.cfg.num_hidden_layers
+        if i == 0:
+            ctx.cos, ctx.sin = self.rotary(ctx.batch.positions, self.dtype)
+            h, residual = self.model.embed_tokens(ctx.batch.input_ids), None
+        else:
+            h, residual = layers[i - 1].close(carry.attn, carry.residual, ctx)
+        if i == n:
+            return SegmentCarry(self.model.norm.add_forward(h, residual)[0], None)
+        attn, residual = layers[i].open(h, ctx, residual)
+        return SegmentCarry(residual, attn)
+
+    def attention_core(self, i: int, ctx: StepContext, attn: AttentionInputs) -> None:
+        """Layer i's attention core (indexer selection + sparse MLA) on what segment i made (`carry.attn`)."""
+        self.model.layers[i].self_attn.attention_core(attn, ctx)
 
     @torch.inference_mode()
     def forward_idle(self, mtp_layer: int | None = None) -> None:

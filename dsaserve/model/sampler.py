@@ -14,8 +14,13 @@ token whatever else is in the batch. Requests without a seed share one engine ge
 Grammar bitmask: xgrammar fills one int32 row per grammar-constrained sample on the CPU (bit t of word w
 allows token 32w + t); `apply_token_bitmask` unpacks the rows with uint8 shifts and masks the logits with
 `masked_fill` — plain torch ops, the same on CPU and GPU, touching only the constrained rows. The fill
-runs before anything waits for the device, so on a GPU it overlaps the step's forward. After the draw each
-constrained sample's matcher takes its token (a grammar waiting for the reasoning end only watches for it).
+runs before anything waits for the device, so on a GPU it overlaps the step's forward. When the tokens reach
+the host (`SampleFuture.result`) each constrained sample's matcher takes its token (a grammar waiting for the
+reasoning end only watches for it).
+
+Nothing between `sample_async` and `SampleFuture.result` waits for the device (host lists travel through
+`to_device`), so under overlap scheduling (engine/overlap.py) the host goes on to schedule the next step while
+the tokens are drawn. Exceptions, each a rare combination: min_tokens together with a grammar.
 """
 
 from __future__ import annotations
@@ -52,16 +57,70 @@ class SamplerOutput:
     logprobs: list[dict | None]  # {"logprob": float, "top": [[id, logprob], ...]} where asked for
 
 
+class SampleFuture:
+    """One step's samples, drawn on the device and on their way to the host.
+
+    `tokens` ([rows] int64) stay on the device, where the next step's input ids read them under overlap
+    scheduling (engine/overlap.py). Their host copy, and the logprobs', is queued at once into pinned memory
+    behind an event; `result()` waits for it, then lets each grammar take its token."""
+
+    def __init__(self, rows: Sequence[SampleSource], tokens: torch.Tensor,
+                 logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, want: list[int]):
+        self.rows, self.tokens, self._want = rows, tokens, want
+        # a non-blocking copy out of the GPU lands in pinned memory: valid once the event has passed
+        self._host = [t.to("cpu", non_blocking=True) for t in (tokens, *(logprobs or ()))]
+        self._event = torch.cuda.Event() if tokens.is_cuda else None
+        if self._event is not None:
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_list = self._host[0].tolist()
+        for r, t in zip(self.rows, token_list, strict=True):
+            g = getattr(r, "grammar", None)
+            if g is not None:
+                g.observe(t)
+        return SamplerOutput(token_list, self._logprob_dicts())
+
+    def _logprob_dicts(self) -> list[dict | None]:
+        out: list[dict | None] = [None] * len(self.rows)
+        if not self._want:
+            return out
+        chosen, top_v, top_i = (t.tolist() for t in self._host[1:])
+        for j, i in enumerate(self._want):
+            n = self.rows[i].sampling.logprobs
+            out[i] = {"logprob": chosen[j], "top": [[t, v] for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]}
+        return out
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`, queued behind the work in flight instead of waiting for it:
+    `torch.tensor(values, device="cuda")` copies synchronously (it waits for every queued kernel, under overlap
+    scheduling the whole forward), a non-blocking copy out of pinned memory does not."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._shared: dict[str, torch.Generator] = {}  # device -> generator of unseeded requests
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleSource]) -> SamplerOutput:
-        """logits: [len(rows), vocab] float32 (one row per sample)."""
+        """logits: [len(rows), vocab] float32 (one row per sample). Waits for the tokens."""
+        return self.sample_async(logits, rows).result()
+
+    def sample_async(self, logits: torch.Tensor, rows: Sequence[SampleSource]) -> SampleFuture:
+        """Queue the sampling of [len(rows), vocab] logits on their device; nothing here waits for the device
+        (every host list reaches it through `to_device`), so on a GPU the host returns while the forward the
+        logits come from may still run. Host state (grammar matchers, output ids for penalties, min_tokens) is
+        read now: it must already hold every earlier token of these rows."""
         params = [r.sampling for r in rows]
         raw = logits
-        logprobs = self._logprobs_inputs(raw, params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = self._logprobs_inputs(raw, want)
         x = self._suppress(logits, rows)
         x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
@@ -70,12 +129,7 @@ class Sampler:
             tokens = x.argmax(dim=-1)
         else:
             tokens = self._random(x, rows, params)
-        token_list = tokens.tolist()
-        for r, t in zip(rows, token_list, strict=True):
-            g = getattr(r, "grammar", None)
-            if g is not None:
-                g.observe(t)
-        return SamplerOutput(token_list, self._logprobs(logprobs, params, token_list))
+        return SampleFuture(rows, tokens, self._logprobs(logprobs, params, want, tokens), want)
 
     # ---- steps -------------------------------------------------------------------------------
     @staticmethod
@@ -83,11 +137,13 @@ class Sampler:
         masked = [(i, ids) for i, r in enumerate(rows) if (ids := r.suppressed_token_ids)]
         if not masked:
             return x
-        x = x.clone()
-        vocab = x.shape[1]
-        for i, ids in masked:  # ids were validated on admission; out-of-range ones must never index
-            x[i, [t for t in ids if 0 <= t < vocab]] = float("-inf")
-        return x
+        vocab, dev = x.shape[1], x.device
+        # ids were validated on admission; out-of-range ones must never index
+        cells = [(i, t) for i, ids in masked for t in ids if 0 <= t < vocab]
+        if not cells:
+            return x
+        r, c = to_device(cells, torch.int64, dev).unbind(1)
+        return x.index_put((r, c), x.new_full((), float("-inf")))
 
     @staticmethod
     def _grammar_mask(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
@@ -104,22 +160,25 @@ class Sampler:
             x = _unsuppress_dead_rows(x, rows, states, bitmask)
         if len(states) == len(rows):
             return apply_token_bitmask(x, bitmask)
-        idx = torch.tensor([i for i, _ in states], device=x.device)
+        idx = to_device([i for i, _ in states], torch.int64, x.device)
         return x.index_copy(0, idx, apply_token_bitmask(x.index_select(0, idx), bitmask))
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
         dev = x.device
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev, dtype=x.dtype)
+        greedy = to_device([p.greedy for p in params], torch.bool, dev)
+        temp = to_device([1.0 if p.greedy else p.temperature for p in params], x.dtype, dev)
         scaled = x / temp.unsqueeze(1)
         if any(p.needs_filters for p in params):
             scaled = apply_filters(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
         q = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
+        if len(unseeded) == len(params):
+            q.exponential_(generator=self._shared_generator(dev))
+        elif unseeded:
             noise = torch.empty((len(unseeded), probs.shape[1]), device=dev, dtype=probs.dtype)
-            q[unseeded] = noise.exponential_(generator=self._shared_generator(dev))
+            noise.exponential_(generator=self._shared_generator(dev))
+            q.index_copy_(0, to_device(unseeded, torch.int64, dev), noise)
         for i, (r, p) in enumerate(zip(rows, params, strict=True)):
             if p.seed is not None:
                 if r.generator is None:
@@ -138,27 +197,25 @@ class Sampler:
         return g
 
     @staticmethod
-    def _logprobs_inputs(raw: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    def _logprobs_inputs(raw: torch.Tensor, want: list[int]) -> torch.Tensor | None:
         if not want:
             return None
-        return torch.log_softmax(raw[want].float(), dim=-1)
+        if len(want) < raw.shape[0]:
+            raw = raw.index_select(0, to_device(want, torch.int64, raw.device))
+        return torch.log_softmax(raw.float(), dim=-1)
 
     @staticmethod
-    def _logprobs(lp: torch.Tensor | None, params: list[SamplingParams], tokens: list[int]) -> list[dict | None]:
-        out: list[dict | None] = [None] * len(params)
+    def _logprobs(lp: torch.Tensor | None, params: list[SamplingParams], want: list[int], tokens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(chosen [W], top values [W, k], top ids [W, k]) on the device for the W rows that want logprobs."""
         if lp is None:
-            return out
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device).unsqueeze(1)).squeeze(1)
+            return None
+        if len(want) < len(params):
+            tokens = tokens.index_select(0, to_device(want, torch.int64, tokens.device))
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max(params[i].logprobs for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        chosen_l, top_v_l, top_i_l = chosen.tolist(), top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            n = params[i].logprobs
-            out[i] = {"logprob": chosen_l[j], "top": [[t, v] for t, v in zip(top_i_l[j][:n], top_v_l[j][:n],
-                                                                               strict=True)]}
-        return out
+        return chosen, top_v, top_i
 
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -203,11 +260,11 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tens
         sp = row.sampling
         if not sp.needs_penalties:
             continue
-        out_ids = torch.tensor(row.output_token_ids, dtype=torch.int64, device=dev)
+        out_ids = to_device(row.output_token_ids, torch.int64, dev)
         counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(x.dtype)
         if sp.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(row.prompt_token_ids, dtype=torch.int64, device=dev)] = True
+            seen[to_device(row.prompt_token_ids, torch.int64, dev)] = True
             r = sp.repetition_penalty
             xi = x[i]
             x[i] = torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
@@ -222,9 +279,9 @@ def apply_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     Rows with a filter off get a keep-everything threshold, so they come out bit-identical.
     """
     vocab, dev = x.shape[1], x.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)
+    top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, dev)
+    top_p = to_device([p.top_p for p in params], x.dtype, dev)
+    min_p = to_device([p.min_p for p in params], x.dtype, dev)
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < (probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)), float("-inf"))

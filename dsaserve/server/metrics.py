@@ -38,6 +38,8 @@ ENGINE_GAUGES = {
                         "references them, evictable (LRU)"),
     "kv_pages_free": ("dsaserve_kv_pages_free", "KV pool pages free"),
     "kv_pages_total": ("dsaserve_kv_pages_total", "KV pool pages in all (allocated once at startup)"),
+    "overlap_schedule": ("dsaserve_overlap_schedule", "1 when the engine overlaps scheduling with the device "
+                         "(engine/overlap.py), 0 when it steps synchronously"),
     "kv_pages_in_prefix_cache": ("dsaserve_kv_pages_in_prefix_cache", "KV pool pages registered in the prefix "
                                  "cache, referenced by live requests or not (overlaps used)"),
 }
@@ -58,6 +60,11 @@ ENGINE_COUNTERS = {
     "grammar_cache_hits": ("dsaserve_grammar_cache_hits", "structured-output grammars found in the cache"),
     "grammar_compile_failures": ("dsaserve_grammar_compile_failures", "grammars that did not compile (400s)"),
     "grammar_compile_timeouts": ("dsaserve_grammar_compile_timeouts", "grammars past --grammar-compile-timeout"),
+    "overlap_steps": ("dsaserve_overlap_steps", "steps launched before the previous step's tokens reached the host "
+                      "(overlap scheduling; 0 with --disable-overlap-schedule)"),
+    "overlap_discarded_tokens": ("dsaserve_overlap_discarded_tokens", "tokens computed or sampled for a sample that "
+                                 "had already finished (a stop token or an abort found one step late under overlap "
+                                 "scheduling); never emitted nor counted in usage"),
     "aborted_samples": ("dsaserve_engine_stop_string_samples", "samples the detokenizer ended in the scheduler "
                         "because a stop string matched (a normal finish, not a failure)"),
 }
@@ -97,11 +104,15 @@ class EngineCollector(Collector):
 
 
 def _graph_counters(counters: dict[str, float]):
-    yield CounterMetricFamily("dsaserve_graph_replays", "CUDA-graph replays",
+    yield CounterMetricFamily("dsaserve_graph_replays", "decode CUDA-graph replays",
                               value=float(counters.get("graph_replays", 0)))
+    yield CounterMetricFamily("dsaserve_piecewise_replays", "steps with a prefill part replayed on piecewise "
+                              "CUDA graphs (attention cores eager between the segments)",
+                              value=float(counters.get("piecewise_replays", 0)))
     reasons = {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("eager_fallbacks.")}
-    yield CounterMetricFamily("dsaserve_eager_fallbacks", "decode forwards that ran eagerly although CUDA graphs "
-                              "were captured (batch past --cuda-graph-max-bs, ...), all reasons; 0 without graphs "
+    yield CounterMetricFamily("dsaserve_eager_fallbacks", "forwards that ran eagerly although CUDA graphs were "
+                              "captured (a prefill step past the largest piecewise bucket, ...), all reasons; "
+                              "0 without graphs "
                               "(CPU, --disable-cuda-graph): every forward is eager there, see "
                               "dsaserve_engine_counter{name=\"forward_steps\"}",
                               value=float(sum(reasons.values()) + counters.get("eager_fallbacks", 0)))

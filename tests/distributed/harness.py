@@ -78,7 +78,7 @@ def run_scenario(runner: ModelRunner, decode_tokens: list[list[int]]) -> dict:
     for step in range(len(decode_tokens[0])):
         batch = contiguous_batch([[toks[step]] for toks in decode_tokens], [len(p) + step for p in prompts], BASES)
         before = COUNTERS.snapshot()
-        logits.append(runner.forward(batch))
+        logits.append(runner.forward(batch).clone())  # a replayed step's logits are the graph's output buffer
         decode.append(_collective_delta(before))
     # one token over 2 ranks: the a2a modes leave rank 1 an empty token chunk (the GPU ZeroDivisionError case);
     # it rewrites request 0's first decode slot with the same token, so later reads are unchanged

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
+from dsaserve.engine.overlap import resolve_placeholders_
+
 EOS = 1
 VOCAB = 128
 _MOD = (1 << 61) - 1
@@ -58,8 +60,8 @@ class FakeTokenizer:
 
 class FakeRunner:
     def __init__(self, num_pages: int = 64, page_size: int = 64, max_position_embeddings: int = 4096,
-                 eos_every: int = 23):
-        self.cfg = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=max_position_embeddings,
+                 eos_every: int = 23, vocab: int = VOCAB):
+        self.cfg = SimpleNamespace(vocab_size=vocab, max_position_embeddings=max_position_embeddings,
                                    eos_token_id=(EOS,))
         self.num_pages, self.page_size, self.device = num_pages, page_size, "cpu"
         self.eos_token_ids = (EOS,)
@@ -70,11 +72,13 @@ class FakeRunner:
         self.kv_pos = torch.full((num_pages * page_size,), -1, dtype=torch.int64)
         self.eos_every = eos_every
         self.batches: list = []  # every ForwardBatch seen (tests inspect them)
+        self.future_token_ids = torch.zeros(256, dtype=torch.int64)  # overlap scheduling reads it (the real runner's)
 
     def manifest(self) -> dict:
         return {"runner": "fake"}
 
     def forward(self, batch) -> torch.Tensor:
+        resolve_placeholders_(batch.input_ids, self.future_token_ids)  # the step before's samples, as the runner
         self.batches.append(batch)
         assert batch.out_cache_loc.unique().numel() == batch.num_tokens, "two tokens written to one slot"
         self.kv_tok[batch.out_cache_loc] = batch.input_ids
@@ -88,5 +92,5 @@ class FakeRunner:
             if not torch.equal(pos, torch.arange(n)):
                 bad = int((pos != torch.arange(n)).nonzero()[0])
                 raise AssertionError(f"row {r}: slot {int(slots[bad])} holds position {int(pos[bad])}, not {bad}")
-            rows.append(fake_logits(self.kv_tok[slots].tolist(), eos_every=self.eos_every))
-        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
+            rows.append(fake_logits(self.kv_tok[slots].tolist(), self.cfg.vocab_size, self.eos_every))
+        return torch.stack(rows) if rows else torch.zeros(0, self.cfg.vocab_size)

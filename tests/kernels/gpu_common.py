@@ -21,9 +21,9 @@ import pytest
 import torch
 
 _INTERP = os.environ.get("DSASERVE_TEST_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_gpu_kernels = pytest.mark.skipif(not _HAS_TRITON or not (torch.cuda.is_available() or _INTERP),
+requires_gpu_kernels = pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or _INTERP),
                                           reason="GPU kernels need CUDA + Triton (or the Triton interpreter)")
 SLACK = 2.0 if DEVICE == "cpu" else 1.0
 BF16 = 1e-2 * SLACK
@@ -58,3 +58,24 @@ def gpu_modules():
 
 SMALL_ROWS = 32  # triton_fp8_gemm.SMALL_M: decode-size outputs carry an FP8 copy
 BF16_ULP = dict(rtol=2 ** -6 * SLACK, atol=2 ** -6 * SLACK)  # one bf16 rounding apart (8-bit mantissa)
+
+
+def _interpreter_dot_reads_bf16() -> None:
+    """Triton 3.9's interpreter keeps bf16 as raw uint16 and its `create_dot` multiplies those integers
+    (every bf16 tl.dot comes out ~1e10): widen bf16 operands to float32 (exact) before its matmul."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    interpreter.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: dot(self, widen(a), widen(b), d, *rest)
+
+
+if _INTERP and HAS_TRITON:
+    _interpreter_dot_reads_bf16()

@@ -28,7 +28,7 @@ def _logits(ckpt, keep_fp8: bool) -> tuple[torch.Tensor, DsaForCausalLM]:
     model = DsaForCausalLM(cfg, with_mtp=False)
     load_checkpoint(model, ckpt, progress=False)
     model.finalize(torch.float32, torch.device("cpu"), keep_fp8)
-    pool = KVPool(cfg, 8, "fp32", model.kv_layer_ids, 64, "cpu")
+    pool = KVPool(cfg, 8, "fp32", model.kv_layer_ids, 64, torch.float32, "cpu")
     batch = contiguous_batch([list(range(3, 70)), list(range(100, 120))], [0, 0], [0, 256], 64)
     return model(batch, pool)[0], model
 

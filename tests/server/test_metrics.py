@@ -17,7 +17,8 @@ REQUIRED = {
               "dsaserve_kv_pages_used", "dsaserve_kv_pages_cached", "dsaserve_kv_pages_free",
               "dsaserve_kv_pages_total", "dsaserve_kv_cache_usage_ratio", "dsaserve_startup_phase_seconds"),
     "counter": ("dsaserve_prefix_cache_hit_tokens", "dsaserve_preemptions", "dsaserve_prompt_tokens",
-                "dsaserve_generation_tokens", "dsaserve_graph_replays", "dsaserve_eager_fallbacks",
+                "dsaserve_generation_tokens", "dsaserve_graph_replays", "dsaserve_piecewise_replays",
+                "dsaserve_eager_fallbacks",
                 "dsaserve_requests_finished", "dsaserve_requests_received", "dsaserve_requests_aborted",
                 "dsaserve_evicted_pages", "dsaserve_engine_steps"),
 }

@@ -1,6 +1,7 @@
 """`dsaserve serve` over several ranks on the CPU (gloo): TP2, EP2 and DP-attention + EP2 answer through the real
-openai client with the greedy tokens of one rank; two "nodes" (two launchers on loopback) serve as one; a
-killed rank brings the server down with its name; a layout that cannot be exact is refused before any spawn.
+openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling); two
+"nodes" (two launchers on loopback) serve as one; a killed rank brings the server down with its name; a layout
+that cannot be exact is refused before any spawn.
 
 fp32 KV and float32 weights: TP / EP only reorder sums, so greedy tokens of the tiny model agree exactly.
 """
@@ -43,8 +44,12 @@ def one_rank(tmp_path_factory) -> list[tuple[str, list[str]]]:
         s.stop()
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2"), ("--enable-dp-attention", "--ep", "2")],
-                         ids=["tp2", "ep2", "dp2_ep2"])
+OVERLAP = "--no-disable-overlap-schedule"  # overlap scheduling, off by default on the CPU, forced on
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2", OVERLAP), ("--enable-dp-attention", "--ep", "2"),
+                                    ("--enable-dp-attention", "--ep", "2", OVERLAP)],
+                         ids=["tp2", "ep2_overlap", "dp2_ep2", "dp2_ep2_overlap"])
 def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path, one_rank, layout):
     s = ServerProcess(tmp_path, *EXACT, *layout)
     try:
@@ -55,6 +60,7 @@ def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["startup_time"]["load_weights"] > 0 and r["kv_pool"]["num_pages"] > 0 for r in ranks)
         assert startup["scheduler_info"]["slowest_rank"] in (0, 1)
+        assert startup["scheduler_info"]["overlap_schedule"] is (OVERLAP in layout)
         assert {"scheduler", "scheduler rank 1"} <= set(startup["processes"])
     finally:
         assert s.stop() == 0

@@ -33,8 +33,8 @@ class PagedKV(Protocol):
 class StepContext:
     batch: ForwardBatch
     pool: PagedKV
-    cos: torch.Tensor  # [T, rope/2]
-    sin: torch.Tensor
+    cos: torch.Tensor | None  # [T, rope/2] (None until segment 0 makes them)
+    sin: torch.Tensor | None
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
     side_stream: torch.cuda.Stream | None = None  # full layers' indexer selection overlaps the q path here

@@ -8,17 +8,38 @@ goes through W_uv before o_proj. Absorbed and expanded forms are the same math (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear, MergedLinear
 from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
+
+
+@dataclass
+class AttentionInputs:
+    """What one layer's attention core reads, made by `pre_attention` (a segment's outputs under piecewise
+    CUDA graphs: views of the first rows are what a smaller batch's core reads, `rows`)."""
+
+    q_abs: torch.Tensor  # [T, H, kv_lora]: q_nope through W_uk
+    q_rope: torch.Tensor  # [T, H, rope], RoPE applied
+    latent: torch.Tensor  # [T, H, kv_lora]: the core's output
+    q_idx: torch.Tensor | None  # full layers: the indexer's query [T, Hi, D] and head weights [T, Hi]
+    w_idx: torch.Tensor | None
+    selecting: bool = False  # the selection already runs on ctx.side_stream: the core joins it
+
+    def rows(self, n: int) -> AttentionInputs:
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        return AttentionInputs(self.q_abs[:n], self.q_rope[:n], self.latent[:n], cut(self.q_idx), cut(self.w_idx),
+                               self.selecting)
 
 
 class MLAAttention(nn.Module):
@@ -74,42 +95,52 @@ class MLAAttention(nn.Module):
             return q_a, kv_a, k_idx[0] if k_idx else None
         return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
 
-    def _start_indexer(self, x: torch.Tensor, q_resid: torch.Tensor, k_idx: torch.Tensor | None,
-                       ctx: StepContext) -> tuple[torch.Tensor, ...] | None:
-        """Full layers: the indexer's projections here, then its scores + top-k into ctx.topk_slots - on
-        ctx.side_stream when there is one, overlapping the q path (q_b, RoPE, KV write, W_uk) that sparse MLA
-        also waits for. At batch 1 / 8K context the selection is one program per row (~20 µs on one SM)
-        beside ~20 µs of GEMMs. Returns what the caller must hold until it has joined the side stream (None:
-        nothing to join): the side stream's inputs, allocated on this stream, whose memory this stream could
-        otherwise reuse while the side stream still reads it."""
-        if self.indexer is None:
-            if ctx.topk_slots is None:
-                raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
-            return None
-        q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
-        side = ctx.side_stream
-        if side is None:
-            ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
-            return None
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
-        return q_idx, w_idx
-
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        t, b, ops = x.shape[0], ctx.batch, ctx.ops
+    def pre_attention(self, x: torch.Tensor, ctx: StepContext) -> AttentionInputs:
+        """Everything before the attention core: the A projections, q_b + RoPE, the latent (and, full layers,
+        the indexer K) KV writes, q_nope through W_uk, and the core's output buffer. Per-token ops only (their
+        metadata is positions and out_cache_loc), so a piecewise CUDA graph captures them at a fixed token
+        count. With ctx.side_stream the full layers' selection starts here, overlapping the q path (q_b,
+        RoPE, KV write, W_uk) that sparse MLA also waits for: at batch 1 / 8K context it is one program per
+        row (~20 µs on one SM) beside ~20 µs of GEMMs."""
+        t, ops = x.shape[0], ctx.ops
         q_a, kv_a, k_idx = self._project_a(x)
         q_resid = self.q_a_layernorm(q_a)
-        side_inputs = self._start_indexer(x, q_resid, k_idx, ctx)
+        q_idx = w_idx = None
+        if self.indexer is not None:
+            q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
+        selecting = q_idx is not None and ctx.side_stream is not None
+        if selecting:
+            ctx.side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(ctx.side_stream):
+                ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
         q = self.q_b_proj(q_resid).view(t, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], ops.rope_inplace(q[..., self.nope:], ctx.cos, ctx.sin, True)
-        kv_cache = ctx.pool.kv_cache(self.layer_id)
-        ops.mla_kv_write(kv_cache, ctx.pool.layout, b.out_cache_loc, kv_a, self.kv_a_layernorm.weight,
-                         self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
+        ops.mla_kv_write(ctx.pool.kv_cache(self.layer_id), ctx.pool.layout, ctx.batch.out_cache_loc, kv_a,
+                         self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
         q_abs = ops.head_bmm(q_nope, self.w_uk)  # [T, H, kv_lora]
-        if side_inputs is not None:
-            torch.cuda.current_stream().wait_stream(ctx.side_stream)
-            del side_inputs  # freed after the join: later reuse of their memory is ordered after the reads
-        latent = ops.sparse_mla_attention(q_abs, q_rope, kv_cache, ctx.pool.layout, ctx.topk_slots,
-                                          self.softmax_scale, self.kv_lora)
-        return self.o_proj(ops.head_bmm(latent, self.w_uv_t, flatten=True))  # [T, H * v]
+        # the core's output, allocated here: under piecewise graphs an address fixed at capture, which the
+        # segment after the core reads
+        latent = torch.empty(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
+        return AttentionInputs(q_abs, q_rope, latent, q_idx, w_idx, selecting)
+
+    def attention_core(self, a: AttentionInputs, ctx: StepContext) -> None:
+        """What depends on the requests' lengths and page tables: the indexer's scores + top-k (full layers;
+        shared layers reuse ctx.topk_slots) and sparse MLA over the paged latent cache, into a.latent. Runs
+        eagerly between the segments of a piecewise graph, on the batch's own rows and page-table width."""
+        if a.selecting:  # a holds the side stream's inputs (allocated on this stream) past the join, so their
+            torch.cuda.current_stream().wait_stream(ctx.side_stream)  # memory is not reused while it reads them
+        elif a.q_idx is not None:
+            ctx.topk_slots = self.indexer.select(a.q_idx, a.w_idx, ctx)
+        elif ctx.topk_slots is None:
+            raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
+        ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, ctx.pool.kv_cache(self.layer_id), ctx.pool.layout,
+                                     ctx.topk_slots, self.softmax_scale, self.kv_lora, out=a.latent)
+
+    def post_attention(self, latent: torch.Tensor) -> torch.Tensor:
+        """The attended latent through W_uv, then o_proj: [T, hidden] (TP: all-reduced by o_proj)."""
+        return self.o_proj(get_ops(latent.device).head_bmm(latent, self.w_uv_t, flatten=True))
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        a = self.pre_attention(x, ctx)
+        self.attention_core(a, ctx)
+        return self.post_attention(a.latent)

@@ -1,0 +1,116 @@
+"""Offline sm_90 compile of the tensor-core sparse MLA kernel: its registers, spills, shared memory and the
+instructions of its main loop, for every config of bench/sweep_sparse_mla_tc.py, without a GPU.
+
+Run anywhere Triton is installed:  PYTHONPATH=. python bench/offline_sm90.py [--only default,w8-bk64-dv1]
+The launch arguments come from `triton_sparse_mla_tc.launch_plan` on CPU tensors of glm-5.3-slice's shapes
+(so the integer specialisation is the GPU run's: a value divisible by 16 is marked so, as Triton does), the
+kernel is compiled for GPUTarget("cuda", 90, 32), and the wheel's ptxas / cuobjdump read the result. What it
+found (Triton 3.9, a stand-in for the H200's 3.6): 8 warps on all 512 output columns spill in the loop and
+run S twice (both warpgroups), 4 warps x 32-key tiles x half the columns use 104 KB and no spills.
+Loop numbers are static counts of one iteration (one key tile) of one program (a branch counts whole); the
+MMA work a token-key is the same ~52 SM cycles in every config (S twice, P @ V once, at 2048 MAC/cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bench.sweep_sparse_mla_tc import CONFIGS
+from dsaserve.common.kv_layout import encode_latent, get_kv_layout
+from dsaserve.config import load_config
+from dsaserve.kernels import triton_sparse_mla_tc as TC
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int64: "*i64",
+       torch.int32: "*i32"}
+
+
+def specialise(fn, args: tuple, meta: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as a launch with these arguments would specialise them."""
+    names = list(fn.arg_names)
+    sig, attrs, consts = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names[:len(args)], args, strict=True)):
+        if isinstance(value, torch.Tensor):
+            sig[name] = PTR[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            sig[name], aligned = "fp32", False
+        else:
+            sig[name], aligned = ("i64" if abs(value) >= 2**31 else "i32"), value % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in names[len(args):]:
+        sig[name] = "constexpr"
+        consts[name] = meta.get(name, False)  # PDL: off offline
+    return sig, consts, attrs
+
+
+def loop_census(cubin: Path) -> dict[str, int]:
+    """SASS opcode counts of the longest backward branch (the key-tile loop)."""
+    sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    lines = [m for m in (re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
+    loops = [(int(b.group(1), 16), int(m.group(1), 16)) for m in lines
+             if (b := re.search(r"BRA (0x[0-9a-f]+)", m.group(2))) and int(b.group(1), 16) < int(m.group(1), 16)]
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    ops: dict[str, int] = {}
+    for m in lines:
+        if lo <= int(m.group(1), 16) <= hi:
+            op = re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split(" ")[0].split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+    return ops
+
+
+def report(name: str, t: int) -> str:
+    cfg_model = load_config("glm-5.3-slice")
+    h, dc, dr, k = (cfg_model.num_attention_heads, cfg_model.kv_lora_rank, cfg_model.qk_rope_head_dim,
+                    cfg_model.index_topk)
+    qn, qr = torch.zeros(t, h, dc, dtype=torch.bfloat16), torch.zeros(t, h, dr, dtype=torch.bfloat16)
+    cache = encode_latent(torch.zeros(64, dc + dr), "fp8_ds_mla", dc)
+    layout = get_kv_layout("fp8_ds_mla")
+    cfg = TC._config(layout, CONFIGS[name])
+    _, _, launches, meta = TC.launch_plan(qn, qr, cache, layout, torch.zeros(t, k, dtype=torch.int64), 0.06,
+                                          torch.empty_like(qn), cfg, sms=132)
+    fn = TC._sparse_mla_tc_kernel
+    sig, consts, attrs = specialise(fn, launches[0][1], meta)
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
+        v = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
+                           check=True).stderr
+        regs = re.search(r"Used (\d+) registers", v).group(1)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v).groups()
+        ops = loop_census(cubin)
+    total = sum(ops.values())
+    # warp instructions a token's key costs: all warps of all programs of the token (the SM issues 4 a cycle)
+    per_key = total * meta["num_warps"] * meta["DV_SPLIT"] / meta["BLOCK_K"]
+    return (f"{name:18s} T={t:5d} smem {kernel.metadata.shared / 1024:6.1f} KB  regs {regs:>3s}  spill st/ld "
+            f"{spill[0]:>5s}/{spill[1]:<5s} loop: {total:5d} instr, {per_key:5.0f} warp-instr a token-key, "
+            f"HGMMA {ops.get('HGMMA', 0):3d}, LDL {ops.get('LDL', 0):3d}, STL {ops.get('STL', 0):3d}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(CONFIGS))
+    ap.add_argument("--tokens", default="128,4096", help="token counts (decode T=128, prefill)")
+    args = ap.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless set; 3.6 fuses by default
+    for name in args.only.split(","):
+        for t in (int(x) for x in args.tokens.split(",")):
+            print(report(name, t), flush=True)
+
+
+if __name__ == "__main__":
+    main()

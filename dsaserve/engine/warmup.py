@@ -1,0 +1,118 @@
+"""Warmup of what the graphs do not capture (startup chain: "warmup", after "capture CUDA graphs").
+
+Owns: running `engine/warmup_plan.py`'s attention-core shapes through the piecewise runner (each a real
+step whose KV goes to the sink page) and its sampler variants through a throwaway Sampler, so each kernel
+variant is compiled (Triton) or loaded (CUDA's lazy module loading) before Up; and `KernelLoads`, the
+in-process count of Triton kernels the JIT had to compile or load after Up (`kernel_loads_after_up`: unlike
+`kernel_compiles_after_up`, the cache-directory count, it also sees a variant a warm disk cache loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsaserve.common.counters import COUNTERS
+from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.engine.warmup_plan import SAMPLER_VARIANTS, WarmupPlan
+from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.model.sampler import Sampler
+
+
+def core_batch(rows: int, pages: int, page_size: int, max_len: int, sink_page: int) -> ForwardBatch:
+    """One request's chunk of `rows` tokens ending its context (min(pages x page_size, max_len) tokens),
+    with a page table `pages` wide; every page is the sink page, so it reads and writes nobody's KV."""
+    seq = min(pages * page_size, max_len)
+    rows = min(rows, seq)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    pos = list(range(seq - rows, seq))
+    return ForwardBatch(i64([1] * rows), i64(pos), i64([0] * rows), i64([seq]), i64([rows]),
+                        torch.full((1, pages), sink_page, dtype=torch.int64),
+                        i64([sink_page * page_size + p % page_size for p in pos]), i64([rows - 1]), page_size,
+                        [seq], [rows])
+
+
+def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int) -> int:
+    """Every (rows, width) of the plan through the piecewise path; the number of steps run."""
+    pool = piecewise.pool
+    enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
+    try:
+        for rows, pages in plan.core_shapes:
+            piecewise.forward(core_batch(rows, pages, pool.page_size, max_len, pool.sink_page))
+        if pool.kv_buffer.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        COUNTERS.enabled = enabled
+    return len(plan.core_shapes)
+
+
+@dataclass
+class _Row:
+    """What the sampler reads of a request (model/sampler.py SampleSource)."""
+
+    sampling: SamplingParams
+    suppressed_token_ids: tuple[int, ...] = ()
+    grammar: Any = None
+    generator: Any = None
+    prompt_token_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
+    output_token_ids: list[int] = field(default_factory=lambda: [4, 4, 5])
+
+
+class _AllowAll:
+    """A grammar state whose bitmask allows every token (the mask is applied all the same)."""
+
+    active = True
+
+    def __init__(self, vocab: int):
+        self.vocab_size = vocab
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def observe(self, token: int) -> None:
+        pass
+
+
+def warm_sampler(device: torch.device, vocab: int, eos: tuple[int, ...]) -> list[str]:
+    """Each sampler variant once on the device, beside a greedy row; the variants run."""
+    sampler = Sampler(seed=0)
+    logits = torch.randn(2, vocab, device=device, generator=torch.Generator(device).manual_seed(0))
+    for kw in SAMPLER_VARIANTS.values():
+        row = _Row(SamplingParams(**kw), suppressed_token_ids=tuple(eos) if kw.get("min_tokens") else (),
+                   grammar=_AllowAll(vocab) if kw.get("structured_outputs") else None)
+        sampler.sample(logits, [row, _Row(SamplingParams(temperature=0.0))])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return list(SAMPLER_VARIANTS)
+
+
+class KernelLoads:
+    """COUNTERS source `kernel_loads_after_up`: Triton kernels compiled or loaded from disk (a JIT in-memory
+    miss) after `mark_up()`. Chains to a hook someone else installed; absent (0) without Triton's knobs."""
+
+    def __init__(self) -> None:
+        self.count, self.at_up, self.installed = 0, None, False
+        try:
+            from triton import knobs
+
+            previous = knobs.runtime.jit_post_compile_hook
+        except (ImportError, AttributeError):  # Triton < 3.4 or not installed: nothing to count
+            return
+
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return previous(*args, **kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        self.installed = True
+
+    def mark_up(self) -> None:
+        self.at_up = self.count
+
+    def read(self, reset: bool = False) -> dict[str, float]:
+        n = self.count - self.at_up if self.at_up is not None else 0
+        if reset and self.at_up is not None:
+            self.at_up = self.count
+        return {"kernel_loads_after_up": n}

@@ -1,0 +1,57 @@
+"""The GPU `indexer_topk` the registry binds: picks the indexer kernel by batch shape and static row length
+(request path stage 6, full indexer layers).
+
+Owns: the routing, nothing else.
+  prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys, outside CUDA-graph capture
+      (a decode graph bucket may hold that many tokens; the prefill kernel's block table is built on the host)
+      -> `triton_indexer_prefill`: one FP8 GEMM with a streaming top-k, no [tokens x context] score matrix;
+  decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
+      triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
+      split over programs);
+  everything else -> `triton_indexer.indexer_topk` (scores + one program per row; torch.topk for prefill with
+      bf16 / fp32 debugging keys; no scores at all when max_seq <= topk).
+The thresholds are read from `triton_indexer` at call time. No host sync on the decode paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
+from dsaserve.kernels import triton_indexer, triton_indexer_long, triton_indexer_prefill
+
+
+def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
+               page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+               page_size: int) -> torch.Tensor:
+    """Decode rows past one program's reach: scores (rows below topk skipped: they take every key), then the
+    split radix select, in row slices of at most SCORE_BUDGET bytes of scores."""
+    t, max_seq = q.shape[0], page_table.shape[1] * page_size
+    out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
+    step = max(1, triton_indexer.SCORE_BUDGET // (4 * max_seq))
+    for s0 in range(0, t, step):
+        sl = slice(s0, min(t, s0 + step))
+        scores = triton_indexer.index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
+                                             positions[sl], page_size, skip_below=topk)
+        triton_indexer_long.long_row_select(scores, page_table, req_index[sl], positions[sl], out[sl], topk,
+                                            page_size)
+    return out
+
+
+def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
+                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+                 page_size: int, seq_lens: list[int] | None = None,
+                 extend_lens: list[int] | None = None) -> torch.Tensor:
+    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded."""
+    layout = get_kv_layout(layout, "indexer_topk: layout")
+    t, max_seq = q.shape[0], page_table.shape[1] * page_size
+    if max_seq > topk:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # prefill builds a host block table
+        if (t > triton_indexer.SELECT_MAX_ROWS and not capturing
+                and triton_indexer_prefill.supported(layout, q.shape[2])):
+            return triton_indexer_prefill.prefill_topk(q, head_weights, index_cache, layout, page_table, req_index,
+                                                       positions, topk, page_size, seq_lens, extend_lens)
+        if t <= triton_indexer.SELECT_MAX_ROWS and max_seq > triton_indexer.ROW_IN_REGS_MAX:
+            return _long_rows(q, head_weights, index_cache, layout, page_table, req_index, positions, topk, page_size)
+    return triton_indexer.indexer_topk(q, head_weights, index_cache, layout, page_table, req_index, positions, topk,
+                                       page_size, seq_lens, extend_lens)

@@ -1,0 +1,56 @@
+"""Where the attention core's GPU kernels change compiled variant (pure Python: no torch, no Triton).
+
+Owns: the thresholds `kernels/triton_indexer.py` chooses its selection path and block size by, and the
+classes of (rows, page-table width) the eager attention core can launch, so that the engine's warmup
+(`engine/warmup_plan.py`) runs each class once before Up and a step never compiles a kernel after it
+(note 000: "warmup 覆盖哪些形状"). Triton compiles one variant per set of constexprs and per integer
+argument that is 1 or a multiple of 16; the core's page-table width is padded to `CORE_WIDTH_ALIGN` pages,
+so every width-derived argument is a multiple of 16 and only the classes below remain:
+- indexer selection (`indexer_topk`): no kernel while the keys fit top-k; else the Triton selection for
+  up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers up to
+  ROW_IN_REGS_MAX keys, 4096-key chunks beyond, whose warp count changes at 2 rows), torch.topk above.
+- sparse MLA: the kernel (generic at <= 2 rows, grouped above) and its flash-decoding splits, a function of
+  rows x head blocks against the SM count: constant (1 split) past 2 x SMs rows; every row count up to
+  ROW_SWEEP is warmed, which covers any GPU of up to ROW_SWEEP / 2 SMs.
+"""
+
+from __future__ import annotations
+
+SELECT_MAX_ROWS = 512  # rows (tokens) up to which the Triton selection replaces torch.topk (decode-size)
+ROW_IN_REGS_MAX = 16384  # keys per row up to which the selection holds the row in registers
+CORE_WIDTH_ALIGN = 16  # pages: the eager core's page tables are padded to a multiple (padding names the sink page)
+ROW_SWEEP = 512  # the sparse MLA split count varies with rows up to 2 x SMs (H200: 132 SMs)
+
+
+def core_width(pages: int) -> int:
+    """The page-table width the attention core runs at for a batch `pages` wide."""
+    return max(CORE_WIDTH_ALIGN, -(-pages // CORE_WIDTH_ALIGN) * CORE_WIDTH_ALIGN)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
+    """The indexer selection's compiled variant for `rows` tokens over a batch `pages` wide."""
+    keys = core_width(pages) * page_size
+    if keys <= topk:
+        return ("all_visible",)
+    if rows > SELECT_MAX_ROWS:
+        return ("torch_topk",)
+    if keys <= ROW_IN_REGS_MAX:
+        return ("select_regs", _pow2(keys))
+    return ("select_chunks", rows <= 2)
+
+
+def attention_row_class(rows: int) -> int:
+    """Sparse MLA's compiled variant depends on rows only below ROW_SWEEP (kernel choice and splits)."""
+    return min(rows, ROW_SWEEP + 1)
+
+
+def width_representatives(max_pages: int, page_size: int, topk: int) -> list[int]:
+    """One page-table width (pages) per selection block class a batch up to `max_pages` wide can reach."""
+    seen: dict[tuple, int] = {}
+    for pages in range(CORE_WIDTH_ALIGN, core_width(max_pages) + 1, CORE_WIDTH_ALIGN):
+        seen.setdefault(selection_class(1, pages, page_size, topk), pages)
+    return sorted(seen.values())

@@ -1,0 +1,223 @@
+"""GPU DSA indexer selection paths against their references: the long-row decode selection
+(`kernels/triton_indexer_long.py`) and the prefill GEMM + streaming top-k (`kernels/triton_indexer_prefill.py`).
+Set-up and error bounds: tests/kernels/gpu_common.py. Small shapes run under the Triton interpreter; the
+model's (GLM-5.3: 32 heads x 128, top-2048, rows up to 202752 keys) only on CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
+from tests.kernels.gpu_common import BIG, DEVICE, gpu_modules, poison_free_memory, randn, requires_gpu_kernels
+from tests.kernels.test_gpu_attention import _check_topk, _indexer_case, _position_ordered_topk
+
+pytestmark = requires_gpu_kernels
+
+
+def _rows(gen, kind, n, width):
+    s = randn(n, width, gen=gen)
+    return {"ties": lambda: (s * 3).round(), "all_equal": lambda: torch.full_like(s, 1.5),
+            "negative": lambda: -s.abs() - 10, "narrow": lambda: 1.0 + s * 1e-6,
+            "relu_zeros": lambda: s.clamp(min=0) * torch.sign(randn(n, width, gen=gen)),
+            "sink_and_recent": lambda: s + 50 * (torch.arange(width, device=DEVICE) < 4) +
+            torch.linspace(0, 3, width, device=DEVICE),
+            "normal": lambda: s}[kind]()
+
+
+# ---- long-row decode selection ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "negative", "narrow", "relu_zeros",
+                                  "sink_and_recent"])
+def test_long_row_select_takes_the_kth_key_exactly(gen, kind):
+    """The multi-program radix select returns what the one-program kernel does: every key above the k-th,
+    then ties in position order, as slots, in position order; rows shorter than k take all, -1 padded."""
+    from dsaserve.kernels.triton_indexer_long import long_row_select
+
+    n, width, k, chunk, ps = (6, 202752, 2048, 4096, 64) if BIG else (4, 1400, 64, 256, 16)
+    s = _rows(gen, kind, n, width)
+    pos = torch.randint(width // 3, width, (n,), generator=gen, device=DEVICE)
+    pos[-1] = k // 2  # a token that sees fewer than k keys
+    table = torch.randperm(n * (width // ps), generator=gen, device=DEVICE).view(n, -1)
+    req = torch.arange(n, device=DEVICE)
+    poison_free_memory()
+    out = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    long_row_select(s, table, req, pos, out, k, ps, chunk=chunk)
+    for r in range(n):
+        p = int(pos[r])
+        if p < k:
+            j = torch.arange(p + 1, device=DEVICE)
+            want = torch.cat([table[r, j // ps] * ps + j % ps, torch.full((k - p - 1,), -1, device=DEVICE)])
+        else:
+            j = _position_ordered_topk(s[r], p, k)
+            want = table[r, j // ps] * ps + j % ps
+        assert torch.equal(out[r], want), f"seed {gen.initial_seed()} row {r}"
+
+
+@pytest.mark.skipif(not BIG, reason="the model's context bound: CUDA only")
+def test_indexer_topk_long_context_decode_selects_the_reference_keys(gen):
+    """The dispatcher takes the long-row path past 16K keys; the selection is the reference's (near-ties aside)."""
+    from dsaserve.kernels import triton_indexer_dispatch
+
+    ps, hi, d, topk = 64, 32, 128, 2048
+    seq_lens, ext = [40000, 3000, 70000], [1, 1, 1]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    assert table.shape[1] * ps > gpu_modules()[1].ROW_IN_REGS_MAX
+    got = triton_indexer_dispatch.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_long_context_decode_replays_from_a_cuda_graph(gen):
+    """The long-row path allocates and launches only: a captured step replays with new positions."""
+    from dsaserve.kernels import triton_indexer_dispatch
+
+    ps, hi, d, topk = 64, 32, 128, 2048
+    seq_lens, ext = [30000, 20000], [1, 1]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    run = lambda: triton_indexer_dispatch.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q.copy_(randn(*q.shape, gen=gen, dtype=q.dtype))
+    pos.copy_(torch.tensor([25000, 1000], device=DEVICE))  # the second token now sees fewer than topk keys
+    graph.replay()
+    _check_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
+# ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------
+# (heads, head dim, topk) of GLM-5.3, glm-5.3-mini and glm-5.3-tiny; the interpreter takes GLM-5.3's heads
+# with a small top-k. (bn, cap) force a compaction every few tiles where the default buffer would hold it all.
+PREFILL_SHAPES = [(32, 128, 2048 if BIG else 64), (16, 64, 64), (16, 32, 8)]
+
+
+def _prefill_inputs(gen, hi, d, topk):
+    ps = 64 if BIG else 16
+    seq_lens, ext = ([9000, 2500, 4200], [256, 1024, 64]) if BIG else ([520, 40, 200], [12, 40, 5])
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    w -= 0.3  # some heads count against a key
+    conf = None if BIG else {"bn": 32, "cap": _next_pow2(topk + 64)}
+    return q, w, cache, table, req, pos, ps, seq_lens, ext, conf
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _round_q_kernel():
+    """A Triton kernel rounding q / s as the prefill kernel does (the interpreter's e4m3 rounding drops a carry
+    into the exponent, so torch's rounding is not what the kernel computes there). Built on first use: the
+    module imports without Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr):
+        r = tl.program_id(0) * N + tl.arange(0, N)
+        y = tl.clamp(tl.load(x_ptr + r) / tl.load(s_ptr + tl.program_id(0)), -448.0, 448.0)
+        if FP8:
+            tl.store(o_ptr + r, y.to(tl.float8e4nv).to(tl.float32))
+        else:
+            tl.store(o_ptr + r, y.to(tl.float16).to(tl.float32))
+
+    return kernel
+
+
+def _kernel_q(q, fp8):
+    """q as the kernel multiplies it (float64): q / s rounded to e4m3 (or fp16) times s, one s = amax / 448
+    per (token, head)."""
+    x = q.float().contiguous()
+    scale = x.abs().amax(-1).clamp(min=1e-12) / 448.0
+    y = torch.empty_like(x)
+    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8)
+    return y.double() * scale.double()[..., None]
+
+
+def _sorted_true_scores(sel, q, w, cache, table, req, pos, ps):
+    keys = decode_index_k(cache, "fp8_ds_mla").double()
+    out = []
+    for t in range(len(pos)):
+        row = sel[t][sel[t] >= 0]
+        out.append(((q[t].double() @ keys[row].t()).relu() * w[t, :, None].double()).sum(0).sort().values)
+    return out
+
+
+@pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
+def test_prefill_topk_fp8_selects_the_top_keys_of_its_scores(gen, hi, d, topk):
+    """FP8 q: the selection is the exact top-k of the scores the kernel computes (q rounded to e4m3, checked
+    in float64), and against the reference every selected score is within twice the largest score change
+    that rounding q makes (the bound for a top-k of perturbed scores)."""
+    from dsaserve.kernels import reference as R
+    from dsaserve.kernels.triton_indexer_prefill import prefill_topk
+
+    q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
+    poison_free_memory()
+    got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
+                       q_fp8=True, config=conf)
+    assert got.shape == (len(pos), topk) and got.dtype == torch.int64
+    q8 = _kernel_q(q, True)
+    _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    keys = decode_index_k(cache, "fp8_ds_mla").double()
+    # |score change| <= sum_h |w_h| |dq_h| . |k| = |k| . v, v = sum_h |w_h| |dq_h|: per token, over every key
+    v = (w.double().abs()[..., None] * (q8 - q.double()).abs()).sum(1)
+    bound = 2 * (v @ keys.abs().t()).amax(1) + 1e-9
+    for t, (a, b) in enumerate(zip(_sorted_true_scores(got, q, w, cache, table, req, pos, ps),
+                                   _sorted_true_scores(ref, q, w, cache, table, req, pos, ps), strict=True)):
+        assert a.shape == b.shape and (a - b).abs().max() <= bound[t], f"seed {gen.initial_seed()} token {t}"
+
+
+@pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
+def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, hi, d, topk):
+    """DSASERVE_FP8_ACTIVATIONS=0 (q / s in fp16: the bf16 input to 2^-12): the reference's selection, near-ties
+    at the k-th score aside, written in position order and -1 padded."""
+    from dsaserve.kernels import reference as R
+    from dsaserve.kernels.triton_indexer_prefill import prefill_topk
+
+    q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
+    got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
+                       q_fp8=False, config=conf)
+    _check_topk(got, _kernel_q(q, False), w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    same = sum(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(got, ref, strict=True))
+    assert same >= len(pos) - 2, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
+    page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
+    for t in range(len(pos)):
+        r, n = int(req[t]), int((got[t] >= 0).sum())
+        used = -(-seq_lens[r] // ps)  # the table's tail is padding (page 0)
+        page_of[table[r, :used]] = torch.arange(used, device=DEVICE)
+        key_pos = page_of[got[t, :n] // ps] * ps + got[t, :n] % ps
+        assert (key_pos.diff() > 0).all() and (got[t, n:] == -1).all(), f"seed {gen.initial_seed()} token {t}"
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------
+def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch):
+    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the GEMM +
+    streaming top-k (bf16 keys keep torch.topk); decode batches whose static row bound passes ROW_IN_REGS_MAX
+    take the split radix select. Thresholds lowered so small inputs cross them."""
+    from dsaserve.kernels import triton_indexer as idx
+    from dsaserve.kernels import triton_indexer_dispatch, triton_indexer_long, triton_indexer_prefill
+
+    calls = []
+    for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(idx, "SELECT_MAX_ROWS", 8)
+    monkeypatch.setattr(idx, "ROW_IN_REGS_MAX", 256)
+    ps, hi, d, topk = 16, 16, 32, 24
+    for layout, seq_lens, ext, want in (("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"]),
+                                        ("bf16", [300, 60], [6, 9], []),
+                                        ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"])):
+        q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
+        calls.clear()
+        got = triton_indexer_dispatch.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+        assert calls == want, (layout, ext, calls)
+        if want == ["prefill_topk"]:
+            assert torch.equal(got, triton_indexer_prefill.prefill_topk(q, w, cache, layout, table, req, pos, topk, ps,
+                                                                       seq_lens, ext))
+        if DEVICE == "cuda":  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
+            _check_topk(got, q if want != ["prefill_topk"] else _kernel_q(q, True), w, cache, layout, table, req, pos,
+                        topk, ps, gen.initial_seed())
