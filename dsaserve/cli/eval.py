@@ -10,6 +10,8 @@ continuations of held-out prompts are identical to its reference's):
   indexer  every layer running its own indexer against GLM's shared layers
   fp8_act  (GPU) FP8 activations off against on (DSASERVE_FP8_ACTIVATIONS)
   cpu_ref  (GPU) the GPU path against the CPU reference, same KV layout
+  hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
+           latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
 Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present.
 """
 

@@ -2,17 +2,19 @@
 
 Owns: the table of switches (name, default, what it does), one snapshot of them taken when this module is
 first imported (process start-up), `reload()` that takes it again (a test or an A/B script that changed
-os.environ: a switch flipped after start-up changes nothing until then), and `set_switches()`, the ones the
-environment set, for the startup manifest. Read a switch as an attribute, `envs.DSASERVE_PDL` (vLLM's
-envs.py, mini-sglang's env.py); a value that must be checked is checked where it is used, so its error
-names the place. Variables of other tools (TRITON_*, RANK / WORLD_SIZE / MASTER_*) stay with the code that
-hands them on.
+os.environ: a switch flipped after start-up changes nothing until then), `override()`, switches changed for
+one block of this process without touching os.environ (`dsaserve eval`'s A/B settings), and
+`set_switches()`, the ones the environment set, for the startup manifest. Read a switch as an attribute,
+`envs.DSASERVE_PDL` (vLLM's envs.py, mini-sglang's env.py); a value that must be checked is checked where it
+is used, so its error names the place. Variables of other tools (TRITON_*, RANK / WORLD_SIZE / MASTER_*)
+stay with the code that hands them on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +82,23 @@ def reload() -> None:
     global _raw, _values
     _raw = {name: os.environ[name] for name in SWITCHES if name in os.environ}
     _values = {}
+
+
+@contextlib.contextmanager
+def override(**switches: str) -> Iterator[None]:
+    """Within the block the switches read as if the environment held these raw values; os.environ is never
+    written (child processes and other code see nothing) and the snapshot before is back afterwards, error
+    or not. A `reload()` inside the block drops the override."""
+    global _raw, _values
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise KeyError(f"override: {unknown[0]} is not a declared switch")
+    saved = _raw, _values
+    _raw, _values = {**_raw, **switches}, {}
+    try:
+        yield
+    finally:
+        _raw, _values = saved
 
 
 def set_switches() -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; also vLLM's default --max-logprobs
 MAX_STOP_STRINGS = 16
 MAX_N = 128
+MAX_SEED = (1 << 63) - 1  # seeds are signed 64-bit (torch.Generator.manual_seed, the IPC's msgpack ints)
 _GREEDY_EPS = 1e-5  # vLLM: temperature below this is greedy (dividing by it would overflow)
 
 
@@ -70,8 +71,11 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         _int("top_k", self.top_k, lo=-1)
         _num("min_p", self.min_p, lo=0.0, hi=1.0)
-        if self.seed is not None:  # sample i of n draws with seed + i, which must stay a valid seed too
-            _int("seed", self.seed, lo=-(2**63), hi=2**63 - self.n)
+        if self.seed is not None:  # signed 64-bit: torch.Generator.manual_seed, the IPC's msgpack ints
+            _int("seed", self.seed, lo=-(2**63), hi=MAX_SEED)
+            if self.seed > MAX_SEED - (self.n - 1):
+                raise ValueError(f"seed: with n={self.n}, sample i draws with seed + i, and seed {self.seed} + "
+                                 f"{self.n - 1} exceeds the largest seed {MAX_SEED}")
         _num("repetition_penalty", self.repetition_penalty, lo=0.0)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")

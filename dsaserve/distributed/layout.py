@@ -55,17 +55,25 @@ class Layout:
         return f"--tp {self.tp} --ep {self.ep}" + (" --enable-dp-attention" if self.dp_attention else "")
 
 
-def check_sizes(tp: int, ep: int, dp_attention: bool = False, flag_tp: str = "--tp", flag_ep: str = "--ep") -> Layout:
-    """The layout rules that need no model: positive sizes, tp in {1, world}, ep | world, DP-attention ep = world."""
+def check_sizes(tp: int, ep: int, dp_attention: bool = False, flag_tp: str = "--tp", flag_ep: str = "--ep",
+                moe_a2a: bool = False) -> Layout:
+    """The layout rules that need no model: positive sizes, tp in {1, world}, ep | world; DP-attention over
+    several ranks and, like all-to-all MoE, with ep = world. The one copy of these rules: EngineArgs (flag
+    names) and `initialize_model_parallel` (argument names) both call it."""
     lay = Layout(_positive(flag_tp, tp), _positive(flag_ep, ep), bool(dp_attention))
     if tp not in (1, lay.world):
         raise ValueError(f"{flag_tp} {tp}: must be 1 or the world size {lay.world} = max(tp, ep) "
                          "(one model replica)")
     if lay.world % ep:
         raise ValueError(f"{flag_ep} {ep}: does not divide the world size {lay.world}")
+    if dp_attention and lay.world == 1:
+        raise ValueError(f"--enable-dp-attention: needs several ranks to spread attention over ({flag_ep} N, N > 1)")
     if dp_attention and ep != lay.world:
         raise ValueError(f"--enable-dp-attention: needs {flag_ep} = the world size {lay.world} (routed experts "
                          f"spread over every rank), got {flag_ep} {ep}")
+    if moe_a2a and ep != lay.world:
+        raise ValueError(f"--moe-a2a: all-to-all dispatch/combine needs {flag_ep} = the world size {lay.world}, "
+                         f"got {flag_ep} {ep}")
     return lay
 
 

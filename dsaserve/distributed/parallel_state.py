@@ -172,7 +172,7 @@ def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool 
     dp_attention: every rank runs attention, dense MLPs, shared experts, embedding and lm_head on its own
     batch; routed experts are split over all ranks (ep_size = world; tp_size 1 or the world size) and the MoE
     layers exchange tokens by all-to-all (moe_a2a is implied)."""
-    lay = check_sizes(tp_size, ep_size, dp_attention, "tp_size", "ep_size")  # before any rendezvous
+    lay = check_sizes(tp_size, ep_size, dp_attention, "tp_size", "ep_size", moe_a2a)  # before any rendezvous
     if lay.world > 1:
         init_distributed(world_size=lay.world, rank=rank, device=device, init_method=init_method,
                          timeout_s=timeout_s)
@@ -180,9 +180,6 @@ def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool 
     if real_world != lay.world:
         raise ValueError(f"tp_size {tp_size} / ep_size {ep_size}: need world_size = max(tp, ep) = "
                          f"{lay.world} ranks, the process group has {real_world}")
-    if moe_a2a and ep_size != real_world:
-        raise ValueError(f"moe_a2a: all-to-all dispatch/combine needs ep_size = world size ({real_world}), "
-                         f"got ep_size {ep_size}")
     if real_world == 1:
         return set_parallel_state(ParallelState(moe_a2a=False))
     rank = dist.get_rank()

@@ -159,21 +159,14 @@ class EngineArgs:
         self._validate_parallel()
 
     def _validate_parallel(self) -> None:
-        for name in ("tensor_parallel_size", "expert_parallel_size", "nnodes"):
-            _positive(name, getattr(self, name))
+        from dsaserve.distributed.layout import check_sizes
+
         for name in ("enable_dp_attention", "moe_a2a", "load_mtp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
-        tp, ep, world = self.tensor_parallel_size, self.expert_parallel_size, self.world_size
-        if tp not in (1, world):
-            raise ValueError(f"--tensor-parallel-size: {tp} must be 1 or the world size max(tp, ep) = {world}")
-        if world % ep:
-            raise ValueError(f"--expert-parallel-size: {ep} does not divide the world size {world}")
-        if self.enable_dp_attention and world == 1:
-            raise ValueError("--enable-dp-attention: needs several ranks to spread attention over (--ep N, N > 1)")
-        if (self.enable_dp_attention or self.moe_a2a) and ep != world:
-            what = "--enable-dp-attention" if self.enable_dp_attention else "--moe-a2a"
-            raise ValueError(f"{what}: needs --expert-parallel-size = the world size ({world}), got {ep}")
+        world = check_sizes(self.tensor_parallel_size, self.expert_parallel_size, self.enable_dp_attention,
+                            flag("tensor_parallel_size"), flag("expert_parallel_size"), self.moe_a2a).world
+        _positive("nnodes", self.nnodes)
         if world % self.nnodes:
             raise ValueError(f"--nnodes: {self.nnodes} does not divide the {world} ranks")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \

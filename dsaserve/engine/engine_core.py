@@ -75,9 +75,9 @@ def _overlap(args: EngineArgs, runner: Any) -> bool:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, runner: Any | None = None, rank: int | None = None):
-        t0 = time.perf_counter()
         self.args = args
         self.runner = runner if runner is not None else build_runner(args, rank)
+        t0 = time.perf_counter()  # the runner timed its own phases: engine_core is what comes after them
         cfg = self.runner.cfg
         context = getattr(self.runner, "max_model_len", None) or args.max_model_len or cfg.max_position_embeddings
         self.scheduler = Scheduler(SchedulerConfig(

@@ -246,9 +246,6 @@ class GrammarCompiler:
         extra = self.json_allowed if spec is None or spec.is_json else None
         return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, extra, after)
 
-    def allocate_bitmask(self, rows: int) -> Any:
-        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
-
 
 def _no_control_chars(tokenizer: Any, vocab_size: int, xgr: Any) -> Any:
     """Bitmask row (int32 words) of the tokens whose text has no character below U+0020."""

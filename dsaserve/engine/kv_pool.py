@@ -66,7 +66,6 @@ class KVPool:
                                      device=device)
         self.index_buffer = torch.zeros(max(len(self.index_row), 1), self.num_slots, self.idx_bpt,
                                         dtype=torch.uint8, device=device)
-        self.kv_lora_rank = cfg.kv_lora_rank
 
     def info(self) -> KVPoolInfo:
         per_token = self.kv_bpt * len(self.kv_layer_ids) + self.idx_bpt * len(self.index_row)
@@ -81,18 +80,3 @@ class KVPool:
 
     def index_cache(self, layer: int) -> torch.Tensor:
         return self.index_buffer[self.index_row[layer]]
-
-    # convenience accessors (tests, debugging); the model goes through the kernels
-    def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        self.kv_cache(layer).index_copy_(0, slots, self.layout.encode_latent(latent, self.kv_lora_rank))
-
-    def read_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.kv_cache(layer).index_select(0, slots.reshape(-1))
-        return self.layout.decode_latent(rows, self.kv_lora_rank).to(self.dtype).view(*slots.shape, -1)
-
-    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        self.index_cache(layer).index_copy_(0, slots, self.layout.encode_index_k(k))
-
-    def read_index_k(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.index_cache(layer).index_select(0, slots.reshape(-1))
-        return self.layout.decode_index_k(rows).to(self.dtype).view(*slots.shape, -1)

@@ -34,6 +34,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from dsaserve.common.request_limits import RequestLimits
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
@@ -81,6 +82,8 @@ class Scheduler:
             raise ValueError(f"num_pages: a pool of {cfg.num_pages} pages with max_model_len {cfg.max_model_len}"
                              " cannot hold a prompt and one output token")
         self.max_req_input_len = self.max_seq_len - 1
+        self.limits = RequestLimits(cfg.vocab_size, self.max_req_input_len, self.max_seq_len,
+                                    cfg.max_running_requests)  # the HTTP door measures with the same ruler
         self.max_pages_per_seq = -(-self.max_seq_len // ps)
         self.alloc = PageAllocator(cfg.num_pages)
         self.cache = PrefixCache(self.alloc, ps, cfg.enable_prefix_caching)
@@ -128,24 +131,7 @@ class Scheduler:
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: must be SamplingParams, got {type(sampling).__name__}")
         sampling.validate()
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        vocab = self.cfg.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
-                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
-        for t in sampling.stop_token_ids or ():
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
-                raise ValueError(f"stop_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt) > self.max_req_input_len:
-            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt)} tokens, more than "
-                             f"max_req_input_len = {self.max_req_input_len}")
-        if sampling.max_tokens is not None and len(prompt) + sampling.max_tokens > self.max_seq_len:
-            raise ValueError(f"max_tokens: the prompt ({len(prompt)} tokens) plus max_tokens "
-                             f"({sampling.max_tokens}) exceeds the context limit of {self.max_seq_len} tokens")
-        if sampling.n > self.cfg.max_running_requests:
-            raise ValueError(f"n: {sampling.n} samples exceed --max-running-requests "
-                             f"{self.cfg.max_running_requests}")
+        self.limits.check(prompt, sampling.n, sampling.max_tokens, sampling.stop_token_ids)
 
     @property
     def reserved_rows(self) -> int:

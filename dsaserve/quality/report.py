@@ -2,9 +2,10 @@
 
 Owns: the plan (the four KV layouts against fp32; dense attention and every-layer-full indexers against
 the base; on a GPU, FP8 activations off against on, and the GPU base against the CPU reference with the
-same KV layout), the held-out data (corpus split of the checkpoint's recipe, tokenised with its
-tokenizer), agreement metrics, and the table / JSON (written after every setting, so a run cut short
-still leaves what it measured).
+same KV layout; each KV layout against HF transformers whose KV goes through that layout's codec - the fair
+oracle of a quantised layout, `quality/hf_oracle.py`), the held-out data (corpus split of the checkpoint's
+recipe, tokenised with its tokenizer), agreement metrics, and the table / JSON (written after every setting,
+so a run cut short still leaves what it measured).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dsaserve.quality.runs import Setting, run_setting
 from dsaserve.quality.variants import make_variant
 from dsaserve.training import corpus
 
-ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref")
+ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "hf")
+KV_GROUP = ("fp32", "bf16", "fp8_ds_mla", "fp8_e4m3")  # the engine's layouts; fp32 is the exact reference
 
 
 @dataclass
@@ -56,9 +58,13 @@ def make_plan(a: EvalArgs) -> Plan:
     if "kv" in a.groups:
         ref = Setting(f"{dev}:fp32", dev, "fp32")
         p.add(ref)
-        for layout in ("bf16", "fp8_ds_mla", "fp8_e4m3"):
+        for layout in KV_GROUP[1:]:
             p.add(Setting(f"{dev}:{layout}", dev, layout))
             p.pairs.append((f"KV {layout} vs fp32", f"{dev}:{layout}", ref.name))
+    if "hf" in a.groups:  # every layout this plan runs, against HF with that layout's codec (on the CPU)
+        for layout in dict.fromkeys((a.kv_layout, *(KV_GROUP if "kv" in a.groups else ()))):
+            p.add(Setting(f"hf:{layout}", "cpu", layout, hf=True))
+            p.pairs.append((f"KV {layout} vs HF, same codec", f"{dev}:{layout}", f"hf:{layout}"))
     if "sparse" in a.groups:
         p.add(Setting(f"{dev}:{a.kv_layout}:dense", dev, a.kv_layout, "dense"))
         p.pairs.append(("dense (top-k >= context) vs sparse", f"{dev}:{a.kv_layout}:dense", base.name))

@@ -1,7 +1,8 @@
 """One setting of `dsaserve eval`, measured through the real ModelRunner (no scheduler, no HTTP).
 
-Owns: `Setting` (device, KV layout, checkpoint variant, FP8 activations), opening its runner with the
-FP8-activation switch held for the runner's whole life (the kernel registry reads it per forward),
+Owns: `Setting` (device, KV layout, checkpoint variant, FP8 activations; or the HF oracle with the layout's
+codec, `quality/hf_oracle.py`), opening its runner with the FP8-activation switch overridden for the runner's
+whole life (the kernel registry reads it per forward; `envs.override`, so os.environ is never written),
 prefill perplexity over held-out windows (each window's logits at every position, the KV written and
 read back in the setting's layout, as a real prefill does), MTP acceptance on the same text, and batched
 greedy decode (prefill, then one token per request per step: the decode path reading the paged cache).
@@ -10,17 +11,13 @@ CUDA graphs are off: they replay the same kernels, and eval steps have shapes no
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from dsaserve.common import envs
 from dsaserve.engine.kv_pool import PAGE_SIZE
-from dsaserve.kernels.registry import FP8_ACT_ENV
 from dsaserve.model.forward_batch import contiguous_batch
 
 
@@ -31,26 +28,13 @@ class Setting:
     kv_layout: str = "fp8_ds_mla"
     variant: str = "base"  # see quality/variants.py
     fp8_act: bool = True  # GPU only: DSASERVE_FP8_ACTIVATIONS
+    hf: bool = False  # HF transformers (float32, CPU) with this KV layout's codec instead of the engine
 
     def describe(self) -> str:
+        if self.hf:
+            return f"HF transformers float32 (cpu), kv {self.kv_layout} codec"
         act = "" if self.device == "cpu" else f", fp8 act {'on' if self.fp8_act else 'off'}"
         return f"{self.device}, kv {self.kv_layout}, {self.variant}{act}"
-
-
-@contextlib.contextmanager
-def fp8_activations(on: bool) -> Iterator[None]:
-    """DSASERVE_FP8_ACTIVATIONS set for the block (envs snapshots the environment: reloaded both ways)."""
-    old = os.environ.get(FP8_ACT_ENV)
-    os.environ[FP8_ACT_ENV] = "1" if on else "0"
-    envs.reload()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(FP8_ACT_ENV, None)
-        else:
-            os.environ[FP8_ACT_ENV] = old
-        envs.reload()
 
 
 def open_runner(model_dir: str, s: Setting, max_tokens: int):
@@ -146,9 +130,14 @@ def greedy(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], l
 def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list[list[int]], n_tokens: int,
                 batch: int) -> dict:
     """Perplexity and greedy tokens of one setting."""
+    if s.hf:
+        from dsaserve.quality.hf_oracle import run_oracle
+
+        return {"setting": s.name, "describe": s.describe(),
+                **run_oracle(model_dir, s.kv_layout, wins, prompts, n_tokens, batch)}
     longest = max([len(w) for w in wins[:batch]] + [0])
     need = max(batch * (longest + PAGE_SIZE), len(prompts) * (max(map(len, prompts), default=0) + n_tokens + PAGE_SIZE))
-    with fp8_activations(s.fp8_act):
+    with envs.override(DSASERVE_FP8_ACTIVATIONS="1" if s.fp8_act else "0"):
         runner = open_runner(model_dir, s, need)
         ppl = perplexity(runner, wins, batch)
         toks, margins = greedy(runner, prompts, n_tokens)

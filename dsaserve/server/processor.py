@@ -1,26 +1,28 @@
 """Processor: an OpenAI request -> one GenerateRequest, validated and tokenized once (request path stage 1).
 
 Owns: every check made at the door, in order, before any GPU work and before a stream's 200 — model
-name, options this server does not support, `n` / seed / stop_token_ids against this engine's limits,
-the bytes of prompt text against what `max_req_input_len` tokens can possibly hold (413 before
-tokenizing: a 7 MB prompt must not cost seconds of tokenizer time), token ids against the vocabulary,
-prompt and context lengths against the scheduler's own ruler, and the mapping onto SamplingParams (its
-ValueError names the field -> 400), the chat features' plan (tools / tool_choice / response_format /
-structured_outputs, server/chat_features.py) with the family's chat encoder, and a structured-output
-grammar compiled by the scheduler before the request is accepted (a bad or hostile one is a 400 with the
-reason, before any 200). Tokenisation and chat-template rendering of large texts run on a
-small thread pool, never on the event loop, so /health and every stream stay live meanwhile.
+name, options this server does not support, `n` / stop_token_ids against this engine's limits, the bytes
+of prompt text against what `max_req_input_len` tokens can possibly hold (413 before tokenizing: a 7 MB
+prompt must not cost seconds of tokenizer time), token ids against the vocabulary, prompt and context
+lengths against the scheduler's own ruler (`common/request_limits.py`, from its `scheduler_info`), and the
+mapping onto SamplingParams (its ValueError names the field -> 400), the chat features' plan (tools /
+tool_choice / response_format / structured_outputs, server/chat_features.py) with the family's chat encoder,
+and a structured-output grammar compiled by the scheduler before the request is accepted (a bad or hostile
+one is a 400 with the reason, before any 200). Tokenisation and chat-template rendering of large texts run
+on a small thread pool, never on the event loop, so /health and every stream stay live meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
+from dsaserve.common.request_limits import LimitError, RequestLimits
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.server.chat_encoding.glm5 import TemplateEncoder
 from dsaserve.server.chat_features import ChatPlan, ChatPlanError, ChatSettings, format_grammar, plan_chat
@@ -28,7 +30,6 @@ from dsaserve.server.hf_tokenizer import ChatTemplateError, HFTokenizer
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from dsaserve.server.request_state import GenerateRequest, Prompt
 
-MAX_SEED = (1 << 63) - 1  # seeds are signed 64-bit (torch.Generator.manual_seed, the IPC's msgpack ints)
 OFFLOAD_CHARS = 1 << 14  # texts longer than this are tokenized / rendered on the pool (~ms of work)
 TOKENIZER_THREADS = 2  # huge prompts queue here instead of taking every core from the loop and the engine
 BYTES_SLACK = 2  # a normalizer may compose characters (NFC): allow twice the longest token's bytes per token
@@ -100,55 +101,32 @@ class Processor:
         """The model's vocabulary (the scheduler's word once Up; the tokenizer's before)."""
         return int(self.info().get("vocab_size") or self.tok.vocab_size)
 
+    def limits(self) -> RequestLimits:
+        """The scheduler's own ruler (common/request_limits.py), from what it reported."""
+        return RequestLimits.from_info(self.info(), self.vocab_size)
+
     def _check_common(self, req: Any) -> None:
         """Options both endpoints refuse, and this engine's limits: n per prompt within
-        max_running_requests (the scheduler would refuse it only after a stream's 200), seed + i of sample i
-        still a signed 64-bit seed, every stop token id inside the vocabulary (the sampler indexes with it)."""
+        max_running_requests (the scheduler would refuse it only after a stream's 200), every stop token id
+        inside the vocabulary (the sampler indexes with it). Seed + n is SamplingParams' own check."""
         if req.logit_bias:
             raise bad_request("logit_bias: not supported by this server", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-        running = int(self.info().get("max_running_requests") or 0)
-        if running and req.n > running:
-            raise bad_request(f"n: {req.n} samples exceed this server's --max-running-requests of {running}", "n")
-        if req.seed is not None and req.seed + req.n - 1 > MAX_SEED:
-            raise bad_request(f"seed: with n={req.n}, sample i draws with seed + i, and seed {req.seed} + "
-                              f"{req.n - 1} exceeds the largest seed {MAX_SEED}", "seed")
-        if req.stop_token_ids:
-            self.check_ids(req.stop_token_ids, "stop_token_ids", allow_empty=True)
-
-    def check_ids(self, ids: list[int], param: str, allow_empty: bool = False) -> None:
-        """400 naming `param` if ids is empty (unless allowed) or holds an id outside [0, vocab)."""
-        vocab = self.vocab_size
-        if not ids and not allow_empty:
-            raise bad_request(f"{param}: must not be empty", param)
-        bad = next((t for t in ids if t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
+        with _limit_400():
+            limits = self.limits()
+            limits.check_n(req.n)
+            limits.check_ids(req.stop_token_ids or [], "stop_token_ids", allow_empty=True)
 
     def _check_prompts(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> int:
-        """Ids and lengths of every prompt; returns max_tokens resolved (the longest prompt's)."""
-        resolved = []
-        for p in prompts:
-            self.check_ids(p.ids, param)
-            resolved.append(self._check_lengths(len(p.ids), max_tokens, param))
+        """Ids and lengths of every prompt, as the scheduler will check them; returns max_tokens resolved (the
+        longest prompt's: None -> what is left of the context)."""
+        limits, resolved = self.limits(), []
+        with _limit_400():
+            for p in prompts:
+                limits.check_ids(p.ids, param)
+                resolved.append(limits.check_lengths(len(p.ids), max_tokens, param))
         return min(resolved)
-
-    def _check_lengths(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
-        """Same ruler as the scheduler: max_req_input_len for the prompt, the context for prompt + output.
-        Returns the max_tokens to use (None -> what is left of the context)."""
-        info = self.info()
-        limit = int(info["max_req_input_len"])
-        context = min(int(info.get("max_model_len") or limit + 1), int(info.get("max_total_tokens") or 1 << 62))
-        if prompt_len > limit:
-            raise bad_request(f"{param}: the prompt has {prompt_len} tokens, more than this server's "
-                              f"max_req_input_len of {limit}", param, "context_length_exceeded")
-        if max_tokens is None:
-            return context - prompt_len
-        if prompt_len + max_tokens > context:
-            raise bad_request(f"max_tokens: {prompt_len} prompt tokens + {max_tokens} max_tokens exceed the "
-                              f"context of {context} tokens", "max_tokens", "context_length_exceeded")
-        return max_tokens
 
     @cached_property
     def max_text_bytes(self) -> int:
@@ -230,6 +208,15 @@ class Processor:
         if ids is None or not ids.ids:  # add_special_tokens=False: the template already has BOS etc.
             raise bad_request("messages: the chat template rendered an empty prompt", "messages")
         return ids, enc.thinking
+
+
+@contextlib.contextmanager
+def _limit_400() -> Iterator[None]:
+    """A LimitError -> 400 naming its field, with its error code (context_length_exceeded)."""
+    try:
+        yield
+    except LimitError as e:
+        raise bad_request(str(e), e.field, e.code) from None
 
 
 def _plan_or_400(fn: Callable[..., Any], *args: Any) -> Any:

@@ -8,8 +8,8 @@ message (generate / abort / stats), validates new requests, hands them to the Ra
 them with the other ranks and steps every rank; engine/rank_group.py), and sends the step's token deltas
 to the detokenizer. A request is `register`ed with the detokenizer (stop strings, prompt tail, ...) on the
 same socket, and so always before, its first delta. The leader reports `scheduler_info` — with every
-rank's startup phases, weights, pool and graph buckets, and the slowest rank — once every rank is built;
-that report lets the server go Up. A follower rank only steps.
+rank's startup phases, weights, pool and graph buckets, and the slowest rank (by its own work, not its waits
+for the others) — once every rank is built; that report lets the server go Up. A follower rank only steps.
 
 Any exception is reported as `fatal` (naming the rank) and ends the process; the main process then turns
 Down, fails every pending request and exits.
@@ -185,9 +185,22 @@ def scheduler_info(group: Any, process: dict[str, float]) -> dict[str, Any]:
     info["manifest"] = plain(m)
     ranks = rank_reports(group, m, {**process, **(m.get("startup_time") or {})})
     info["ranks"] = ranks
-    totals = {r["rank"]: sum((r.get("startup_time") or {}).values()) for r in ranks}
-    info["slowest_rank"] = max(totals, key=totals.get)
+    info["slowest_rank"] = slowest_rank(ranks)
     return info
+
+
+# the runner's phases that end when every rank got there (the rendezvous, the first collective of each kind):
+# a slow rank's seconds show up in them on every other rank, so they are not a rank's own
+WAIT_PHASES = ("init_distributed", "warmup_collectives")
+
+
+def slowest_rank(ranks: list[dict[str, Any]]) -> int:
+    """The rank whose own start-up took longest (each report gets that sum as `own_startup_s`): its phases but
+    those in which it waited for the others. Summing those too would count a slow rank's delay once more on
+    every rank that waited for it, and every rank would look as slow as the slowest."""
+    for r in ranks:
+        r["own_startup_s"] = round(sum(v for k, v in (r.get("startup_time") or {}).items() if k not in WAIT_PHASES), 4)
+    return max(ranks, key=lambda r: r["own_startup_s"])["rank"]
 
 
 def _fatal(to_main: zmq.Socket | None, who: str, message: str, kind: str | None = None) -> None:

@@ -37,3 +37,19 @@ def test_every_dsaserve_variable_the_package_reads_is_declared_here():
 def test_an_unknown_switch_is_an_attribute_error():
     with pytest.raises(AttributeError):
         _ = envs.DSASERVE_NOT_A_SWITCH
+
+
+def test_override_changes_switches_for_a_block_without_writing_os_environ(set_switch):
+    import os
+
+    set_switch("DSASERVE_FP8_ACTIVATIONS", "1")
+    environ = dict(os.environ)
+    with envs.override(DSASERVE_FP8_ACTIVATIONS="0", DSASERVE_PDL="0"):
+        assert envs.DSASERVE_FP8_ACTIVATIONS == "0" and envs.DSASERVE_PDL is False
+        assert dict(os.environ) == environ
+    assert envs.DSASERVE_FP8_ACTIVATIONS == "1" and envs.DSASERVE_PDL is True
+    with pytest.raises(RuntimeError), envs.override(DSASERVE_FP8_ACTIVATIONS="0"):
+        raise RuntimeError("a setting failed")
+    assert envs.DSASERVE_FP8_ACTIVATIONS == "1" and dict(os.environ) == environ
+    with pytest.raises(KeyError, match="DSASERVE_NOPE"), envs.override(DSASERVE_NOPE="1"):
+        pass

@@ -36,7 +36,7 @@ def top(lp: dict) -> dict[int, float]:
 
 
 def hf_run(ckpt, prompt: list[int], n: int) -> tuple[list[int], list[dict[int, float]]]:
-    from tests.oracle import hf_greedy_logits
+    from dsaserve.quality.hf_oracle import hf_greedy_logits
 
     ids, logits = hf_greedy_logits(ckpt, prompt, n)
     tops = []

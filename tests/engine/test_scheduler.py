@@ -186,7 +186,7 @@ def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving():
         ("ctx", [40] * 250, {"max_tokens": 10}, "max_tokens: .*exceeds the context limit of 256"),
         ("empty", [], {}, "prompt_token_ids: the prompt is empty"),
         ("vocab", [40, 128], {}, "prompt_token_ids: token id 128"),
-        ("n", [40], {"n": 5}, "n: 5 samples exceed --max-running-requests 4"),
+        ("n", [40], {"n": 5}, "n: 5 samples exceed --max-running-requests of 4"),
         ("ok", [40], {}, "request_id: 'ok' is already in flight"),
     ]
     for rid, p, sp, msg in cases:

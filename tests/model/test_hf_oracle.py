@@ -12,7 +12,7 @@ import torch
 
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
-from tests.oracle import hf_greedy_logits, hf_model
+from dsaserve.quality.hf_oracle import hf_greedy_logits, hf_model
 
 DECODE_STEPS = 16
 ATOL = 2e-3  # logits have std ~4; float32 reordering differences measured at <= 2e-4

@@ -13,9 +13,11 @@ import re
 import pytest
 import torch
 
+from dsaserve.config import load_config
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
-from tests.oracle import _dequantised_tensors, hf_model, hf_state_dict
+from dsaserve.quality.hf_oracle import hf_model
+from dsaserve.training.export import hf_state_from_checkpoint, read_checkpoint
 
 
 def _rms(x, w, eps):
@@ -29,7 +31,7 @@ def _reference_mtp(ckpt, prompt):
     n, eps = raw["num_hidden_layers"], raw["rms_norm_eps"]
     main = hf_model(str(ckpt))
     hidden = main.model(torch.tensor([prompt])).last_hidden_state[0]  # after model.norm
-    w = _dequantised_tensors(ckpt)
+    w = read_checkpoint(ckpt)
     one = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "quantization_config")}
     one.update(num_hidden_layers=1, mlp_layer_types=["sparse"], indexer_types=["full"], first_k_dense_replace=0)
     one.pop("index_topk_freq", None)
@@ -39,8 +41,8 @@ def _reference_mtp(ckpt, prompt):
     cfg = cfg_cls[raw["model_type"]](**one)
     cfg._attn_implementation = "eager"
     layer_model = lm_cls[raw["model_type"]](cfg).float().eval()
-    sd = {re.sub(rf"^model\.layers\.{n}\.", "model.layers.0.", k): v
-          for k, v in hf_state_dict(ckpt, n + 1).items() if k.startswith(f"model.layers.{n}.")}
+    sd = {"model.layers.0." + k.removeprefix("mtp."): v  # the trainer's mapping puts layer n under mtp.
+          for k, v in hf_state_from_checkpoint(load_config(ckpt), w).items() if k.startswith("mtp.")}
     sd = {k: v for k, v in sd.items() if not re.search(r"\.(enorm|hnorm|eh_proj|shared_head)\.", k)}
     layer_model.load_state_dict(sd, strict=False)
     p = f"model.layers.{n}"

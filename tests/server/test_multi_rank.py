@@ -106,7 +106,7 @@ def test_killing_a_rank_brings_the_server_down_naming_it(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (("--tp", "3"), "num_attention_heads"),
     (("--ep", "3"), "n_routed_experts"),
-    (("--tp", "4", "--ep", "3"), "--expert-parallel-size: 3 does not divide"),
+    (("--tp", "4", "--ep", "3"), "--expert-parallel-size 3: does not divide"),
     (("--enable-dp-attention",), "--enable-dp-attention: needs several ranks"),
     (("--enable-dp-attention", "--tp", "2"), "--enable-dp-attention: needs --expert-parallel-size"),
     (("--nnodes", "2", "--tp", "2"), "--dist-init-addr"),

@@ -1,6 +1,8 @@
 """The scheduler process's message handling on a real EngineCore (fake runner): a GENERATE with n samples is
 one engine request, an ABORT with a sample index ends only that sample (and is not dropped from the
-detokenizer), an ABORT without one ends the request, and a bad index does not kill the loop."""
+detokenizer), an ABORT without one ends the request, and a bad index does not kill the loop. Start-up report:
+the slowest rank is the one whose own phases took longest (not counting its waits for the others), and the
+engine's phases are consecutive (engine_core follows the runner's phases, it does not contain them)."""
 
 from __future__ import annotations
 
@@ -43,3 +45,27 @@ def test_a_sample_abort_ends_only_that_sample_and_a_request_abort_ends_the_rest(
     assert drop == ["r"]
     assert sorted(d.index for d in loop.core.step() if d.finish_reason == "abort") == [0, 2]
     loop.core.check_no_leak()
+
+
+def test_the_slowest_rank_is_the_one_that_worked_longest_not_the_one_that_waited():
+    from dsaserve.server.scheduler_process import slowest_rank
+
+    # rank 1 loads 10 s longer; rank 0 waits for it at the first collective (and a little at the rendezvous):
+    # by wall time both took ~16 s, so summing every phase named rank 0
+    ranks = [{"rank": 0, "startup_time": {"engine_imports": 1.0, "init_distributed": 0.4, "load_weights": 5.0,
+                                          "warmup_collectives": 10.0}},
+             {"rank": 1, "startup_time": {"engine_imports": 1.0, "init_distributed": 0.1, "load_weights": 15.0,
+                                          "warmup_collectives": 0.01}}]
+    assert slowest_rank(ranks) == 1
+    assert [r["own_startup_s"] for r in ranks] == [6.0, 16.0]
+
+
+def test_the_engine_core_phase_follows_the_runners_phases_instead_of_containing_them():
+    import time
+
+    t0 = time.perf_counter()
+    core = EngineCore(EngineArgs.from_kwargs(model="glm-5.3-tiny", device="cpu", num_pages=4))
+    wall = time.perf_counter() - t0
+    phases = core.scheduler_info["startup_time"]
+    assert {"load_weights", "engine_core"} <= set(phases)
+    assert sum(phases.values()) <= wall  # consecutive phases: their sum is at most the time it all took

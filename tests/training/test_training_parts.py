@@ -105,14 +105,3 @@ def test_trainable_indexer_selects_what_hf_selects():
     ref = GlmMoeDsaIndexer.forward(ix, h, qr, pe, mask, None).sort(-1).values
     assert torch.equal(ours.int(), ref)
 
-
-def test_fp8_activation_switch_is_seen_by_the_registry_and_restored():
-    from dsaserve.common import envs
-    from dsaserve.quality.runs import fp8_activations
-
-    before = envs.DSASERVE_FP8_ACTIVATIONS
-    with fp8_activations(False):
-        assert envs.DSASERVE_FP8_ACTIVATIONS == "0"
-    with fp8_activations(True):
-        assert envs.DSASERVE_FP8_ACTIVATIONS == "1"
-    assert before == envs.DSASERVE_FP8_ACTIVATIONS

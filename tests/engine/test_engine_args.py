@@ -1,0 +1,36 @@
+"""EngineArgs' parallel flags follow the one copy of the layout rules (distributed/layout.py check_sizes),
+with errors that name the engine's flags; `initialize_model_parallel` refuses the same layouts by argument
+name, before any rendezvous."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsaserve.distributed.parallel_state import initialize_model_parallel
+from dsaserve.engine.engine_args import EngineArgs
+
+
+@pytest.mark.parametrize(("kw", "msg"), [
+    ({"tensor_parallel_size": 0}, "--tensor-parallel-size: must be a positive integer, got 0"),
+    ({"tensor_parallel_size": 2, "expert_parallel_size": 4}, "--tensor-parallel-size 2: must be 1 or the world size 4"),
+    ({"tensor_parallel_size": 4, "expert_parallel_size": 3}, "--expert-parallel-size 3: does not divide"),
+    ({"enable_dp_attention": True}, r"--enable-dp-attention: needs several ranks .*--expert-parallel-size N"),
+    ({"enable_dp_attention": True, "tensor_parallel_size": 2}, "needs --expert-parallel-size = the world size 2"),
+    ({"moe_a2a": True, "tensor_parallel_size": 2}, "--moe-a2a: .* needs --expert-parallel-size = the world size 2"),
+    ({"moe_a2a": 1, "expert_parallel_size": 2}, "--moe-a2a: must be a boolean"),
+    ({"tensor_parallel_size": 2, "nnodes": 3}, "--nnodes: 3 does not divide the 2 ranks"),
+])
+def test_a_bad_parallel_layout_is_refused_naming_the_flag(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        EngineArgs(model="glm-5.3-tiny", **kw)
+
+
+def test_good_layouts_pass_and_give_the_world_size():
+    assert EngineArgs(model="glm-5.3-tiny", expert_parallel_size=4, enable_dp_attention=True).world_size == 4
+    assert EngineArgs(model="glm-5.3-tiny", tensor_parallel_size=2, expert_parallel_size=2, moe_a2a=True,
+                      nnodes=2, dist_init_addr="h:1").world_size == 2
+
+
+def test_model_parallel_refuses_all_to_all_moe_without_ep_the_world_before_a_rendezvous():
+    with pytest.raises(ValueError, match="--moe-a2a: .* needs ep_size = the world size 2, got ep_size 1"):
+        initialize_model_parallel(tp_size=2, moe_a2a=True)

@@ -1,0 +1,49 @@
+"""One `dsaserve eval` setting (dsaserve/quality/runs.py) on the tiny checkpoint: the FP8-activation switch
+holds for the run and the process environment is the same afterwards; the HF-oracle setting runs through the
+same entry point and, with the exact fp32 KV, is the engine's model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dsaserve.common import envs
+from dsaserve.quality import runs
+from dsaserve.quality.runs import Setting, run_setting
+
+MODEL = "glm-5.3-tiny"
+WINS = [[(5 * i + j) % 500 + 2 for i in range(48)] for j in range(2)]
+PROMPTS = [[(3 * i + j) % 500 + 2 for i in range(40)] for j in range(2)]
+
+
+def test_a_run_holds_its_fp8_switch_and_leaves_the_environment_as_it_was(tiny_checkpoint, monkeypatch):
+    ckpt, environ, seen = str(tiny_checkpoint(MODEL)), dict(os.environ), []
+    before = envs.DSASERVE_FP8_ACTIVATIONS
+    perplexity = runs.perplexity
+
+    def spy(runner, wins, batch):
+        seen.append((envs.DSASERVE_FP8_ACTIVATIONS, dict(os.environ)))
+        if len(seen) == 2:
+            raise RuntimeError("a setting failed mid-run")
+        return perplexity(runner, wins, batch)
+
+    monkeypatch.setattr(runs, "perplexity", spy)
+    out = run_setting(ckpt, Setting("off", "cpu", "bf16", fp8_act=False), WINS, PROMPTS, 2, 2)
+    assert len(out["greedy"]) == 2 and all(len(g) == 2 for g in out["greedy"])
+    with pytest.raises(RuntimeError):
+        run_setting(ckpt, Setting("on", "cpu", "bf16", fp8_act=True), WINS, PROMPTS, 2, 2)
+    assert [s[0] for s in seen] == ["0", "1"]
+    assert all(s[1] == environ for s in seen)  # never written, not even during the run
+    assert dict(os.environ) == environ and before == envs.DSASERVE_FP8_ACTIVATIONS
+
+
+def test_the_hf_setting_with_fp32_kv_is_the_engine(tiny_checkpoint):
+    ckpt = str(tiny_checkpoint(MODEL))
+    ours = run_setting(ckpt, Setting("cpu:fp32", "cpu", "fp32"), WINS, PROMPTS, 4, 2)
+    hf = run_setting(ckpt, Setting("hf:fp32", "cpu", "fp32", hf=True), WINS, PROMPTS, 4, 2)
+    assert hf["describe"].startswith("HF transformers") and hf["tokens"] == ours["tokens"] == 2 * 47
+    assert abs(hf["loss"] - ours["loss"]) < 1e-4
+    for a, b, margins in zip(ours["greedy"], hf["greedy"], hf["margins"], strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        assert k == len(a) or margins[k] < 1e-2, (a, b, margins)  # a parting only at a near-tie
