@@ -15,8 +15,9 @@ BLOCK_K slots it
   than 2^RESCALE_LOG2 (FlashAttention-4's lazy rescale: P stays below 2^8, and the accumulator multiplies are
   skipped on most tiles), and accumulates P C over its own columns (the gathered rows are never reloaded).
 Few tokens split the top-k over programs (flash-decoding), merged by `triton_sparse_mla`'s combine kernel.
-Measured on an H200 (bench/RESULTS.md, 2026-11-30): the integer FP8 decode (`bits`) gives wrong numbers on the
-hardware (rel 0.34 on fp8_ds_mla; exact in the interpreter and in emulation), and with sm_90's conversion
+Measured on an H200 (bench/RESULTS.md, 2026-11-30): with the integer FP8 decode (`bits`) the kernel's output is
+wrong on the hardware (rel 0.34 on fp8_ds_mla), though `e4m3_bf16` alone decodes all 256 bytes exactly there
+(its test passes): the fault is in how the kernel scales the decoded tiles, not found yet. With sm_90's conversion
 this kernel is 0.92-1.00x the split-K kernel (107 vs 91 TFLOP/s at T=128 only with the wrong decode). So
 the registry does not bind it; it stays for the sweep (the next step is a pipelined gather, e.g. cp.async
 or TMA, which Triton 3.6 does not give us for row gathers on Hopper).

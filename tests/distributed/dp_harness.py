@@ -38,7 +38,8 @@ def _step(runner: ModelRunner, batch, log: list, what: tuple) -> None:
         runner.forward_idle()
         logits, tokens, what = None, 0, ("idle",)
     else:
-        logits, tokens = runner.forward(batch), batch.num_tokens
+        # clone: a replayed step's logits are the graph's output buffer, which the next replay overwrites
+        logits, tokens = runner.forward(batch).clone(), batch.num_tokens
     replays = COUNTERS.diff(COUNTERS.snapshot(), before).get("graph_replays", 0)
     log.append({"what": what, "logits": logits, "tokens": tokens, "counters": _collective_delta(before),
                 "dp_step": runner.dp_step, "graph_replays": replays})

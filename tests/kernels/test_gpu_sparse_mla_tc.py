@@ -104,8 +104,6 @@ if HAS_TRITON:  # a one-op kernel around the decode (the CPU CI's torch wheel ma
         tl.store(y_ptr + offs, e4m3_bf16(tl.load(x_ptr + offs), True))
 
 
-@pytest.mark.xfail(DEVICE == "cuda", strict=True, reason="measured on an H200 (2026-11-30): the inline-asm decode is "
-                   "wrong on the hardware (rel 0.34 through the kernel), which is why DEFAULT keeps bits off")
 def test_bit_level_e4m3_decode_is_exact_for_every_byte():
     """`e4m3_bf16` with BITS: each finite e4m3 byte -> bf16 equal to its value times 2^-120, bit for bit
     (subnormals and both zeros included); on the GPU this runs the inline-asm path."""
