@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsaserve.common import envs
 from dsaserve.config import load_config
 from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
@@ -39,9 +40,18 @@ BOUND = {"0": 1e-2, "1": 0.25}  # by DSASERVE_FP8_ACTIVATIONS: see the module do
                 ids=["bf16_activations", "fp8_activations", "bf16_activations_gather_prefill"])
 def runs(request, tmp_path_factory):
     fp8_act, dp_moe = request.param
-    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit it; the registry keys its cache on it
+    # the spawned ranks read the environment when they start; this process (the one-GPU reference) reads its
+    # snapshot (common/envs.py), so it is taken again: without that, the reference of the bf16 variant ran
+    # FP8 activations (measured: 0.46-1.5 "errors" that were the two activation modes' difference)
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSASERVE_FP8_ACTIVATIONS", fp8_act)
-        return fp8_act, run_ranks(dp_worker, 3, tmp_path_factory.mktemp("dp_gpu"), (NAME,), **GPU, dp_moe=dp_moe)
+        envs.reload()
+        try:
+            return fp8_act, run_ranks(dp_worker, 3, tmp_path_factory.mktemp("dp_gpu"), (NAME,), **GPU,
+                                      dp_moe=dp_moe)
+        finally:
+            mp.undo()
+            envs.reload()
 
 
 def test_dp2_ep2_on_two_gpus_gives_each_rank_one_gpus_logits(runs):
