@@ -13,8 +13,11 @@ Triton is imported only here and only when it will be used: the CI's CPU torch w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -63,7 +66,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         gemm = "triton block-scaled GEMM, FP8 activations"
     moe = "triton grouped GEMM (sort-free <= 256 pairs, else align; gate/up+SiLU, down) + combine, FP8 activations"
     linear, fused_moe = triton_fp8_gemm.fp8_linear, triton_moe.fused_moe
@@ -124,6 +127,28 @@ def get_ops(device: torch.device | str) -> SimpleNamespace:
                                       impls={name: impl for name, (_, impl) in ops.items()},
                                       device=str(device), fallback_reason=why, graph_safe=usable)
     return _CACHE[key]
+
+
+@contextlib.contextmanager
+def interpreted_gpu_ops() -> Iterator[SimpleNamespace]:
+    """Test hook: for the block, the CPU's ops are the GPU variants, run by the Triton interpreter (TRITON_INTERPRET=1
+    before Triton is imported), so the whole model's GPU path runs on a machine without a GPU. Not graph_safe:
+    no CUDA graphs and no side stream on the CPU. The FP8-activation switch is read on entry."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("interpreted_gpu_ops: needs TRITON_INTERPRET=1 (set before Triton is imported)")
+    device = torch.device("cpu")
+    key = (device.type, device.index, envs.DSASERVE_KERNELS, envs.DSASERVE_FP8_ACTIVATIONS)
+    ops, before = _gpu_ops(device), _CACHE.pop(key, None)
+    _CACHE[key] = SimpleNamespace(**{name: fn for name, (fn, _) in ops.items()},
+                                  impls={name: impl if impl == "reference" else f"{impl} (interpreted)"
+                                         for name, (_, impl) in ops.items()},
+                                  device=str(device), fallback_reason="", graph_safe=False)
+    try:
+        yield _CACHE[key]
+    finally:
+        _CACHE.pop(key)
+        if before is not None:
+            _CACHE[key] = before
 
 
 def describe(device: torch.device | str) -> dict[str, str]:

@@ -138,26 +138,28 @@ def _rnd(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, half, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, block of heads); `half` = rope dims / 2 rotated pairs, BLOCK_P its power of two."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_p = tl.arange(0, HALF)
-    hmask = offs_h[:, None] < H
+    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_p = tl.arange(0, BLOCK_P)
+    pmask = offs_p < half
+    mask = (offs_h[:, None] < H) & pmask[None, :]
     base = x_ptr + t * stride_t + offs_h[:, None] * stride_h
     if INTERLEAVED:  # pairs (2p, 2p+1) -> [evens' | odds'] (HF's GLM / DeepSeek main RoPE)
         i1, i2 = 2 * offs_p, 2 * offs_p + 1
     else:
-        i1, i2 = offs_p, offs_p + HALF
-    x1 = tl.load(base + i1[None, :], mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + i2[None, :], mask=hmask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_c + offs_p).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_c + offs_p).to(tl.float32)[None, :]
+        i1, i2 = offs_p, offs_p + half
+    x1 = tl.load(base + i1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + i2[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_c + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_c + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
     tl.debug_barrier()  # every load of this row is done before any store overwrites it (in place)
     ty = x_ptr.dtype.element_ty  # each product rounded to the activation dtype, as the torch ops round
-    tl.store(base + offs_p[None, :], (_rnd(x1 * c, ty) - _rnd(x2 * s, ty)).to(ty), mask=hmask)
-    tl.store(base + HALF + offs_p[None, :], (_rnd(x2 * c, ty) + _rnd(x1 * s, ty)).to(ty), mask=hmask)
+    tl.store(base + offs_p[None, :], (_rnd(x1 * c, ty) - _rnd(x2 * s, ty)).to(ty), mask=mask)
+    tl.store(base + half + offs_p[None, :], (_rnd(x2 * c, ty) + _rnd(x1 * s, ty)).to(ty), mask=mask)
 
 
 def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -168,7 +170,7 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     t, h, r = x3.shape
     block_h = min(triton.next_power_of_2(h), 16)
     if t:
-        _rope_kernel[(t, triton.cdiv(h, block_h))](x3, cos, sin, h, x3.stride(0), x3.stride(1), cos.stride(0),
-                                                  INTERLEAVED=interleaved, HALF=r // 2, BLOCK_H=block_h,
-                                                  **pdl_args(x.device))
+        _rope_kernel[(t, triton.cdiv(h, block_h))](x3, cos, sin, h, r // 2, x3.stride(0), x3.stride(1), cos.stride(0),
+                                                  INTERLEAVED=interleaved, BLOCK_P=triton.next_power_of_2(r // 2),
+                                                  BLOCK_H=block_h, **pdl_args(x.device))
     return x

@@ -52,7 +52,7 @@ def _sm_count(t: torch.Tensor) -> int:
 def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                         GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)  # a prefill MoE's [T*k, I] input passes 2^31 values (issue 17)
     g0 = tl.program_id(1) * GROUPS_PER_PROG
     offs_g = g0 + tl.arange(0, GROUPS_PER_PROG)
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -110,8 +110,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid_m = tl.program_id(1).to(tl.int64)  # M x N of a prefill output passes 2^31 (issue 17)
+    pid_s = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -52,17 +52,20 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
     req = tl.load(req_ptr + t).to(tl.int64)
     valid = (offs_j <= pos) & (offs_j < max_pages * page_size)
     page = tl.load(pt_ptr + req * stride_pt + offs_j // page_size, mask=valid, other=0)
-    slot = opaque_index(page * page_size + offs_j % page_size)  # 132-byte rows: no alignment facts
+    slot = opaque_index((page * page_size + offs_j % page_size).to(tl.int64))  # 132-byte rows: no alignment facts
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < n_heads
-    q_rows = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+    q_rows = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
     if WORDS:
         offs_w = tl.arange(0, BLOCK_D // 4)
-        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None], other=0)
+        wmask = offs_w < head_dim // 4  # head_dim 192: 48 words of a 64-word block
+        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None] & wmask[None, :],
+                        other=0)
         s = tl.zeros([BLOCK_H, BLOCK_KV], dtype=tl.float32)
         for j in tl.static_range(4):
             kj = ((words >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None] & wmask[None, :],
+                         other=0.0).to(tl.bfloat16)
             s += tl.dot(qj, tl.trans(kj))
     else:
         offs_d = tl.arange(0, BLOCK_D)

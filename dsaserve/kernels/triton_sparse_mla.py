@@ -10,6 +10,9 @@ gathered once per head block) and one split of the token's top-k slots; per BLOC
 Decode splits the top-k over several programs (flash-decoding) so a batch of one still fills the GPU,
 then a small combine kernel merges the splits by their log-sum-exp; prefill (many tokens) runs unsplit.
 A token whose slots are all -1 gets zeros (the reference gives NaN): graph padding rows stay finite.
+Every program id is widened to int64 before it meets a stride: at a 131072-token prefill q_nope comes out of
+cuBLAS's bmm head-major ([H, T, 512] transposed, head stride T * 512 = 2^26), so head 32's offset passes 2^31
+and an int32 product wrapped into an illegal address (issue 17).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
                        LAYOUT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    sp = tl.program_id(2)
+    t = tl.program_id(0).to(tl.int64)  # int64 before any stride (module docstring)
+    hb = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < n_heads
     offs_c = tl.arange(0, BLOCK_C)
@@ -111,9 +114,9 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     tensor cores exactly (e4m3 is a subset of bf16) and no FP32 copy of the gathered tile is made.
     """
     grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    sp = tl.program_id(2)
+    t = tl.program_id(0).to(tl.int64)  # int64 before any stride (module docstring)
+    hb = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < n_heads
     d = tl.arange(0, 128)
@@ -178,8 +181,8 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, s
                     PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     smask = offs_s < n_splits
     lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)

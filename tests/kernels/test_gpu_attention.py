@@ -15,6 +15,7 @@ from tests.kernels.gpu_common import (
     DEVICE,
     ENC_BYTES,
     ENC_REL,
+    MODELS,
     SLACK,
     SMALL_ROWS,
     gpu_modules,
@@ -80,6 +81,21 @@ def test_indexer_topk_selects_the_reference_keys(gen, layout, topk):
     ref = R.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
     same = sum(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(got, ref, strict=True))
     assert same >= len(pos) - 1, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_indexer_topk_takes_each_models_shapes(gen, model):
+    """The config's indexer heads x dim and top-k (GLM-5.3 32 x 128, top-2048; mini 16 x 64, top-64): a decode row
+    and a prefill chunk past the top-k (scores + selection), and a request shorter than it (every key)."""
+    cfg, idx = MODELS[model], gpu_modules()[1]
+    topk, ps = cfg.index_topk, 64
+    seq_lens, ext = [3 * topk + 5, topk // 2, topk + 40], [1, topk // 2, 3]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, cfg.index_n_heads,
+                                                 cfg.index_head_dim)
+    poison_free_memory()
+    got = idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    assert got.shape == (len(pos), topk)
+    _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -177,6 +193,25 @@ def test_sparse_mla_attention_matches_reference(gen, layout, t):
         assert rel(generic, ref) < BF16, f"seed {gen.initial_seed()}"
 
 
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("model", MODELS)
+def test_sparse_mla_attention_takes_each_models_shapes(gen, model, layout):
+    """The config's heads, kv_lora + rope and top-k: decode (split, then combined) and a prefill-size batch."""
+    cfg, mla = MODELS[model], gpu_modules()[4]
+    h, dc, dr, k = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk
+    n_slots = 4 * k
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
+    for t in (1, 2, 7):
+        slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+        slots[-1, k // 2:] = -1
+        qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+        poison_free_memory()
+        ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, dc ** -0.5, dc)
+        for conf in ({}, {"splits": 2}, {"splits": 1}):
+            got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, dc ** -0.5, dc, config=conf)
+            assert torch.isfinite(got).all() and rel(got, ref) < BF16, f"seed {gen.initial_seed()} t={t} {conf}"
+
+
 def test_sparse_mla_attention_gives_zeros_for_a_token_with_no_slots(gen):
     mla = gpu_modules()[4]
     latent = randn(50, 144, gen=gen)
@@ -191,14 +226,18 @@ def test_sparse_mla_attention_gives_zeros_for_a_token_with_no_slots(gen):
 
 
 @pytest.mark.parametrize("t", [1, 3, 17, 40])
-def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, t):
-    """Absorbed-MLA per-head GEMMs: q_nope (a strided slice of q) @ W_uk -> [T, H, 512]; latent @ W_uv ->
-    [T, H*256] flattened for o_proj, with the FP8 copy o_proj's GEMM would make (decode sizes)."""
+@pytest.mark.parametrize("model", MODELS)
+def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, model, t):
+    """Absorbed-MLA per-head GEMMs: q_nope (a strided slice of q) @ W_uk -> [T, H, kv_lora]; latent @ W_uv ->
+    [T, H*v] flattened for o_proj, with the FP8 copy o_proj's GEMM would make (decode sizes, whole 128-column
+    groups per head: GLM-5.3's v = 256, not mini's 64)."""
     from dsaserve.kernels import triton_fp8_gemm as G
     from dsaserve.kernels import triton_head_gemm as HG
 
     poison_free_memory()
-    h, nope, rope, dc, v = (16, 192, 64, 512, 256) if BIG else (4, 48, 16, 128, 128)
+    cfg = MODELS[model]
+    h, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    dc, v = cfg.kv_lora_rank, cfg.v_head_dim
     q = randn(t, h, nope + rope, gen=gen, dtype=torch.bfloat16)
     w_uk = randn(h, nope, dc, gen=gen, dtype=torch.bfloat16, scale=nope ** -0.5)
     got = HG.head_bmm(q[..., :nope], w_uk)
@@ -208,7 +247,7 @@ def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, t):
     w_uv = randn(h, dc, v, gen=gen, dtype=torch.bfloat16, scale=dc ** -0.5)
     flat = HG.head_bmm(latent, w_uv, flatten=True)
     assert flat.shape == (t, h * v) and rel(flat, R.head_bmm(latent.float(), w_uv.float(), flatten=True)) < BF16
-    if t <= SMALL_ROWS:
+    if t <= SMALL_ROWS and v % 128 == 0:
         q8, s8 = G.cached_fp8(flat)
         ref_q, ref_s = G.quant_act_fp8(flat)
         torch.testing.assert_close(s8, ref_s)
@@ -219,10 +258,10 @@ def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, t):
 
 # ---- KV writes -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32", "fp8_e4m3"])
-@pytest.mark.parametrize("dims", [(512, 64), (128, 16)])
-def test_mla_kv_write_matches_reference_and_touches_only_its_slots(gen, layout, dims):
+@pytest.mark.parametrize("model", MODELS)
+def test_mla_kv_write_matches_reference_and_touches_only_its_slots(gen, layout, model):
     kvw = gpu_modules()[2]
-    dc, dr = dims
+    dc, dr = MODELS[model].kv_lora_rank, MODELS[model].qk_rope_head_dim
     t, n_slots = (37, 128) if BIG else (5, 16)
     kv_a = randn(t, dc + dr, gen=gen, dtype=torch.bfloat16)
     wt = (torch.rand(dc, generator=gen, device=DEVICE) + 0.5).bfloat16()
@@ -255,9 +294,10 @@ def test_mla_kv_write_skips_negative_slots(gen):
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32"])
-def test_indexer_k_write_matches_the_pool_encoding(gen, layout):
+@pytest.mark.parametrize("model", MODELS)
+def test_indexer_k_write_matches_the_pool_encoding(gen, layout, model):
     kvw = gpu_modules()[2]
-    t, d, n_slots = 9, 128, 32
+    t, d, n_slots = 9, MODELS[model].index_head_dim, 32
     k = randn(t, d, gen=gen, dtype=torch.bfloat16)
     slots = torch.randperm(n_slots, generator=gen, device=DEVICE)[:t]
     width = encode_index_k(k[:1], layout).shape[1]

@@ -14,6 +14,7 @@ from tests.kernels.gpu_common import (
     BIG,
     DEVICE,
     FP8A,
+    MODELS,
     gpu_modules,
     poison_free_memory,
     randn,
@@ -42,6 +43,32 @@ def test_fp8_linear_matches_reference(gen, m, n, k):
     ref = R.fp8_linear(x, w, s)
     assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
     assert rel(got, ref) < FP8A, f"seed {gen.initial_seed()}"  # every dispatched path quantises activations
+
+
+def projections(name: str) -> list[tuple[int, int]]:
+    """(N, K) of the config's FP8 projections: q_a, q_b, kv_a, o_proj, the indexer's wq_b and wk, the dense MLP's
+    gate+up and down, a shared expert's gate+up and down."""
+    c = MODELS[name]
+    h, heads = c.hidden_size, c.num_attention_heads
+    shared = c.moe_intermediate_size * c.n_shared_experts
+    return [(c.q_lora_rank, h), (heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.q_lora_rank),
+            (c.kv_lora_rank + c.qk_rope_head_dim, h), (h, heads * c.v_head_dim),
+            (c.index_n_heads * c.index_head_dim, c.q_lora_rank), (c.index_head_dim, h),
+            (2 * c.intermediate_size, h), (h, c.intermediate_size), (2 * shared, h), (h, shared)]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fp8_linear_takes_each_models_projections(gen, model):
+    """Every projection shape of the config through the dispatcher, at decode (skinny) and prefill sizes."""
+    gemm = gpu_modules()[0]
+    for n, k in projections(model):
+        w, s = quantize_fp8_block(randn(n, k, gen=gen))
+        for m in (1, 40, 100):
+            x = randn(m, k, gen=gen, dtype=torch.bfloat16)
+            poison_free_memory()
+            got = gemm.fp8_linear(x, w, s)
+            assert torch.isfinite(got).all(), f"({n}, {k}) m={m}"
+            assert rel(got, R.fp8_linear(x, w, s)) < FP8A, f"seed {gen.initial_seed()} ({n}, {k}) m={m}"
 
 
 VARIANTS = {  # every decode kernel variant the dispatcher may pick, on its own
@@ -98,6 +125,22 @@ def test_fused_moe_matches_reference(gen, t, fp8):
         other = moe.fused_moe(*args, config=conf)
         b = FP8A if fp8 and conf.get("fp8_act", True) else BF16
         assert rel(other, ref) < b, f"seed {gen.initial_seed()} {conf}"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fused_moe_takes_each_models_shapes(gen, model):
+    """The config's hidden size, expert width and top-k (experts capped at 32: the kernels index them the same
+    way), through each grouped-GEMM kernel."""
+    cfg, moe = MODELS[model], gpu_modules()[3]
+    e, h, inter, k = min(cfg.n_routed_experts, 32), cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    args = _moe_inputs(gen, 9, e, h, inter, k)
+    ref = R.fused_moe(*args)
+    poison_free_memory()
+    for conf in (None, {"kernel": "gemm"}, {"kernel": "swap", "block_m": 16}, {"kernel": "unsorted", "block_m": 16},
+                 {"fp8_act": False}):
+        got = moe.fused_moe(*args, config=conf)
+        bound = FP8A if (conf or {}).get("fp8_act", True) else BF16
+        assert torch.isfinite(got).all() and rel(got, ref) < bound, f"seed {gen.initial_seed()} {conf}"
 
 
 @pytest.mark.parametrize("t", [1, 9, 64])
@@ -228,8 +271,11 @@ def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
                        moe.fused_moe(x, w13, s13, w2, s2, tw, ids) + shared)
 
 
-@pytest.mark.parametrize("t,e,k,groups,keep", [(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1),
-                                               (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)])
+ROUTES = sorted({(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1), (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)}
+                | {(7, c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group) for c in MODELS.values()})
+
+
+@pytest.mark.parametrize("t,e,k,groups,keep", ROUTES)
 def test_moe_route_matches_reference(gen, t, e, k, groups, keep):
     from dsaserve.kernels import triton_moe_route
 
@@ -242,10 +288,11 @@ def test_moe_route_matches_reference(gen, t, e, k, groups, keep):
 
 
 @pytest.mark.parametrize("t", [1, 7, 40])
-def test_router_logits_match_reference_in_fp32(gen, t):
+@pytest.mark.parametrize("model", MODELS)
+def test_router_logits_match_reference_in_fp32(gen, model, t):
     from dsaserve.kernels import triton_moe_route as RT
 
-    e, h = (256, 6144) if BIG else (8, 256)
+    e, h = MODELS[model].n_routed_experts, MODELS[model].hidden_size
     x = randn(t, h, gen=gen, dtype=torch.bfloat16)
     w = randn(e, h, gen=gen, scale=h ** -0.5)
     got = RT.router_logits(x, w)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from dsaserve.kernels import reference as R
-from tests.kernels.gpu_common import BF16_ULP, DEVICE, SMALL_ROWS, gpu_modules, randn, requires_gpu_kernels
+from tests.kernels.gpu_common import BF16_ULP, DEVICE, MODELS, SMALL_ROWS, gpu_modules, randn, requires_gpu_kernels
 
 pytestmark = requires_gpu_kernels
 
 
-@pytest.mark.parametrize("n", [2048, 6144, 100])
+@pytest.mark.parametrize("n", [2048, 6144, 100, 384])  # 384: glm-5.3-mini's hidden size
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_and_residual_add_match_reference(gen, n, dtype):
     from dsaserve.kernels import triton_elementwise as E
@@ -30,27 +30,36 @@ def test_rms_norm_and_residual_add_match_reference(gen, n, dtype):
     torch.testing.assert_close(y, ref_y, **tol)
 
 
-def test_silu_and_mul_matches_reference(gen):
+@pytest.mark.parametrize("inter", [2500, 128, 1024])  # an odd width; mini's experts and dense MLP
+def test_silu_and_mul_matches_reference(gen, inter):
     from dsaserve.kernels import triton_elementwise as E
 
-    x = randn(5, 2 * 2500, gen=gen, dtype=torch.bfloat16)
+    x = randn(5, 2 * inter, gen=gen, dtype=torch.bfloat16)
     torch.testing.assert_close(E.silu_and_mul(x), R.silu_and_mul(x), **BF16_ULP)
 
 
+# (heads, dims before the rope slice, rope dims): every model's q and indexer q, one row, and 12 pairs (not a
+# power of two)
+ROPE_CASES = sorted({(0, 192, 64), (3, 192, 64), (64, 192, 64), (2, 16, 24)}
+                    | {(c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim) for c in MODELS.values()}
+                    | {(c.index_n_heads, c.index_head_dim - c.qk_rope_head_dim, c.qk_rope_head_dim)
+                       for c in MODELS.values()})
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("heads", [0, 3, 64])
-def test_rope_inplace_matches_reference_on_a_view(gen, interleaved, heads):
+@pytest.mark.parametrize("heads,nope,rope", ROPE_CASES)
+def test_rope_inplace_matches_reference_on_a_view(gen, interleaved, heads, nope, rope):
     from dsaserve.kernels import triton_elementwise as E
 
     t = 6
-    full = randn(t, *([heads] if heads else []), 192 + 64, gen=gen, dtype=torch.bfloat16)
-    ang = randn(t, 32, gen=gen)
+    full = randn(t, *([heads] if heads else []), nope + rope, gen=gen, dtype=torch.bfloat16)
+    ang = randn(t, rope // 2, gen=gen)
     cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
     want = full.clone()
-    want[..., 192:] = R.apply_rope(full[..., 192:], cos, sin, interleaved)
-    E.rope_inplace(full[..., 192:], cos, sin, interleaved)
+    want[..., nope:] = R.apply_rope(full[..., nope:], cos, sin, interleaved)
+    E.rope_inplace(full[..., nope:], cos, sin, interleaved)
     torch.testing.assert_close(full, want, **BF16_ULP)
-    assert torch.equal(full[..., :192], want[..., :192])  # the rest of the row is untouched
+    assert torch.equal(full[..., :nope], want[..., :nope])  # the rest of the row is untouched
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "silu_and_mul"])

@@ -4,7 +4,7 @@ numerics: skipped until the package ships it. What issue 18 asks of it:
     through the same FP8 codec (HF has no FP8 KV cache);
   - held-out perplexity far below the unigram baseline; fp8_ds_mla KV within 1 % of the bf16 KV's;
   - the MTP layer drafts real text: acceptance well above chance;
-  - on a GPU: greedy equal to the CPU reference on >= 9 of 10 held-out prompts x 32 tokens.
+  - on a GPU: greedy equal to the CPU reference on >= 9 of 10 held-out prompts x 32 tokens (test_gpu_vs_cpu.py).
 Prompts and windows come from the held-out split (rebuilt from the model's corpus_recipe.json).
 """
 
@@ -90,12 +90,3 @@ def test_perplexity_and_kv_layouts(cpu_runs):
 def test_mtp_acceptance_on_real_text(cpu_runs):
     r = cpu_runs["fp32"]
     assert r["mtp_accept"] > 0.2 and r["mtp_acc"] > 0.1, r
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_greedy_equals_cpu_reference(data):
-    wins, prompts = data
-    gpu = run_setting(str(CKPT), Setting("gpu", "cuda", "fp8_ds_mla"), wins[:1], prompts, 32, 1)
-    cpu = run_setting(str(CKPT), Setting("cpu", "cpu", "fp8_ds_mla"), wins[:1], prompts, 32, 1)
-    same = sum(a == b for a, b in zip(gpu["greedy"], cpu["greedy"], strict=True))
-    assert same >= 9 * len(prompts) // 10, same
