@@ -7,7 +7,8 @@ when the device is CUDA, Triton imports and the GPU can run FP8 (compute capabil
 reference otherwise. `DSASERVE_KERNELS=reference` forces the reference everywhere (debugging, bisecting a
 wrong answer); `DSASERVE_FP8_ACTIVATIONS=0` keeps the GPU FP8 GEMMs' activations bf16 (exact to bf16
 rounding, ~1.4x slower decode GEMMs: for comparing with the CPU reference, bench/logit_distance.py). The namespace's
-`impls` maps op -> implementation name, for the startup manifest.
+`impls` maps op -> implementation name, for the startup manifest. `interpreted_gpu_ops()` (tests) binds the GPU
+variants on the CPU under the Triton interpreter, so a whole forward runs the GPU path without a GPU.
 Triton is imported only here and only when it will be used: the CI's CPU torch wheel may not ship it.
 """
 

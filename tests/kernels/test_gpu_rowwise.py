@@ -91,3 +91,14 @@ def test_registry_binds_gpu_kernels_on_cuda(set_switch):
     assert "bf16 activations" in registry.get_ops("cuda").impls["fp8_linear"]
     set_switch(registry.ENV_VAR, "reference")
     assert registry.get_ops("cuda").fp8_linear is R.fp8_linear
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter hook binds the CPU's ops")
+def test_registry_binds_the_interpreted_gpu_kernels_on_the_cpu_for_a_block():
+    from dsaserve.kernels import registry
+
+    before = registry.get_ops("cpu")
+    with registry.interpreted_gpu_ops() as ops:
+        assert registry.get_ops("cpu") is ops and ops.rms_norm is not R.rms_norm and not ops.graph_safe
+        assert "interpreted" in ops.impls["sparse_mla_attention"] and ops.impls["apply_rope"] == "reference"
+    assert registry.get_ops("cpu") is before and before.rms_norm is R.rms_norm
