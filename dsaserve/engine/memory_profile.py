@@ -42,9 +42,16 @@ class MemoryProfile:
         return d
 
 
-def dummy_prefill(tokens: int, page_size: int, vocab: int, device) -> ForwardBatch:
+def dummy_prefill(tokens: int, page_size: int, vocab: int, device, max_len: int | None = None) -> ForwardBatch:
+    """`tokens` prompt tokens, as one request or, past max_len, as requests of max_len: positions stay below
+    max_position_embeddings, the rows of the GPU path's RoPE table (glm-5.3-mini has 2048; eval's 2304-token
+    budget indexed past it: a device-side assert on every GPU setting)."""
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    return contiguous_batch([ids], [0], [0], page_size).to(device)
+    # whole pages per request: the batch takes the pages one request of `tokens` would, no more
+    step = tokens if max_len is None or tokens <= max_len else max(page_size, max_len // page_size * page_size)
+    reqs = [ids[i:i + step] for i in range(0, tokens, step)]
+    return contiguous_batch(reqs, [0] * len(reqs), [i * page_size * -(-step // page_size) for i in range(len(reqs))],
+                            page_size).to(device)
 
 
 def dummy_decode(bs: int, context: int, page_size: int, device) -> ForwardBatch:
@@ -81,7 +88,8 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     torch.cuda.reset_peak_memory_stats(device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic
     try:
-        model(as_gather_step(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device), dp_world), scratch)
+        model(as_gather_step(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device,
+                                           cfg.max_position_embeddings), dp_world), scratch)
         model(as_gather_step(dummy_decode(min(max_decode_bs, pages // 2), 1, page, device), dp_world), scratch)
         torch.cuda.synchronize()
     finally:
@@ -108,7 +116,8 @@ def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int, dp_w
         for n in sorted(set(chunk_sizes)):
             if -(-n // pool.page_size) > pool.num_pages:
                 continue
-            model(as_gather_step(dummy_prefill(n, pool.page_size, vocab, pool.kv_buffer.device), dp_world), pool)
+            model(as_gather_step(dummy_prefill(n, pool.page_size, vocab, pool.kv_buffer.device,
+                                               model.cfg.max_position_embeddings), dp_world), pool)
             warmed.append(n)
         if pool.kv_buffer.is_cuda:
             torch.cuda.synchronize()

@@ -35,9 +35,9 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
                         stride_qt, stride_qh, stride_wt, stride_k, stride_ks, ks_off, stride_pt, stride_ot,
                         FP8: tl.constexpr, WORDS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_KV: tl.constexpr, PDL: tl.constexpr = False):
-    """WORDS (FP8 keys, head_dim % 64 == 0): keys read as int32 words (4 e4m3 values each; a 132-byte row
-    is only 4-byte aligned, so this is the widest safe load) and byte plane j of every word is dotted with
-    query columns j, j+4, ...: the dimension order of a dot product does not matter."""
+    """WORDS (FP8 keys, head_dim a power of two >= 64, so the words need no mask): keys read as int32 words (4
+    e4m3 values each; a 132-byte row is only 4-byte aligned, so this is the widest safe load) and byte plane j of
+    every word is dotted with query columns j, j+4, ...: the dimension order of a dot product does not matter."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     kb = tl.program_id(1)
@@ -58,14 +58,11 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
     q_rows = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
     if WORDS:
         offs_w = tl.arange(0, BLOCK_D // 4)
-        wmask = offs_w < head_dim // 4  # head_dim 192: 48 words of a 64-word block
-        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None] & wmask[None, :],
-                        other=0)
+        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None], other=0)
         s = tl.zeros([BLOCK_H, BLOCK_KV], dtype=tl.float32)
         for j in tl.static_range(4):
             kj = ((words >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None] & wmask[None, :],
-                         other=0.0).to(tl.bfloat16)
+            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
             s += tl.dot(qj, tl.trans(kj))
     else:
         offs_d = tl.arange(0, BLOCK_D)
@@ -307,7 +304,7 @@ def _views(index_cache: torch.Tensor, layout: KVLayout, head_dim: int):
         if index_cache.shape[1] != head_dim + 4:
             raise ValueError(f"indexer_topk: index_cache rows are {index_cache.shape[1]} B, expected {head_dim + 4}")
         f32 = index_cache.view(torch.float32)  # rows of 132 B = 33 floats; the scale is float 32
-        if head_dim % 64 == 0:  # int32 words (see _index_score_kernel)
+        if head_dim >= 64 and head_dim & (head_dim - 1) == 0:  # int32 words (see _index_score_kernel)
             i32 = index_cache.view(torch.int32)
             return i32, f32, i32.stride(0), f32.stride(0), head_dim // 4
         return index_cache, f32, index_cache.stride(0), f32.stride(0), head_dim // 4

@@ -73,7 +73,7 @@ def _fix_the_interpreter() -> None:
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:  # torch rounds to nearest even
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            rounded = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16).view(torch.int16)
             return interpreter.TensorHandle(rounded.numpy().view(np.uint16), tl.bfloat16)
         return plain_cast(self, src, dst_type)
 
@@ -84,7 +84,7 @@ def _fix_the_interpreter() -> None:
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in as_torch:
             return plain_fp_to_fp(self, src, dst_type, rounding_mode)
-        x = as_torch[src.dtype.scalar](np.ascontiguousarray(src.data)).float().clamp(-448.0, 448.0)
+        x = as_torch[src.dtype.scalar](np.array(src.data)).float().clamp(-448.0, 448.0)
         return interpreter.TensorHandle(x.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
 
     builder.create_dot, builder.binary_op, builder.cast_impl = create_dot, binary_op, cast_impl

@@ -98,6 +98,15 @@ def test_indexer_topk_takes_each_models_shapes(gen, model):
     _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 
 
+def test_indexer_topk_takes_a_head_dim_that_is_not_a_power_of_two(gen):
+    """192 = 48 words: the word-wise FP8 read (powers of two) would have read 64, into the next row."""
+    idx = gpu_modules()[1]
+    seq_lens, ext = [150, 30], [2, 1]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, 64, 16, 192)
+    got = idx.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, 64, 64, seq_lens, ext)
+    _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, 64, 64, gen.initial_seed())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_indexer_topk_replays_from_a_cuda_graph(gen):
     idx = gpu_modules()[1]

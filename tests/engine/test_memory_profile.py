@@ -1,0 +1,18 @@
+"""The startup dummies (`engine/memory_profile.py`) stay inside what a real batch may hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsaserve.engine.memory_profile import dummy_prefill
+
+
+@pytest.mark.parametrize("tokens,max_len", [(2304, 2048), (2048, 2048), (130, 100), (70, None)])
+def test_dummy_prefill_keeps_positions_inside_the_rope_table_and_its_pages(tokens, max_len):
+    """eval's 2304-token budget on glm-5.3-mini (2048 positions): the GPU path's RoPE table has one row per
+    position, so a position past it was an out-of-range gather (a device-side assert at warmup)."""
+    b = dummy_prefill(tokens, 64, 100, "cpu", max_len)
+    assert b.num_tokens == tokens
+    assert int(b.positions.max()) < (max_len or tokens)
+    assert b.out_cache_loc.unique().numel() == tokens  # one slot per token
+    assert int(b.out_cache_loc.max()) < -(-tokens // 64) * 64  # within the pages one request would take
