@@ -25,7 +25,8 @@ from dsaserve.common import envs
 MAX_BYTES = 2 << 20  # covers a decode step's hidden state up to 128 rows x 7168 (DeepSeek-V3.2) in bf16
 DTYPES = (torch.bfloat16, torch.float32)
 ALIGN = 16  # bytes: the one-shot kernel moves 16-byte vectors; hidden states (H a multiple of 128) always are
-_BUFFERS: dict[int, tuple[torch.Tensor, str]] = {}  # id(process group) -> (uint8 symmetric buffer, group name)
+_BUFFERS: dict[int, tuple[torch.Tensor, str, bool]] = {}  # id(process group) -> (uint8 symmetric buffer, group
+# name, whether torch has the fused copy-in op: looked up once at `enable`, not per call)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -59,7 +60,7 @@ def enable(pg: object, device: torch.device) -> str | None:
         symm.rendezvous(buf, name)
     except (RuntimeError, ValueError) as e:  # e.g. no P2P between the GPUs: NCCL does every call
         return f"symmetric memory rendezvous failed: {e}"[:300]
-    _BUFFERS[id(pg)] = (buf, name)
+    _BUFFERS[id(pg)] = (buf, name, hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"))
     return None
 
 
@@ -70,10 +71,10 @@ def all_reduce_in_place(x: torch.Tensor, pg: object) -> bool:
     nbytes = x.numel() * x.element_size()
     if entry is None or not x.is_cuda or x.dtype not in DTYPES or nbytes > MAX_BYTES or nbytes % ALIGN:
         return False
-    buf, name = entry
+    buf, name, fused_copy = entry
     staged = buf[:nbytes].view(x.dtype)
     flat = x.view(-1)
-    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):  # the copy in fused: one kernel
+    if fused_copy:  # the copy in fused: one kernel
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", name, flat)
     else:
         staged.copy_(flat)
