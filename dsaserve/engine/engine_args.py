@@ -69,6 +69,10 @@ class EngineArgs:
     chunked_prefill_size: int | None = _arg("most prompt tokens one request prefills per step "
                                             "(default: --max-num-batched-tokens)")
     max_running_requests: int = _arg("requests holding KV pages at once", 128)
+    mixed_step_tokens: int | None = _arg(
+        "token budget of a step that carries decodes: prompts prefill at most this minus the decode rows "
+        "(at least a quarter of it), which bounds the inter-token latency a prefill adds (0 = no cap; "
+        "default: the largest piecewise CUDA-graph bucket where those graphs run, so mixed steps replay one)")
     max_model_len: int | None = _arg("context limit in tokens (default: the config's max_position_embeddings)")
     enable_prefix_caching: bool = _arg("share full KV pages between requests with the same prefix", True)
     device: str | None = _arg("cpu or cuda (default: cuda if available)", choices=DEVICES)
@@ -210,6 +214,15 @@ class EngineArgs:
         if self.piecewise_cuda_graph_tokens is not None:
             return parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
         return piecewise_buckets(self.max_num_batched_tokens)
+
+    def resolved_mixed_step_tokens(self) -> int:
+        """--mixed-step-tokens, else the largest piecewise bucket on cuda without DP-attention (the only place
+        piecewise graphs run), else 0: no cap."""
+        if self.mixed_step_tokens is not None:
+            return self.mixed_step_tokens
+        if self.enable_dp_attention or not self.piecewise_tokens or self.resolved_device() != "cuda":
+            return 0
+        return max(self.piecewise_tokens)
 
     @property
     def chunk_size(self) -> int:

@@ -48,6 +48,7 @@ import torch
 
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.batch import BatchBuilder
+from dsaserve.engine.device_timer import DeviceTimer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
 from dsaserve.engine.request import EngineRequest, Req, TokenDelta
@@ -84,11 +85,13 @@ class EngineCore:
             num_pages=self.runner.num_pages, page_size=self.runner.page_size,
             max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill_size=args.chunk_size,
             max_running_requests=args.max_running_requests, max_model_len=context,
+            mixed_step_tokens=args.resolved_mixed_step_tokens(),
             enable_prefix_caching=args.enable_prefix_caching, vocab_size=cfg.vocab_size,
             eos_token_ids=tuple(self.runner.eos_token_ids)))
         self.builder = BatchBuilder(args.max_running_requests, self.scheduler.max_pages_per_seq,
                                     self.runner.page_size)
         self.sampler = Sampler(seed=args.seed)
+        self.device_timer = DeviceTimer(torch.device(self.runner.device))
         self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
         self._pending: tuple[list[Req], SampleFuture | None] | None = None  # launched, tokens not yet on the host
@@ -205,9 +208,11 @@ class EngineCore:
             if idle_forward:
                 self.runner.forward_idle()
             return deltas + self._resolve()
+        t = self.device_timer.start()
         logits = self.runner.forward(self.builder.build(sched))  # a host batch: the runner copies it over
         deltas += self._resolve()  # overlap: the previous step's tokens, waited for while this forward runs
         self._launch_sample(sched, logits)
+        self.device_timer.stop(t)
         if not self.overlap:
             deltas += self._resolve()
         return deltas

@@ -135,11 +135,12 @@ class CompileCache:
         self.dir = root / "triton"
         self.dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))
+        self.triton_dir = Path(os.environ["TRITON_CACHE_DIR"])  # the user's, when set: it may not exist yet
         self.before = self._entries()
         self.t0 = time.perf_counter()
 
     def _entries(self) -> set[str]:
-        return {p.name for p in Path(os.environ["TRITON_CACHE_DIR"]).iterdir()} if self.dir.exists() else set()
+        return {p.name for p in self.triton_dir.iterdir()} if self.triton_dir.is_dir() else set()
 
     def mark_up(self) -> None:
         """Startup is over: from now on a new cache entry is a kernel compiled on a request's time."""

@@ -261,10 +261,12 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tens
         if not sp.needs_penalties:
             continue
         out_ids = to_device(row.output_token_ids, torch.int64, dev)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(x.dtype)
+        # scatter, not bincount: CUDA's bincount reads the max id back to the host (a sync per row)
+        counts = torch.zeros(vocab, dtype=x.dtype, device=dev).index_add_(
+            0, out_ids, torch.ones(out_ids.numel(), dtype=x.dtype, device=dev))
         if sp.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[to_device(row.prompt_token_ids, torch.int64, dev)] = True
+            seen.index_fill_(0, to_device(row.prompt_token_ids, torch.int64, dev), True)  # `seen[ids] = True` syncs
             r = sp.repetition_penalty
             xi = x[i]
             x[i] = torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsaserve.engine.memory_profile import dummy_prefill
+from dsaserve.engine.memory_profile import CompileCache, dummy_prefill
 
 
 @pytest.mark.parametrize("tokens,max_len", [(2304, 2048), (2048, 2048), (130, 100), (70, None)])
@@ -16,3 +16,17 @@ def test_dummy_prefill_keeps_positions_inside_the_rope_table_and_its_pages(token
     assert int(b.positions.max()) < (max_len or tokens)
     assert b.out_cache_loc.unique().numel() == tokens  # one slot per token
     assert int(b.out_cache_loc.max()) < -(-tokens // 64) * 64  # within the pages one request would take
+
+
+def test_compile_cache_accepts_a_triton_cache_dir_that_does_not_exist_yet(tmp_path, monkeypatch):
+    """A user's TRITON_CACHE_DIR that Triton has not made yet (an empty cache, the cold start) is no error:
+    nothing was there before, and kernels written there later count as compiled by this start."""
+    triton_dir = tmp_path / "fresh" / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_dir))
+    cache = CompileCache(tmp_path / "dsaserve")
+    assert cache.before == set()
+    (triton_dir / "kernel_a").mkdir(parents=True)
+    assert cache.report()["status"] == "miss"
+    cache.mark_up()
+    (triton_dir / "kernel_b").mkdir()
+    assert cache.compiles_after_up()["kernel_compiles_after_up"] == 1

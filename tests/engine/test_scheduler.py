@@ -244,6 +244,27 @@ def test_decodes_continue_every_step_while_a_long_prompt_prefills_in_chunks():
     core.check_no_leak()
 
 
+@pytest.mark.parametrize("decoders,prefill", [(4, 20), (20, 6)])
+def test_a_step_with_decodes_caps_its_prefill_at_mixed_step_tokens(decoders, prefill):
+    """--mixed-step-tokens 24: with decode rows the step holds at most 24 tokens, prefill at least a quarter
+    (6); with no decodes left, the long prompt takes full chunks again, and its tokens are unchanged."""
+    core = make_core(max_num_batched_tokens=64, chunked_prefill_size=48, mixed_step_tokens=24,
+                     max_running_requests=32)
+    for i in range(decoders):
+        add(core, f"d{i}", [50 + i] * 10, max_tokens=20, ignore_eos=True)
+    while core.runner.batches[-1:] == [] or core.runner.batches[-1].extend_lens_cpu != [1] * decoders:
+        core.step()  # until every short prompt is in and decoding
+    add(core, "long", [60] * 1500, max_tokens=3, ignore_eos=True)
+    first = len(core.runner.batches)
+    out = run(core)
+    steps = [b.extend_lens_cpu for b in core.runner.batches[first:]]
+    assert steps[0] == [1] * decoders + [prefill]
+    mixed = [s for s in steps if 1 in s and max(s) > 1]
+    assert mixed and all(sum(s) <= max(24, s.count(1) + 6) for s in mixed)
+    assert [48] in steps  # decoders done: full chunks again
+    assert out[("long", 0)]["tokens"] == fake_greedy([60] * 1500, 3)
+
+
 def test_batch_is_request_major_with_logits_only_for_finished_chunks():
     core = make_core(max_num_batched_tokens=100, chunked_prefill_size=60)
     add(core, "a", [70] * 100, max_tokens=3, ignore_eos=True)

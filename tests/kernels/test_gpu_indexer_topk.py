@@ -161,29 +161,37 @@ def test_prefill_topk_fp8_selects_the_top_keys_of_its_scores(gen, hi, d, topk):
     q8 = _kernel_q(q, True)
     _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
+
+
+def _assert_within_q_rounding(got, ref, q, qk, w, cache, table, req, pos, ps, seed: int) -> None:
+    """Every selected true score is within twice the largest score change that rounding q to the kernel's qk
+    makes (the bound for a top-k of perturbed scores): near-ties at the k-th may part, nothing else."""
     keys = decode_index_k(cache, "fp8_ds_mla").double()
     # |score change| <= sum_h |w_h| |dq_h| . |k| = |k| . v, v = sum_h |w_h| |dq_h|: per token, over every key
-    v = (w.double().abs()[..., None] * (q8 - q.double()).abs()).sum(1)
+    v = (w.double().abs()[..., None] * (qk - q.double()).abs()).sum(1)
     bound = 2 * (v @ keys.abs().t()).amax(1) + 1e-9
     for t, (a, b) in enumerate(zip(_sorted_true_scores(got, q, w, cache, table, req, pos, ps),
                                    _sorted_true_scores(ref, q, w, cache, table, req, pos, ps), strict=True)):
-        assert a.shape == b.shape and (a - b).abs().max() <= bound[t], f"seed {gen.initial_seed()} token {t}"
+        assert a.shape == b.shape and (a - b).abs().max() <= bound[t], f"seed {seed} token {t}"
 
 
 @pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
 def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, hi, d, topk):
-    """DSASERVE_FP8_ACTIVATIONS=0 (q / s in fp16: the bf16 input to 2^-12): the reference's selection, near-ties
-    at the k-th score aside, written in position order and -1 padded."""
+    """DSASERVE_FP8_ACTIVATIONS=0 (q / s in fp16: the bf16 input to 2^-12): the exact top-k of the kernel's
+    scores, the reference's selection up to the near-ties that rounding makes (on the H200 ~10 % of 8K-key rows
+    part at the k-th: the scores' spacing there is ~1/n of their spread, below q's 2^-12 rounding), written in
+    position order and -1 padded."""
     from dsaserve.kernels import reference as R
     from dsaserve.kernels.triton_indexer_prefill import prefill_topk
 
     q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
     got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
                        q_fp8=False, config=conf)
-    _check_topk(got, _kernel_q(q, False), w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    q16 = _kernel_q(q, False)
+    _check_topk(got, q16, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
-    same = sum(sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(got, ref, strict=True))
-    assert same >= len(pos) - 2, f"seed {gen.initial_seed()}: {same}/{len(pos)} rows equal the reference's set"
+    _assert_within_q_rounding(got, ref, q, q16, w, cache, table, req, pos, ps, gen.initial_seed())
     page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
     for t in range(len(pos)):
         r, n = int(req[t]), int((got[t] >= 0).sum())

@@ -93,6 +93,23 @@ def _differ(got, want, bound: float) -> str:
     return f"rel {err:.4f}" if not err < bound else ""
 
 
+def _kv_rows_differ(got: torch.Tensor, want: torch.Tensor, layout, kv_lora_rank: int) -> str:
+    """'' when every written KV row decodes to the reference's within one step of its encoding. The kernel
+    normalises in fp32 and encodes once; the reference rounds RMSNorm's output to bf16 and scales it in bf16
+    first, so ~5 % of e4m3 bytes land one step apart (measured on the H200 for the mini's 256-wide latent).
+    A wrong row (position, norm, RoPE) is many steps off."""
+    rows = (got != want).any(1).nonzero().flatten()
+    if rows.numel() == 0:
+        return ""
+    g = layout.decode_latent(got[rows], kv_lora_rank).float()
+    w = layout.decode_latent(want[rows], kv_lora_rank).float()
+    # one e4m3 step is <= 2^-3 of the value; the tiny absolute term covers values near zero (subnormals)
+    over = (g - w).abs() > 2 ** -3 * torch.maximum(g.abs(), w.abs()) + 1e-3 * w.abs().amax(1, keepdim=True)
+    frac = float((g != w).float().mean())
+    return f"{int(over.sum())} values beyond one encoding step, {frac:.3f} differ" if over.any() or frac > 0.15 \
+        else ""
+
+
 def _by_expert(route: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_route's (weights, ids) with each row ordered by expert id (both sides leave the order unspecified)."""
     ids, order = route[1].sort(-1)
@@ -112,7 +129,9 @@ def _checked(name: str, fn, bound: float, failures: list[str]):
         written = [(a, c) for a, c in zip(args, copies, strict=True)  # in place: RoPE'd x, KV rows
                    if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.dtype == torch.uint8)]
         for g, w in ([(got, want)] if got is not None else []) + written:
-            if why := _differ(g, w, bound):
+            why = _kv_rows_differ(g, w, args[1], args[-1]) if name == "mla_kv_write" and g is args[0] else \
+                _differ(g, w, bound)
+            if why:
                 failures.append(f"{name} {tuple(args[0].shape)}: {why}")
         return out
 
