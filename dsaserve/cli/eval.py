@@ -4,12 +4,14 @@
     dsaserve eval --model DIR --groups kv,sparse --json out.json --windows 8 --prompts 10
 
 Comparisons (each setting's perplexity on the checkpoint's held-out split, and how many greedy
-continuations of held-out prompts are identical to its reference's):
+continuations of held-out prompts are identical to its reference's, and for each that parts, the step and
+both runs' top-1 margins there: a parting at a near-tie is rounding, one at a wide margin an error):
   kv       KV layouts bf16 / fp8_ds_mla / fp8_e4m3 against fp32
   sparse   dense attention (index_topk >= context) against the sparse base
   indexer  every layer running its own indexer against GLM's shared layers
   fp8_act  (GPU) FP8 activations off against on (DSASERVE_FP8_ACTIVATIONS)
-  cpu_ref  (GPU) the GPU path against the CPU reference, same KV layout
+  cpu_ref  the CPU path computing in bfloat16 against the float32 CPU reference (how far bf16 rounding alone
+           moves greedy); on a GPU also the GPU path against both, same KV layout
   hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
            latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
 Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present.

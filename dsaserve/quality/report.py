@@ -1,12 +1,13 @@
 """`dsaserve eval`'s comparisons: which settings run, which reference each is compared with, the table.
 
 Owns: the plan (the four KV layouts against fp32; dense attention and every-layer-full indexers against
-the base; on a GPU, FP8 activations off against on, and the GPU base against the CPU reference with the
-same KV layout; each KV layout against HF transformers whose KV goes through that layout's codec - the fair
-oracle of a quantised layout, `quality/hf_oracle.py`), the held-out data (corpus split of the checkpoint's
-recipe, tokenised with its tokenizer), agreement metrics, and the table / JSON (written after every setting,
-so a run cut short still leaves what it measured).
-"""
+the base; the CPU path computing in bfloat16 against the float32 reference, and on a GPU FP8 activations off
+against on and the GPU base against both CPU references with the same KV layout; each KV layout against HF
+transformers whose KV goes through that layout's codec - the fair oracle of a quantised layout,
+`quality/hf_oracle.py`), the held-out data (corpus split of the checkpoint's recipe, tokenised with its
+tokenizer), agreement metrics (identical continuations, agreeing prefix, and where each parting happens at
+what top-1 margins), and the table / JSON (written after every setting, so a run cut short still leaves what
+it measured)."""
 
 from __future__ import annotations
 
@@ -74,13 +75,25 @@ def make_plan(a: EvalArgs) -> Plan:
     if gpu and "fp8_act" in a.groups:
         p.add(Setting(f"{dev}:{a.kv_layout}:bf16act", dev, a.kv_layout, fp8_act=False))
         p.pairs.append(("FP8 activations off vs on", f"{dev}:{a.kv_layout}:bf16act", base.name))
-    if gpu and "cpu_ref" in a.groups:
-        p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
-        p.pairs.append(("GPU vs CPU reference", base.name, f"cpu:{a.kv_layout}"))
+    if "cpu_ref" in a.groups:
+        _add_cpu_refs(p, a.kv_layout, base.name if gpu else None)
     # most telling first: a run cut short (a time limit) still answers the main questions
-    order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]
+    order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"cpu:{a.kv_layout}:bfloat16",
+             f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]
     p.settings.sort(key=lambda s: order.index(s.name) if s.name in order else len(order))
     return p
+
+
+def _add_cpu_refs(p: Plan, kv_layout: str, gpu_base: str | None) -> None:
+    """The CPU reference (float32) and the CPU path computing in bfloat16, same KV layout: how far bf16
+    rounding alone moves greedy; on a GPU, the GPU base against each of them."""
+    fp32, bf16 = f"cpu:{kv_layout}", f"cpu:{kv_layout}:bfloat16"
+    p.add(Setting(fp32, "cpu", kv_layout))
+    p.add(Setting(bf16, "cpu", kv_layout, dtype="bfloat16"))
+    if gpu_base:
+        p.pairs.append(("GPU vs CPU reference", gpu_base, fp32))
+        p.pairs.append(("GPU vs CPU bfloat16", gpu_base, bf16))
+    p.pairs.append(("CPU bfloat16 vs float32 compute", bf16, fp32))
 
 
 def heldout_data(a: EvalArgs) -> tuple[list[list[int]], list[list[int]], dict]:
@@ -106,14 +119,29 @@ def heldout_data(a: EvalArgs) -> tuple[list[list[int]], list[list[int]], dict]:
     return ppl_wins, [w[: a.prompt_len] for w in prompt_wins], info
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Identical continuations, and the mean number of leading tokens that agree."""
-    prefix = []
-    for x, y in zip(a, b, strict=True):
-        k = next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
+def agreement(a: list[list[int]], b: list[list[int]], margins_a: list[list[float]] | None = None,
+              margins_b: list[list[float]] | None = None) -> dict:
+    """Identical continuations, the mean number of leading tokens that agree, and each parting: the prompt, the
+    step of the first difference and, given the runs' per-step top-1 margins (nats, `runs.greedy`), each run's
+    margin at that step. Both runs read the same prefix there, so their logits moved by at least the sum of the
+    two margins: small margins are a near-tie flipped by rounding, a large one a wrong computation."""
+    prefix, partings = [], []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        k = next((j for j, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
         prefix.append(k)
-    return {"identical": sum(k == len(x) for k, x in zip(prefix, a, strict=True)), "of": len(a),
-            "mean_prefix": round(sum(prefix) / max(len(prefix), 1), 2)}
+        if k < len(x):
+            partings.append({"prompt": i, "step": k, **_parting_margins(i, k, margins_a, margins_b)})
+    out = {"identical": sum(k == len(x) for k, x in zip(prefix, a, strict=True)), "of": len(a),
+           "mean_prefix": round(sum(prefix) / max(len(prefix), 1), 2), "partings": partings}
+    both = [max(p["margin"], p["ref_margin"]) for p in partings if "margin" in p]
+    out["max_parting_margin"] = round(max(both), 4) if both else None
+    return out
+
+
+def _parting_margins(i: int, k: int, ma: list[list[float]] | None, mb: list[list[float]] | None) -> dict:
+    if ma is None or mb is None:
+        return {}
+    return {"margin": round(ma[i][k], 4), "ref_margin": round(mb[i][k], 4)}
 
 
 def compare(results: dict[str, dict], pairs: list[tuple[str, str, str]]) -> list[dict]:
@@ -124,7 +152,7 @@ def compare(results: dict[str, dict], pairs: list[tuple[str, str, str]]) -> list
         r, q = results[name], results[ref]
         rows.append({"question": question, "setting": name, "reference": ref, "ppl": r["ppl"], "ref_ppl": q["ppl"],
                      "ppl_change_pct": round(100 * (r["ppl"] / q["ppl"] - 1), 3),
-                     **agreement(r["greedy"], q["greedy"])})
+                     **agreement(r["greedy"], q["greedy"], r.get("margins"), q.get("margins"))})
     return rows
 
 
@@ -136,11 +164,22 @@ def table(results: dict[str, dict], rows: list[dict], baselines: dict | None) ->
     if baselines:
         lines.append("baselines: " + ", ".join(f"{k} ppl {math.exp(v):.1f}" for k, v in baselines.items()))
     lines.append("")
-    lines.append(f"{'question':38} {'ppl':>9} {'ref ppl':>9} {'change':>8} {'greedy identical':>17} {'prefix':>7}")
+    lines.append(f"{'question':38} {'ppl':>9} {'ref ppl':>9} {'change':>8} {'greedy identical':>17} {'prefix':>7} "
+                 f"{'max parting margin':>19}")
     for r in rows:
+        worst = r.get("max_parting_margin")
         lines.append(f"{r['question']:38} {r['ppl']:9.3f} {r['ref_ppl']:9.3f} {r['ppl_change_pct']:+7.2f}% "
-                     f"{r['identical']:>9}/{r['of']:<7} {r['mean_prefix']:7.1f}")
+                     f"{r['identical']:>9}/{r['of']:<7} {r['mean_prefix']:7.1f} "
+                     f"{'-' if worst is None else f'{worst:.3f} nats':>19}")
+    partings = [f"  {r['question']}: " + ", ".join(map(_describe, r["partings"])) for r in rows if r.get("partings")]
+    if partings:
+        lines += ["", "partings (prompt @ step: top-1 margin of the setting / of the reference, nats):", *partings]
     return "\n".join(lines)
+
+
+def _describe(p: dict) -> str:
+    at = f"#{p['prompt']}@{p['step']}"
+    return f"{at} {p['margin']:.3f}/{p['ref_margin']:.3f}" if "margin" in p else at
 
 
 def run_eval(a: EvalArgs, log=print) -> dict:

@@ -1,7 +1,7 @@
 """One setting of `dsaserve eval`, measured through the real ModelRunner (no scheduler, no HTTP).
 
-Owns: `Setting` (device, KV layout, checkpoint variant, FP8 activations; or the HF oracle with the layout's
-codec, `quality/hf_oracle.py`), opening its runner with the FP8-activation switch overridden for the runner's
+Owns: `Setting` (device, compute dtype, KV layout, checkpoint variant, FP8 activations; or the HF oracle with the
+layout's codec, `quality/hf_oracle.py`), opening its runner with the FP8-activation switch overridden for the runner's
 whole life (the kernel registry reads it per forward; `envs.override`, so os.environ is never written),
 prefill perplexity over held-out windows (each window's logits at every position, the KV written and
 read back in the setting's layout, as a real prefill does), MTP acceptance on the same text, and batched
@@ -29,12 +29,14 @@ class Setting:
     variant: str = "base"  # see quality/variants.py
     fp8_act: bool = True  # GPU only: DSASERVE_FP8_ACTIVATIONS
     hf: bool = False  # HF transformers (float32, CPU) with this KV layout's codec instead of the engine
+    dtype: str = "auto"  # compute dtype (EngineArgs.dtype): auto = bfloat16 on cuda, float32 on the CPU
 
     def describe(self) -> str:
         if self.hf:
             return f"HF transformers float32 (cpu), kv {self.kv_layout} codec"
         act = "" if self.device == "cpu" else f", fp8 act {'on' if self.fp8_act else 'off'}"
-        return f"{self.device}, kv {self.kv_layout}, {self.variant}{act}"
+        dtype = "" if self.dtype == "auto" else f" {self.dtype}"
+        return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}"
 
 
 def open_runner(model_dir: str, s: Setting, max_tokens: int):
@@ -42,8 +44,8 @@ def open_runner(model_dir: str, s: Setting, max_tokens: int):
     from dsaserve.engine.model_runner import ModelRunner
 
     pages = -(-max_tokens // PAGE_SIZE) + 2
-    return ModelRunner.from_kwargs(str(model_dir), device=s.device, kv_layout=s.kv_layout, num_pages=pages,
-                                   load_mtp=True, disable_cuda_graph=True,
+    return ModelRunner.from_kwargs(str(model_dir), device=s.device, dtype=s.dtype, kv_layout=s.kv_layout,
+                                   num_pages=pages, load_mtp=True, disable_cuda_graph=True,
                                    max_num_batched_tokens=max(max_tokens, 2048))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsaserve.quality.report import EvalArgs, make_plan
+from dsaserve.quality.report import EvalArgs, agreement, compare, make_plan, table
 
 
 def test_the_hf_group_pairs_every_layout_it_runs_with_hf_through_that_layouts_codec():
@@ -16,3 +16,44 @@ def test_the_hf_group_pairs_every_layout_it_runs_with_hf_through_that_layouts_co
     alone = make_plan(EvalArgs(model="m", kv_layout="bf16", groups=("hf",)))
     assert [s.name for s in alone.settings] == ["cpu:bf16", "hf:bf16"]
     assert alone.pairs == [("KV bf16 vs HF, same codec", "cpu:bf16", "hf:bf16")]
+
+
+def test_the_cpu_ref_group_adds_a_bfloat16_cpu_run_and_on_a_gpu_compares_with_both_references():
+    cpu = make_plan(EvalArgs(model="m", groups=("cpu_ref",)))
+    assert [(s.name, s.dtype) for s in cpu.settings] == [
+        ("cpu:fp8_ds_mla", "auto"),
+        ("cpu:fp8_ds_mla:bfloat16", "bfloat16"),
+    ]
+    assert cpu.pairs == [("CPU bfloat16 vs float32 compute", "cpu:fp8_ds_mla:bfloat16", "cpu:fp8_ds_mla")]
+    gpu = make_plan(EvalArgs(model="m", device="cuda", kv_layout="bf16", groups=("cpu_ref",)))
+    assert [s.name for s in gpu.settings] == ["cuda:bf16", "cpu:bf16", "cpu:bf16:bfloat16"]
+    assert {(s, r) for _, s, r in gpu.pairs} == {
+        ("cuda:bf16", "cpu:bf16"),
+        ("cuda:bf16", "cpu:bf16:bfloat16"),
+        ("cpu:bf16:bfloat16", "cpu:bf16"),
+    }
+
+
+def test_agreement_reports_each_parting_with_both_runs_margins_at_its_step():
+    a, b = [[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]]
+    ma, mb = [[0.5, 0.6, 0.7], [1.0, 0.02, 3.0], [0.3, 9.0, 9.0]], [[0.5, 0.6, 0.7], [1.0, 0.01, 3.0], [0.9, 9, 9]]
+    got = agreement(a, b, ma, mb)
+    assert (got["identical"], got["of"], got["mean_prefix"]) == (1, 3, round(4 / 3, 2))
+    assert got["partings"] == [
+        {"prompt": 1, "step": 1, "margin": 0.02, "ref_margin": 0.01},
+        {"prompt": 2, "step": 0, "margin": 0.3, "ref_margin": 0.9},
+    ]
+    assert got["max_parting_margin"] == 0.9
+    bare = agreement(a, b)  # no margins (an older result): where, but no margins
+    assert bare["partings"] == [{"prompt": 1, "step": 1}, {"prompt": 2, "step": 0}]
+    assert bare["max_parting_margin"] is None
+    assert agreement(a, a, ma, ma)["partings"] == [] and agreement(a, a, ma, ma)["max_parting_margin"] is None
+
+
+def test_the_table_shows_the_largest_parting_margin_and_lists_the_partings():
+    runs = (("x", [[1, 2], [3, 4]], [[1.0, 0.25], [2.0, 2.0]]), ("y", [[1, 5], [3, 4]], [[1.0, 0.5], [2, 2]]))
+    res = {n: {"ppl": 10.0, "loss": 2.3, "greedy": g, "margins": m} for n, g, m in runs}
+    rows = compare(res, [("x vs y", "x", "y")])
+    text = table(res, rows, None)
+    assert "max parting margin" in text and "0.500 nats" in text
+    assert "x vs y: #0@1 0.250/0.500" in text

@@ -47,3 +47,12 @@ def test_the_hf_setting_with_fp32_kv_is_the_engine(tiny_checkpoint):
     for a, b, margins in zip(ours["greedy"], hf["greedy"], hf["margins"], strict=True):
         k = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         assert k == len(a) or margins[k] < 1e-2, (a, b, margins)  # a parting only at a near-tie
+
+
+def test_a_setting_computes_in_its_dtype(tiny_checkpoint):
+    import torch
+
+    s = Setting("cpu:bf16:bfloat16", "cpu", "bf16", dtype="bfloat16")
+    runner = runs.open_runner(str(tiny_checkpoint(MODEL)), s, 128)
+    assert runner.dtype == torch.bfloat16 and s.describe().startswith("cpu bfloat16, kv bf16")
+    assert runs.open_runner(str(tiny_checkpoint(MODEL)), Setting("cpu:bf16", "cpu", "bf16"), 128).dtype == torch.float32

@@ -113,7 +113,11 @@ def test_eval_cli_on_the_trained_model(trained, tmp_path, capsys):
         assert r["tokens"] == 2 * 63 and len(r["greedy"]) == 3 and all(len(g) == 6 for g in r["greedy"])
         assert name.startswith("hf:") or 0 <= r["mtp_accept"] <= 1  # HF has no MTP layer
     rows = {c["question"]: c for c in res["comparisons"]}
-    assert len(rows) == 9  # kv 3, sparse, indexer, and each of the 4 layouts against HF through its codec
+    # kv 3, sparse, indexer, CPU bfloat16 vs float32 compute, and each of the 4 layouts against HF through its codec
+    assert len(rows) == 10 and res["results"]["cpu:fp8_ds_mla:bfloat16"]["describe"].startswith("cpu bfloat16")
+    for row in rows.values():  # each parting: where, and both runs' top-1 margins there (nats, >= 0)
+        assert len(row["partings"]) == row["of"] - row["identical"]
+        assert all(0 <= p["step"] < 6 and min(p["margin"], p["ref_margin"]) >= 0 for p in row["partings"])
     # bf16 KV against fp32 KV on a trained model: a small perplexity change, not a different model
     assert abs(rows["KV bf16 vs fp32"]["ppl_change_pct"]) < 2
     # against HF with the same codec every layout is HF's model: perplexity to float32 noise
