@@ -102,6 +102,7 @@ class Engine:
         self.tokenizer = self.core.tokenizer
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._held: list[TokenDelta] = []  # deltas stepped while a request waited for its grammar
 
     def _spawn_followers(self) -> list:
         if self.args.nnodes > 1:
@@ -149,6 +150,8 @@ class Engine:
         text, ids = self._tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self.group.add_request(rid, ids, params, time.time())
+        if self.group.waiting(rid):
+            self._await_grammar(rid)
         has_text = self.tokenizer is not None
         detoks = [IncrementalDetokenizer.for_params(self.tokenizer, ids, params) if has_text else None
                   for _ in range(params.n)]
@@ -159,7 +162,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step; the (cumulative) outputs of the requests it touched."""
         touched: dict[str, RequestOutput] = {}
-        deltas, _ = self.group.step()
+        deltas, self._held = self._held + self.group.step()[0], []
         for d in deltas:
             tr = self._tracked.get(d.request_id)
             if tr is None:
@@ -223,6 +226,19 @@ class Engine:
                 self._tracked.pop(rid, None)
 
     # ---- internals -------------------------------------------------------------------------------
+    def _await_grammar(self, rid: str) -> None:
+        """A structured request is admitted once every rank compiled its grammar (engine/grammar_gate.py):
+        step until then — other requests go on, their deltas kept for the next `step()` — and raise the
+        reason (ValueError) if it is refused, as a request the scheduler refuses is."""
+        while self.group.waiting(rid):
+            deltas, _ = self.group.step()
+            self._held += deltas
+            if not deltas and not self.core.has_unfinished():
+                time.sleep(0.001)  # only the compile's thread has work: leave it the CPU
+        for r, reason in self.group.take_rejects():
+            if r == rid:
+                raise ValueError(reason)
+
     def _add_all(self, prompts: Any, params: Any) -> list[str]:
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         if not batch:

@@ -34,8 +34,8 @@ API (the server, issue 4, builds on exactly this):
                                              # the prefix cache and no request / row is left
     core.tokenizer / core.eos_token_ids / core.cfg   # from the runner
     core.grammars -> GrammarCompiler          # built on first use (or at startup for --precompile-schemas);
-                                             # add_request compiles a structured_outputs spec (cached) and
-                                             # gives each sample its GrammarState
+                                             # add_request takes the grammar the gate compiled (or compiles
+                                             # the spec, cached) and gives each sample its GrammarState
     core.manifest() -> dict                  # runner manifest + scheduler_info + KV pool info
 """
 
@@ -122,7 +122,7 @@ class EngineCore:
         """The grammar compiler over this model's vocabulary (ValueError if the checkpoint has no tokenizer)."""
         if self._grammars is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs: this model has no tokenizer, so no grammar can be compiled")
+                raise ValueError("this model has no tokenizer, so no grammar can be compiled")
             self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, list(self.eos_token_ids),
                                              timeout_s=self.args.grammar_compile_timeout)
         return self._grammars
@@ -172,22 +172,25 @@ class EngineCore:
         return m
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, req: EngineRequest) -> None:
-        """ValueError naming the field for a request the scheduler refuses or whose grammar does not compile
-        (a compile blocks up to --grammar-compile-timeout: the server's loop waits for `grammars.submit`
-        first, so here it is a cache hit)."""
-        compiled = spec = None
-        if req.sampling.structured_outputs is not None:
-            self.scheduler.check_request(req.request_id, req.prompt_token_ids, req.sampling)
+    def add_request(self, req: EngineRequest, grammar: tuple[GrammarSpec, Any] | None = None) -> None:
+        """ValueError naming the field for a request the scheduler refuses or whose grammar does not compile.
+        `grammar`: the request's (spec, compiled grammar), as the grammar gate (engine/grammar_gate.py) has it
+        once every rank compiled it — the spec is not parsed again and nothing compiles here. Without it a
+        structured request's spec is parsed and compiled now, blocking up to --grammar-compile-timeout (an
+        EngineCore driven directly, without a RankGroup)."""
+        so = req.sampling.structured_outputs
+        if so is not None and grammar is None:
+            self.scheduler.check_request(req.request_id, req.prompt_token_ids, req.sampling)  # before a compile
             try:
-                spec = GrammarSpec.from_dict(req.sampling.structured_outputs)
-                compiled = self.grammars.compile(spec)
-            except GrammarError as e:
+                spec = GrammarSpec.from_dict(so)
+                grammar = (spec, self.grammars.compile(spec))
+            except ValueError as e:  # GrammarError, or a model without a tokenizer
                 raise ValueError(f"structured_outputs: {e}") from None
         self.scheduler.add_request(req.request_id, req.prompt_token_ids, req.sampling, req.arrival_time)
-        if compiled is not None:
+        if so is not None:
+            spec, compiled = grammar
             for r in self.scheduler.groups[req.request_id]:
-                r.grammar = self.grammars.state(compiled, spec, req.sampling.structured_outputs.get("after"))
+                r.grammar = self.grammars.state(compiled, spec, so.get("after"))
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Abort all samples of a request (or sample `index` only); False if it is not in flight."""

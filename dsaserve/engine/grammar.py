@@ -16,8 +16,9 @@ structural tags; its compiled grammars serialise; and it is SGLang's default bac
 llguidance needs no precompile (a plus for one-off huge schemas) but computes masks lazily per step;
 with compiles off the scheduler loop and cached, xgrammar's up-front cost is what we can afford best.
 
-Compiles never run on the scheduler loop: `submit` returns a Future (the server's scheduler waits for it
-while stepping other requests); `compile` blocks with a timeout (startup warmup, the offline Engine). A
+Compiles never run on the step loop: `submit` returns a Future (the grammar gate, engine/grammar_gate.py, waits
+for it on every rank while the ranks step other requests); `compile` blocks with a timeout (startup warmup, an
+EngineCore driven without a RankGroup). A
 compile that times out is cached as a failure; its thread runs to completion in the background (xgrammar
 cannot be interrupted), which the static limits keep to seconds.
 """

@@ -42,7 +42,6 @@ from dsaserve.common.wire import plain
 from dsaserve.engine.lifetime import start_child
 from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
-from dsaserve.server.grammar_gate import GrammarGate
 from dsaserve.server.startup_clock import child_phases
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class SchedulerLoop:
         self.pull, self.to_detok, self.to_main = pull, to_detok, to_main
         self.counters = COUNTERS
         self.SamplingParams = SamplingParams
-        self.gate = GrammarGate(self.core)
+        self.gate = group.gate  # structured requests waiting for every rank's compile (engine/grammar_gate.py)
 
     def run_forever(self) -> None:
         while True:
@@ -94,11 +93,12 @@ class SchedulerLoop:
         stats_qids: list[tuple[str, bool]] = []
         for msg in ipc.drain(self.pull, self.poll_ms()):
             self.handle(msg, register, drop, stats_qids)
-        for msg in self.gate.ready_requests():
-            self.generate(msg, register)
-        for qid, error in self.gate.check_results():
+        deltas, stats = self.group.step()  # admits the parked requests every rank has compiled the grammar of
+        for rid, message in self.group.take_rejects():  # registered with the detokenizer when parked
+            self.to_main.send(ipc.pack(ipc.REJECT, rid=rid, message=message))
+            drop.append(rid)
+        for qid, error in self.group.take_checks():
             self.to_main.send(ipc.pack(ipc.GRAMMAR_RESULT, qid=qid, error=error))
-        deltas, stats = self.group.step()
         for qid, check_leak in stats_qids:
             self.to_main.send(ipc.pack(ipc.STATS, qid=qid, **self.stats(stats, check_leak)))
         if register or deltas or drop:
@@ -108,10 +108,9 @@ class SchedulerLoop:
     def handle(self, msg: dict[str, Any], register: list, drop: list, stats_qids: list) -> None:
         kind = msg["t"]
         if kind == ipc.GENERATE:
-            if not self.gate.park(msg):  # a grammar still compiling: the request waits in the gate
-                self.generate(msg, register)
+            self.generate(msg, register)  # a structured request waits in the gate until its grammar compiled
         elif kind == ipc.GRAMMAR_CHECK:
-            self.gate.check(msg.get("qid"), msg.get("spec"))
+            self.group.check_grammar(msg.get("qid"), msg.get("spec"))
         elif kind == ipc.ABORT:
             self.abort(msg["rid"], msg.get("index"), drop)
         elif kind == ipc.STATS_REQ:
@@ -132,9 +131,8 @@ class SchedulerLoop:
         """Abort a whole request (index None: the client went away) or one sample (its stop string matched).
 
         Only a whole request is dropped from the detokenizer: after a one-sample abort its siblings still
-        stream, and the detokenizer already ended that sample itself."""
-        if index is None and self.gate.drop(rid):  # still waiting for its grammar: it never reached the core
-            return
+        stream, and the detokenizer already ended that sample itself. A request still waiting for its grammar
+        leaves the gate (RankGroup.abort_request)."""
         try:
             self.group.abort_request(rid, index)
         except ValueError as e:  # a sample index the request does not have: a bug upstream, not a reason to die

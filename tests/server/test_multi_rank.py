@@ -1,5 +1,8 @@
 """`dsaserve serve` over several ranks on the CPU (gloo): TP2, EP2 and DP-attention + EP2 answer through the real
-openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling); two
+openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling), and so do
+structured-output requests (json_schema, regex, choice: every rank compiles the grammar before the request is
+admitted, engine/grammar_gate.py), whose outputs obey their grammars; a schema that cannot compile is a 400 and
+the server goes on serving; two
 "nodes" (two launchers on loopback) serve as one; a killed rank brings the server down with its name; a layout
 that cannot be exact is refused before any spawn.
 
@@ -8,12 +11,16 @@ fp32 KV and float32 weights: TP / EP only reorder sums, so greedy tokens of the 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 
@@ -34,12 +41,36 @@ def greedy(server: ServerProcess) -> list[tuple[str, list[str]]]:
     return out
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}, "ok": {"type": "boolean"}},
+          "required": ["city", "ok"], "additionalProperties": False}
+RX, CHOICES = "[0-9]{3}-[a-z]{2}", ["yes", "no", "maybe"]
+STRUCTURED = [{"json": SCHEMA}, {"regex": RX}, {"choice": CHOICES}]
+
+
+def structured(server: ServerProcess) -> list[str]:
+    """Greedy structured-output completions, each checked against its grammar; then a schema xgrammar cannot
+    compile is a 400 (every rank agreed it failed) and the server still answers."""
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    out = []
+    for so in STRUCTURED:
+        c = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=40, temperature=0,
+                                      extra_body={"structured_outputs": so}).choices[0]
+        assert c.finish_reason == "stop", (so, c.text)
+        out.append(c.text)
+    jsonschema.validate(json.loads(out[0]), SCHEMA)
+    assert re.fullmatch(RX, out[1]) and out[2] in CHOICES, out
+    r = httpx.post(server.base_url + "/completions", timeout=60, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": {"type": "nonsense"}}})
+    assert r.status_code == 400 and "nonsense" in r.json()["error"]["message"], r.text
+    return out
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory) -> list[tuple[str, list[str]]]:
+def one_rank(tmp_path_factory) -> tuple[list[tuple[str, list[str]]], list[str]]:
     s = ServerProcess(tmp_path_factory.mktemp("one"), *EXACT)
     try:
         s.wait_up()
-        return greedy(s)
+        return greedy(s), structured(s)
     finally:
         s.stop()
 
@@ -54,7 +85,7 @@ def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path
     s = ServerProcess(tmp_path, *EXACT, *layout)
     try:
         s.wait_up()
-        assert greedy(s) == one_rank
+        assert (greedy(s), structured(s)) == one_rank
         startup = s.get("/startup").json()
         ranks = startup["scheduler_info"]["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
@@ -75,7 +106,7 @@ def test_two_nodes_on_loopback_serve_as_one(tmp_path, one_rank):
     node0 = ServerProcess(tmp_path, *EXACT, *multi, "--node-rank", "0")
     try:
         node0.wait_up()
-        assert greedy(node0) == one_rank
+        assert greedy(node0) == one_rank[0]
         assert node1.poll() is None
     finally:
         assert node0.stop() == 0
