@@ -10,6 +10,7 @@ allocated before the first request (note 000: "warmup 覆盖哪些形状").
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +24,8 @@ from dsaserve.common.kv_layout import KVLayout
 from dsaserve.engine.dp_step import as_gather_step
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -126,6 +129,12 @@ def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int, dp_w
     return warmed
 
 
+def _kernel_name(entry: Path) -> str:
+    """A Triton cache entry holds `<kernel>.json` (metadata) beside its binaries, and `__grp__<kernel>.json`."""
+    names = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")] if entry.is_dir() else []
+    return names[0] if names else "?"
+
+
 class CompileCache:
     """Triton's on-disk kernel cache under --cache-dir, so a restart does not recompile. Counted as entries
     present before startup and entries created during it (misses: kernels compiled by this start)."""
@@ -137,6 +146,7 @@ class CompileCache:
         os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))
         self.triton_dir = Path(os.environ["TRITON_CACHE_DIR"])  # the user's, when set: it may not exist yet
         self.before = self._entries()
+        self.logged: set[str] = set()
         self.t0 = time.perf_counter()
 
     def _entries(self) -> set[str]:
@@ -147,9 +157,15 @@ class CompileCache:
         self.at_up = self._entries()
 
     def compiles_after_up(self, reset: bool = False) -> dict[str, float]:
-        """COUNTERS source: `kernel_compiles_after_up`, the cold-path compiles warmup did not cover."""
+        """COUNTERS source: `kernel_compiles_after_up`, the cold-path compiles warmup did not cover; each new one
+        is logged once by kernel name (the shape warmup missed is what a slow first request hunts for)."""
         now = self._entries()
-        n = len(now - getattr(self, "at_up", now))
+        new = now - getattr(self, "at_up", now)
+        for entry in sorted(new - self.logged):
+            logger.warning("Triton kernel %s compiled after Up: a shape the warmup did not cover (%s)",
+                           _kernel_name(self.triton_dir / entry), entry)
+        self.logged |= new
+        n = len(new)
         if reset:
             self.at_up = now
         return {"kernel_compiles_after_up": n}

@@ -18,7 +18,7 @@ def test_dummy_prefill_keeps_positions_inside_the_rope_table_and_its_pages(token
     assert int(b.out_cache_loc.max()) < -(-tokens // 64) * 64  # within the pages one request would take
 
 
-def test_compile_cache_accepts_a_triton_cache_dir_that_does_not_exist_yet(tmp_path, monkeypatch):
+def test_compile_cache_accepts_a_triton_cache_dir_that_does_not_exist_yet(tmp_path, monkeypatch, caplog):
     """A user's TRITON_CACHE_DIR that Triton has not made yet (an empty cache, the cold start) is no error:
     nothing was there before, and kernels written there later count as compiled by this start."""
     triton_dir = tmp_path / "fresh" / "triton"
@@ -29,4 +29,10 @@ def test_compile_cache_accepts_a_triton_cache_dir_that_does_not_exist_yet(tmp_pa
     assert cache.report()["status"] == "miss"
     cache.mark_up()
     (triton_dir / "kernel_b").mkdir()
-    assert cache.compiles_after_up()["kernel_compiles_after_up"] == 1
+    (triton_dir / "kernel_b" / "__grp___sparse_mla_kernel.json").write_text("{}")
+    (triton_dir / "kernel_b" / "_sparse_mla_kernel.json").write_text("{}")
+    with caplog.at_level("WARNING"):
+        assert cache.compiles_after_up()["kernel_compiles_after_up"] == 1
+        assert cache.compiles_after_up()["kernel_compiles_after_up"] == 1  # counted again, logged once
+    assert [r.getMessage() for r in caplog.records].count(
+        "Triton kernel _sparse_mla_kernel compiled after Up: a shape the warmup did not cover (kernel_b)") == 1
