@@ -16,14 +16,18 @@ from dsaserve.ledger.units import GB, TFLOPS, US, MiB
 
 _NVLINK_OVERHEAD = "note 001: 'NVLink 上每次约 3–5µs' (kernel launch + sync + protocol); upper end taken"
 # The H200's NVLink per-collective latency: what one small collective costs when it replays inside a CUDA graph
-# (no host launch), the way dsaserve's decode steps run them. bench/bench_multi_gpu.py measures it in every
-# multi-GPU run (an in-graph latency sweep of all_reduce / all_gather / reduce_scatter, `fit_latency`) and
-# prints the two lines to put here. Until a sweep has run, note 001's assumption; bench/RESULTS.md
-# (2026-11-30) saw ~12 us per small all-reduce in a graph on two H200s, with the 5 us below the ledger's
-# communication came out 2.3-2.4x under the measured time.
-H200_NVLINK_LATENCY_S = 5 * US
-H200_NVLINK_LATENCY_SOURCE = (_NVLINK_OVERHEAD + "; bench/RESULTS.md 2026-11-30 saw ~12 us per in-graph all-reduce "
-                              "on 2xH200 (bench/bench_multi_gpu.py's latency sweep prints the measured value)")
+# (no host launch), the way dsaserve's decode steps run them. Measured, not note 001's 3-5 us: glm-5.3-slice
+# at TP2 batch 1 on two H200s (bench/RESULTS.md, sixth session, one-shot symmetric-memory all-reduces) spent
+# 0.103 ms on its step's 14 collectives where the ledger's 14 x latency + bytes / bandwidth gave 0.071 ms at
+# 5 us: (0.103 - 0.071) / 14 + 5 us = 7.3 us. Checked on runs the fit did not use: TP2 batch 8 (0.133 ms
+# measured, 0.110 ledger: -17 %) and TP2+EP2 batch 1 over NCCL (0.145 measured, 0.125 ledger: -14 %).
+# NCCL's own small all-reduce is slower (~10.6 us by the same arithmetic, 0.148 ms at TP2): dsaserve sends
+# decode-size all-reduces through symmetric memory. bench/bench_multi_gpu.py's in-graph latency sweep
+# (`fit_latency`) prints a fresh value per run.
+H200_NVLINK_LATENCY_S = 7.3 * US
+H200_NVLINK_LATENCY_SOURCE = ("measured: glm-5.3-slice TP2 batch-1 decode on 2xH200, 14 collectives in 0.103 ms "
+                              "(bench/RESULTS.md, sixth session; bench/bench_multi_gpu.py's latency sweep "
+                              "re-measures it); note 001 assumed 3-5 us")
 _IB_OVERHEAD = "assumption: inter-node NCCL small-message latency is several times NVLink's; measure on your fabric"
 _IB_CX7 = "ConnectX-7 400 Gb/s NDR, one NIC per GPU in the HGX reference design = 50 GB/s each way"
 

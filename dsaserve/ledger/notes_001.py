@@ -27,7 +27,9 @@ from dsaserve.ledger.weights import active_params_per_token, step_read_per_gpu, 
 
 F = partial(Figure, note="001")
 GLM4_VOCAB = 151_552  # GLM-4's vocabulary: the one every LM-head figure of note 001 matches
-WIRE = "the ledger's default: ring wire bytes 2(n-1)/n x M per rank over 450 GB/s each way + 5 us per call (h200)"
+_LAT_US = round(PRESETS["h200"].nvlink_overhead_s * 1e6, 2)  # the preset's per-collective latency (measured)
+WIRE = (f"the ledger's default: ring wire bytes 2(n-1)/n x M per rank over 450 GB/s each way + {_LAT_US:g} us per "
+        "call (h200)")
 
 
 def _sum_msg(rows) -> float:
@@ -132,7 +134,7 @@ def _collectives(c: NoteContext) -> list[Figure]:
           unit="MB", ledger=_sum_msg(tp_red)),
         F(id="001.coll.tp8_b256_nvlink", where=w, quantity="TP8 reductions per step on NVLink, b=256",
           note_text="0.63", unit="ms", ledger=_t(tp_red, hw, asm), default=tp_default,
-          default_why=WIRE + f": 157 x 3.15 MB x 1.75 / 450 GB/s + 157 x 5 us = {tp_default * 1e3:.2f} ms"),
+          default_why=WIRE + f": 157 x 3.15 MB x 1.75 / 450 GB/s + 157 x {_LAT_US:g} us = {tp_default * 1e3:.2f} ms"),
         F(id="001.coll.dp_b256_bytes", where=w, quantity="DP-attention + EP8 hidden collectives per step, b=256",
           note_text="261", unit="MB", ledger=_sum_msg(dp_red),
           reason=f"the note's table has 1 all-gather + 78 reduce-scatters + 3 dense all-reduces = 82 calls "
@@ -151,7 +153,7 @@ def _collectives(c: NoteContext) -> list[Figure]:
           default_why=f"one rank sends its own ceil(256/8) = "
                       f"{a2a_tokens(NOTE_DP_EP8, dflt, 256)} tokens' copies, {_sum_msg(a2a_rank) / MB:.1f} MB, 7/8 "
                       f"of them off the GPU: {sum(r.wire_bytes for r in a2a_rank) / MB:.1f} MB / 450 GB/s + "
-                      f"{sum(r.calls for r in a2a_rank)} x 5 us"),
+                      f"{sum(r.calls for r in a2a_rank)} x {_LAT_US:g} us"),
         F(id="001.pd.main_per_token", where=w, quantity="main KV per token, 78 layers (fp8_ds_mla)",
           note_text="51.2", unit="KB", ledger=kv.main),
         F(id="001.pd.main_1m", where=w, quantity="main KV of a 1M request", note_text="53.7", unit="GB",

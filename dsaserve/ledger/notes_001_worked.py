@@ -104,7 +104,8 @@ def _comm(c: NoteContext, wk: Worked) -> list[Figure]:
           ledger=sum(r.calls for r in a2a)),
         F(id="001.worked.a2a_time", quantity="dispatch + combine on NVLink", note_text="0.43", unit="ms",
           ledger=_t(a2a, c, asm), reason=f"follows from {_msg(a2a) / MB:.1f} MB (not 339 MB) at 787 GB/s",
-          default=mine.time_s, default_why=f"{rank}: {mine.bytes / MB:.1f} MB / 450 GB/s + {mine.calls} x 5 us"),
+          default=mine.time_s, default_why=f"{rank}: {mine.bytes / MB:.1f} MB / 450 GB/s + {mine.calls} x "
+                      f"{PRESETS['h200'].nvlink_overhead_s * 1e6:g} us"),
     ]
 
 
