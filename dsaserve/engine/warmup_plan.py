@@ -109,14 +109,16 @@ class WarmupPlan:
               topk: int) -> WarmupPlan:
         """decode_max_bs 0 / piecewise []: that kind of graph is off. Core shapes: every row count up to
         ROW_SWEEP + 1 at the narrowest width whose selection runs a kernel, then rows 1, 2, 3 and
-        SELECT_MAX_ROWS + 1 at one width of every selection class (`kernels/variants.py`)."""
+        SELECT_MAX_ROWS + 1 and + 16 (the prefill selection's two integer classes) at one width of every
+        selection class (`kernels/variants.py`)."""
         shapes: list[tuple[int, int]] = []
         if piecewise:
             top = piecewise[-1]
             widths = width_representatives(max_pages, page_size, topk)
             base = next((w for w in widths if selection_class(1, w, page_size, topk)[0] != "all_visible"), widths[0])
             shapes += [(n, base) for n in range(1, min(ROW_SWEEP + 1, top) + 1)]
-            shapes += [(n, w) for w in widths for n in (1, 2, 3, SELECT_MAX_ROWS + 1) if n <= top]
+            shapes += [(n, w) for w in widths for n in (1, 2, 3, SELECT_MAX_ROWS + 1, SELECT_MAX_ROWS + 16)
+                       if n <= top]
         return cls(tuple(decode_buckets(decode_max_bs)) if decode_max_bs else (), tuple(piecewise),
                    tuple(dict.fromkeys(shapes)), tuple(SAMPLER_VARIANTS), max_pages, page_size, topk)
 

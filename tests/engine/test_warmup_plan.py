@@ -60,7 +60,8 @@ def test_the_core_classes_separate_what_the_kernels_compile_separately():
     assert plan.core_class(1, 1)[1] == ("all_visible",)  # 16 pages = 1024 keys <= top-k: no kernel
     assert plan.core_class(1, 48)[1] != plan.core_class(1, 80)[1]  # 4096- vs 8192-key selection blocks
     assert plan.core_class(1, 3000)[1] != plan.core_class(3, 3000)[1]  # warps of the chunked selection
-    assert plan.core_class(SELECT_MAX_ROWS + 1, 80)[1] == ("torch_topk",)
+    assert plan.core_class(SELECT_MAX_ROWS + 1, 80)[1] == ("prefill", False)  # the prefill kernel's token count:
+    assert plan.core_class(SELECT_MAX_ROWS + 15, 80)[1] != plan.core_class(SELECT_MAX_ROWS + 16, 80)[1]  # % 16
     assert plan.core_class(5, 48)[0] != plan.core_class(6, 48)[0]  # sparse MLA splits vary with rows
     assert core_width(17) == 2 * CORE_WIDTH_ALIGN
 
