@@ -12,9 +12,10 @@ One step (note 001, stage 3: "选请求、分配 token 预算与 KV 页、前缀
      cache) — until the older request fits. So decodes keep going while a long prompt is prefilled in
      chunks (mixed steps), and the oldest request always progresses: no deadlock, never a crash.
   2. if nothing was preempted: waiting requests, first come first served, while budget, rows and pages
-     last. A step with decode rows caps its prefill tokens (`mixed_step_tokens`): one long prefill would
-     otherwise stretch every running request's inter-token latency (issue 16: p99 ITL 7x the median TPOT
-     at 32 x 1K on the H200 with a 2048-token step). Admission matches the prompt against the prefix cache first; only the suffix is computed.
+     last. Admission matches the prompt against the prefix cache first; only the suffix is computed.
+  A step with decode rows caps the prefill tokens of both (`mixed_step_tokens`): one long prefill would
+  otherwise stretch every running request's inter-token latency (issue 16: p99 ITL 7x the median TPOT
+  at 32 x 1K on the H200 with a 2048-token step, 2.25x with the 576-token cap).
 An `n` > 1 request never waits for n free rows at once (that stalled the whole queue behind it): its
 leader is admitted when one row is free and reserves rows for as many followers as are free then; when
 its prompt is in KV the followers that have a row fork from it, and the rest join the front of the
