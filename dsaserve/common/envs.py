@@ -52,6 +52,10 @@ SWITCHES: dict[str, Switch] = {
         True, _on_unless_zero, "'0': the full layers' indexer selection on the compute stream, not a side stream"),
     "DSASERVE_SYMM_MEM": Switch(
         True, _on_unless_zero, "'0': every all-reduce through NCCL, none through symmetric memory"),
+    "DSASERVE_WARMUP_CORES_ONLY": Switch(
+        False, lambda raw: raw.strip() == "1",
+        "'1': warmup runs only the attention cores of each shape on the replayed buckets' buffers (not yet "
+        "measured on a GPU: the A/B for issue 16's warm start)"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
@@ -67,6 +71,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_GRAPH_H2D: bool
     DSASERVE_OVERLAP_INDEXER: bool
     DSASERVE_SYMM_MEM: bool
+    DSASERVE_WARMUP_CORES_ONLY: bool
     DSASERVE_CACHE_DIR: str | None
     DSASERVE_MAX_CHECKPOINT_GB: str | None
     DSASERVE_BENCH_STEP_SCRIPT: str | None

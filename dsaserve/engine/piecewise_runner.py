@@ -193,6 +193,24 @@ class PiecewiseRunner:
         count_step(self.model.forward_shape(), self.pool, batch)
         return logits
 
+    @torch.inference_mode()
+    def warm_cores(self, batch: ForwardBatch) -> None:
+        """Warmup: each layer's attention core on the batch's rows, on the buffers the bucket's segments last
+        wrote (finite: the capture's padding rows, or a later step's), without the segments around them. The
+        core is all a step runs eagerly, so its kernel variants are all the step's shape decides that capture
+        did not already compile; the segments' GEMMs, most of the step's device time, are skipped. Without
+        graphs (CPU) the plain forward."""
+        bucket = bucket_for(batch.num_tokens, self.buckets)
+        if bucket not in self.graphs:
+            self.forward(batch)
+            return
+        core = self._stage(batch if not batch.input_ids.is_cuda else batch.to("cpu"), bucket)
+        ctx = StepContext(core, self.pool, None, None, get_ops(self.dev.device))
+        for i, segment in enumerate(self.graphs[bucket]):
+            if segment.carry.attn is None:
+                return
+            self.model.attention_core(i, ctx, segment.carry.attn.rows(batch.num_tokens))
+
     def _run(self, bucket: int, n: int, core: StepContext | None, eager: bool) -> torch.Tensor:
         """The bucket's segments (replayed, or eager) with each layer's core on the first n rows between them;
         padding rows get a zero attention output, so they stay identical (and route to the same experts)."""

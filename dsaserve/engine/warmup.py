@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.warmup_plan import SAMPLER_VARIANTS, WarmupPlan
@@ -37,10 +38,11 @@ def core_batch(rows: int, pages: int, page_size: int, max_len: int, sink_page: i
 def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int) -> int:
     """Every (rows, width) of the plan through the piecewise path; the number of steps run."""
     pool = piecewise.pool
+    run = piecewise.warm_cores if envs.DSASERVE_WARMUP_CORES_ONLY else piecewise.forward
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
     try:
         for rows, pages in plan.core_shapes:
-            piecewise.forward(core_batch(rows, pages, pool.page_size, max_len, pool.sink_page))
+            run(core_batch(rows, pages, pool.page_size, max_len, pool.sink_page))
         if pool.kv_buffer.is_cuda:
             torch.cuda.synchronize()
     finally:

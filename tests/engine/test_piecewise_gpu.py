@@ -62,14 +62,18 @@ def _workload(seed: int, n: int, vocab: int):
     return prompts, params
 
 
-def test_no_kernel_compiles_after_up_under_mixed_lengths_and_concurrency(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cores_only", ["0", "1"])
+def test_no_kernel_compiles_after_up_under_mixed_lengths_and_concurrency(tmp_path, monkeypatch, cores_only):
     """Prompts of 1..2500 tokens (page tables 1..40 pages wide), chunked at 128 tokens beside running
     decodes, 1 to 24 requests at once, every sampling kind: every step replays a decode graph or the
-    piecewise graphs, and nothing compiles after Up — neither a new cache file nor a JIT miss."""
+    piecewise graphs, and nothing compiles after Up — neither a new cache file nor a JIT miss. Both warmup
+    modes: full steps, and the attention cores alone (DSASERVE_WARMUP_CORES_ONLY=1)."""
     from dsaserve import Engine
+    from dsaserve.common import envs
 
-    eng = Engine("glm-5.3-tiny", device="cuda", num_pages=1024, max_num_batched_tokens=256,
-                 chunked_prefill_size=128, max_running_requests=24)
+    with envs.override(DSASERVE_WARMUP_CORES_ONLY=cores_only):
+        eng = Engine("glm-5.3-tiny", device="cuda", num_pages=1024, max_num_batched_tokens=256,
+                     chunked_prefill_size=128, max_running_requests=24)
     runner = eng.core.runner
     assert runner.piecewise is not None and runner.graphs is not None
     assert runner.warmed["core_shapes"] > 0 and runner.warmed["sampler_variants"]

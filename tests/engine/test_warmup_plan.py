@@ -92,7 +92,11 @@ def test_bucket_lists():
         EngineArgs(piecewise_cuda_graph_tokens="64,8")
 
 
-def test_warmup_runs_the_plans_core_shapes_and_sampler_variants_on_the_sink_page_only():
+@pytest.mark.parametrize("cores_only", ["0", "1"])
+def test_warmup_runs_the_plans_core_shapes_and_sampler_variants_on_the_sink_page_only(cores_only):
+    """Either warmup mode (DSASERVE_WARMUP_CORES_ONLY; on the CPU, with no graphs, the cores-only path takes
+    the plain forward) runs every core shape, writing only the sink page."""
+    from dsaserve.common import envs
     from dsaserve.engine.kv_pool import KVPool
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.engine.piecewise_runner import PiecewiseRunner
@@ -106,7 +110,8 @@ def test_warmup_runs_the_plans_core_shapes_and_sampler_variants_on_the_sink_page
     seen = []
     forward = pw.forward
     pw.forward = lambda b: seen.append((b.num_tokens, b.page_table.shape[1])) or forward(b)
-    assert warm_core_shapes(pw, plan, r.max_model_len) == len(plan.core_shapes)
+    with envs.override(DSASERVE_WARMUP_CORES_ONLY=cores_only):
+        assert warm_core_shapes(pw, plan, r.max_model_len) == len(plan.core_shapes)
     assert seen == list(plan.core_shapes)
     assert not pool.kv_buffer[:, : pool.num_pages * 64].any()  # nobody's page was written
     assert warm_sampler(torch.device("cpu"), r.cfg.vocab_size, (1,)) == list(SAMPLER_VARIANTS)
