@@ -5,25 +5,25 @@ tokens, `chat_template`), and rendering the chat template with jinja2 the way tr
 `apply_chat_template` does: an immutable sandbox with trim_blocks/lstrip_blocks and loop controls, a
 `tojson` filter that does not HTML-escape, `raise_exception` and `strftime_now` globals, the special
 tokens as variables, and the `{% generation %}` tag accepted (rendered as its body). Both the
-TokenizerManager (encode) and the detokenizer process (decode) load it.
+TokenizerManager (encode) and the detokenizer process (decode) load it; jinja2 is imported with the first
+chat template compiled (the detokenizer never renders one, and neither process needs it to start).
 """
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from dsaserve.config import read_json_object
 from dsaserve.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import jinja2
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 
@@ -49,21 +49,30 @@ class ChatTemplateError(ValueError):
     """The template is missing, or it raised (e.g. `raise_exception('unknown role')`)."""
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` marks assistant text; here it is a no-op."""
+@cache
+def _generation_tag() -> type:
+    """transformers' `{% generation %}...{% endgeneration %}` marks assistant text; here it is a no-op
+    (the jinja2 extension class, made with the first compiled template)."""
+    import jinja2.ext
+    import jinja2.nodes
 
-    tags = {"generation"}
+    class _GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
 
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+        def parse(self, parser: Any) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
-        return caller()
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return _GenerationTag
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -135,8 +144,12 @@ class HFTokenizer:
     # ---- chat template ------------------------------------------------------------------------
     @cached_property
     def _compiled(self) -> jinja2.Template:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+                                            extensions=[_generation_tag(), jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -152,6 +165,8 @@ class HFTokenizer:
             raise ChatTemplateError("this model has no chat_template in tokenizer_config.json; "
                                     "use /v1/completions")
         variables = {**self.special_tokens, **kwargs}
+        import jinja2  # imported here, with the first template (not at start-up)
+
         try:
             text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **variables)

@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dsaserve.config import ModelConfig
 from dsaserve.weights.checkpoint_check import INDEX_FILE
 from dsaserve.weights.fp8 import quantize_fp8_block
 from dsaserve.weights.spec import TensorSpec, checkpoint_specs
-from dsaserve.weights.tokenizer_builder import write_tokenizer
 
 SHARD_TARGET_BYTES = 5 * 10**9  # HF `max_shard_size="5GB"`, the size the GLM-5 / DeepSeek releases use
 STORAGE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -166,6 +164,8 @@ def write_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int = 0, num_s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(cfg, num_shards)
+    from dsaserve.weights.tokenizer_builder import write_tokenizer  # here: the dummy loader needs none of it
+
     write_tokenizer(cfg, out)  # first: it checks bos/eos ids against the config before any big write
     return _write_shards(cfg, out, lambda spec: random_tensor(cfg, spec, seed), plan)
 
@@ -193,6 +193,8 @@ def write_checkpoint_from_tensors(cfg: ModelConfig, out_dir: str | Path, tensors
 
 def _write_shards(cfg: ModelConfig, out: Path, values: Callable[[TensorSpec], torch.Tensor],
                   plan: list[list[TensorSpec]]) -> Path:
+    from safetensors.torch import save_file  # here: the dummy loader imports this module for random_tensor
+
     n = len(plan)
     total = sum(s.nbytes for shard in plan for s in shard)
     weight_map: dict[str, str] = {}

@@ -37,3 +37,25 @@ def test_serve_resolves_and_checks_everything_before_the_launcher_without_torch(
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, whatever machine runs the tests
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip() == "[] ['interpreter', 'cli_imports', 'resolve_model', 'launcher_imports'] hit"
+
+
+def test_no_process_imports_jinja2_to_start_and_the_first_chat_template_does():
+    """jinja2 (~50 ms) is for chat templates: the HTTP and detokenizer processes start without it (issue 16),
+    and the first template rendered imports it."""
+    code = ("import sys\nimport dsaserve.server.launcher, dsaserve.server.detokenizer_process\n"
+            "print('jinja2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_the_scheduler_reads_the_ledgers_kv_arithmetic_without_the_report_builder():
+    """The engine's manifest needs `ledger.kv` only; the package no longer imports its report builder with it
+    (~80 ms of the scheduler's start-up), nor does the dummy loader's writer import tokenizers or safetensors'
+    writer. The package's names still resolve on first use."""
+    code = ("import sys\nimport dsaserve.ledger.kv, dsaserve.weights.checkpoint_writer\n"
+            "lazy = ('dsaserve.ledger.build', 'tokenizers', 'safetensors.torch')\n"
+            "print(sorted(m for m in lazy if m in sys.modules))\n"
+            "from dsaserve.ledger import SECTIONS, build_report, get_hardware\n"
+            "import dsaserve.ledger as L\nprint(callable(build_report), L.get_hardware is get_hardware)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True True"]
