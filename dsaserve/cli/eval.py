@@ -12,6 +12,8 @@ both runs' top-1 margins there: a parting at a near-tie is rounding, one at a wi
   fp8_act  (GPU) FP8 activations off against on (DSASERVE_FP8_ACTIVATIONS)
   cpu_ref  the CPU path computing in bfloat16 against the float32 CPU reference (how far bf16 rounding alone
            moves greedy); on a GPU also the GPU path against both, same KV layout
+  fp32_head (GPU) the GPU path with a float32 lm_head output (DSASERVE_FP32_LM_HEAD) against the CPU
+           reference and against the bf16 lm_head: bf16 logits make close tokens tie exactly
   hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
            latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
 Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present.

@@ -52,6 +52,10 @@ SWITCHES: dict[str, Switch] = {
         True, _on_unless_zero, "'0': the full layers' indexer selection on the compute stream, not a side stream"),
     "DSASERVE_SYMM_MEM": Switch(
         True, _on_unless_zero, "'0': every all-reduce through NCCL, none through symmetric memory"),
+    "DSASERVE_FP32_LM_HEAD": Switch(
+        False, lambda raw: raw.strip() == "1",
+        "'1': the lm_head writes float32 logits from bf16 inputs (no bf16 rounding of the logits; SGLang's "
+        "--enable-fp32-lm-head), the `fp32_head` comparison of `dsaserve eval`"),
     "DSASERVE_WARMUP_CORES_ONLY": Switch(
         False, lambda raw: raw.strip() == "1",
         "'1': warmup runs only the attention cores of each shape on the replayed buckets' buffers (not yet "
@@ -71,6 +75,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_GRAPH_H2D: bool
     DSASERVE_OVERLAP_INDEXER: bool
     DSASERVE_SYMM_MEM: bool
+    DSASERVE_FP32_LM_HEAD: bool
     DSASERVE_WARMUP_CORES_ONLY: bool
     DSASERVE_CACHE_DIR: str | None
     DSASERVE_MAX_CHECKPOINT_GB: str | None

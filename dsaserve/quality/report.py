@@ -22,7 +22,7 @@ from dsaserve.quality.runs import Setting, run_setting
 from dsaserve.quality.variants import make_variant
 from dsaserve.training import corpus
 
-ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "hf")
+ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "fp32_head", "hf")
 KV_GROUP = ("fp32", "bf16", "fp8_ds_mla", "fp8_e4m3")  # the engine's layouts; fp32 is the exact reference
 
 
@@ -77,6 +77,12 @@ def make_plan(a: EvalArgs) -> Plan:
         p.pairs.append(("FP8 activations off vs on", f"{dev}:{a.kv_layout}:bf16act", base.name))
     if "cpu_ref" in a.groups:
         _add_cpu_refs(p, a.kv_layout, base.name if gpu else None)
+    if gpu and "fp32_head" in a.groups:  # bf16 logits tie close tokens: does a float32 lm_head output part less?
+        head = Setting(f"{dev}:{a.kv_layout}:fp32head", dev, a.kv_layout, fp32_head=True)
+        p.add(head)
+        p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
+        p.pairs.append(("GPU fp32 lm_head vs CPU reference", head.name, f"cpu:{a.kv_layout}"))
+        p.pairs.append(("GPU fp32 lm_head vs bf16 lm_head", head.name, base.name))
     # most telling first: a run cut short (a time limit) still answers the main questions
     order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"cpu:{a.kv_layout}:bfloat16",
              f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]

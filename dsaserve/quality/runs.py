@@ -30,13 +30,15 @@ class Setting:
     fp8_act: bool = True  # GPU only: DSASERVE_FP8_ACTIVATIONS
     hf: bool = False  # HF transformers (float32, CPU) with this KV layout's codec instead of the engine
     dtype: str = "auto"  # compute dtype (EngineArgs.dtype): auto = bfloat16 on cuda, float32 on the CPU
+    fp32_head: bool = False  # DSASERVE_FP32_LM_HEAD: float32 logits from a bf16 model
 
     def describe(self) -> str:
         if self.hf:
             return f"HF transformers float32 (cpu), kv {self.kv_layout} codec"
         act = "" if self.device == "cpu" else f", fp8 act {'on' if self.fp8_act else 'off'}"
         dtype = "" if self.dtype == "auto" else f" {self.dtype}"
-        return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}"
+        head = ", fp32 lm_head" if self.fp32_head else ""
+        return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}{head}"
 
 
 def open_runner(model_dir: str, s: Setting, max_tokens: int):
@@ -139,7 +141,8 @@ def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list
                 **run_oracle(model_dir, s.kv_layout, wins, prompts, n_tokens, batch)}
     longest = max([len(w) for w in wins[:batch]] + [0])
     need = max(batch * (longest + PAGE_SIZE), len(prompts) * (max(map(len, prompts), default=0) + n_tokens + PAGE_SIZE))
-    with envs.override(DSASERVE_FP8_ACTIVATIONS="1" if s.fp8_act else "0"):
+    with envs.override(DSASERVE_FP8_ACTIVATIONS="1" if s.fp8_act else "0",
+                       DSASERVE_FP32_LM_HEAD="1" if s.fp32_head else "0"):
         runner = open_runner(model_dir, s, need)
         ppl = perplexity(runner, wins, batch)
         toks, margins = greedy(runner, prompts, n_tokens)

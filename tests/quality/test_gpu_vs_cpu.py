@@ -58,12 +58,15 @@ def test_gpu_greedy_agrees_with_the_cpu_reference_up_to_near_ties(set_switch):
     within 1 % of its CPU reference's."""
     set_switch("DSASERVE_KERNELS", None)  # the default kernels, whatever the shell set
     wins, prompts, _ = heldout_data(EvalArgs(model=str(CKPT), windows=1, prompts=10, max_tokens=TOKENS))
-    rows = _rows("fp8_ds_mla", ("fp8_act", "cpu_ref"), wins, prompts) + _rows("bf16", ("cpu_ref",), wins, prompts)
+    rows = _rows("fp8_ds_mla", ("fp8_act", "cpu_ref", "fp32_head"), wins, prompts) + _rows("bf16", ("cpu_ref",),
+                                                                                       wins, prompts)
     print(f"\n{len(prompts)} held-out prompts x {TOKENS} greedy tokens; partings: prompt@step, top-1 margin of the "
           "setting / of the reference (nats)")
     print("\n".join(map(_show, rows)))
-    assert len(rows) == 7 and all(r["partings"] == [] or "margin" in r["partings"][0] for r in rows)
-    gpu_vs_cpu = [r for r in rows if r["setting"].startswith("cuda") and r["reference"].startswith("cpu")]
+    assert len(rows) == 9 and all(r["partings"] == [] or "margin" in r["partings"][0] for r in rows)
+    # the float32 lm_head rows are printed, not asserted: not yet measured on a GPU
+    gpu_vs_cpu = [r for r in rows if r["setting"] in ("cuda:fp8_ds_mla", "cuda:bf16")
+                  and r["reference"].startswith("cpu")]
     assert len(prompts) == 10 and len(gpu_vs_cpu) == 4
     for r in gpu_vs_cpu:
         assert _agreeing(r) >= 9, _show(r)

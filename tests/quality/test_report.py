@@ -34,6 +34,15 @@ def test_the_cpu_ref_group_adds_a_bfloat16_cpu_run_and_on_a_gpu_compares_with_bo
     }
 
 
+def test_the_fp32_head_group_runs_the_gpu_with_a_float32_lm_head_against_the_cpu_and_the_bf16_head():
+    plan = make_plan(EvalArgs(model="m", device="cuda", groups=("fp32_head",)))
+    head = next(s for s in plan.settings if s.fp32_head)
+    assert (head.name, head.device, head.kv_layout) == ("cuda:fp8_ds_mla:fp32head", "cuda", "fp8_ds_mla")
+    assert {(s, r) for _, s, r in plan.pairs} == {(head.name, "cpu:fp8_ds_mla"), (head.name, "cuda:fp8_ds_mla")}
+    assert "fp32 lm_head" in head.describe()
+    assert not any(s.fp32_head for s in make_plan(EvalArgs(model="m", groups=("fp32_head",))).settings)  # GPU only
+
+
 def test_agreement_reports_each_parting_with_both_runs_margins_at_its_step():
     a, b = [[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]]
     ma, mb = [[0.5, 0.6, 0.7], [1.0, 0.02, 3.0], [0.3, 9.0, 9.0]], [[0.5, 0.6, 0.7], [1.0, 0.01, 3.0], [0.9, 9, 9]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.common import envs
 from dsaserve.distributed.collectives import all_gather, all_reduce
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import mark_sharded, tp_shard
@@ -39,4 +40,16 @@ class Embedding(nn.Module):
 
 class LMHead(Embedding):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return all_gather((h @ self.weight.t()).float(), self.group, dim=-1)
+        if envs.DSASERVE_FP32_LM_HEAD and h.dtype != torch.float32:
+            logits = _logits_fp32(h, self.weight)
+        else:  # bf16 logits: at a logit of ~10-20 one bf16 step is 0.06-0.12, so close tokens tie exactly
+            logits = (h @ self.weight.t()).float()
+        return all_gather(logits, self.group, dim=-1)
+
+
+def _logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h @ weight.T accumulated and written in float32 from bf16 operands: cuBLAS's out_dtype GEMM on CUDA
+    (no fp32 copy of the table); elsewhere through a float32 copy (the small models' quality runs)."""
+    if h.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
+        return torch.mm(h.reshape(-1, h.shape[-1]), weight.t(), out_dtype=torch.float32).view(*h.shape[:-1], -1)
+    return h.float() @ weight.float().t()
