@@ -42,6 +42,21 @@ def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def pipelined_time(fn, steps: int = 50) -> float:
+    """Seconds per step of `steps` calls issued back to back (one sync at the end): the host prepares step
+    N+1 while the GPU runs step N, as an overlapping scheduler would. Beside cuda_time's synchronous
+    steps it shows how much of a step is host time the GPU waits through."""
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(steps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / 1e3 / steps
+
+
 def measure_ceilings() -> dict:
     n = 1 << 31  # 2 GiB: far past the 60 MB L2
     bufs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]

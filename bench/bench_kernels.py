@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_gpu import pipelined_time  # back to back, one sync: prefill ops build host tables (no graph)
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
@@ -282,19 +283,6 @@ LONG_CONTEXTS = (32768, 131072, 202752)  # decode rows past the one-program sele
 H200_HBM_Bps = 4.25e12  # spec bandwidth: a decode row's bound is its FP8 keys (128 B / token) read once
 
 
-def event_time(fn, reps: int = 5) -> float:
-    """Seconds per call, back to back on the stream (prefill ops build a host-side block table: no graph)."""
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / reps
-
-
 def _deep_gemm_peer(q, w, cache, ctx, t):
     """DeepGEMM's fp8_mqa_logits (logits only, contiguous keys) on the same shape, when it is installed."""
     try:
@@ -305,7 +293,7 @@ def _deep_gemm_peer(q, w, cache, ctx, t):
     ks = cache[:ctx, 128:].contiguous().view(torch.float32).view(-1)
     q8 = q.to(torch.float8_e4m3fn)
     ke = torch.arange(ctx - t + 1, ctx + 1, dtype=torch.int32, device=DEV)
-    return event_time(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), w, torch.zeros_like(ke), ke))
+    return pipelined_time(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), w, torch.zeros_like(ke), ke), steps=5)
 
 
 def bench_indexer_prefill(cfg, ceil, sweep):
@@ -320,14 +308,15 @@ def bench_indexer_prefill(cfg, ceil, sweep):
         flops = 2.0 * cfg.index_n_heads * cfg.index_head_dim * sum(range(ctx - t + 1, ctx + 1))  # causal keys
         for q_fp8, conf in confs:
             try:
-                sec = event_time(lambda: PRE.prefill_topk(q, w, cache, "fp8_ds_mla", table, req, pos,
-                                                          topk, 64, [ctx], [t], q_fp8=q_fp8, config=conf))
+                sec = pipelined_time(lambda: PRE.prefill_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, 64,
+                                                              [ctx], [t], q_fp8=q_fp8, config=conf), steps=5)
                 tag = f"triton {'fp8' if q_fp8 else 'fp16'}-q GEMM + stream top-k {conf or ''}"
                 record("indexer prefill", f"T={t} ctx={ctx} top{topk}", tag, sec, 0, flops, "fp8_flops", ceil)
             except Exception as ex:  # noqa: BLE001 - a config that does not compile is a data point
                 print("indexer prefill failed", conf, repr(ex)[:300])
         if ctx == PREFILL_CTX[0]:  # the path it replaces: [T, ctx] fp32 scores + torch.topk
-            sec = event_time(lambda: IDX.index_scores(q, w, cache, "fp8_ds_mla", table, req, pos, 64).topk(topk, dim=1))
+            scores = lambda: IDX.index_scores(q, w, cache, "fp8_ds_mla", table, req, pos, 64)  # noqa: E731
+            sec = pipelined_time(lambda: scores().topk(topk, dim=1), steps=5)
             record("indexer prefill", f"T={t} ctx={ctx} top{topk}", "old: triton scores + torch.topk", sec, 0, flops,
                    "fp8_flops", ceil)
         peer = _deep_gemm_peer(q, w, cache, ctx, t)

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_gpu import cuda_time, fill_pool
-from bench.profile_decode import pipelined_time
+from bench.bench_gpu import cuda_time, fill_pool, pipelined_time
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 

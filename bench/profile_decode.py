@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
+from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 
@@ -39,21 +39,6 @@ def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], floa
             calls[ev.name[:90]] += 1
     rows = sorted(((n, t, calls[n] // steps) for n, t in time_us.items()), key=lambda r: -r[1])
     return rows, sum(t for _, t, _ in rows)
-
-
-def pipelined_time(fn, steps: int = 50) -> float:
-    """Seconds per step of `steps` calls issued back to back (one sync at the end): the host prepares step
-    N+1 while the GPU runs step N, as an overlapping scheduler would. Beside cuda_time's synchronous
-    steps it shows how much of a step is host time the GPU waits through."""
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(steps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 1e3 / steps
 
 
 def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
