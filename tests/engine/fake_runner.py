@@ -12,6 +12,7 @@ Tokens 32..126 are printable characters (the FakeTokenizer maps id <-> chr(id));
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import torch
@@ -94,3 +95,9 @@ class FakeRunner:
                 raise AssertionError(f"row {r}: slot {int(slots[bad])} holds position {int(pos[bad])}, not {bad}")
             rows.append(fake_logits(self.kv_tok[slots].tolist(), self.cfg.vocab_size, self.eos_every))
         return torch.stack(rows) if rows else torch.zeros(0, self.cfg.vocab_size)
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """n printable-byte prompts of lo..hi tokens, reproducible from the seed."""
+    r = random.Random(seed)
+    return [[r.randrange(32, 127) for _ in range(r.randrange(lo, hi + 1))] for _ in range(n)]

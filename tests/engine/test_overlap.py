@@ -19,7 +19,7 @@ from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.request import EngineRequest, placeholder
-from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy
+from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy, prompts
 
 Outputs = dict[tuple[str, int], dict]
 
@@ -55,11 +55,6 @@ def run(core: EngineCore, out: Outputs | None = None, max_steps: int = 20_000) -
             return out
         collect(core.step(), out)
     raise AssertionError(f"not finished after {max_steps} steps: {core.stats()}")
-
-
-def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    r = random.Random(seed)
-    return [[r.randrange(32, 127) for _ in range(r.randrange(lo, hi + 1))] for _ in range(n)]
 
 
 def both(scenario: Callable[[EngineCore], Outputs], **core_kw) -> tuple[Outputs, EngineCore]:

@@ -11,7 +11,7 @@ from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
 from dsaserve.engine.request import EngineRequest
-from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy
+from tests.engine.fake_runner import EOS, FakeRunner, fake_greedy, prompts
 
 GREEDY = dict(temperature=0.0)
 
@@ -42,11 +42,6 @@ def collect(deltas, out) -> None:
         o["cached"] = d.cached_tokens
         if d.finished:
             o["reason"], o["stop_reason"] = d.finish_reason, d.stop_reason
-
-
-def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    r = random.Random(seed)
-    return [[r.randrange(32, 127) for _ in range(r.randrange(lo, hi + 1))] for _ in range(n)]
 
 
 def test_forty_requests_arriving_over_time_match_running_alone():
