@@ -22,29 +22,30 @@ class DeviceTimer:
     def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._free: list[torch.cuda.Event] = []  # events whose times were read: recorded again, not re-made
         self._busy_s = 0.0
         if self.enabled:
             COUNTERS.add_source(self.read)
 
-    def start(self) -> torch.cuda.Event | None:
-        if not self.enabled:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
+    def _event(self) -> torch.cuda.Event:
+        ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
+
+    def start(self) -> torch.cuda.Event | None:
+        return self._event() if self.enabled else None
 
     def stop(self, start: torch.cuda.Event | None) -> None:
         if start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((start, end))
+        self._pending.append((start, self._event()))
         self._collect()
 
     def _collect(self) -> None:
         while self._pending and self._pending[0][1].query():  # query() never waits
             a, b = self._pending.popleft()
             self._busy_s += a.elapsed_time(b) / 1e3
+            self._free += (a, b)
 
     def read(self, reset: bool) -> dict[str, float]:
         self._collect()

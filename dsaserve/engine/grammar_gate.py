@@ -62,7 +62,7 @@ class GrammarGate:
     def __init__(self, core: Any, world: int = 1) -> None:
         self.core = core
         self.world = world
-        self.timeout = float(getattr(core.args, "grammar_compile_timeout", 10.0))
+        self.timeout = float(core.args.grammar_compile_timeout)
         self.entries: dict[int, Wait] = {}
         self.parked: dict[str, Wait] = {}  # leader: rid -> its entry
         self._next_gid = 0

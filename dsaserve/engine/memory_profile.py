@@ -176,5 +176,5 @@ class CompileCache:
         after = self._entries()
         compiled, before = len(after - self.before), len(self.before)
         status = ("partial" if compiled else "hit") if before else ("miss" if compiled else "empty")
-        return {"status": status, "dir": os.environ["TRITON_CACHE_DIR"], "entries_before": before,
+        return {"status": status, "dir": str(self.triton_dir), "entries_before": before,
                 "compiled_this_start": compiled}
