@@ -31,4 +31,5 @@ def test_on_a_gpu_it_sums_each_steps_device_time_and_reuses_its_events():
     made = len(timer._free)
     timer.stop(timer.start())
     assert len(timer._free) <= made  # read events were recorded again, not made anew
+    torch.cuda.synchronize()
     assert timer.read(True)["device_busy_seconds"] >= busy and timer.read(False) == {}
