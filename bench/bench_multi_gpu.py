@@ -226,6 +226,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         for _ in prefill:
             for _ in range(4):
                 runner.forward_idle()
+    if prefill and layout.get("enable_dp_attention"):  # the deployment's prefill: every rank its share at once
+        result["prefill_split"] = bench_prefill(runner, ceil, [n // g.size for n in prefill])
     Path(out, f"{args.config}-{args.layout}-rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
@@ -261,6 +263,8 @@ def main() -> None:
                      f"{' graph' if row['dp_step']['graph'] else ''}]" if row.get("dp_step") else ""))
     for row in r0.get("prefill", []):
         print(f"{args.config} {args.layout} prefill {row['tokens']}: {row['seconds']:.3f} s ({row['ratio']:.2f}x)")
+    for row in r0.get("prefill_split", []):
+        print(f"{args.config} {args.layout} prefill {row['tokens']} on each rank at once: {row['seconds']:.3f} s")
     if r0.get("latency_sweep"):
         print_latency_hook(r0["latency_sweep"], world)
 

@@ -22,7 +22,7 @@ from dsaserve.quality.runs import Setting, run_setting
 from dsaserve.quality.variants import make_variant
 from dsaserve.training import corpus
 
-ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "fp32_head", "hf")
+ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "fp32_head", "gpu_fp32", "hf")
 KV_GROUP = ("fp32", "bf16", "fp8_ds_mla", "fp8_e4m3")  # the engine's layouts; fp32 is the exact reference
 
 
@@ -83,6 +83,11 @@ def make_plan(a: EvalArgs) -> Plan:
         p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
         p.pairs.append(("GPU fp32 lm_head vs CPU reference", head.name, f"cpu:{a.kv_layout}"))
         p.pairs.append(("GPU fp32 lm_head vs bf16 lm_head", head.name, base.name))
+    if gpu and "gpu_fp32" in a.groups:  # the GPU path in the reference's dtype: what is left is kernel order
+        f32 = Setting(f"{dev}:{a.kv_layout}:float32", dev, a.kv_layout, dtype="float32", fp8_act=False)
+        p.add(f32)
+        p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
+        p.pairs.append(("GPU float32 vs CPU reference", f32.name, f"cpu:{a.kv_layout}"))
     # most telling first: a run cut short (a time limit) still answers the main questions
     order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"cpu:{a.kv_layout}:bfloat16",
              f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]

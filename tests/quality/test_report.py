@@ -66,3 +66,11 @@ def test_the_table_shows_the_largest_parting_margin_and_lists_the_partings():
     text = table(res, rows, None)
     assert "max parting margin" in text and "0.500 nats" in text
     assert "x vs y: #0@1 0.250/0.500" in text
+
+
+def test_the_gpu_fp32_group_runs_the_gpu_in_float32_without_fp8_activations_against_the_cpu_reference():
+    plan = make_plan(EvalArgs(model="m", device="cuda", groups=("gpu_fp32",)))
+    f32 = next(s for s in plan.settings if s.dtype == "float32")
+    assert (f32.device, f32.fp8_act) == ("cuda", False)
+    assert ("GPU float32 vs CPU reference", f32.name, "cpu:fp8_ds_mla") in plan.pairs
+    assert not any(s.dtype == "float32" for s in make_plan(EvalArgs(model="m", groups=("gpu_fp32",))).settings)

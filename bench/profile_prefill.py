@@ -1,0 +1,74 @@
+"""Where a prefill's time goes (issue 17): per-kernel GPU time of one whole-model prefill, grouped by op.
+
+Run on the device:  PYTHONPATH=. python bench/profile_prefill.py --out $OUT [--lengths 8192,32768]
+For each prompt length it times the prefill (one request, one chunk) and profiles it under torch.profiler.
+The table lists each kernel's ms and share, then the shares by op group (sparse MLA, indexer, MoE, GEMM,
+...): which kernel issue 17 should take next ("anything above 5 % of a prefill step").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from bench.bench_gpu import cuda_time, measure_ceilings, prefill_flops
+from bench.profile_decode import kernel_table
+from dsaserve.engine.memory_profile import dummy_prefill
+from dsaserve.engine.model_runner import ModelRunner
+
+# first matching substring of a kernel's name -> its op group (order matters: specific before generic)
+GROUPS = (("sparse_mla", "sparse MLA"), ("_combine_kernel", "sparse MLA"), ("indexer", "indexer"),
+          ("topk", "indexer"), ("radix", "indexer"), ("moe", "MoE"), ("_combine_k", "MoE"),
+          ("route", "MoE router"), ("scaled_mm", "FP8 GEMM"), ("fp8_gemm", "FP8 GEMM"), ("gemm", "GEMM"),
+          ("sm90_xmma", "GEMM"), ("cutlass", "GEMM"), ("nvjet", "GEMM"), ("quant", "quantise"),
+          ("rms", "norm"), ("norm", "norm"), ("rope", "RoPE"), ("kv_write", "KV write"),
+          ("elementwise", "elementwise"), ("sort", "sort"), ("scatter", "index ops"), ("gather", "index ops"),
+          ("index", "index ops"), ("reduce", "reduce"), ("copy", "copy"), ("Memcpy", "copy"), ("fill", "fill"))
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    return next((g for key, g in GROUPS if key.lower() in low), "other")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="glm-5.3-slice")
+    ap.add_argument("--out", default="profile-out")
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ceilings = measure_ceilings()
+    runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
+                                     cuda_graph_max_bs=1, max_model_len=max(lengths) + 64,
+                                     chunked_prefill_size=max(lengths), max_num_batched_tokens=max(lengths))
+    report: dict = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}
+    for n in lengths:
+        batch = dummy_prefill(n, runner.page_size, runner.cfg.vocab_size, runner.device)
+        wall = cuda_time(lambda b=batch: runner.forward(b), iters=3, warmup=1)
+        rows, total_us = kernel_table(lambda b=batch: runner.forward(b), steps=2)
+        gemm, attn = prefill_flops(runner.cfg, n)
+        bound = gemm / ceilings["fp8_flops"] + attn / ceilings["bf16_flops"]
+        groups: dict[str, float] = defaultdict(float)
+        for name, t, _ in rows:
+            groups[group_of(name)] += t
+        print(f"\n== prefill {n}: {wall * 1e3:.1f} ms, FLOP roofline {bound * 1e3:.1f} ms ({wall / bound:.2f}x); "
+              f"kernels {total_us / 1e3:.1f} ms")
+        for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
+            print(f"  {g:<14} {t / 1e3:9.2f} ms  {100 * t / total_us:5.1f} %")
+        print(f"{'ms':>9} {'%':>6} {'n':>4}  kernel")
+        for name, t, k in rows[: args.top]:
+            print(f"{t / 1e3:9.3f} {100 * t / total_us:6.1f} {k:4d}  {name}")
+        report["cases"].append({"tokens": n, "wall_ms": wall * 1e3, "roofline_ms": bound * 1e3,
+                                "kernel_sum_ms": total_us / 1e3, "groups_ms": {g: t / 1e3 for g, t in groups.items()},
+                                "kernels": rows})
+        (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
