@@ -9,7 +9,9 @@ gathered once per head block) and one split of the token's top-k slots; per BLOC
   (BF16 operands, FP32 accumulation), and folds them into an online (flash) softmax.
 Decode splits the top-k over several programs (flash-decoding) so a batch of one still fills the GPU,
 then a small combine kernel merges the splits by their log-sum-exp; prefill (many tokens) runs unsplit.
-A token whose slots are all -1 gets zeros (the reference gives NaN): graph padding rows stay finite.
+Each program first finds its last valid slot (`_valid_end`) and stops there: the -1 tail of a token that
+sees fewer than top-k keys costs no tile. A token whose slots are all -1 gets zeros (the reference gives NaN):
+graph padding rows stay finite.
 Every program id is widened to int64 before it meets a stride: at a 131072-token prefill q_nope comes out of
 cuBLAS's bmm head-major ([H, T, 512] transposed, head stride T * 512 = 2^26), so head 32's offset passes 2^31
 and an int32 product wrapped into an illegal address (issue 17).
@@ -27,6 +29,20 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pd
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 1, FP8_E4M3: 2}  # the kernel's LAYOUT constexpr
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _valid_end(slot_ptr, row_base, k0, k1, SCAN: tl.constexpr):
+    """One past the last valid (>= 0) slot of the row in [k0, k1), at least k0. Every selection path writes a
+    token's slots first and -1 after (a token seeing fewer than top-k keys: its keys 0..pos), so stopping here
+    skips the all -1 tiles: half the work of a batch decoding at a 1K context, most of a 1K-prompt prefill's.
+    A -1 before the end is still masked in the loop, so this only bounds it, whatever the order."""
+    last = k0 - 1
+    for s0 in range(k0, k1, SCAN):
+        o = s0 + tl.arange(0, SCAN)
+        sl = tl.load(slot_ptr + row_base + o, mask=o < k1, other=-1)
+        last = tl.maximum(last, tl.max(tl.where(sl >= 0, o, -1), axis=0))
+    return last + 1
 
 
 @triton.jit
@@ -54,7 +70,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     k0 = sp * keys_per_split
-    k1 = tl.minimum(k0 + keys_per_split, n_keys)
+    k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
@@ -136,7 +152,7 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     k0 = sp * keys_per_split
-    k1 = tl.minimum(k0 + keys_per_split, n_keys)
+    k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)

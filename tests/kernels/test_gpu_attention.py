@@ -221,6 +221,28 @@ def test_sparse_mla_attention_takes_each_models_shapes(gen, model, layout):
             assert torch.isfinite(got).all() and rel(got, ref) < BF16, f"seed {gen.initial_seed()} t={t} {conf}"
 
 
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+def test_sparse_mla_attention_stops_at_each_tokens_last_valid_slot(gen, layout):
+    """Tokens seeing fewer keys than top-k (valid slots first, -1 after, as every selection writes them) at
+    lengths around the tile size, split and unsplit; one row with a -1 hole before its last valid slot."""
+    mla = gpu_modules()[4]
+    h, dc, dr, k, n_slots = (64, 512, 64, 2048, 4096) if BIG else (4, 128, 16, 96, 200)
+    lengths = [1, 31, 32, 33, 65, k // 2, k - 1, k, 0]
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
+    slots = torch.randint(0, n_slots, (len(lengths), k), generator=gen, device=DEVICE)
+    for r, n in enumerate(lengths):
+        slots[r, n:] = -1
+    slots[4, 40:50] = -1
+    qn = randn(len(lengths), h, dc, gen=gen, dtype=torch.bfloat16)
+    qr = randn(len(lengths), h, dr, gen=gen, dtype=torch.bfloat16)
+    ref = R.sparse_mla_attention(qn[:-1], qr[:-1], cache, layout, slots[:-1], dc ** -0.5, dc)
+    for conf in ({}, {"splits": 1}, {"splits": 3}):
+        poison_free_memory()
+        got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, dc ** -0.5, dc, config=conf)
+        assert rel(got[:-1], ref) < BF16, f"seed {gen.initial_seed()} {conf}"
+        assert got[-1].eq(0).all(), conf
+
+
 def test_sparse_mla_attention_gives_zeros_for_a_token_with_no_slots(gen):
     mla = gpu_modules()[4]
     latent = randn(50, 144, gen=gen)
