@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import importlib
 import json
 import multiprocessing
@@ -177,10 +178,8 @@ def precompile(specs: list[str], jobs: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     before = _entries(triton_cache_dir())
     for spec in specs:  # imported before the fork: each worker starts with the kernels' modules loaded
-        try:
+        with contextlib.suppress(Exception):  # its worker reports it
             resolve_jit(json.loads(spec)["name"])
-        except Exception:  # its worker reports it
-            pass
     errors: list[str] = []
     if jobs <= 1 or len(specs) <= 1:
         errors = [e for e in map(compile_spec, specs) if e]

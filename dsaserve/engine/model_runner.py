@@ -26,10 +26,10 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
+from dsaserve.engine import kernel_precompile
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
-from dsaserve.engine import kernel_precompile
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.engine.overlap import resolve_placeholders_
