@@ -55,11 +55,19 @@ def main(ns: argparse.Namespace) -> int:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
     clock.lap("resolve_model")
+    # the children first: their imports, weights, memory profile and graphs run while this process imports
+    # the HTTP stack and loads its tokenizer (node 0; other nodes spawn their ranks in the launcher)
+    early = None
+    if engine.node_rank == 0:
+        from dsaserve.server.spawn import spawn_early
+
+        early = spawn_early(args)
+        clock.lap("spawn_processes")
     from dsaserve.server.launcher import run
 
     clock.lap("launcher_imports")
     try:
-        return run(args, clock)
+        return run(args, clock, early)
     except CheckpointError as e:  # raised in this process (its tokenizer); the scheduler's come back as FATAL
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2

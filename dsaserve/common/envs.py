@@ -60,6 +60,10 @@ SWITCHES: dict[str, Switch] = {
         False, lambda raw: raw.strip() == "1",
         "'1': warmup runs only the attention cores of each shape on the replayed buckets' buffers (not yet "
         "measured on a GPU: the A/B for issue 16's warm start)"),
+    "DSASERVE_PRECOMPILE": Switch(
+        True, _on_unless_zero, "'0': no parallel precompile of the recorded Triton kernel specs at start-up "
+        "(engine/kernel_precompile.py; the A/B for issue 16's cold start)"),
+    "DSASERVE_KERNEL_SPECS": Switch(None, _text, "more Triton kernel spec lists to precompile (os.pathsep-separated)"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
@@ -77,6 +81,8 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_SYMM_MEM: bool
     DSASERVE_FP32_LM_HEAD: bool
     DSASERVE_WARMUP_CORES_ONLY: bool
+    DSASERVE_PRECOMPILE: bool
+    DSASERVE_KERNEL_SPECS: str | None
     DSASERVE_CACHE_DIR: str | None
     DSASERVE_MAX_CHECKPOINT_GB: str | None
     DSASERVE_BENCH_STEP_SCRIPT: str | None

@@ -12,6 +12,7 @@ torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
+from dsaserve.engine import kernel_precompile
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
@@ -66,6 +68,10 @@ class ModelRunner:
         self.args = args
         device = args.resolved_device()
         self.startup_time: dict[str, float] = {}
+        # the recorded kernels compile in parallel while this rank initialises and loads weights (a server's
+        # scheduler process started it before its imports); waited for before the first forward
+        self.precompile = (kernel_precompile.take_pending() or kernel_precompile.start()
+                           if str(device).startswith("cuda") else None)
         with _Timer(self.startup_time, "init_distributed"):
             self.parallel = initialize_model_parallel(
                 args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
@@ -90,6 +96,7 @@ class ModelRunner:
         self.graph_errors: dict[str, str] = {}
         self.compile_cache = CompileCache(None) if self.device.type == "cuda" else None
         self.kernel_loads = KernelLoads() if self.device.type == "cuda" else None  # before any kernel compiles
+        self.spec_recorder = kernel_precompile.SpecRecorder() if self.device.type == "cuda" else None
         torch.manual_seed(args.seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
@@ -98,6 +105,9 @@ class ModelRunner:
                                  self.cfg.max_position_embeddings)
         with _Timer(self.startup_time, "load_weights"):
             self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
+        if self.precompile is not None:
+            with _Timer(self.startup_time, "kernel_precompile_wait"):
+                self.precompile.wait()
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
@@ -119,8 +129,18 @@ class ModelRunner:
         if self.compile_cache is not None:
             self.compile_cache.mark_up()
             self.kernel_loads.mark_up()
+            self._save_specs()
             COUNTERS.add_source(self.compile_cache.compiles_after_up)
             COUNTERS.add_source(self.kernel_loads.read)
+
+    def _save_specs(self) -> None:
+        """This start's kernel specs onto the list the next start precompiles (an unwritable cache: logged)."""
+        if not self.spec_recorder.installed:
+            return
+        try:
+            self.spec_recorder.save()
+        except OSError as e:
+            logging.getLogger(__name__).warning("kernel specs not saved to %s: %s", self.spec_recorder.path, e)
 
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
@@ -378,7 +398,20 @@ class ModelRunner:
                 "warmed_prefill_chunks": self.warmed_prefill,
                 "warmed_shapes": self.warmed,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None,
+                "kernel_precompile": self._precompile_report(),
                 "env": envs.set_switches()}
+
+
+    def _precompile_report(self) -> dict:
+        """What the parallel precompile did: its report (wall_s ran beside init / load_weights; only
+        `kernel_precompile_wait` is on this rank's path), and the spec list this start recorded."""
+        rec = self.spec_recorder
+        out: dict[str, Any] = {"status": "off" if not envs.DSASERVE_PRECOMPILE else "no spec list yet"}
+        if self.precompile is not None:
+            out = {"status": "ran", **(self.precompile.report or {})}
+        if rec is not None:
+            out["recorded_specs"], out["spec_list"] = len(rec.specs), str(rec.path)
+        return out
 
 
 def _init_method(args: EngineArgs) -> str | None:

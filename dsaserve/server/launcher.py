@@ -37,19 +37,18 @@ from typing import Any
 
 import uvicorn
 
-from dsaserve.engine.lifetime import spawn_child_process
 from dsaserve.server.api import build_app
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.ipc import Endpoints, make_ipc_dir
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.server_args import ServerArgs
+from dsaserve.server.spawn import Spawned, engine_layout, spawn_all, spawn_ranks
 from dsaserve.server.startup_clock import StartupClock
 from dsaserve.server.tokenizer_manager import TokenizerManager
 
 log = logging.getLogger("dsaserve.server")
 
 CHILDREN = ("scheduler", "detokenizer")  # the two that must report ready (the leader rank speaks for all)
-SCHEDULER_MODULE, DETOKENIZER_MODULE = "dsaserve.server.scheduler_process", "dsaserve.server.detokenizer_process"
 WATCH_PERIOD_S = 0.1  # how often child processes are polled for exit
 TERMINATE_GRACE_S = 5.0
 DOWN_EXIT_GRACE_S = 1.0  # after a fault: pending requests get their 503 / error event, then the process exits
@@ -189,40 +188,6 @@ def report_startup(args: ServerArgs, readiness: Readiness) -> None:
             f.write("\n")
 
 
-def rank_name(rank: int) -> str:
-    return "scheduler" if rank == 0 else f"scheduler rank {rank}"
-
-
-def engine_layout(args: ServerArgs) -> Any:
-    """The EngineArgs the ranks are built from: the one place the world and this node's ranks are derived."""
-    from dsaserve.engine.engine_args import EngineArgs
-
-    return EngineArgs.from_kwargs(**{**args.engine_args, "model": args.model_dir})
-
-
-def spawn_child(module: str, args: ServerArgs, ends: Endpoints | None, rank: int | None = None,
-                layout: Any = None) -> subprocess.Popen:
-    """A server child; a scheduler rank gets its place in `layout` (the EngineArgs, `engine_layout`)."""
-    cfg = {"parent_pid": os.getpid(), "endpoints": ends.to_dict() if ends else None, "log_level": args.log_level,
-           "spawn_time": time.time(), "model_dir": args.model_dir, "rank": rank,
-           "engine_args": {**args.engine_args, "model": args.model_dir}}
-    if rank is None:
-        return spawn_child_process(module, cfg)
-    return spawn_child_process(module, cfg, rank, layout.world_size, rank % layout.ranks_per_node)
-
-
-def spawn_ranks(args: ServerArgs, ends: Endpoints | None, readiness: Readiness | None) -> dict[str, subprocess.Popen]:
-    """One scheduler process per rank of this node."""
-    layout = engine_layout(args)
-    first = layout.node_rank * layout.ranks_per_node
-    children = {}
-    for rank in range(first, first + layout.ranks_per_node):
-        children[rank_name(rank)] = spawn_child(SCHEDULER_MODULE, args, ends, rank, layout)
-        if readiness is not None:
-            readiness.pids[rank_name(rank)] = children[rank_name(rank)].pid
-    return children
-
-
 async def watch_children(children: dict[str, subprocess.Popen], readiness: Readiness, server: _Server,
                          startup_timeout_s: float | None) -> None:
     """A child that exits is a fatal fault: Down at once, then exit 1 (before Up: at once; after Up: once the
@@ -275,24 +240,29 @@ def probe_at_up(args: ServerArgs, tm: TokenizerManager, readiness: Readiness, ta
     tasks.append(asyncio.get_running_loop().create_task(probe(), name="first-health-probe"))
 
 
-async def serve(args: ServerArgs, clock: StartupClock | None = None) -> int:
+async def serve(args: ServerArgs, clock: StartupClock | None = None, early: Spawned | None = None) -> int:
+    """`early`: children already running (spawned before the launcher's imports); else spawned here, after
+    the main tokenizer."""
     readiness = Readiness(clock)
-    tok = HFTokenizer(args.model_dir)
-    readiness.clock.lap("main_tokenizer")
-    ipc_dir = make_ipc_dir()  # after the tokenizer: a broken tokenizer must leave nothing behind
-    children: dict[str, subprocess.Popen] = {}
-    metrics = ServerMetrics(readiness)
-    tm = TokenizerManager(tok, Endpoints.in_dir(ipc_dir), readiness, metrics, args.max_queued_requests)
-    readiness.on_down.append(tm.fail_all)
+    children: dict[str, subprocess.Popen] = dict(early.children) if early else {}
+    ipc_dir = early.ipc_dir if early else None
     probes: list[asyncio.Task] = []
-    readiness.on_up.append(lambda: probe_at_up(args, tm, readiness, probes))
-    readiness.on_healthy.append(lambda: report_startup(args, readiness))
-    tm.bind()
+    tm = None
     try:
-        children.update(spawn_ranks(args, tm.endpoints, readiness))
-        children["detokenizer"] = spawn_child(DETOKENIZER_MODULE, args, tm.endpoints)
-        readiness.pids["detokenizer"] = children["detokenizer"].pid
-        readiness.clock.lap("spawn_processes")
+        readiness.pids.update({name: p.pid for name, p in children.items()})
+        tok = HFTokenizer(args.model_dir)
+        readiness.clock.lap("main_tokenizer")
+        ipc_dir = ipc_dir or make_ipc_dir()  # after the tokenizer: a broken tokenizer leaves nothing behind
+        metrics = ServerMetrics(readiness)
+        tm = TokenizerManager(tok, Endpoints.in_dir(ipc_dir), readiness, metrics, args.max_queued_requests)
+        readiness.on_down.append(tm.fail_all)
+        readiness.on_up.append(lambda: probe_at_up(args, tm, readiness, probes))
+        readiness.on_healthy.append(lambda: report_startup(args, readiness))
+        tm.bind()
+        if not early:
+            children.update(spawn_all(args, tm.endpoints))
+            readiness.pids.update({name: p.pid for name, p in children.items()})
+            readiness.clock.lap("spawn_processes")
         tm.start()
         app = build_app(args, tm, readiness, metrics)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
@@ -308,8 +278,10 @@ async def serve(args: ServerArgs, clock: StartupClock | None = None) -> int:
         for task in probes:
             task.cancel()
         stop_children(children)
-        await tm.close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        if tm is not None:
+            await tm.close()
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def serve_ranks_only(args: ServerArgs) -> int:
@@ -322,7 +294,7 @@ def serve_ranks_only(args: ServerArgs) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children = spawn_ranks(args, None, None)
+    children = spawn_ranks(args, None)
     log.info("node %s: ranks %s started", args.engine_args.get("node_rank"), ", ".join(children))
     try:
         while not stopping:
@@ -337,9 +309,10 @@ def serve_ranks_only(args: ServerArgs) -> int:
         stop_children(children)
 
 
-def run(args: ServerArgs, clock: StartupClock | None = None) -> int:
-    """`clock`: the entry point's StartupClock (started at its first line); a new one starts here if none."""
+def run(args: ServerArgs, clock: StartupClock | None = None, early: Spawned | None = None) -> int:
+    """`clock`: the entry point's StartupClock (started at its first line); a new one starts here if none.
+    `early`: node 0's children, already spawned (`spawn_early`)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
     if engine_layout(args).node_rank > 0:
         return serve_ranks_only(args)
-    return asyncio.run(serve(args, clock))
+    return asyncio.run(serve(args, clock, early))

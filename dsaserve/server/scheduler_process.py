@@ -218,6 +218,9 @@ def run(cfg: dict[str, Any]) -> None:
     ends = ipc.Endpoints(**cfg["endpoints"]) if cfg.get("endpoints") else None
     to_main = ipc.push_socket(ctx, ends.main_in) if ends else None
     try:
+        from dsaserve.engine import kernel_precompile
+
+        kernel_precompile.start()  # first thing: the recorded kernels compile while torch imports, weights load
         t_imports = time.time()
         from dsaserve.engine.rank_group import RankGroup
 

@@ -6,9 +6,10 @@ wall clock (`time.time()`), so that they add up to `total_s` exactly:
   interpreter       process created -> first line of `dsaserve.cli` (Python start-up, read from /proc)
   cli_imports       -> `serve` runs (argparse, the engine and server flags)
   resolve_model     -> --model is a directory (built-in: its cached checkpoint or config+tokenizer, made on a miss)
+  spawn_processes   -> every scheduler rank and the detokenizer are started (from here on the children's
+                       start-up runs beside the main process's next laps)
   launcher_imports  -> the HTTP stack is imported (FastAPI, uvicorn, tokenizers, jinja2)
   main_tokenizer    -> the main process's tokenizer is loaded
-  spawn_processes   -> every scheduler rank and the detokenizer are started
   wait_for_ready    -> every child reported ready (their own phases are listed beside, by process)
   health_probe      -> the first 1-token probe through the whole loop passed: /health answers 200
 
@@ -24,8 +25,8 @@ import os
 import time
 from typing import Any
 
-CRITICAL_PATH = ("interpreter", "cli_imports", "resolve_model", "launcher_imports", "main_tokenizer",
-                 "spawn_processes", "wait_for_ready", "health_probe")
+CRITICAL_PATH = ("interpreter", "cli_imports", "resolve_model", "spawn_processes", "launcher_imports",
+                 "main_tokenizer", "wait_for_ready", "health_probe")
 
 
 def process_age_s() -> float:

@@ -27,16 +27,19 @@ def test_the_cache_checks_the_index_file_the_writer_writes():
 
 def test_serve_resolves_and_checks_everything_before_the_launcher_without_torch(tiny_checkpoint):
     """The whole of `dsaserve serve` up to launcher.run — flags, the cached checkpoint (a hit), its check, the
-    layout check with the device resolved — imports no torch on a machine without GPUs (it cost the HTTP
-    process 2-3 s of its start-up). The run is stopped at the launcher, which records what it got."""
+    layout check with the device resolved, spawning the children before the launcher's imports — imports no
+    torch on a machine without GPUs (it cost the HTTP process 2-3 s of its start-up). The run is stopped at
+    the launcher, which records what it got and stops the children it was handed."""
     tiny_checkpoint("glm-5.3-tiny")
     code = ("import sys\nimport dsaserve.server.launcher as L\n"
-            "L.run = lambda args, clock: print(sorted(m for m in ('torch',) if m in sys.modules), list(clock.laps),"
-            " clock.caches['model_files']['status']) or 0\n"
+            "L.run = lambda args, clock, early: print(sorted(m for m in ('torch',) if m in sys.modules),"
+            " list(clock.laps), clock.caches['model_files']['status'], sorted(early.children))"
+            " or L.stop_children(early.children) or 0\n"
             "from dsaserve.cli import main\nsys.exit(main(['serve', '--model', 'glm-5.3-tiny']))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, whatever machine runs the tests
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.strip() == "[] ['interpreter', 'cli_imports', 'resolve_model', 'launcher_imports'] hit"
+    assert out.strip() == ("[] ['interpreter', 'cli_imports', 'resolve_model', 'spawn_processes', 'launcher_imports']"
+                           " hit ['detokenizer', 'scheduler']")
 
 
 def test_no_process_imports_jinja2_to_start_and_the_first_chat_template_does():

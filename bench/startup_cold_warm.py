@@ -1,0 +1,140 @@
+"""Start-up, cold and warm (issue 16: "cold start (empty caches) to the first 200 of /health in <= 30 s for the
+slice, and <= 5 s warm"): `dsaserve serve` started four times, each timed by a stopwatch (Popen -> the first 200
+of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
+`kernel_compiles_after_up` / `kernel_loads_after_up` must stay 0.
+
+  cold_serial    empty caches, DSASERVE_PRECOMPILE=0: every Triton kernel compiles in the JIT, one at a time
+                 (the start records its kernel specs: written to OUT/triton_specs.jsonl)
+  cold_parallel  empty caches again, DSASERVE_KERNEL_SPECS=that list (as installed with the package): the
+                 kernels compile on all cores while the engine imports and loads weights
+  warm           cold_parallel's caches
+  warm_cores     the same, DSASERVE_WARMUP_CORES_ONLY=1 (the shape warmup runs only the attention cores)
+
+    PYTHONPATH=. python bench/startup_cold_warm.py --out $OUT --model glm-5.3-slice
+    PYTHONPATH=. python bench/startup_cold_warm.py --out /tmp/s --model glm-5.3-tiny --device cpu  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.serve_layouts import _metrics, _stop, _wait_healthy
+
+# name -> (cache dir to use: "fresh" or an earlier scenario's, extra environment)
+SCENARIOS = {
+    "cold_serial": ("fresh", {"DSASERVE_PRECOMPILE": "0"}),
+    "cold_parallel": ("fresh", {"DSASERVE_KERNEL_SPECS": "{specs}"}),
+    "warm": ("cold_parallel", {}),
+    "warm_cores": ("cold_parallel", {"DSASERVE_WARMUP_CORES_ONLY": "1"}),
+}
+AFTER_UP = ("kernel_compiles_after_up", "kernel_loads_after_up", "eager_fallback")
+
+
+def scenario_env(name: str, caches: dict[str, Path], root: Path, specs: Path) -> dict[str, str]:
+    """The server's environment for one scenario: its cache root (a new one, or an earlier scenario's) and
+    its switches; the caller's own TRITON_CACHE_DIR is dropped (the cache must be the scenario's)."""
+    where, extra = SCENARIOS[name]
+    caches[name] = caches.get(where) or root / name  # an earlier scenario's caches, when it ran
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "DSASERVE_KERNEL_SPECS",
+                                                            "DSASERVE_PRECOMPILE", "DSASERVE_WARMUP_CORES_ONLY")}
+    env.update({k: v.format(specs=specs) for k, v in extra.items()}, DSASERVE_CACHE_DIR=str(caches[name]))
+    return env
+
+
+def _load(url: str, args: argparse.Namespace, out: Path) -> None:
+    """Mixed lengths at some concurrency: prefill chunks, mixed steps and decode buckets after Up."""
+    for conc, n in (tuple(int(x) for x in c.split("x")) for c in args.load.split(",")):
+        cmd = [sys.executable, "-m", "dsaserve", "bench", "serve", "--base-url", url, "--input-len", str(n),
+               "--output-len", str(args.output_len), "--num-prompts", str(2 * conc), "--max-concurrency",
+               str(conc), "--disable-tqdm", "--json", str(out / f"load_c{conc}_in{n}.json")]
+        subprocess.run(cmd, check=True, timeout=args.load_timeout, stdout=subprocess.DEVNULL)
+
+
+def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path) -> dict:
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "dsaserve", "serve", "--model", args.model, "--load-format", "dummy",
+           "--device", args.device, "--port", str(args.port), *args.serve_args.split()]
+    res: dict = {"scenario": name, "env": {k: env[k] for k in env if k.startswith("DSASERVE_")}}
+    with open(out / f"{name}.log", "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_healthy(url, proc, args.start_timeout)
+        res["healthy_after_s"] = round(time.perf_counter() - t0, 2)  # from Popen: the stopwatch
+        with urllib.request.urlopen(f"{url}/startup", timeout=10) as r:
+            manifest = json.loads(r.read())
+        res["manifest_total_s"] = manifest["startup"]["total_s"]
+        res["phases"] = manifest["startup_time"]
+        res["caches"] = manifest["startup"]["caches"]
+        res["precompile"] = (manifest.get("engine") or {}).get("kernel_precompile")
+        res["warmed_shapes"] = (manifest.get("engine") or {}).get("warmed_shapes")
+        if not args.no_load:
+            _load(url, args, out)
+        res["after_up"] = {k: v for k, v in _metrics(url).items() if any(m in k for m in AFTER_UP)}
+    except Exception as e:  # one scenario failing must not lose the others
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        _stop(proc)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="glm-5.3-slice")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--load", default="1x64,8x700,16x2000", help="concurrency x input tokens after Up")
+    p.add_argument("--no-load", action="store_true", help="skip the load after Up")
+    p.add_argument("--start-timeout", type=float, default=150)
+    p.add_argument("--load-timeout", type=float, default=60)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="dsaserve-startup-"))
+    specs, caches, rows = out / "triton_specs.jsonl", {}, []
+    try:
+        for name in args.scenarios.split(","):
+            env = scenario_env(name, caches, root, specs)
+            res = run_one(name, env, args, out)
+            recorded = caches[name] / "triton_specs.jsonl"
+            if name == "cold_serial" and recorded.is_file():
+                shutil.copy(recorded, specs)
+            rows.append(res)
+            (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+            print(f"{name}: healthy {res.get('healthy_after_s')} s, manifest {res.get('manifest_total_s')} s"
+                  + (f", error {res['error']}" if "error" in res else ""), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_table(rows)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'scenario':>14} {'healthy s':>9} {'manifest s':>10} {'precompile':>28}  after Up")
+    for r in rows:
+        pc = r.get("precompile") or {}
+        pre = (f"{pc.get('compiled', '-')}/{pc.get('specs', '-')} in {pc.get('wall_s', '-')}s w{pc.get('waited_s')}"
+               if pc.get("status") == "ran" else str(pc.get("status", "-")))
+        print(f"{r['scenario']:>14} {r.get('healthy_after_s', float('nan')):>9} "
+              f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28}  {r.get('after_up', r.get('error'))}")
+    for r in rows:
+        top = sorted(((v, k) for k, v in (r.get("phases") or {}).items() if isinstance(v, (int, float))
+                      and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:8]
+        print(f"{r['scenario']:>14} phases: " + ", ".join(f"{k} {v:.2f}" for v, k in top))
+
+
+if __name__ == "__main__":
+    main()

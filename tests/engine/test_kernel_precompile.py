@@ -1,0 +1,127 @@
+"""engine/kernel_precompile.py without a GPU: a spec recorded as Triton's JIT serialises it compiles (for sm_90,
+offline) into the disk-cache entry the JIT itself would then look up; bad specs are counted, not fatal; the
+recorder chains hooks and keeps one list; the engine's handle runs the precompile process and reads its report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import serialize_specialization_data  # noqa: E402
+
+from dsaserve.common import envs  # noqa: E402
+from dsaserve.engine import kernel_precompile as kp  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * factor, mask=mask)
+
+
+def _jit_view(block: int) -> tuple[dict, dict, dict, object]:
+    """(signature, constexprs, attrs, options) as the JIT forms them for a launch with 16-aligned pointers and n."""
+    sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "factor": "fp32", "BLOCK": "constexpr"}
+    consts = {(4,): block}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    options = make_backend(TARGET).parse_options({"num_warps": 4})
+    return sig, consts, attrs, options
+
+
+def _spec(block: int) -> str:
+    sig, consts, attrs, options = _jit_view(block)
+    return serialize_specialization_data(f"{__name__}._scale_kernel", sig, consts, attrs, options, "key", TARGET)
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSASERVE_CACHE_DIR", str(tmp_path / "dsaserve"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("DSASERVE_KERNEL_SPECS", raising=False)
+    monkeypatch.delenv("DSASERVE_PRECOMPILE", raising=False)
+    envs.reload()
+    yield tmp_path
+    envs.reload()
+
+
+def _entries(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+
+
+def test_replayed_spec_fills_the_entry_the_jit_reads(caches):
+    assert kp.compile_spec(_spec(128)) is None
+    made = _entries(caches / "triton")
+    assert made, "the precompile wrote no cache entry"
+    # the JIT's own compile of the same launch (jit.py _do_compile): a hit, nothing new on disk
+    sig, consts, attrs, options = _jit_view(128)
+    kernel = triton.compile(ASTSource(_scale_kernel, sig, consts, attrs), target=TARGET, options=options.__dict__)
+    assert _entries(caches / "triton") == made
+    assert kernel.metadata.num_warps == 4
+    # another specialisation is another entry
+    assert kp.compile_spec(_spec(256)) is None
+    assert len(_entries(caches / "triton")) > len(made)
+
+
+def test_precompile_counts_and_survives_bad_specs(caches):
+    gone = json.dumps({**json.loads(_spec(64)), "name": f"{__name__}._no_such_kernel"})
+    report = kp.precompile([_spec(64), gone, _spec(32)], jobs=2)
+    assert report["specs"] == 3 and report["failed"] == 1
+    assert "_no_such_kernel" in report["errors"][0]
+    assert report["compiled"] >= 2
+    again = kp.precompile([_spec(64), _spec(32)], jobs=1)  # warm: every spec a hit
+    assert again["compiled"] == 0 and again["failed"] == 0
+
+
+def test_recorder_chains_and_keeps_one_list(caches):
+    from triton import knobs
+
+    seen = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **kw: seen.append(kw["key"])
+    try:
+        rec = kp.SpecRecorder()
+        hook = knobs.runtime.jit_post_compile_hook
+        for block in (16, 32, 16):
+            hook(key=block, compile={"specialization_data": _spec(block)})
+        assert seen == [16, 32, 16] and len(rec.specs) == 2
+        assert rec.path == caches / "dsaserve" / kp.SPECS_FILE
+        rec.path.parent.mkdir(parents=True)
+        rec.path.write_text(_spec(16) + "\n{torn\n")  # an earlier start's list, its last line cut short
+        assert rec.save() == 2
+        hook(key=64, compile={"specialization_data": _spec(64)})  # after Up: appended at once
+        assert kp.read_specs([rec.path]) == [_spec(16), _spec(32), _spec(64)]
+        assert kp.spec_files() == [rec.path]
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_start_runs_the_recorded_lists(caches, monkeypatch):
+    assert kp.start() is None  # nothing recorded yet
+    extra = caches / "shipped.jsonl"
+    extra.write_text(_spec(512) + "\n")
+    monkeypatch.setenv("DSASERVE_KERNEL_SPECS", str(extra))
+    monkeypatch.setenv("DSASERVE_PRECOMPILE", "0")
+    envs.reload()
+    assert kp.start() is None  # switched off
+    monkeypatch.delenv("DSASERVE_PRECOMPILE")
+    envs.reload()
+    monkeypatch.setattr(kp, "_pending", None)
+    # the precompile process imports the kernel by its module name, as pytest imported this file
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    handle = kp.start()
+    assert handle is not None and kp.take_pending() is handle
+    report = handle.wait()
+    assert report["specs"] == 1 and report["failed"] == 0 and report["compiled"] >= 1, report
+    assert report["lists"] == [str(extra)] and report["wall_s"] >= report["waited_s"] >= 0
+    assert handle.wait() is report
