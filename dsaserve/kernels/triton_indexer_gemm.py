@@ -34,7 +34,8 @@ from dsaserve.kernels import triton_indexer, triton_indexer_long
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 WS_BUDGET = 256 << 20  # bytes of fp32 scores per chunk (8K tokens x 8K keys)
-DEFAULT_CONFIG = {"bt": 8, "bs": 128, "tpp": 8, "num_warps": 8, "num_stages": 3, "select": "radix"}
+# sm_90 offline (ptxas -v): no spills; bench/sweep_indexer_prefill.py picks the measured best
+DEFAULT_CONFIG = {"bt": 4, "bs": 128, "tpp": 8, "num_warps": 4, "num_stages": 3, "select": "radix"}
 HEAD_DIMS = (32, 64, 128)
 
 
