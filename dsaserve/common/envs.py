@@ -44,6 +44,10 @@ SWITCHES: dict[str, Switch] = {
         "auto", lambda raw: raw.strip().lower() or "auto",
         "'reference': the PyTorch reference kernels everywhere (debugging, bisecting)"),
     "DSASERVE_FP8_ACTIVATIONS": Switch("1", str.strip, "'0': the GPU FP8 GEMMs keep their activations bf16"),
+    "DSASERVE_INDEXER_PREFILL": Switch(
+        "gemm", lambda raw: raw.strip().lower() or "gemm",
+        "'stream': prefill indexer batches take the streaming top-k kernel (triton_indexer_prefill), not the "
+        "tiled score GEMM + radix select (triton_indexer_gemm)"),
     "DSASERVE_PDL": Switch(
         True, _on_unless_exactly_zero, "'0': launch the Triton kernels without programmatic dependent launch"),
     "DSASERVE_GRAPH_H2D": Switch(
@@ -75,6 +79,7 @@ SWITCHES: dict[str, Switch] = {
 if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_KERNELS: str
     DSASERVE_FP8_ACTIVATIONS: str
+    DSASERVE_INDEXER_PREFILL: str
     DSASERVE_PDL: bool
     DSASERVE_GRAPH_H2D: bool
     DSASERVE_OVERLAP_INDEXER: bool

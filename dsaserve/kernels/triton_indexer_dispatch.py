@@ -3,8 +3,10 @@
 
 Owns: the routing, nothing else.
   prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys, outside CUDA-graph capture
-      (a decode graph bucket may hold that many tokens; the prefill kernel's block table is built on the host)
-      -> `triton_indexer_prefill`: one FP8 GEMM with a streaming top-k, no [tokens x context] score matrix;
+      (a decode graph bucket may hold that many tokens; the prefill kernels' block tables are built on the host)
+      -> `triton_indexer_gemm` (tiled FP8 score GEMM into a bounded chunk workspace + split radix select), or
+      with DSASERVE_INDEXER_PREFILL=stream the fallback `triton_indexer_prefill` (one FP8 GEMM with a
+      streaming top-k);
   decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
       triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
       split over programs);
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.common import envs
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
-from dsaserve.kernels import triton_indexer, triton_indexer_long, triton_indexer_prefill
+from dsaserve.kernels import triton_indexer, triton_indexer_gemm, triton_indexer_long, triton_indexer_prefill
 
 
 def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
@@ -47,8 +50,12 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     if max_seq > topk:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # prefill builds a host block table
-        if (t > triton_indexer.SELECT_MAX_ROWS and not capturing
-                and triton_indexer_prefill.supported(layout, q.shape[2])):
+        prefill = t > triton_indexer.SELECT_MAX_ROWS and not capturing
+        if (prefill and envs.DSASERVE_INDEXER_PREFILL != "stream"
+                and triton_indexer_gemm.supported(layout, q.shape[2])):
+            return triton_indexer_gemm.gemm_topk(q, head_weights, index_cache, layout, page_table, req_index,
+                                                 positions, topk, page_size, seq_lens, extend_lens)
+        if prefill and triton_indexer_prefill.supported(layout, q.shape[2]):
             return triton_indexer_prefill.prefill_topk(q, head_weights, index_cache, layout, page_table, req_index,
                                                        positions, topk, page_size, seq_lens, extend_lens)
         if t <= triton_indexer.SELECT_MAX_ROWS and max_seq > triton_indexer.ROW_IN_REGS_MAX:

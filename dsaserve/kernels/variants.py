@@ -9,9 +9,10 @@ so every width-derived argument is a multiple of 16 and only the classes below r
 - indexer selection (`indexer_topk`): no kernel while the keys fit top-k; else the Triton selection for
   up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers up to
   ROW_IN_REGS_MAX keys, 4096-key chunks beyond, whose warp count changes at 2 rows); above, the prefill
-  kernel (`triton_indexer_prefill`), whose constexprs do not depend on the shape but which takes the token
-  count as an integer argument: Triton compiles a variant for a count divisible by 16 and one for the rest
-  (the H200 bench at 8K prompts compiled after Up until both were warmed).
+  kernel (`triton_indexer_gemm`: its token arguments are not specialised, its workspace width is a multiple
+  of 128; the fallback `triton_indexer_prefill` takes the token count as an integer argument: Triton
+  compiles a variant for a count divisible by 16 and one for the rest, and the H200 bench at 8K prompts
+  compiled after Up until both were warmed).
 - sparse MLA: the kernel (generic at <= 2 rows, grouped above) and its flash-decoding splits, a function of
   rows x head blocks against the SM count: constant (1 split) past 2 x SMs rows; every row count up to
   ROW_SWEEP is warmed, which covers any GPU of up to ROW_SWEEP / 2 SMs.

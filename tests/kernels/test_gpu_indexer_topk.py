@@ -203,29 +203,44 @@ def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, h
 
 # ---- dispatch ---------------------------------------------------------------------------------------
 def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch):
-    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the GEMM +
-    streaming top-k (bf16 keys keep torch.topk); decode batches whose static row bound passes ROW_IN_REGS_MAX
-    take the split radix select. Thresholds lowered so small inputs cross them."""
+    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the tiled
+    score GEMM + radix select (DSASERVE_INDEXER_PREFILL=stream: the GEMM + streaming top-k; bf16 keys keep
+    torch.topk); decode batches whose static row bound passes ROW_IN_REGS_MAX take the split radix select.
+    Thresholds lowered so small inputs cross them."""
+    from dsaserve.common import envs
     from dsaserve.kernels import triton_indexer as idx
-    from dsaserve.kernels import triton_indexer_dispatch, triton_indexer_long, triton_indexer_prefill
+    from dsaserve.kernels import (
+        triton_indexer_dispatch,
+        triton_indexer_gemm,
+        triton_indexer_long,
+        triton_indexer_prefill,
+    )
 
     calls = []
-    for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select")):
+    for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select"),
+                      (triton_indexer_gemm, "gemm_topk")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     monkeypatch.setattr(idx, "SELECT_MAX_ROWS", 8)
     monkeypatch.setattr(idx, "ROW_IN_REGS_MAX", 256)
     ps, hi, d, topk = 16, 16, 32, 24
-    for layout, seq_lens, ext, want in (("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"]),
-                                        ("bf16", [300, 60], [6, 9], []),
-                                        ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"])):
+    for layout, seq_lens, ext, want, switch in (
+            ("fp8_ds_mla", [300, 60], [6, 9], ["gemm_topk", "long_row_select"], "gemm"),
+            ("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"], "stream"),
+            ("bf16", [300, 60], [6, 9], [], "gemm"),
+            ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"], "gemm")):
         q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
         calls.clear()
-        got = triton_indexer_dispatch.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
+        with envs.override(DSASERVE_INDEXER_PREFILL=switch):
+            got = triton_indexer_dispatch.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
         assert calls == want, (layout, ext, calls)
         if want == ["prefill_topk"]:
             assert torch.equal(got, triton_indexer_prefill.prefill_topk(q, w, cache, layout, table, req, pos, topk, ps,
                                                                        seq_lens, ext))
-        if DEVICE == "cuda":  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
-            _check_topk(got, q if want != ["prefill_topk"] else _kernel_q(q, True), w, cache, layout, table, req, pos,
+        if want[:1] == ["gemm_topk"]:
+            assert torch.equal(got, triton_indexer_gemm.gemm_topk(q, w, cache, layout, table, req, pos, topk, ps,
+                                                                 seq_lens, ext))
+        prefill = want[:1] in (["prefill_topk"], ["gemm_topk"])
+        if DEVICE == "cuda" or prefill:  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
+            _check_topk(got, _kernel_q(q, True) if prefill else q, w, cache, layout, table, req, pos,
                         topk, ps, gen.initial_seed())

@@ -1,0 +1,199 @@
+"""Prefill DSA indexer as a tiled FP8 GEMM into a bounded score workspace, then a split radix select
+(request path stage 6, full indexer layers; `triton_indexer_dispatch` sends prefill-size batches with FP8
+keys here, `triton_indexer_prefill` is the fallback).
+
+Owns: `gemm_topk` (the GPU `reference.indexer_topk` for prefill batches), `chunk_scores` (the score GEMM
+alone, for the benchmark) and the operand preparation they share.
+  operands: q / s rounded to e4m3 with one s = amax / 448 per (token, head) folded into the head weight
+      (s > 0 commutes with the ReLU; DeepGEMM's fp8_mqa_logits takes FP8 q the same way;
+      DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 instead), heads padded to a power of two with zero
+      weight. Each request's keys are gathered once from the paged 132-byte rows into a contiguous FP8
+      [keys, D] matrix + fp32 scales (~132 B a key: µs, against the GEMM's 8K FLOP a (token, key)), so the
+      GEMM's tiles are 16-byte-aligned rows that cp.async streams into shared memory with no byte shuffles.
+  scores: one program per (block of BT tokens of one request, run of TPP key tiles); swap-AB MMA
+      acc[BS keys, BT x heads] = k8 @ q8^T (K = D in one dot), so a token's head sum stays inside a thread
+      and its quad (DeepGEMM's sm90 layout); ReLU, the weights, the head sum and the key scale are the
+      epilogue. Causal tile skipping: a program stops at its block's last position; blocks whose tokens all
+      see at most topk keys are skipped (the selection takes every key without reading a score).
+  workspace: scores of CHUNK tokens at a time, [chunk, keys rounded up to BS] fp32 (at most WS_BUDGET bytes),
+      so the [tokens x context] matrix is never in HBM at once.
+  selection: `triton_indexer_long.long_row_select` on the chunk (4 radix rounds + count + write, split over
+      4096-key programs): the exact top-k, ties in position order, slots in position order, -1 padded.
+Output equals the reference's selection but for near-ties at the k-th score that q's rounding parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.common import envs
+from dsaserve.common.kv_layout import KVLayout, get_kv_layout
+from dsaserve.kernels import triton_indexer, triton_indexer_long
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+
+WS_BUDGET = 256 << 20  # bytes of fp32 scores per chunk (8K tokens x 8K keys)
+# sm_90 offline (ptxas -v): no spills; bench/sweep_indexer_prefill.py picks the measured best
+DEFAULT_CONFIG = {"bt": 4, "bs": 128, "tpp": 8, "num_warps": 4, "num_stages": 3, "select": "radix"}
+HEAD_DIMS = (32, 64, 128)
+
+
+def supported(layout: KVLayout, head_dim: int) -> bool:
+    """FP8 keys (D bytes + one fp32 scale a row) and a head dim the MMA takes in one dot."""
+    return layout.plain_dtype is None and head_dim in HEAD_DIMS
+
+
+@triton.jit(do_not_specialize=["tok0", "n_tok"])
+def _score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, kbase_ptr, req_ptr, pos_ptr, blk_ptr, out_ptr, tok0, n_tok,
+                  skip_below, stride_o, HP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  TPP: tl.constexpr, Q_FP8: tl.constexpr, PDL: tl.constexpr = False):
+    """Scores of BT tokens (one request) x TPP tiles of BS keys -> out[token - tok0, key] (fp32)."""
+    grid_dependency_sync(PDL)
+    t0 = tl.load(blk_ptr + tl.program_id(0))
+    rows = t0 + tl.arange(0, BT)
+    req = tl.load(req_ptr + t0)
+    rmask = rows < n_tok
+    rmask = rmask & (tl.load(req_ptr + rows, mask=rmask, other=-1) == req)
+    last = tl.max(tl.load(pos_ptr + rows, mask=rmask, other=-1), axis=0)  # the block's last visible key
+    j_first = tl.program_id(1) * (TPP * BS)
+    if (last < skip_below) | (j_first > last):
+        return
+    n = tl.arange(0, BT * HP)  # MMA column n = (token n // HP, head n % HP)
+    qrow = (t0 + n // HP).to(tl.int64) * HP + n % HP
+    d = tl.arange(0, D)
+    qmask = (t0 + n // HP) < n_tok
+    # typed pointers, not bitcast values: the MMA then reads both operands straight from shared memory
+    if Q_FP8:
+        q_ptr = q_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    else:
+        q_ptr = q_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    w = tl.load(w_ptr + qrow, mask=qmask, other=0.0)
+    k_ptr = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    kb = tl.load(kbase_ptr + req)
+    out_rows = out_ptr + (rows - tok0).to(tl.int64) * stride_o
+    j_end = tl.minimum(j_first + TPP * BS, last + 1)
+    for j0 in tl.range(j_first, j_end, BS):
+        j = j0 + tl.arange(0, BS)
+        jmask = j <= last
+        kt = tl.load(k_ptr + (kb + j).to(tl.int64)[:, None] * D + d[None, :], mask=jmask[:, None], other=0.0)
+        if not Q_FP8:
+            kt = kt.to(tl.float16)
+        acc = tl.dot(kt, tl.trans(q))  # [BS, BT * HP], fp32
+        s = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * w[None, :], [BS, BT, HP]), axis=2)
+        s = s * tl.load(ks_ptr + kb + j, mask=jmask, other=1.0)[:, None]
+        tl.store(out_rows[None, :] + j[:, None], s, mask=jmask[:, None] & rmask[None, :])
+
+
+def prepare_q(q: torch.Tensor, head_weights: torch.Tensor, q_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q / s as e4m3 bytes or fp16 bits [T, HP, D], w * s fp32 [T, HP]) with s = amax / 448 per (token, head)
+    and the heads padded to a power of two (zero q, zero weight)."""
+    t, h, d = q.shape
+    hp = triton.next_power_of_2(h)
+    x = q.float()
+    s = x.abs().amax(-1).clamp(min=1e-12) / 448.0
+    y = (x / s[..., None]).clamp(-448.0, 448.0)
+    qo = torch.zeros((t, hp, d), dtype=torch.float8_e4m3fn if q_fp8 else torch.float16, device=q.device)
+    qo[:, :h] = y.to(qo.dtype)
+    wo = torch.zeros((t, hp), dtype=torch.float32, device=q.device)
+    wo[:, :h] = head_weights.float() * s
+    return qo.view(torch.uint8 if q_fp8 else torch.int16), wo
+
+
+def gather_keys(index_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int],
+                page_size: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys [n, D] uint8 (e4m3 bytes), scales [n] fp32, base [requests] int64): request r's key j is row
+    base[r] + j. Requests with no new token gather nothing."""
+    dev = index_cache.device
+    lens = [s if e else 0 for s, e in zip(seq_lens, extend_lens, strict=True)]
+    base = [0]
+    for n in lens[:-1]:
+        base.append(base[-1] + n)
+    total = base[-1] + lens[-1]
+    lens_t = torch.tensor(lens, device=dev)
+    base_t = torch.tensor(base, dtype=torch.int64, device=dev)
+    req_of = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t, output_size=total)
+    j = torch.arange(total, device=dev) - base_t[req_of]
+    slots = page_table[req_of, j // page_size] * page_size + j % page_size
+    rows = index_cache.index_select(0, slots)
+    return rows[:, :d].contiguous(), rows[:, d:d + 4].contiguous().view(torch.float32).view(-1), base_t
+
+
+def _blocks(seq_lens: list[int], extend_lens: list[int], tok0: int, tok1: int, bt: int) -> list[int]:
+    """First token of every block of <= bt tokens of one request inside [tok0, tok1), the longest key sweep
+    first (causal: the last blocks of a long request see the most keys)."""
+    out, tok = [], 0
+    for s, e in zip(seq_lens, extend_lens, strict=True):
+        a, b = max(tok, tok0), min(tok + e, tok1)
+        out += [(s - e + (min(i + bt, b) - tok) - 1, i) for i in range(a, b, bt)]
+        tok += e
+    return [t for _, t in sorted(out, reverse=True)]
+
+
+def _config(config: dict | None) -> dict:
+    conf = {**DEFAULT_CONFIG, **(config or {})}
+    if conf["select"] not in ("radix", "rows"):
+        raise ValueError(f"gemm_topk: select {conf['select']!r}: expected radix or rows")
+    return conf
+
+
+def chunk_scores(ops: tuple, req_index: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                 extend_lens: list[int], tok0: int, tok1: int, out: torch.Tensor, skip_below: int,
+                 conf: dict) -> None:
+    """Scores of tokens [tok0, tok1) into out[:tok1 - tok0, :] (rows of tokens that see <= skip_below keys,
+    and every column past a token's position, are left unwritten). ops = (q, w, keys, scales, base)."""
+    q, w, keys, scales, base = ops
+    bt, bs, tpp = conf["bt"], conf["bs"], conf["tpp"]
+    starts = _blocks(seq_lens, extend_lens, tok0, tok1, bt)
+    if not starts:
+        return
+    blk = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    grid = (len(starts), triton.cdiv(out.shape[1], tpp * bs))
+    _score_kernel[grid](q, w, keys, scales, base, req_index, positions, blk, out, tok0, tok1, skip_below,
+                        out.stride(0), HP=q.shape[1], D=q.shape[2], BT=bt, BS=bs, TPP=tpp,
+                        Q_FP8=q.dtype == torch.uint8, num_warps=conf["num_warps"], num_stages=conf["num_stages"],
+                        **pdl_args(q.device))
+
+
+def _select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+            out: torch.Tensor, topk: int, page_size: int, how: str) -> None:
+    if how == "radix":
+        triton_indexer_long.long_row_select(scores, page_table, req_index, positions, out, topk, page_size)
+        return
+    n_cols = scores.shape[1]  # one program a row (in registers up to ROW_IN_REGS_MAX keys)
+    triton_indexer._topk_select_kernel[(scores.shape[0],)](
+        scores, page_table, req_index, positions, out, n_cols, topk, page_size, scores.stride(0),
+        page_table.stride(0), out.stride(0), **triton_indexer._select_config(n_cols, scores.shape[0]),
+        **pdl_args(scores.device))
+
+
+def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
+              page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+              page_size: int, seq_lens: list[int] | None = None, extend_lens: list[int] | None = None,
+              q_fp8: bool | None = None, config: dict | None = None) -> torch.Tensor:
+    """`reference.indexer_topk` for FP8 index keys (`supported`) -> [T, topk] int64 slots in position order,
+    -1 padded. q_fp8: None follows DSASERVE_FP8_ACTIVATIONS. config: DEFAULT_CONFIG's keys, plus ws_budget."""
+    t, _, d = q.shape
+    layout = get_kv_layout(layout, "gemm_topk: layout")
+    if not supported(layout, d):
+        raise ValueError(f"gemm_topk: layout {layout} / head dim {d} not supported (FP8 keys, {HEAD_DIMS})")
+    conf = _config(config)
+    out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
+    if t == 0:
+        return out
+    if seq_lens is None or extend_lens is None:
+        from dsaserve.kernels.triton_indexer_prefill import _host_lens
+        seq_lens, extend_lens = _host_lens(req_index, positions)
+    q_fp8 = envs.DSASERVE_FP8_ACTIVATIONS != "0" if q_fp8 is None else q_fp8
+    ops = (*prepare_q(q, head_weights, q_fp8), *gather_keys(index_cache, page_table, seq_lens, extend_lens,
+                                                            page_size, d))
+    n_cols = triton.cdiv(max(max(seq_lens), 1), conf["bs"]) * conf["bs"]
+    step = max(conf["bt"], conf.get("ws_budget", WS_BUDGET) // (4 * n_cols) // 16 * 16)
+    ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=q.device)
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        chunk_scores(ops, req_index, positions, seq_lens, extend_lens, t0, t1, ws, topk, conf)
+        _select(ws[:t1 - t0], page_table, req_index[t0:t1], positions[t0:t1], out[t0:t1], topk, page_size,
+                conf["select"])
+    return out

@@ -1,0 +1,97 @@
+"""The prefill indexer's tiled score GEMM + chunked radix select (`kernels/triton_indexer_gemm.py`) against the
+reference and the kernel's own scores. Set-up and error bounds: tests/kernels/gpu_common.py; helpers shared with
+the streaming prefill kernel's tests (test_gpu_indexer_topk.py). Small shapes run under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
+from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, requires_gpu_kernels
+from tests.kernels.test_gpu_attention import _check_topk, _indexer_case
+from tests.kernels.test_gpu_indexer_topk import PREFILL_SHAPES, _assert_within_q_rounding, _kernel_q, _prefill_inputs
+
+pytestmark = requires_gpu_kernels
+
+# small tiles, few tiles a program, a workspace of a few tokens: several programs a row, several chunks
+SMALL = {"bt": 2, "bs": 32, "tpp": 2, "num_warps": 4, "num_stages": 2, "ws_budget": 16 * 4 * 544}
+
+
+def _conf(select: str) -> dict | None:
+    return {"select": select} if BIG else {**SMALL, "select": select}
+
+
+@pytest.mark.parametrize("select", ["radix", "rows"])
+@pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
+def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
+    """FP8 q: the exact top-k of the scores the kernel computes (q rounded to e4m3, checked in float64), the
+    reference's selection up to near-ties that rounding q parts, in position order and -1 padded."""
+    from dsaserve.kernels import reference as R
+    from dsaserve.kernels.triton_indexer_gemm import gemm_topk
+
+    q, w, cache, table, req, pos, ps, seq_lens, ext, _ = _prefill_inputs(gen, hi, d, topk)
+    poison_free_memory()
+    got = gemm_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext, q_fp8=True,
+                    config=_conf(select))
+    assert got.shape == (len(pos), topk) and got.dtype == torch.int64
+    q8 = _kernel_q(q, True)
+    _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
+    _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
+    _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
+
+
+def _assert_position_order(got, table, req, pos, seq_lens, ps, seed):
+    page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
+    for t in range(len(pos)):
+        r, n = int(req[t]), int((got[t] >= 0).sum())
+        used = -(-seq_lens[r] // ps)  # the table's tail is padding (page 0)
+        page_of[table[r, :used]] = torch.arange(used, device=DEVICE)
+        key_pos = page_of[got[t, :n] // ps] * ps + got[t, :n] % ps
+        assert (key_pos.diff() > 0).all() and (got[t, n:] == -1).all(), f"seed {seed} token {t}"
+
+
+def test_gemm_topk_fp16_q_and_causal_edges(gen):
+    """q / s in fp16; requests whose tokens straddle topk (positions topk - 2 .. topk + 1), one shorter than
+    topk (every key, -1 padded), ragged lengths, a request with no new token: the exact top-k of the kernel's
+    scores. Equal to the streaming kernel's output up to near-ties."""
+    from dsaserve.kernels.triton_indexer_gemm import gemm_topk
+
+    ps, hi, d, topk = 16, 16, 32, 40
+    seq_lens, ext = [42, 30, 77, 200, 64], [4, 30, 9, 0, 33]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    w -= 0.3
+    got = gemm_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext, q_fp8=False, config=SMALL)
+    _check_topk(got, _kernel_q(q, False), w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
+    short = req == 1
+    assert (got[short][:, pos[short].max() + 1:] == -1).all()
+
+
+def test_chunk_scores_are_the_float64_scores_of_the_rounded_q(gen):
+    """The score GEMM alone: every written (token, key <= position) entry is sum_h w relu(q8 . k) * scale in
+    float64 to fp32 accumulation error; tokens that see at most skip_below keys are not written."""
+    from dsaserve.kernels import triton_indexer_gemm as G
+
+    ps, hi, d, skip = 16, 32, 128, 20
+    seq_lens, ext = [70, 45], [9, 30]
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
+    w -= 0.3
+    conf = {**G.DEFAULT_CONFIG, **SMALL, "bt": 4}
+    ops = (*G.prepare_q(q, w, True), *G.gather_keys(cache, table, seq_lens, ext, ps, d))
+    ws = torch.full((len(pos), 96), float("nan"), device=DEVICE)
+    G.chunk_scores(ops, req, pos, seq_lens, ext, 0, len(pos), ws, skip, conf)
+    keys = decode_index_k(cache, "fp8_ds_mla").double()
+    q8 = _kernel_q(q, True)
+    for t in range(len(pos)):
+        r, p = int(req[t]), int(pos[t])
+        j = torch.arange(p + 1, device=DEVICE)
+        want = ((q8[t] @ keys[table[r, j // ps] * ps + j % ps].t()).relu() * w[t, :, None].double()).sum(0)
+        first = int((req == r).nonzero()[0])  # blocks of 4 tokens start at each request's first token
+        block_last = max(int(pos[u]) for u in range(len(pos)) if req[u] == r and (u - first) // 4 == (t - first) // 4)
+        if block_last < skip:  # the whole block is skipped
+            assert ws[t].isnan().all(), t
+            continue
+        err = (ws[t, :p + 1].double() - want).abs().max()
+        assert err <= 1e-5 * want.abs().max() + 1e-9, (t, float(err))
