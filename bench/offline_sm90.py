@@ -73,7 +73,7 @@ def loop_census(cubin: Path) -> dict[str, int]:
 
 
 def _plan(kernel: str, name: str, t: int):
-    """(jit function, launch args, constexprs, output columns a program covers) of one config at T tokens."""
+    """(jit function, launch args, constexprs, programs a token's key tile is read by) of one config at T tokens."""
     cfg_model = load_config("glm-5.3-slice")
     h, dc, dr, k = (cfg_model.num_attention_heads, cfg_model.kv_lora_rank, cfg_model.qk_rope_head_dim,
                     cfg_model.index_topk)
@@ -83,8 +83,8 @@ def _plan(kernel: str, name: str, t: int):
     slots = torch.zeros(t, k, dtype=torch.int64)
     if kernel == "swap":
         cfg = SWAP._config(sweep_sparse_mla_swap.CONFIGS[name])
-        _, _, _, args, meta = SWAP.launch_plan(qn, qr, cache, layout, slots, 0.06, torch.empty_like(qn), cfg, 132)
-        return SWAP._sparse_mla_swap_kernel, args, meta, 1
+        _, _, grid, args, meta = SWAP.launch_plan(qn, qr, cache, layout, slots, 0.06, torch.empty_like(qn), cfg, 132)
+        return SWAP._sparse_mla_swap_kernel, args, meta, grid[2]  # head blocks: programs a token
     cfg = TC._config(layout, sweep_sparse_mla_tc.CONFIGS[name])
     _, _, launches, meta = TC.launch_plan(qn, qr, cache, layout, slots, 0.06, torch.empty_like(qn), cfg, sms=132)
     return TC._sparse_mla_tc_kernel, launches[0][1], meta, meta["DV_SPLIT"]

@@ -39,8 +39,10 @@ SWAP_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and deco
 MAX_LATENT = 512  # four groups of <= 128 columns: one fp8_ds_mla scale each, 128 accumulator registers a thread
 RESCALE_LOG2 = tl.constexpr(8.0)
 # 8 warps x 128-key tiles: two warpgroups of 64 keys each along S's M; O^T [512, 64] fp32 is 128 registers a
-# thread. Triton 3.9 (offline sm_90 compile) feeds the tiles to wgmma from registers, so every group tile held
-# across the softmax costs 32 more: reload on (255 registers, ~1 KB spilled against ~1.7 KB kept). The sweep
+# thread. Offline sm_90 compile (Triton 3.9, T=4096): 68 wgmma a tile (S once), 88 KB of shared memory, 255
+# registers and ~1.1 KB spilled: Triton feeds the group tiles to wgmma from registers (32 a tile), so keeping
+# them across the softmax spills more (1.7 KB); 32 heads spill 0.3 KB; 2 stages do use cp.async for the
+# gathers but take 203 KB and spill 4 KB. The sweep
 # decides num_stages (2: Triton's pipeliner stages the gathers with cp.async), lazy (rescale O only when a
 # head's maximum grew by more than 2^RESCALE_LOG2, FlashAttention-4's trick) and block_h (32 heads: half the
 # accumulator registers, each row gathered by two programs).
