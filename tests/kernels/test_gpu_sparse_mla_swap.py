@@ -129,3 +129,19 @@ def test_registry_binds_the_dispatcher_only_when_switched_on(monkeypatch):
         monkeypatch.setattr(registry, "SPARSE_MLA_SWAP_AB", on)
         fn, impl = registry._gpu_ops(torch.device("cpu"))["sparse_mla_attention"]
         assert fn is want and ("swap-AB" in impl) == on
+
+
+@pytest.mark.skipif(not BIG, reason="17 GB of queries and output: GPU only")
+def test_swap_kernel_takes_a_131072_token_prefill_with_head_major_queries(gen):
+    """bench_gpu --prefill 131072's layout: head h's q offset is h * 2^26, past 2^31 from head 32 on."""
+    from dsaserve.kernels.triton_sparse_mla_swap import sparse_mla_attention_swap
+
+    t, h, dc, dr, k, n_slots = 131072, 64, 512, 64, 64, 4096
+    q_nope = torch.empty(h, t, dc, dtype=torch.bfloat16, device=DEVICE).normal_(generator=gen).transpose(0, 1)
+    q_rope = randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), "fp8_ds_mla", dc)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    got = sparse_mla_attention_swap(q_nope, q_rope, cache, "fp8_ds_mla", slots, 0.04, dc)
+    rows = torch.tensor([0, 1, t // 2, t - 2, t - 1], device=DEVICE)
+    ref = R.sparse_mla_attention(q_nope[rows], q_rope[rows], cache, "fp8_ds_mla", slots[rows], 0.04, dc)
+    assert rel(got[rows], ref) < BF16, f"seed {gen.initial_seed()}"
