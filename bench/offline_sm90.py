@@ -1,8 +1,9 @@
-"""Offline sm_90 compile of the tensor-core sparse MLA kernel: its registers, spills, shared memory and the
-instructions of its main loop, for every config of bench/sweep_sparse_mla_tc.py, without a GPU.
+"""Offline sm_90 compile of the tensor-core sparse MLA kernels: registers, spills, shared memory and the
+instructions of the main loop, for every config of bench/sweep_sparse_mla_tc.py (`--kernel tc`) or of
+bench/sweep_sparse_mla_swap.py (`--kernel swap`, the swap-AB kernel), without a GPU.
 
-Run anywhere Triton is installed:  PYTHONPATH=. python bench/offline_sm90.py [--only default,w8-bk64-dv1]
-The launch arguments come from `triton_sparse_mla_tc.launch_plan` on CPU tensors of glm-5.3-slice's shapes
+Run anywhere Triton is installed:  PYTHONPATH=. python bench/offline_sm90.py [--kernel swap] [--only a,b]
+The launch arguments come from the kernel module's `launch_plan` on CPU tensors of glm-5.3-slice's shapes
 (so the integer specialisation is the GPU run's: a value divisible by 16 is marked so, as Triton does), the
 kernel is compiled for GPUTarget("cuda", 90, 32), and the wheel's ptxas / cuobjdump read the result. What it
 found (Triton 3.9, a stand-in for the H200's 3.6): 8 warps on all 512 output columns spill in the loop and
@@ -25,9 +26,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.sweep_sparse_mla_tc import CONFIGS
+from bench import sweep_sparse_mla_swap, sweep_sparse_mla_tc
 from dsaserve.common.kv_layout import encode_latent, get_kv_layout
 from dsaserve.config import load_config
+from dsaserve.kernels import triton_sparse_mla_swap as SWAP
 from dsaserve.kernels import triton_sparse_mla_tc as TC
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -70,23 +72,32 @@ def loop_census(cubin: Path) -> dict[str, int]:
     return ops
 
 
-def report(name: str, t: int) -> str:
+def _plan(kernel: str, name: str, t: int):
+    """(jit function, launch args, constexprs, programs a token's key tile is read by) of one config at T tokens."""
     cfg_model = load_config("glm-5.3-slice")
     h, dc, dr, k = (cfg_model.num_attention_heads, cfg_model.kv_lora_rank, cfg_model.qk_rope_head_dim,
                     cfg_model.index_topk)
     qn, qr = torch.zeros(t, h, dc, dtype=torch.bfloat16), torch.zeros(t, h, dr, dtype=torch.bfloat16)
     cache = encode_latent(torch.zeros(64, dc + dr), "fp8_ds_mla", dc)
     layout = get_kv_layout("fp8_ds_mla")
-    cfg = TC._config(layout, CONFIGS[name])
-    _, _, launches, meta = TC.launch_plan(qn, qr, cache, layout, torch.zeros(t, k, dtype=torch.int64), 0.06,
-                                          torch.empty_like(qn), cfg, sms=132)
-    fn = TC._sparse_mla_tc_kernel
-    sig, consts, attrs = specialise(fn, launches[0][1], meta)
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    slots = torch.zeros(t, k, dtype=torch.int64)
+    if kernel == "swap":
+        cfg = SWAP._config(sweep_sparse_mla_swap.CONFIGS[name])
+        _, _, grid, args, meta = SWAP.launch_plan(qn, qr, cache, layout, slots, 0.06, torch.empty_like(qn), cfg, 132)
+        return SWAP._sparse_mla_swap_kernel, args, meta, grid[2]  # head blocks: programs a token
+    cfg = TC._config(layout, sweep_sparse_mla_tc.CONFIGS[name])
+    _, _, launches, meta = TC.launch_plan(qn, qr, cache, layout, slots, 0.06, torch.empty_like(qn), cfg, sms=132)
+    return TC._sparse_mla_tc_kernel, launches[0][1], meta, meta["DV_SPLIT"]
+
+
+def report(kernel: str, name: str, t: int) -> str:
+    fn, args, meta, programs_a_token = _plan(kernel, name, t)
+    sig, consts, attrs = specialise(fn, args, meta)
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(kernel.asm["ptx"])
+        ptx.write_text(compiled.asm["ptx"])
         ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
         v = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
                            check=True).stderr
@@ -95,21 +106,27 @@ def report(name: str, t: int) -> str:
         ops = loop_census(cubin)
     total = sum(ops.values())
     # warp instructions a token's key costs: all warps of all programs of the token (the SM issues 4 a cycle)
-    per_key = total * meta["num_warps"] * meta["DV_SPLIT"] / meta["BLOCK_K"]
-    return (f"{name:18s} T={t:5d} smem {kernel.metadata.shared / 1024:6.1f} KB  regs {regs:>3s}  spill st/ld "
-            f"{spill[0]:>5s}/{spill[1]:<5s} loop: {total:5d} instr, {per_key:5.0f} warp-instr a token-key, "
-            f"HGMMA {ops.get('HGMMA', 0):3d}, LDL {ops.get('LDL', 0):3d}, STL {ops.get('STL', 0):3d}")
+    per_key = total * meta["num_warps"] * programs_a_token / meta["BLOCK_K"]
+    return (f"{kernel:4s} {name:18s} T={t:5d} smem {compiled.metadata.shared / 1024:6.1f} KB  regs {regs:>3s}  "
+            f"spill st/ld {spill[0]:>5s}/{spill[1]:<5s} loop: {total:5d} instr, {per_key:5.0f} warp-instr a token-key, "
+            f"HGMMA {ops.get('HGMMA', 0):3d}, LDL {ops.get('LDL', 0):3d}, STL {ops.get('STL', 0):3d}, "
+            f"LDGSTS (cp.async) {ops.get('LDGSTS', 0):3d}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=",".join(CONFIGS))
+    ap.add_argument("--kernel", choices=("tc", "swap"), default="tc")
+    ap.add_argument("--only", default=None, help="configs (default: all of the kernel's sweep)")
     ap.add_argument("--tokens", default="128,4096", help="token counts (decode T=128, prefill)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless set; 3.6 fuses by default
-    for name in args.only.split(","):
+    configs = (sweep_sparse_mla_swap if args.kernel == "swap" else sweep_sparse_mla_tc).CONFIGS
+    for name in (args.only or ",".join(configs)).split(","):
         for t in (int(x) for x in args.tokens.split(",")):
-            print(report(name, t), flush=True)
+            try:
+                print(report(args.kernel, name, t), flush=True)
+            except Exception as ex:  # noqa: BLE001 - one config failing (e.g. shared memory) must not stop the rest
+                print(f"{args.kernel:4s} {name:18s} T={t:5d} FAILED {type(ex).__name__}: {str(ex)[-300:]}", flush=True)
 
 
 if __name__ == "__main__":

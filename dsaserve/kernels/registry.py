@@ -28,6 +28,9 @@ from dsaserve.kernels import reference
 
 ENV_VAR = "DSASERVE_KERNELS"
 CHOICES = ("auto", "reference")
+# sparse MLA from 16 tokens on: the swap-AB tensor-core kernel (keys as the MMA's M) instead of the split-K one.
+# Off until bench/sweep_sparse_mla_swap.py shows it faster on an H200 in every case (it prints FLIP yes / no).
+SPARSE_MLA_SWAP_AB = False
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe",
@@ -64,6 +67,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_moe,
         triton_moe_route,
         triton_sparse_mla,
+        triton_sparse_mla_swap,
     )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
@@ -93,11 +97,20 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
-        "sparse_mla_attention": (triton_sparse_mla.sparse_mla_attention, "triton sparse flash-decoding"),
+        "sparse_mla_attention": _sparse_mla(triton_sparse_mla, triton_sparse_mla_swap),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
     })
     return ops
+
+
+def _sparse_mla(split_k, swap) -> tuple[object, str]:
+    """Sparse MLA's kernel: split-K flash-decoding, or under SPARSE_MLA_SWAP_AB the swap-AB kernel from
+    `swap.SWAP_MIN_TOKENS` tokens on (split-K below)."""
+    if SPARSE_MLA_SWAP_AB:
+        return swap.sparse_mla_attention, (f"triton swap-AB tensor cores (T>={swap.SWAP_MIN_TOKENS}), else sparse "
+                                           "flash-decoding")
+    return split_k.sparse_mla_attention, "triton sparse flash-decoding"
 
 
 def _indexer_impl(triton_indexer, fp8_flag: str) -> str:
