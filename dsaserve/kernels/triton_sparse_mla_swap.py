@@ -31,7 +31,7 @@ import triton.language as tl
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel, _valid_end
 from dsaserve.kernels.triton_sparse_mla_tc import _LAYOUT, _cache_view, _gather_rope, _rope_bf16, _slots
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
@@ -133,7 +133,7 @@ def _sparse_mla_swap_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_h
     acc2 = tl.zeros([GW, BLOCK_H], tl.float32)
     acc3 = tl.zeros([GW, BLOCK_H], tl.float32)
     k0 = sp * keys_per_split
-    k1 = tl.minimum(k0 + keys_per_split, n_keys)
+    k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)  # -1 tail skipped
     for start in range(k0, k1, BLOCK_K):
         row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         c0, s0 = _group_tile(c_ptr, row, valid, stride_c, 0, LAYOUT, DC, GW)
