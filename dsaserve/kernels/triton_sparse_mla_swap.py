@@ -52,7 +52,7 @@ DEFAULT = {"block_k": 128, "num_warps": 8, "num_stages": 1, "reload": True, "laz
 
 @triton.jit
 def _group_tile(c_ptr, row, valid, stride_c, G: tl.constexpr, LAYOUT: tl.constexpr, DC: tl.constexpr,
-                GW: tl.constexpr, EVICT: tl.constexpr = "evict_last"):
+                GW: tl.constexpr, EVICT: tl.constexpr):
     """Latent columns [G * GW, (G + 1) * GW) of the gathered rows as bf16 [BLOCK_K, GW] (e4m3 exact, bf16 plain,
     fp32 rounded once) and their fp8_ds_mla scale [BLOCK_K] (1 on the other layouts; 0 on skipped rows).
     EVICT differs between a gather and its RELOAD: identical loads would be merged by the compiler's CSE."""
@@ -136,10 +136,10 @@ def _sparse_mla_swap_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_h
     k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)  # -1 tail skipped
     for start in range(k0, k1, BLOCK_K):
         row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
-        c0, s0 = _group_tile(c_ptr, row, valid, stride_c, 0, LAYOUT, DC, GW)
-        c1, s1 = _group_tile(c_ptr, row, valid, stride_c, 1, LAYOUT, DC, GW)
-        c2, s2 = _group_tile(c_ptr, row, valid, stride_c, 2, LAYOUT, DC, GW)
-        c3, s3 = _group_tile(c_ptr, row, valid, stride_c, 3, LAYOUT, DC, GW)
+        c0, s0 = _group_tile(c_ptr, row, valid, stride_c, 0, LAYOUT, DC, GW, "evict_last")
+        c1, s1 = _group_tile(c_ptr, row, valid, stride_c, 1, LAYOUT, DC, GW, "evict_last")
+        c2, s2 = _group_tile(c_ptr, row, valid, stride_c, 2, LAYOUT, DC, GW, "evict_last")
+        c3, s3 = _group_tile(c_ptr, row, valid, stride_c, 3, LAYOUT, DC, GW, "evict_last")
         kr = _rope_bf16(_gather_rope(c_ptr, row, valid, stride_c, LAYOUT, DC, DR, BLOCK_R), LAYOUT, False)
         s = tl.dot(kr, qr)
         s = _score(s, c0, q0, s0, LAYOUT)
