@@ -45,6 +45,8 @@ CONFIGS: dict[str, dict] = {
     "d128 bn1 64 (unfused quant)": {"kernel": "dense", "bn1": 64, "stages1": 4},
     "d64 w4 s4/4": {"kernel": "dense", "block_m": 64, "warps1": 4, "stages1": 4, "warps2": 4, "stages2": 4},
     "d64 w8 bn2 256": {"kernel": "dense", "block_m": 64, "warps1": 8, "stages1": 4, "bn2": 256, "stages2": 3},
+    "d64 w8 promote": {"kernel": "dense", "block_m": 64, "warps1": 8, "stages1": 4, "mma_acc": False},
+    "d128 bn1 64 promote": {"kernel": "dense", "bn1": 64, "stages1": 4, "mma_acc": False},
     "d64 w4 bn1 64": {"kernel": "dense", "block_m": 64, "bn1": 64, "warps1": 4, "stages1": 4, "warps2": 4},
 }
 SHAPE = {"slice": (32, 6144, 2048, 8), "tiny": (4, 256, 128, 2)}  # E, H, I, top-k
@@ -273,6 +275,25 @@ def main() -> None:
     write(Path(args.out), peak, rows, stages)
     for t in tokens:
         print(f"fastest correct dense variant at T={t}: {best_dense(rows, t)}", flush=True)
+    print_accuracy(rows)
+
+
+def print_accuracy(rows: list[dict]) -> None:
+    """Worst relative error of each accumulation mode (and of the gather kernel) per batch: mma_acc's K sum runs
+    through the FP8 MMA accumulator (reduced precision on sm_90), promote's is fp32 every 128 K."""
+    def mode(conf: dict) -> str:
+        if conf.get("kernel") != "dense":
+            return "gather"
+        return "mma_acc" if conf.get("mma_acc", True) and 128 % conf.get("bn2", 128) == 0 else "promote"
+
+    for key in sorted({(r["T"], r["dist"]) for r in rows}):
+        worst: dict[str, float] = {}
+        for r in rows:
+            if (r["T"], r["dist"]) == key and "rel_err" in r:
+                m = mode(r["config"])
+                worst[m] = max(worst.get(m, 0.0), r["rel_err"])
+        print(f"accuracy T={key[0]} {key[1]}: worst rel err " + ", ".join(f"{m} {v:.4f}" for m, v in worst.items()),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ def _k_step(acc, unit, a, w, sa, ws_ptrs, ws_ptr0, nmask, ONE_WS: tl.constexpr, 
     MMA_ACC (needs ONE_WS): acc is kept in units of the last step's scales (true sum = acc * unit[row]), so
     the MMA accumulates into it in place: acc = a @ w^T + acc * (unit / s), unit = s. No second
     [BM, BN] fp32 tile for the step's product (registers), one multiply an element as before. fp32 holds
-    the range: s >= 2e-15 * the smallest weight scale. Else: the step's product is scaled and added."""
+    the range: s >= 2e-15 * the smallest weight scale. But the whole K sum then runs through the FP8 MMA's
+    accumulator, which on sm_90 adds with reduced precision (Triton's default there: no promotion), where
+    the other mode promotes every 128 K as DeepGEMM does: the sweep reports both modes' errors.
+    Else: the step's product is scaled and added in fp32."""
     if MMA_ACC:
         s = sa * tl.load(ws_ptr0)
         acc = tl.dot(a, tl.trans(w), acc * (unit / s)[:, None])
