@@ -10,8 +10,9 @@ Owns: the GPU variant of `reference.fused_moe` and the token sort it needs. One 
   3. GEMM2 (Triton, grouped): act @ w2[e]^T scaled by the pair's routing weight -> [T*k, H];
   4. combine: the k rows of each token summed in fp32 (one kernel; no atomics: deterministic).
 FP8 experts: activations quantised per (token, 128-group) to e4m3 and FP8 tensor-core dots; decode-size
-batches use the swap-AB kernels (expert weight rows as the MMA's M), prefill the A-operand one. Dense
-(bf16) experts keep bf16 activations. The router is `triton_moe_route.py`.
+batches use the swap-AB kernels (expert weight rows as the MMA's M), prefill (FP8 experts) the dense grouped
+GEMMs over permuted rows of `triton_moe_prefill.py` (or the A-operand gather kernel, PREFILL_CONFIG["kernel"]).
+Dense (bf16) experts keep bf16 activations. The router is `triton_moe_route.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
+from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, moe_prefill_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 PREFILL_MIN_PAIRS = 4096  # T*k pairs from which the A-operand (prefill) kernel replaces the swap-AB one
@@ -288,9 +290,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
-    ("unsorted" | "swap" | "gemm"). `absent`: ids may be E (another rank's expert): no program computes those
-    pairs (the unsorted kernel's experts never match E, `moe_align` sorts them past its total) and their rows
-    of the per-pair output are zeros, so the combine adds nothing for them.
+    ("unsorted" | "swap" | "gemm" | "dense"); for "dense" (`triton_moe_prefill`, the FP8 prefill default
+    when PREFILL_CONFIG["kernel"] says so) it overrides PREFILL_CONFIG's keys instead. `absent`: ids may be E
+    (another rank's expert): no program computes those pairs (the unsorted kernel's experts never match E,
+    `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their rows of
+    the per-pair output are zeros, so the combine adds nothing for them.
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -304,8 +308,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     cfg = {"block_m": _block_m(pairs, e), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
            "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap"}
     if pairs >= PREFILL_MIN_PAIRS:
-        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4, kernel="gemm")
+        dense_ok = fp8 and (config or {}).get("fp8_act", True)  # the dense path takes FP8 activations only
+        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
+                   kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
     cfg.update(config or {})
+    if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)
+        if not (fp8 and cfg["fp8_act"]):
+            raise ValueError("fused_moe: kernel 'dense' needs FP8 experts and FP8 activations")
+        dense = {**PREFILL_CONFIG, **(config or {})}
+        if pairs == 0:
+            return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
+        route = moe_align(topk_ids, e, dense["block_m"])
+        return moe_prefill_fp8(x.contiguous(), w13, w13_scale, w2, w2_scale, topk_weights, route, top_k, add, dense)
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
               "kernel": kernel}

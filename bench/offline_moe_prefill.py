@@ -1,0 +1,94 @@
+"""Offline sm_90 compile of the MoE prefill grouped GEMMs (`triton_moe_prefill`): registers, spills and shared
+memory of GEMM1 and GEMM2 for a sweep variant, without a GPU (bench/offline_sm90.py's technique).
+
+Run anywhere Triton is installed:  PYTHONPATH=. python bench/sweep_moe_prefill.py --offline [--only NAME,..]
+Launch arguments come from `triton_moe_prefill.gemm_plan` on CPU tensors of glm-5.3-slice's expert shapes (a
+few experts, 512 tokens: only pointer / descriptor types and the divisibility of integers reach the compiler,
+as in the GPU launch); TMA descriptors are typed by Triton's own `mangle_type`.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+from dsaserve.kernels import triton_moe as MOE
+from dsaserve.kernels import triton_moe_prefill as P
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+E, H, INTER, TOP_K, T = 2, 6144, 2048, 8, 512
+
+
+def specialise(fn, args: tuple, meta: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as a launch with these arguments would specialise them."""
+    sig, attrs, consts = {}, {}, {}
+    names = list(fn.arg_names)
+    for i, (name, value) in enumerate(zip(names[:len(args)], args, strict=True)):
+        sig[name] = mangle_type(value)
+        if isinstance(value, torch.Tensor):
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, int):
+            aligned = value % 16 == 0 and sig[name] in ("i32", "i64")
+        else:
+            aligned = False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in names[len(args):]:
+        sig[name] = "constexpr"
+        consts[name] = meta.get(name, False)  # PDL: off offline
+    return sig, consts, attrs
+
+
+def plans(conf: dict) -> list[tuple[str, int, tuple, dict]]:
+    cfg = {**P.PREFILL_CONFIG, **conf}
+    ids = torch.randint(0, E, (T, TOP_K))
+    route = MOE.moe_align(ids, E, cfg["block_m"])
+    rows = route[0].numel()
+    f8 = torch.float8_e4m3fn
+    w13, s13 = torch.zeros(E, 2 * INTER, H, dtype=f8), torch.ones(E, 2 * INTER // 128, H // 128)
+    w2, s2 = torch.zeros(E, H, INTER, dtype=f8), torch.ones(E, H // 128, INTER // 128)
+    a1, a1_s = torch.zeros(rows, H, dtype=f8), torch.ones(H // 128, rows)
+    fused = cfg["bn1"] == 128
+    act = torch.zeros(rows, INTER, dtype=f8 if fused else torch.bfloat16)
+    act_s = torch.ones(INTER // 128, rows)
+    out = torch.zeros(rows, H, dtype=torch.bfloat16)
+    return [("gemm1", *P.gemm_plan(a1, a1_s, w13, s13, act, act_s if fused else None, route, INTER, True, cfg, 1)),
+            ("gemm2", *P.gemm_plan(act.to(f8), act_s, w2, s2, out, None, route, H, False, cfg, 2))]
+
+
+def compile_one(args: tuple, meta: dict) -> str:
+    fn = P._grouped_fp8_gemm_kernel
+    sig, consts, attrs = specialise(fn, args, meta)
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
+        v = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
+                           check=True).stderr
+    regs = re.search(r"Used (\d+) registers", v).group(1)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v).groups()
+    wgmma = kernel.asm["ptx"].count("wgmma.mma_async")
+    return (f"smem {kernel.metadata.shared / 1024:6.1f} KB regs {regs:>3s} spill st/ld {spill[0]}/{spill[1]} "
+            f"wgmma {wgmma}")
+
+
+def report(name: str, conf: dict) -> str:
+    if conf.get("kernel") != "dense":
+        return f"{name:30s} (not a dense variant)"
+    parts = []
+    for gemm, _, args, meta in plans(conf):
+        try:
+            parts.append(f"{gemm}: {compile_one(args, meta)}")
+        except Exception as ex:  # noqa: BLE001 - a variant that does not compile is a result
+            parts.append(f"{gemm}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
+    return f"{name:30s} " + " | ".join(parts)

@@ -1,0 +1,171 @@
+"""The fused MoE prefill path (`triton_moe_prefill`: permute + quantise, dense grouped FP8 GEMMs, un-permuting
+combine) against `reference.fused_moe`, over its tilings, skewed routing with an expert nobody chose, absent
+experts, shapes off the 128 grid, and its pieces against their unfused equivalents.
+Set-up and error bounds: tests/kernels/gpu_common.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels import reference as R
+from dsaserve.weights.fp8 import quantize_fp8_block
+from tests.kernels.gpu_common import (
+    BIG,
+    DEVICE,
+    FP8A,
+    MODELS,
+    gpu_modules,
+    poison_free_memory,
+    randn,
+    rel,
+    requires_gpu_kernels,
+)
+
+pytestmark = requires_gpu_kernels
+
+# (E, H, I, k): H and I multiples of 128, and both off the 128 grid (partial K steps, up rows starting
+# inside a weight scale block, a partial last act quant group)
+SHAPES = [(8, 1024, 512, 8), (6, 640, 320, 4)] if BIG else [(4, 256, 128, 2), (3, 320, 192, 2)]
+CONFIGS = {  # block_m small so the toy batches still make several blocks an expert
+    "default": {},
+    "promote": {"mma_acc": False},
+    "unfused-quant": {"bn1": 64, "bn2": 64},
+    "pointer-persistent": {"tma": False, "persistent": True, "group_m": 2},
+    "bn2-256": {"bn2": 256, "warps2": 8},
+}
+
+
+def _weights(gen, e, h, inter):
+    (w13, s13), (w2, s2) = (quantize_fp8_block(randn(e, 2 * inter, h, gen=gen, scale=0.05)),
+                            quantize_fp8_block(randn(e, h, inter, gen=gen, scale=0.05)))
+    return w13, s13, w2, s2
+
+
+def _route(gen, t, e, k, dist):
+    """(weights [T, k] fp32, ids [T, k] int64): uniform, or skewed (expert 0 takes most, expert 1 none)."""
+    probs = torch.ones(e, device=DEVICE)
+    if dist == "skewed":
+        probs = torch.linspace(8.0, 1.0, e, device=DEVICE)
+        probs[1] = 0.0
+    ids = torch.multinomial(probs.expand(t, e), k, replacement=False, generator=gen)
+    tw = torch.rand(t, k, generator=gen, device=DEVICE) + 0.1
+    return tw, ids
+
+
+def _dense(conf: dict) -> dict:
+    return {"kernel": "dense", "block_m": 32 if BIG else 16, **conf}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dist", ["uniform", "skewed"])
+def test_dense_moe_matches_reference_in_every_tiling(gen, shape, dist):
+    moe = gpu_modules()[3]
+    e, h, inter, k = shape
+    w = _weights(gen, e, h, inter)
+    t = 300 if BIG else 37
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    tw, ids = _route(gen, t, e, k, dist)
+    ref = R.fused_moe(x, *w[:2], *w[2:], tw, ids)
+    for name, conf in CONFIGS.items():
+        poison_free_memory()
+        got = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=_dense(conf))
+        assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all(), name
+        assert rel(got, ref) < FP8A, f"seed {gen.initial_seed()} {name}"
+
+
+def test_fused_moe_runs_the_dense_path_from_the_prefill_size(gen, monkeypatch):
+    moe = gpu_modules()[3]
+    from dsaserve.kernels import triton_moe_prefill as P
+
+    e, h, inter, k = SHAPES[0]
+    w = _weights(gen, e, h, inter)
+    x = randn(20, h, gen=gen, dtype=torch.bfloat16)
+    tw, ids = _route(gen, 20, e, k, "uniform")
+    monkeypatch.setattr(moe, "PREFILL_MIN_PAIRS", 16)
+    monkeypatch.setitem(P.PREFILL_CONFIG, "block_m", 16)
+    calls = []
+    real = moe.moe_prefill_fp8
+    monkeypatch.setattr(moe, "moe_prefill_fp8", lambda *a: calls.append(a[-1]) or real(*a))
+    got = moe.fused_moe(*[x, *w[:2], *w[2:], tw, ids])
+    assert len(calls) == 1 and calls[0]["block_m"] == 16
+    assert rel(got, R.fused_moe(x, *w[:2], *w[2:], tw, ids)) < FP8A, f"seed {gen.initial_seed()}"
+    monkeypatch.setitem(P.PREFILL_CONFIG, "kernel", "gemm")  # the flip back to the gather kernel
+    moe.fused_moe(*[x, *w[:2], *w[2:], tw, ids])
+    assert len(calls) == 1
+
+
+def test_dense_moe_skips_absent_experts_and_adds_the_shared_output(gen):
+    moe = gpu_modules()[3]
+    e, h, inter, k = SHAPES[0]
+    w = _weights(gen, e, h, inter)
+    t = 29
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    tw, ids = _route(gen, t, e, k, "uniform")
+    ids = torch.where(ids % 2 == 1, torch.full_like(ids, e), ids)  # odd experts live on another rank
+    ref = R.fused_moe(x, *w[:2], *w[2:], tw, ids, absent=True)
+    poison_free_memory()
+    got = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=_dense({}), absent=True)
+    assert torch.isfinite(got).all() and rel(got, ref) < FP8A, f"seed {gen.initial_seed()}"
+    shared = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    with_add = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, add=shared, config=_dense({}), absent=True)
+    assert torch.equal(with_add, got + shared)
+
+
+def test_permute_quant_writes_the_sorted_quantised_rows_and_their_positions(gen):
+    moe = gpu_modules()[3]
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_moe_prefill as P
+
+    t, e, h, k, bm = 23, 5, 320, 3, 16
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    _, ids = _route(gen, t, e, k, "skewed")
+    route = moe.moe_align(ids, e, bm)
+    q, s, pos = P.permute_quant(x, route, k)
+    total = int(route[2])
+    sorted_ids = route[0][:total].long()
+    real = sorted_ids < t * k
+    want_q, want_s = G.quant_act_fp8(x)
+    rows = torch.where(real, sorted_ids // k, 0)
+    assert torch.equal(q[:total][real].view(torch.uint8), want_q[rows[real]].view(torch.uint8))
+    assert torch.equal(s.t()[:total][real], want_s[rows[real]])
+    assert (q[:total][~real].float() == 0).all()
+    assert torch.equal(pos.long().sort().values, torch.nonzero(real).flatten())  # each pair once
+    assert torch.equal(sorted_ids[pos.long()], torch.arange(t * k, device=DEVICE))
+
+
+def test_gemm1_quantised_epilogue_equals_quantising_its_bf16_output(gen):
+    """The fused act quantiser writes the bytes `quant_act_fp8` would write from the unfused bf16 act."""
+    moe = gpu_modules()[3]
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_moe_prefill as P
+
+    e, h, inter, k = SHAPES[1]  # I off the 128 grid: a partial last quant group
+    w13, s13, _, _ = _weights(gen, e, h, inter)
+    t = 19
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    _, ids = _route(gen, t, e, k, "skewed")
+    cfg = {**P.PREFILL_CONFIG, "block_m": 16}
+    route = moe.moe_align(ids, e, 16)
+    a1, a1_s, _ = P.permute_quant(x, route, k)
+    rows, total = a1.shape[0], int(route[2])
+    act8 = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=DEVICE)
+    act8_s = torch.empty(-(-inter // 128), rows, device=DEVICE)
+    P.grouped_gemm(a1, a1_s, w13, s13, act8, act8_s, route, inter, True, cfg, 1)
+    act16 = torch.empty(rows, inter, dtype=torch.bfloat16, device=DEVICE)
+    P.grouped_gemm(a1, a1_s, w13, s13, act16, None, route, inter, True, {**cfg, "bn1": 64}, 1)
+    want_q, want_s = G.quant_act_fp8(act16[:total])
+    assert torch.equal(act8[:total].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(act8_s[:, :total].t(), want_s)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_dense_moe_takes_each_models_shapes(gen, model):
+    cfg, moe = MODELS[model], gpu_modules()[3]
+    e, h, inter, k = min(cfg.n_routed_experts, 8), cfg.hidden_size, cfg.moe_intermediate_size, \
+        min(cfg.num_experts_per_tok, 4)
+    w = _weights(gen, e, h, inter)
+    x = randn(9, h, gen=gen, dtype=torch.bfloat16)
+    tw, ids = _route(gen, 9, e, k, "skewed")
+    got = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=_dense({}))
+    assert rel(got, R.fused_moe(x, *w[:2], *w[2:], tw, ids)) < FP8A, f"seed {gen.initial_seed()} {model}"
