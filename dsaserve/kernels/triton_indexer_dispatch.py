@@ -4,9 +4,9 @@
 Owns: the routing, nothing else.
   prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys, outside CUDA-graph capture
       (a decode graph bucket may hold that many tokens; the prefill kernels' block tables are built on the host)
-      -> `triton_indexer_gemm` (tiled FP8 score GEMM into a bounded chunk workspace + split radix select), or
-      with DSASERVE_INDEXER_PREFILL=stream the fallback `triton_indexer_prefill` (one FP8 GEMM with a
-      streaming top-k);
+      -> `triton_indexer_prefill` (one FP8 GEMM with a streaming top-k), or with DSASERVE_INDEXER_PREFILL=gemm
+      `triton_indexer_gemm` (tiled FP8 score GEMM into a bounded chunk workspace + split radix select: its
+      scores run at 390-700 TFLOP/s on the H200, but its selection is not yet checked there, so not the default);
   decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
       triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
       split over programs);
@@ -51,7 +51,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     if max_seq > topk:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # prefill builds a host block table
         prefill = t > triton_indexer.SELECT_MAX_ROWS and not capturing
-        if (prefill and envs.DSASERVE_INDEXER_PREFILL != "stream"
+        if (prefill and envs.DSASERVE_INDEXER_PREFILL == "gemm"
                 and triton_indexer_gemm.supported(layout, q.shape[2])):
             return triton_indexer_gemm.gemm_topk(q, head_weights, index_cache, layout, page_table, req_index,
                                                  positions, topk, page_size, seq_lens, extend_lens)
