@@ -46,10 +46,17 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR") or cache_root() / "triton")
 
 
+# Lists recorded on a device and shipped (extern library paths dropped): the first start on an empty cache has
+# them too. Named <arch>-<config>; a list for another GPU or model only costs its workers' CPU time.
+PACKAGED_SPECS = Path(__file__).with_name("kernel_specs")
+
+
 def spec_files() -> list[Path]:
-    """The lists to replay: this cache's own, then DSASERVE_KERNEL_SPECS (os.pathsep-separated), those present."""
+    """The lists to replay: this cache's own, DSASERVE_KERNEL_SPECS (os.pathsep-separated), then the packaged
+    ones; those present."""
     extra = [Path(p) for p in (envs.DSASERVE_KERNEL_SPECS or "").split(os.pathsep) if p]
-    return [p for p in [cache_root() / SPECS_FILE, *extra] if p.is_file()]
+    packaged = sorted(PACKAGED_SPECS.glob("*.jsonl")) if PACKAGED_SPECS.is_dir() else []
+    return [p for p in [cache_root() / SPECS_FILE, *extra, *packaged] if p.is_file()]
 
 
 def read_specs(paths: list[Path]) -> list[str]:
@@ -154,12 +161,23 @@ def compile_spec(spec: str) -> str | None:
         constexprs = {tuple(k): _constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)}
         attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
         signature = {k: _tuples(v) for k, v in d["signature"].items()}
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
-        triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(**d["target"]),
-                       options=options)
+        # extern library paths are the recording machine's; left out, the backend puts this install's default
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
+        triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_target(d, GPUTarget), options=options)
         return None
     except Exception as e:  # one bad spec must not stop the others
         return f"{_name(spec)}: {type(e).__name__}: {e}"[:300]
+
+
+def _target(d: dict[str, Any], gpu_target: Any) -> Any:
+    """The spec's GPUTarget: Triton 3.9 writes it; 3.6 (the H200's) only has the options' backend / arch / warps
+    (a spec without it failed with KeyError 'target' on the H200, every one of 93)."""
+    if "target" in d:
+        return gpu_target(**d["target"])
+    opts = d["options"]
+    arch = str(opts["arch"])
+    return gpu_target(opts.get("backend_name", "cuda"), int(arch[2:]) if arch.startswith("sm") else arch,
+                      opts.get("warp_size", 32))
 
 
 def _name(spec: str) -> str:

@@ -38,9 +38,13 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 #   the MMA tile is block_m x 2*bn1); bn2 / warps2 / stages2: GEMM2; group_m: M blocks per band;
 # persistent: one program per SM looping over tiles; tma: TMA descriptor loads (else pointer loads of the
 #   same dense rows); mma_acc: the MMA accumulates in place, block scales as a per-row rescale (`_k_step`).
+# H200 sweep (2026-12-01, bench/RESULTS.md): mma_acc False (fp32 adds every 128 K, DeepGEMM's promotion) was
+#   the fastest correct variant at T = 4096 / 8192 / 16384 tokens, uniform and skewed routing: 605-671 TFLOP/s,
+#   0.42-0.47 of that run's _scaled_mm FP8 peak (the gather kernel 470-511, 0.33-0.36), same error as the
+#   reference's other paths (rel 0.0434 vs 0.0436).
 PREFILL_CONFIG = {"kernel": "dense", "block_m": 128, "bn1": 128, "warps1": 8, "stages1": 3,
                   "bn2": 128, "warps2": 8, "stages2": 4, "group_m": 8, "persistent": False, "tma": True,
-                  "mma_acc": True}
+                  "mma_acc": False}
 PERMUTE_GROUPS = 8  # 128-groups a permute program quantises (6 programs a GLM-5.3 row)
 
 

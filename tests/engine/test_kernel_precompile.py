@@ -50,6 +50,7 @@ def caches(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.delenv("DSASERVE_KERNEL_SPECS", raising=False)
     monkeypatch.delenv("DSASERVE_PRECOMPILE", raising=False)
+    monkeypatch.setattr(kp, "PACKAGED_SPECS", tmp_path / "packaged")  # none shipped, unless a test writes one
     envs.reload()
     yield tmp_path
     envs.reload()
@@ -125,3 +126,30 @@ def test_start_runs_the_recorded_lists(caches, monkeypatch):
     assert report["specs"] == 1 and report["failed"] == 0 and report["compiled"] >= 1, report
     assert report["lists"] == [str(extra)] and report["wall_s"] >= report["waited_s"] >= 0
     assert handle.wait() is report
+
+
+def test_packaged_lists_come_last_and_the_shipped_one_is_for_an_h200():
+    """A list shipped with the package is replayed on an empty cache too (after the cache's own and the user's)."""
+    shipped = sorted(Path(kp.__file__).with_name("kernel_specs").glob("*.jsonl"))
+    assert shipped and all(p.name.startswith("sm90-") for p in shipped)
+    specs = kp.read_specs(shipped)
+    assert len(specs) > 50 and all(json.loads(s)["options"]["arch"] == "sm90" for s in specs)
+    assert not any("extern_libs" in json.loads(s)["options"] for s in specs)  # the recording machine's paths
+
+
+def test_a_packaged_list_is_replayed_after_the_others(caches, monkeypatch):
+    (caches / "packaged").mkdir()
+    shipped = caches / "packaged" / "sm90-x.jsonl"
+    shipped.write_text(_spec(16) + "\n")
+    extra = caches / "extra.jsonl"
+    extra.write_text(_spec(32) + "\n")
+    monkeypatch.setenv("DSASERVE_KERNEL_SPECS", str(extra))
+    envs.reload()
+    assert kp.spec_files() == [extra, shipped]
+
+
+def test_a_spec_without_a_target_takes_its_options_arch():
+    """Triton 3.6 (the H200's) serialises no target: the options' backend, arch and warp size give it."""
+    got = kp._target({"options": {"backend_name": "cuda", "arch": "sm90", "warp_size": 32}}, lambda *a: a)
+    assert got == ("cuda", 90, 32)
+    assert kp._target({"target": {"backend": "cuda", "arch": 90, "warp_size": 32}}, lambda **k: k)["arch"] == 90
