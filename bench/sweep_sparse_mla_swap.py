@@ -11,7 +11,8 @@ Run on the device (<= 4 min on an H200):  PYTHONPATH=. python bench/sweep_sparse
 3. times each as CUDA-graph replays over enough input copies to defeat the L2 (bench_kernels' graph_time),
    printing µs, TFLOP/s, x the split-K kernel, x FlashMLA's published sparse figures (H800: 410 decode, 640
    prefill) and x this run's bf16 GEMM;
-4. prints BEST per case, the overall winner (geometric mean) and whether to flip registry.SPARSE_MLA_SWAP_AB.
+4. prints BEST per case, the overall winner (geometric mean) and whether to flip registry.SPARSE_MLA_SWAP_AB;
+   and, apart, the split-K kernel's best config per case (`SPLIT_K`: tiles and stages it was never swept at).
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ CONFIGS = {  # name: overrides of triton_sparse_mla_swap.DEFAULT (128-key tiles,
     "bk64-w4": {"block_k": 64, "num_warps": 4},  # one warpgroup: S not duplicated, O^T 256 registers a thread
     "h32-bk64-w4": {"block_h": 32, "block_k": 64, "num_warps": 4},  # one warpgroup, O^T 128 registers a thread
 }
+# the split-K kernel the registry binds (`triton_sparse_mla`, 4-group, 64 heads, 8 warps, 32-key tiles, 2 stages):
+# the tiles and pipelining its earlier sweeps never tried (bench/RESULTS.md: only 16/32-key tiles at 8 warps)
+SPLIT_K = {
+    "sk-s1": {"num_stages": 1},
+    "sk-s3": {"num_stages": 3},
+    "sk-bk64": {"block_k": 64},
+    "sk-bk64-s1": {"block_k": 64, "num_stages": 1},
+    "sk-w4": {"num_warps": 4},
+    "sk-w4-bk64": {"num_warps": 4, "block_k": 64},
+    "sk-bk16-s3": {"block_k": 16, "num_stages": 3},
+    "sk-generic": {"grouped": False},  # dequantise first, one chained dot over the 576 columns
+    "sk-generic-bk64": {"grouped": False, "block_k": 64},
+}
+CONFIGS.update(SPLIT_K)
 
 
 def _call(name: str, a: tuple, layout: str = "fp8_ds_mla") -> torch.Tensor:
@@ -48,8 +63,9 @@ def _call(name: str, a: tuple, layout: str = "fp8_ds_mla") -> torch.Tensor:
     from dsaserve.kernels import triton_sparse_mla
     from dsaserve.kernels.triton_sparse_mla_swap import sparse_mla_attention_swap
 
-    if name == OLD:
-        return triton_sparse_mla.sparse_mla_attention(a[0], a[1], a[2], layout, a[3], a[4], a[5])
+    if name == OLD or name in SPLIT_K:
+        return triton_sparse_mla.sparse_mla_attention(a[0], a[1], a[2], layout, a[3], a[4], a[5],
+                                                      config=SPLIT_K.get(name))
     return sparse_mla_attention_swap(a[0], a[1], a[2], layout, a[3], a[4], a[5], config=CONFIGS[name])
 
 
@@ -134,9 +150,22 @@ def timings(names: list[str], peak: float) -> list[dict]:
     return rows
 
 
+def split_k_summary(rows: list[dict], bad: set[str]) -> None:
+    """Per case, the split-K kernel's best config against its registry default (a config to paste into
+    `triton_sparse_mla.sparse_mla_attention`'s cfg for that shape class)."""
+    old = {r["case"]: r["TFLOPs"] for r in rows if r["config"] == OLD}
+    for case in CASES:
+        mine = [r for r in rows if r["case"] == case and r["config"] in SPLIT_K and r["config"] not in bad]
+        if mine and case in old:
+            b = max(mine, key=lambda r: r["TFLOPs"])
+            print(f"SPLIT-K BEST {case:15s} {b['config']:16s} {json.dumps(SPLIT_K[b['config']]):40s} "
+                  f"{b['TFLOPs']:7.1f} TFLOP/s = {b['TFLOPs'] / old[case]:.2f} x the registry default")
+
+
 def summary(rows: list[dict], errs: dict[str, float]) -> dict:
     bad = {k.split(" ")[0] for k, v in errs.items() if not v < 1e-2}  # keys: "config layout T=t"
-    ok = [r for r in rows if r["config"] in CONFIGS and r["config"] not in bad]
+    split_k_summary(rows, bad)
+    ok = [r for r in rows if r["config"] in CONFIGS and r["config"] not in SPLIT_K and r["config"] not in bad]
     old = {r["case"]: r["TFLOPs"] for r in rows if r["config"] == OLD}
     best = {}
     for case in CASES:

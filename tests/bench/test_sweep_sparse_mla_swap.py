@@ -36,4 +36,15 @@ def test_summary_does_not_flip_when_the_split_k_kernel_wins_a_case():
 def test_configs_are_known_overrides_of_the_kernels_default():
     from dsaserve.kernels.triton_sparse_mla_swap import DEFAULT
 
-    assert "default" in S.CONFIGS and all(set(c) <= set(DEFAULT) for c in S.CONFIGS.values())
+    swap = {n: c for n, c in S.CONFIGS.items() if n not in S.SPLIT_K}
+    assert "default" in swap and all(set(c) <= set(DEFAULT) for c in swap.values())
+    # the split-K configs override what sparse_mla_attention's `config` takes
+    assert all(set(c) <= {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped"}
+               for c in S.SPLIT_K.values())
+
+
+def test_split_k_configs_are_summarised_apart_and_never_flip_the_swap_switch(capsys):
+    rows = _rows({S.OLD: 100.0, "default": 90.0, "sk-bk64": 130.0})
+    out = S.summary(rows, {})
+    assert not out["flip"] and out["winner"] == "default"
+    assert "SPLIT-K BEST" in capsys.readouterr().out
