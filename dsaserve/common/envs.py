@@ -64,6 +64,9 @@ SWITCHES: dict[str, Switch] = {
         False, lambda raw: raw.strip() == "1",
         "'1': warmup runs only the attention cores of each shape on the replayed buckets' buffers (not yet "
         "measured on a GPU: the A/B for issue 16's warm start)"),
+    "DSASERVE_SPARSE_MLA_CONFIG": Switch(
+        None, _text, "JSON overrides of the GPU sparse MLA's tiling for 3+ tokens, e.g. '{\"block_k\": 64}' "
+        "(keys of triton_sparse_mla.sparse_mla_attention's config; a sweep's winner tried in a whole model)"),
     "DSASERVE_PRECOMPILE": Switch(
         True, _on_unless_zero, "'0': no parallel precompile of the recorded Triton kernel specs at start-up "
         "(engine/kernel_precompile.py; the A/B for issue 16's cold start)"),
@@ -86,6 +89,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_SYMM_MEM: bool
     DSASERVE_FP32_LM_HEAD: bool
     DSASERVE_WARMUP_CORES_ONLY: bool
+    DSASERVE_SPARSE_MLA_CONFIG: str | None
     DSASERVE_PRECOMPILE: bool
     DSASERVE_KERNEL_SPECS: str | None
     DSASERVE_CACHE_DIR: str | None

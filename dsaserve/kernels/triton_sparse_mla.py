@@ -19,10 +19,13 @@ and an int32 product wrapped into an illegal address (issue 17).
 
 from __future__ import annotations
 
+import json
+
 import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP32, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
@@ -228,6 +231,19 @@ def _cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int):
     return typed, typed, typed, typed.stride(0), 0, 0, 0, 0
 
 
+def _env_config(raw: str) -> dict:
+    """DSASERVE_SPARSE_MLA_CONFIG: a JSON object of known config keys (the error names the switch)."""
+    try:
+        conf = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: not JSON ({e}): {raw!r}") from None
+    unknown = set(conf) - {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped"} \
+        if isinstance(conf, dict) else {raw}
+    if unknown:
+        raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: unknown keys {sorted(unknown)} in {raw!r}")
+    return conf
+
+
 def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
     """Flash-decoding splits: enough programs for ~2 waves, each split at least 2 key blocks."""
     progs = t * head_blocks
@@ -264,6 +280,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     ds4 = layout == FP8_DS_MLA and dc == 512 and t > 2
     cfg = {"block_h": 64 if ds4 else 16, "block_k": 32, "num_warps": 8 if ds4 else 4, "num_stages": 2,
            "splits": None, "grouped": ds4}
+    if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
+        cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
     bh, bk = cfg["block_h"], cfg["block_k"]
     head_blocks = triton.cdiv(h, bh)

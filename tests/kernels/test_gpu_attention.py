@@ -243,6 +243,21 @@ def test_sparse_mla_attention_stops_at_each_tokens_last_valid_slot(gen, layout):
         assert got[-1].eq(0).all(), conf
 
 
+def test_sparse_mla_config_switch_applies_to_batches_and_names_itself_on_bad_input(gen):
+    """DSASERVE_SPARSE_MLA_CONFIG (a sweep's winner tried in a whole model): applied from 3 tokens on, checked."""
+    from dsaserve.common import envs
+
+    mla = gpu_modules()[4]
+    cache = encode_latent(randn(200, 144, gen=gen), "fp8_ds_mla", 128)
+    slots = torch.randint(0, 200, (4, 40), generator=gen, device=DEVICE)
+    qn, qr = randn(4, 4, 128, gen=gen, dtype=torch.bfloat16), randn(4, 4, 16, gen=gen, dtype=torch.bfloat16)
+    ref = R.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.1, 128)
+    with envs.override(DSASERVE_SPARSE_MLA_CONFIG='{"block_k": 16, "num_stages": 1}'):
+        assert rel(mla.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.1, 128), ref) < BF16
+    for bad in ('{"block": 16}', "block_k=16"):
+        with envs.override(DSASERVE_SPARSE_MLA_CONFIG=bad), pytest.raises(ValueError, match="SPARSE_MLA_CONFIG"):
+            mla.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.1, 128)
+
 def test_sparse_mla_attention_gives_zeros_for_a_token_with_no_slots(gen):
     mla = gpu_modules()[4]
     latent = randn(50, 144, gen=gen)
