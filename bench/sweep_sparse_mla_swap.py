@@ -150,21 +150,24 @@ def timings(names: list[str], peak: float) -> list[dict]:
     return rows
 
 
-def split_k_summary(rows: list[dict], bad: set[str]) -> None:
+def split_k_summary(rows: list[dict], bad: set[str]) -> dict[str, dict[str, float]]:
     """Per case, the split-K kernel's best config against its registry default (a config to paste into
-    `triton_sparse_mla.sparse_mla_attention`'s cfg for that shape class)."""
+    `triton_sparse_mla.sparse_mla_attention`'s cfg for that shape class); returns config -> case -> x default."""
     old = {r["case"]: r["TFLOPs"] for r in rows if r["config"] == OLD}
+    gains = {n: {r["case"]: r["TFLOPs"] / old[r["case"]] for r in rows if r["config"] == n and r["case"] in old}
+             for n in SPLIT_K if n not in bad}
     for case in CASES:
         mine = [r for r in rows if r["case"] == case and r["config"] in SPLIT_K and r["config"] not in bad]
         if mine and case in old:
             b = max(mine, key=lambda r: r["TFLOPs"])
             print(f"SPLIT-K BEST {case:15s} {b['config']:16s} {json.dumps(SPLIT_K[b['config']]):40s} "
                   f"{b['TFLOPs']:7.1f} TFLOP/s = {b['TFLOPs'] / old[case]:.2f} x the registry default")
+    return {n: g for n, g in gains.items() if g}
 
 
 def summary(rows: list[dict], errs: dict[str, float]) -> dict:
     bad = {k.split(" ")[0] for k, v in errs.items() if not v < 1e-2}  # keys: "config layout T=t"
-    split_k_summary(rows, bad)
+    split_k = split_k_summary(rows, bad)
     ok = [r for r in rows if r["config"] in CONFIGS and r["config"] not in SPLIT_K and r["config"] not in bad]
     old = {r["case"]: r["TFLOPs"] for r in rows if r["config"] == OLD}
     best = {}
@@ -189,7 +192,7 @@ def summary(rows: list[dict], errs: dict[str, float]) -> dict:
     print(f"FLIP registry.SPARSE_MLA_SWAP_AB: {'yes' if flip else 'no'} (the winner > 1.05 x the split-K kernel in "
           f"every case, all layouts correct)")
     return {"best": best, "gain_vs_split_k": gains, "geomean": geo, "winner": win, "failed_checks": sorted(bad),
-            "flip": flip}
+            "flip": flip, "split_k_gain": split_k}
 
 
 def main() -> None:
