@@ -80,6 +80,7 @@ class SpecRecorder:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or cache_root() / SPECS_FILE
         self.specs: dict[str, None] = {}
+        self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
         self.installed = False
         try:
@@ -103,6 +104,12 @@ class SpecRecorder:
         if self.saved:
             with open(self.path, "a") as f:
                 f.write(spec + "\n")
+            for path in self.mirrors:
+                try:  # inside a kernel launch: a full disk must not fail the step
+                    with open(path, "a") as f:
+                        f.write(spec + "\n")
+                except OSError:
+                    pass
 
     def save(self) -> int:
         """The recorded specs merged into the list on disk (atomically); how many lines it now has."""
