@@ -205,6 +205,10 @@ def precompile(specs: list[str], jobs: int) -> dict[str, Any]:
     for spec in specs:  # imported before the fork: each worker starts with the kernels' modules loaded
         with contextlib.suppress(Exception):  # its worker reports it
             resolve_jit(json.loads(spec)["name"])
+    with contextlib.suppress(Exception):  # Triton's version hash (~400 MB of libtriton.so) once, not per worker
+        from triton.runtime.cache import triton_key
+
+        triton_key()
     errors: list[str] = []
     if jobs <= 1 or len(specs) <= 1:
         errors = [e for e in map(compile_spec, specs) if e]

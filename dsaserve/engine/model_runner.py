@@ -34,7 +34,7 @@ from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
-from dsaserve.engine.warm_start import WarmStart, config_parts, device_parts
+from dsaserve.engine.warm_start import WarmStart, config_parts, device_parts, prewarm_triton_key
 from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_sampler
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
@@ -73,6 +73,8 @@ class ModelRunner:
         # scheduler process started it before its imports); waited for before the first forward
         self.precompile = (kernel_precompile.take_pending() or kernel_precompile.start()
                            if str(device).startswith("cuda") else None)
+        if str(device).startswith("cuda"):
+            prewarm_triton_key()  # Triton's per-process hash, on a thread while this rank initialises and loads
         with _Timer(self.startup_time, "init_distributed"):
             self.parallel = initialize_model_parallel(
                 args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,

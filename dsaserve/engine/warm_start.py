@@ -7,6 +7,7 @@ loads and what the profile measures: engine arguments, model config, the switche
 name and memory, torch / Triton / CUDA versions, dsaserve's own source); `preload`, which puts the recorded
 specs straight into each JITFunction's in-memory cache (Triton's `JITFunction.preload`, then the kernel's
 module and launcher loaded as its first launch would); and what the manifest says of both (hit / miss).
+Also `prewarm_triton_key`: the one per-process hash Triton computes before its first kernel, off the path.
 
 Why: on a warm start every kernel is already in Triton's disk cache. What the shape warmup still cost (5.1 s
 of a 13.1 s warm start on the H200) is Triton's per-process work (binaries loaded, launchers built) and the
@@ -26,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -85,6 +87,19 @@ def device_parts(device: Any) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(device)
         parts.update(gpu=p.name, capability=[p.major, p.minor], total_memory=p.total_memory)
     return parts
+
+
+def prewarm_triton_key() -> threading.Thread | None:
+    """Triton's own version hash (`triton_key`: sha256 of its sources and the ~400 MB libtriton.so, ~1 s of one
+    core here, once per process, before the first kernel of any start compiles or loads) computed on a thread
+    while this rank loads weights; hashlib lets go of the GIL on each 1 MB chunk. None: no Triton."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return None
+    thread = threading.Thread(target=triton_key, name="triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def preload_spec(spec: str) -> str | None:

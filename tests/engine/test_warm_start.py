@@ -218,3 +218,14 @@ def test_the_runner_records_at_up_and_the_next_start_preloads_and_reuses_its_pro
         assert not r.warm_start.specs_path.exists()
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_triton_key_is_computed_on_a_thread():
+    pytest.importorskip("triton")
+    from triton.runtime.cache import triton_key
+
+    thread = ws.prewarm_triton_key()
+    assert thread is not None
+    thread.join()
+    hits = triton_key.cache_info().hits
+    assert triton_key() and triton_key.cache_info().hits == hits + 1  # the caller's first use: already there
