@@ -1,6 +1,6 @@
 """Start-up, cold and warm (issue 16: "cold start (empty caches) to the first 200 of /health in <= 30 s for the
-slice, and <= 5 s warm"): `dsaserve serve` started four times, each timed by a stopwatch (Popen -> the first 200
-of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
+slice, and <= 5 s warm"): `dsaserve serve` started once per scenario, each timed by a stopwatch (Popen -> the
+first 200 of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
 `kernel_compiles_after_up` / `kernel_loads_after_up` must stay 0.
 
   cold_serial    empty caches, DSASERVE_PRECOMPILE=0: every Triton kernel compiles in the JIT, one at a time
@@ -10,6 +10,8 @@ of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a 
   warm           cold_parallel's caches: its warm-start record too (engine/warm_start.py: the recorded kernels
                  preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep)
   warm_off       the same caches, DSASERVE_WARM_START=0 (the A/B: the full forward shape warmup, a fresh profile)
+  warm_noprecompile  the same caches, DSASERVE_PRECOMPILE=0: what the precompile process (nothing left to compile
+                 warm) costs the engine's imports and weight load it runs beside
   warm_cores     the same, DSASERVE_WARMUP_CORES_ONLY=1 (the shape warmup runs only the attention cores)
 
     PYTHONPATH=. python bench/startup_cold_warm.py --out $OUT --model glm-5.3-slice
@@ -37,6 +39,7 @@ SCENARIOS = {
     "cold_parallel": ("fresh", {"DSASERVE_KERNEL_SPECS": "{specs}"}),
     "warm": ("cold_parallel", {}),
     "warm_off": ("cold_parallel", {"DSASERVE_WARM_START": "0"}),
+    "warm_noprecompile": ("cold_parallel", {"DSASERVE_PRECOMPILE": "0"}),
     "warm_cores": ("cold_parallel", {"DSASERVE_WARMUP_CORES_ONLY": "1"}),
 }
 AFTER_UP = ("kernel_compiles_after_up", "kernel_loads_after_up", "eager_fallback")
