@@ -1,13 +1,17 @@
 """Start-up, cold and warm (issue 16: "cold start (empty caches) to the first 200 of /health in <= 30 s for the
-slice, and <= 5 s warm"): `dsaserve serve` started four times, each timed by a stopwatch (Popen -> the first 200
-of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
+slice, and <= 5 s warm"): `dsaserve serve` started once per scenario, each timed by a stopwatch (Popen -> the
+first 200 of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
 `kernel_compiles_after_up` / `kernel_loads_after_up` must stay 0.
 
   cold_serial    empty caches, DSASERVE_PRECOMPILE=0: every Triton kernel compiles in the JIT, one at a time
                  (the start records its kernel specs: written to OUT/triton_specs.jsonl)
   cold_parallel  empty caches again, DSASERVE_KERNEL_SPECS=that list (as installed with the package): the
                  kernels compile on all cores while the engine imports and loads weights
-  warm           cold_parallel's caches
+  warm           cold_parallel's caches: its warm-start record too (engine/warm_start.py: the recorded kernels
+                 preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep)
+  warm_off       the same caches, DSASERVE_WARM_START=0 (the A/B: the full forward shape warmup, a fresh profile)
+  warm_noprecompile  the same caches, DSASERVE_PRECOMPILE=0: what the precompile process (nothing left to compile
+                 warm) costs the engine's imports and weight load it runs beside
   warm_cores     the same, DSASERVE_WARMUP_CORES_ONLY=1 (the shape warmup runs only the attention cores)
 
     PYTHONPATH=. python bench/startup_cold_warm.py --out $OUT --model glm-5.3-slice
@@ -34,6 +38,8 @@ SCENARIOS = {
     "cold_serial": ("fresh", {"DSASERVE_PRECOMPILE": "0"}),
     "cold_parallel": ("fresh", {"DSASERVE_KERNEL_SPECS": "{specs}"}),
     "warm": ("cold_parallel", {}),
+    "warm_off": ("cold_parallel", {"DSASERVE_WARM_START": "0"}),
+    "warm_noprecompile": ("cold_parallel", {"DSASERVE_PRECOMPILE": "0"}),
     "warm_cores": ("cold_parallel", {"DSASERVE_WARMUP_CORES_ONLY": "1"}),
 }
 AFTER_UP = ("kernel_compiles_after_up", "kernel_loads_after_up", "eager_fallback")
@@ -45,7 +51,8 @@ def scenario_env(name: str, caches: dict[str, Path], root: Path, specs: Path) ->
     where, extra = SCENARIOS[name]
     caches[name] = caches.get(where) or root / name  # an earlier scenario's caches, when it ran
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "DSASERVE_KERNEL_SPECS",
-                                                            "DSASERVE_PRECOMPILE", "DSASERVE_WARMUP_CORES_ONLY")}
+                                                            "DSASERVE_PRECOMPILE", "DSASERVE_WARMUP_CORES_ONLY",
+                                                            "DSASERVE_WARM_START")}
     env.update({k: v.format(specs=specs) for k, v in extra.items()}, DSASERVE_CACHE_DIR=str(caches[name]))
     return env
 
@@ -77,6 +84,7 @@ def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path)
         res["caches"] = manifest["startup"]["caches"]
         res["precompile"] = (manifest.get("engine") or {}).get("kernel_precompile")
         res["warmed_shapes"] = (manifest.get("engine") or {}).get("warmed_shapes")
+        res["warm_start"] = (manifest.get("engine") or {}).get("warm_start")
         if not args.no_load:
             _load(url, args, out)
         res["after_up"] = {k: v for k, v in _metrics(url).items() if any(m in k for m in AFTER_UP)}
@@ -122,14 +130,25 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
+def _warm(r: dict) -> str:
+    """The warm-start record's use: preload status (specs, seconds), memory profile, core warmup."""
+    w = r.get("warm_start") or {}
+    pre = w.get("preload") or {}
+    core = "sweep" if (r.get("warmed_shapes") or {}).get("core_warmup", "row sweep") == "row sweep" else "class"
+    if not w:
+        return "-"
+    return f"{pre.get('status')} {pre.get('specs', 0)}/{pre.get('seconds', 0)}s prof {w.get('memory_profile')} {core}"
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'scenario':>14} {'healthy s':>9} {'manifest s':>10} {'precompile':>28}  after Up")
+    print(f"\n{'scenario':>14} {'healthy s':>9} {'manifest s':>10} {'precompile':>28} {'warm start':>26}  after Up")
     for r in rows:
         pc = r.get("precompile") or {}
         pre = (f"{pc.get('compiled', '-')}/{pc.get('specs', '-')} in {pc.get('wall_s', '-')}s w{pc.get('waited_s')}"
                if pc.get("status") == "ran" else str(pc.get("status", "-")))
         print(f"{r['scenario']:>14} {r.get('healthy_after_s', float('nan')):>9} "
-              f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28}  {r.get('after_up', r.get('error'))}")
+              f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28} {_warm(r):>26}  "
+              f"{r.get('after_up', r.get('error'))}")
     for r in rows:
         top = sorted(((v, k) for k, v in (r.get("phases") or {}).items() if isinstance(v, (int, float))
                       and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:8]

@@ -70,6 +70,9 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_PRECOMPILE": Switch(
         True, _on_unless_zero, "'0': no parallel precompile of the recorded Triton kernel specs at start-up "
         "(engine/kernel_precompile.py; the A/B for issue 16's cold start)"),
+    "DSASERVE_WARM_START": Switch(
+        True, _on_unless_zero, "'0': no warm-start record (engine/warm_start.py): no kernel preload, no cached "
+        "memory profile, the full forward shape warmup every start (the A/B for issue 16's warm start)"),
     "DSASERVE_KERNEL_SPECS": Switch(None, _text, "more Triton kernel spec lists to precompile (os.pathsep-separated)"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
@@ -91,6 +94,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_WARMUP_CORES_ONLY: bool
     DSASERVE_SPARSE_MLA_CONFIG: str | None
     DSASERVE_PRECOMPILE: bool
+    DSASERVE_WARM_START: bool
     DSASERVE_KERNEL_SPECS: str | None
     DSASERVE_CACHE_DIR: str | None
     DSASERVE_MAX_CHECKPOINT_GB: str | None

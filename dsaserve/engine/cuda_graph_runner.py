@@ -25,6 +25,7 @@ import torch
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
+from dsaserve.engine.graph_capture import lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.model.forward_batch import ForwardBatch
@@ -128,6 +129,7 @@ class CudaGraphRunner:
         so smaller graphs reuse the largest one's memory pool."""
         t0 = time.perf_counter()
         self._reset_padding(0)
+        stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         for bs in sorted(self.buckets, reverse=True):
             before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
             self.model(self._static_batch(bs), self.pool)  # warmup: the same shapes the graph will see
@@ -138,7 +140,7 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
             try:
-                with torch.cuda.graph(graph, pool=self.pool_handle):
+                with lean_capture(graph, self.pool_handle, stream):
                     if self.copy_in_graph:
                         self._copy_staged(bs)
                     if self.future_token_ids is not None:  # after the inputs landed, before anything reads them

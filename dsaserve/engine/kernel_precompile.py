@@ -80,6 +80,7 @@ class SpecRecorder:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or cache_root() / SPECS_FILE
         self.specs: dict[str, None] = {}
+        self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
         self.installed = False
         try:
@@ -103,6 +104,12 @@ class SpecRecorder:
         if self.saved:
             with open(self.path, "a") as f:
                 f.write(spec + "\n")
+            for path in self.mirrors:
+                try:  # inside a kernel launch: a full disk must not fail the step
+                    with open(path, "a") as f:
+                        f.write(spec + "\n")
+                except OSError:
+                    pass
 
     def save(self) -> int:
         """The recorded specs merged into the list on disk (atomically); how many lines it now has."""
@@ -198,6 +205,10 @@ def precompile(specs: list[str], jobs: int) -> dict[str, Any]:
     for spec in specs:  # imported before the fork: each worker starts with the kernels' modules loaded
         with contextlib.suppress(Exception):  # its worker reports it
             resolve_jit(json.loads(spec)["name"])
+    with contextlib.suppress(Exception):  # Triton's version hash (~400 MB of libtriton.so) once, not per worker
+        from triton.runtime.cache import triton_key
+
+        triton_key()
     errors: list[str] = []
     if jobs <= 1 or len(specs) <= 1:
         errors = [e for e in map(compile_spec, specs) if e]

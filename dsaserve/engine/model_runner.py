@@ -34,6 +34,7 @@ from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
+from dsaserve.engine.warm_start import WarmStart, config_parts, device_parts, prewarm_triton_key
 from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_sampler
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
@@ -72,6 +73,8 @@ class ModelRunner:
         # scheduler process started it before its imports); waited for before the first forward
         self.precompile = (kernel_precompile.take_pending() or kernel_precompile.start()
                            if str(device).startswith("cuda") else None)
+        if str(device).startswith("cuda"):
+            prewarm_triton_key()  # Triton's per-process hash, on a thread while this rank initialises and loads
         with _Timer(self.startup_time, "init_distributed"):
             self.parallel = initialize_model_parallel(
                 args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
@@ -108,6 +111,8 @@ class ModelRunner:
         if self.precompile is not None:
             with _Timer(self.startup_time, "kernel_precompile_wait"):
                 self.precompile.wait()
+        # warm start: the kernels a start of this configuration loaded, into the JITs before any forward needs them
+        self.warm_start = self._preload() if self.device.type == "cuda" else None
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
@@ -130,6 +135,7 @@ class ModelRunner:
             self.compile_cache.mark_up()
             self.kernel_loads.mark_up()
             self._save_specs()
+            self._save_warm_start()
             COUNTERS.add_source(self.compile_cache.compiles_after_up)
             COUNTERS.add_source(self.kernel_loads.read)
 
@@ -141,6 +147,39 @@ class ModelRunner:
             self.spec_recorder.save()
         except OSError as e:
             logging.getLogger(__name__).warning("kernel specs not saved to %s: %s", self.spec_recorder.path, e)
+
+    def _jit_loads(self) -> int | None:
+        """Triton kernels the JITs compiled or loaded in this process so far (None: not counted)."""
+        return self.kernel_loads.count if self.kernel_loads is not None and self.kernel_loads.installed else None
+
+    def _cached_profile(self) -> MemoryProfile | None:
+        """The warm-start record's profile, when this start may use it (engine/warm_start.py says when)."""
+        if self.warm_start is None:
+            return None
+        live = {"total_bytes": torch.cuda.mem_get_info(self.device)[1],
+                "weights_bytes": torch.cuda.memory_allocated(self.device),
+                "mem_fraction_static": self.args.mem_fraction_static, "graph_reserve_bytes": self.graph_reserve_bytes}
+        cached = self.warm_start.cached_profile(live)
+        return MemoryProfile(**{f.name: cached[f.name] for f in dataclasses.fields(MemoryProfile)}) if cached else None
+
+    def _preload(self) -> WarmStart:
+        with _Timer(self.startup_time, "kernel_preload"):
+            extra = {"graph_reserve_bytes": self.graph_reserve_bytes, **device_parts(self.device)}
+            warm = WarmStart(config_parts(self.args, self.cfg, self.parallel.to_dict(), extra))
+            warm.preload(self._jit_loads)
+        return warm
+
+    def _save_warm_start(self) -> None:
+        """This start's record for the next (only with every graph captured: a start that fell back to eager
+        warmed other shapes); kernels loaded after Up are appended to it as they load."""
+        if self.warm_start is None or self.graph_errors or not self.spec_recorder.installed:
+            return
+        profile = dataclasses.asdict(self.profile) if self.profile is not None else None
+        try:
+            self.warm_start.save(self.spec_recorder.specs, profile)
+            self.spec_recorder.mirrors.append(self.warm_start.specs_path)
+        except OSError as e:
+            logging.getLogger(__name__).warning("warm-start record not saved to %s: %s", self.warm_start.dir, e)
 
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
@@ -156,13 +195,12 @@ class ModelRunner:
         pages, and under DP-attention every rank's pool must take the same requests)."""
         a = self.args
         with _Timer(self.startup_time, "memory_profile"):
-            # the largest step the scheduler may form: a full token budget, and every running row eager
-            self.profile = profile_memory(self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
-                                          self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
-                                          max(a.graph_max_bs, a.max_running_requests),
-                                          a.mem_fraction_static, self.graph_reserve_bytes,
-                                          activation_copies=2 if a.piecewise_tokens and self.dp_sync is None else 1,
-                                          dp_world=self.dp_world)
+            self.profile = self._cached_profile() or profile_memory(
+                self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
+                self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
+                # the largest step the scheduler may form: a full token budget, and every running row eager
+                max(a.graph_max_bs, a.max_running_requests), a.mem_fraction_static, self.graph_reserve_bytes,
+                activation_copies=2 if a.piecewise_tokens and self.dp_sync is None else 1, dp_world=self.dp_world)
         budget = self.profile.kv_budget_bytes
         if self.parallel.world_size > 1:
             t = torch.tensor([budget], dtype=torch.int64, device=self.device)
@@ -222,10 +260,13 @@ class ModelRunner:
             plan = WarmupPlan.build(self.graphs.max_bs if self.graphs else 0,
                                     self.piecewise.buckets if self.piecewise else [], max_pages, PAGE_SIZE,
                                     self.cfg.index_topk)
-            cores = warm_core_shapes(self.piecewise, plan, self.max_model_len) if self.piecewise else 0
+            # every kernel preloaded and none loaded since: one core shape per class, not the row sweep
+            preloaded = self.warm_start is not None and self.warm_start.covers(self._jit_loads())
+            cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids))
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
-                           "core_shapes": cores, "sampler_variants": sampler}
+                           "core_shapes": cores, "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
+                           "sampler_variants": sampler}
 
     @property
     def _dp_gather_graphs(self) -> bool:
@@ -399,6 +440,7 @@ class ModelRunner:
                 "warmed_shapes": self.warmed,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None,
                 "kernel_precompile": self._precompile_report(),
+                "warm_start": self.warm_start.report() if self.warm_start is not None else None,
                 "env": envs.set_switches()}
 
 

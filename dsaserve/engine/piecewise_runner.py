@@ -21,12 +21,12 @@ Off CUDA nothing is captured and the same segments run eagerly (the CPU tests ch
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
 
 from dsaserve.common.counters import COUNTERS, Counters
+from dsaserve.engine.graph_capture import lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import bucket_for
 from dsaserve.kernels.registry import get_ops
@@ -51,18 +51,6 @@ def _weak_carry(c: SegmentCarry) -> SegmentCarry:
     a = c.attn
     return SegmentCarry(weak_ref(c.residual), AttentionInputs(
         **{f.name: weak_ref(getattr(a, f.name)) if f.name != "selecting" else a.selecting for f in fields(a)}))
-
-
-@contextmanager
-def _capturing(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
-    """torch.cuda.graph without its per-capture synchronize + gc.collect + empty_cache: a bucket captures one
-    graph per layer, and a full gc each time would dominate startup (vLLM patches them out likewise)."""
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            yield
-        finally:
-            graph.capture_end()
 
 
 @dataclass
@@ -167,7 +155,7 @@ class PiecewiseRunner:
         try:
             for i in range(self.model.num_segments):
                 graph = torch.cuda.CUDAGraph()
-                with _capturing(graph, self.pool_handle, self.stream):
+                with lean_capture(graph, self.pool_handle, self.stream):
                     carry = self.model.segment(i, ctx, carry)  # the previous carry is freed here, as eagerly
                 if self.pool_handle is None:
                     self.pool_handle = graph.pool()

@@ -35,19 +35,22 @@ def core_batch(rows: int, pages: int, page_size: int, max_len: int, sink_page: i
                         [seq], [rows])
 
 
-def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int) -> int:
-    """Every (rows, width) of the plan through the piecewise path; the number of steps run."""
+def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int, preloaded: bool = False) -> int:
+    """Every (rows, width) of the plan through the piecewise path; the number of steps run. `preloaded`: every
+    Triton kernel a start of this configuration loads is already in the JITs (engine/warm_start.py), so only
+    one shape per class runs (its torch kernels and allocations), not the row sweep."""
     pool = piecewise.pool
     run = piecewise.warm_cores if envs.DSASERVE_WARMUP_CORES_ONLY else piecewise.forward
+    shapes = plan.class_shapes if preloaded else plan.core_shapes
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
     try:
-        for rows, pages in plan.core_shapes:
+        for rows, pages in shapes:
             run(core_batch(rows, pages, pool.page_size, max_len, pool.sink_page))
         if pool.kv_buffer.is_cuda:
             torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
-    return len(plan.core_shapes)
+    return len(shapes)
 
 
 @dataclass

@@ -103,6 +103,9 @@ class WarmupPlan:
     max_pages: int  # widest page table a request can have
     page_size: int
     topk: int
+    # one shape per selection class and width, and a power-of-two sample of the row sweep: what a warm start whose
+    # kernels were all preloaded still runs (engine/warm_start.py), for the torch kernels and allocations
+    class_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def build(cls, decode_max_bs: int, piecewise: list[int], max_pages: int, page_size: int,
@@ -112,15 +115,21 @@ class WarmupPlan:
         SELECT_MAX_ROWS + 1 and + 16 (the prefill selection's two integer classes) at one width of every
         selection class (`kernels/variants.py`)."""
         shapes: list[tuple[int, int]] = []
+        per_class: list[tuple[int, int]] = []
+        sample: list[tuple[int, int]] = []
         if piecewise:
             top = piecewise[-1]
             widths = width_representatives(max_pages, page_size, topk)
             base = next((w for w in widths if selection_class(1, w, page_size, topk)[0] != "all_visible"), widths[0])
             shapes += [(n, base) for n in range(1, min(ROW_SWEEP + 1, top) + 1)]
-            shapes += [(n, w) for w in widths for n in (1, 2, 3, SELECT_MAX_ROWS + 1, SELECT_MAX_ROWS + 16)
-                       if n <= top]
+            per_class = [(n, w) for w in widths for n in (1, 2, 3, SELECT_MAX_ROWS + 1, SELECT_MAX_ROWS + 16)
+                         if n <= top]
+            # and a power-of-two sample of the sweep: the core's torch ops (GEMM kernels chosen by row count,
+            # allocations) meet each size range once
+            sample = [(1 << k, base) for k in range(ROW_SWEEP.bit_length()) if 1 << k <= min(ROW_SWEEP, top)]
         return cls(tuple(decode_buckets(decode_max_bs)) if decode_max_bs else (), tuple(piecewise),
-                   tuple(dict.fromkeys(shapes)), tuple(SAMPLER_VARIANTS), max_pages, page_size, topk)
+                   tuple(dict.fromkeys(shapes + per_class)), tuple(SAMPLER_VARIANTS), max_pages, page_size, topk,
+                   tuple(dict.fromkeys(sample + per_class)))
 
     def core_class(self, rows: int, pages: int) -> tuple:
         """The attention core's compiled variants for a step of `rows` tokens and a `pages`-wide page table."""

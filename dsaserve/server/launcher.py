@@ -135,6 +135,10 @@ class Readiness:
         caches = dict(self.clock.caches)
         compiled = engine.get("compile_cache")
         caches["compile"] = compiled or {"status": "not used (no Triton kernels on this device)"}
+        warm = engine.get("warm_start")
+        if warm:  # the kernel preload and the memory profile of engine/warm_start.py: hit / miss each
+            caches["warm_start"] = {k: v for k, v in warm.items() if k != "memory_profile"}
+            caches["memory_profile"] = {"status": warm.get("memory_profile")}
         return {"total_s": self.clock.total_s(), "critical_path": list(self.clock.laps), "caches": caches}
 
     def manifest(self, args: ServerArgs) -> dict[str, Any]:

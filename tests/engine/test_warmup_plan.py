@@ -114,6 +114,9 @@ def test_warmup_runs_the_plans_core_shapes_and_sampler_variants_on_the_sink_page
         assert warm_core_shapes(pw, plan, r.max_model_len) == len(plan.core_shapes)
     assert seen == list(plan.core_shapes)
     assert not pool.kv_buffer[:, : pool.num_pages * 64].any()  # nobody's page was written
+    seen.clear()  # every kernel preloaded (engine/warm_start.py): one shape per class, not the row sweep
+    assert warm_core_shapes(pw, plan, r.max_model_len, preloaded=True) == len(plan.class_shapes) > 0
+    assert seen == list(plan.class_shapes) and len(seen) < len(plan.core_shapes)
     assert warm_sampler(torch.device("cpu"), r.cfg.vocab_size, (1,)) == list(SAMPLER_VARIANTS)
     b = core_batch(3, 16, 64, 100, 9)
     assert b.positions.tolist() == [97, 98, 99] and b.page_table.shape == (1, 16)

@@ -89,3 +89,9 @@ def test_readiness_ends_the_wait_at_up_and_the_startup_at_the_first_healthy_prob
     assert m["startup"]["total_s"] == st["total_s"] and m["startup"]["critical_path"] == list(CRITICAL_PATH)
     assert m["startup"]["caches"]["model_files"]["status"] == "hit"
     assert m["startup"]["caches"]["compile"]["status"].startswith("not used")  # no GPU engine reported one
+    assert "warm_start" not in m["startup"]["caches"]  # nor a warm-start record
+    warm = {"status": "hit", "dir": "/c/warm_start/k", "preload": {"status": "hit", "specs": 93},
+            "memory_profile": "hit"}
+    caches = r.startup({"warm_start": warm})["caches"]
+    assert caches["warm_start"]["status"] == "hit" and caches["warm_start"]["preload"]["specs"] == 93
+    assert caches["memory_profile"] == {"status": "hit"}

@@ -1,0 +1,80 @@
+"""engine/warm_start.py's preload on the real Triton JIT, without a GPU: a driver stand-in gives the JIT an sm_90
+target, so a launch with `warmup=True` compiles offline (no kernel runs) and the module load is stubbed. What it
+checks is what the warm start rests on: the spec the JIT's hook recorded, preloaded into a fresh JIT (a new
+process's), is found by the next launch of the same specialisation (no compile, no load: the hook is not
+called again), while another specialisation still goes through the JIT; a stale spec is an error, not a
+raise. Also runs under the H200's Triton 3.6: `PYTHONPATH=/work/t36:. python -m pytest <this file>`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import CompiledKernel  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+from dsaserve.engine import warm_start as ws  # noqa: E402
+from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
+from dsaserve.engine.warmup import KernelLoads  # noqa: E402
+
+
+class _Sm90Driver:
+    """What the JIT asks of its driver before any launch: device, stream, target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@triton.jit
+def _copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.fixture
+def jit(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    handles = []
+    monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: handles.append(self.name))
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    monkeypatch.setattr(driver, "_active", _Sm90Driver())
+    _copy_kernel.device_caches.clear()
+    try:
+        yield handles
+    finally:
+        _copy_kernel.device_caches.clear()
+        triton.knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_a_preloaded_spec_is_the_next_launchs_jit_cache_hit(jit, tmp_path):
+    loads, recorder = KernelLoads(), SpecRecorder(tmp_path / "specs.jsonl")
+    x, y = torch.zeros(64), torch.zeros(64)
+    _copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))  # the recording start: compiled (offline, sm_90)
+    assert loads.count == 1 and len(recorder.specs) == 1
+    spec = next(iter(recorder.specs))
+
+    _copy_kernel.device_caches.clear()  # the next start's JIT: empty in memory, the disk cache warm
+    assert ws.preload_spec(spec) is None
+    assert loads.count == 2 and jit == ["_copy_kernel"]  # loaded, and its module and launcher with it
+    _copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))
+    assert loads.count == 2  # the launch found it: nothing compiled or loaded after the preload
+    _copy_kernel.warmup(x, y, 63, BLOCK=64, grid=(1,))  # n not divisible by 16: another specialisation
+    assert loads.count == 3
+    stale = json.loads(spec)
+    stale["signature"]["x_ptr"] = "*nonsense"  # a kernel whose arguments changed since the record
+    assert ws.preload_spec(json.dumps(stale)).startswith(f"{__name__}._copy_kernel: ")
