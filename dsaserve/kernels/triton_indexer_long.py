@@ -57,15 +57,16 @@ def _bucket(hist_row, k, R: tl.constexpr):
     suffix count (keys of the current bucket with digit >= it) still reaches `need`. done: the bucket was
     resolved at an earlier round (every key of it is taken: need == its count), so the later rounds were
     skipped (their histograms stay zero) and shift stays at that round's: 32 - 8 x (rounds used)."""
+    # counts in int32 (a row has < 2^31 keys): every program runs these 256-wide scans, int64 costs twice
     prefix = tl.zeros([], dtype=tl.int64)
-    need = tl.zeros([], dtype=tl.int64) + k
-    shift = tl.zeros([], dtype=tl.int64) + 32
+    need = tl.zeros([], dtype=tl.int32) + k
+    shift = tl.zeros([], dtype=tl.int32) + 32
     done = need < 0  # False
     b = tl.arange(0, 256)
     for r in tl.static_range(R):
-        h = tl.load(hist_row + r * 256 + b).to(tl.int64)
+        h = tl.load(hist_row + r * 256 + b)
         at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        d = tl.sum((at_or_above >= need).to(tl.int64), axis=0) - 1
+        d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
         new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
         resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
         prefix = tl.where(done, prefix, prefix * 256 + d)
