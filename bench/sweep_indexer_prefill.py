@@ -115,6 +115,22 @@ def score_only(ops, req, pos, t: int, ctx: int, conf: dict, steps: int) -> float
     return timer(run, steps)
 
 
+def select_only(ops, req, pos, table, t: int, ctx: int, conf: dict, steps: int) -> float:
+    """Seconds of the selection alone over every workspace chunk of the case (the chunk's scores computed
+    before its timing), as gemm_topk runs it."""
+    n_cols = -(-ctx // conf["bs"]) * conf["bs"]
+    step = max(conf["bt"], conf.get("ws_budget", G.WS_BUDGET) // (4 * n_cols) // 16 * 16)
+    ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=pos.device)
+    out = torch.empty((t, TOPK), dtype=torch.int64, device=pos.device)
+    total = 0.0
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        G.chunk_scores(ops, req, pos, [ctx], [t], t0, t1, ws, TOPK, conf)
+        total += timer(lambda t0=t0, t1=t1: G._select(ws[:t1 - t0], table, req[t0:t1], pos[t0:t1], out[t0:t1], TOPK,
+                                                      PS, conf["select"], conf["radix_chunk"]), steps)
+    return total
+
+
 def agreement(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Fraction of rows whose slot sets are equal (rows parting at near-ties of the k-th score differ)."""
     return float((got.sort(1).values == ref.sort(1).values).all(1).float().mean())
@@ -212,11 +228,15 @@ def run_case(t: int, ctx: int, peak: float, dev: str, steps: int, t_start: float
             continue
         got = run()
         summary, rows = truth.check(got, own_is_the_kernels=True)
+        alone = attempt(f"select only {label}",
+                        lambda full=full: select_only(ops, req, pos, table, t, ctx, full, steps))
         record(case, f"new: full (prep + best scores + {label} select)", sec, flops, peak, base, config=full,
                rows_equal_to_stream=agreement(got, ref) if ref is not None else None,
-               select_ms=(sec - best[0] - prep) * 1e3, evidence=summary, evidence_rows=rows)
-        print(f"    rows equal to the stream kernel's: {ROWS[-1]['rows_equal_to_stream']}, "
-              f"select ~{ROWS[-1]['select_ms']:.3f} ms", flush=True)
+               select_ms=alone * 1e3 if alone else None, select_ms_by_difference=(sec - best[0] - prep) * 1e3,
+               evidence=summary, evidence_rows=rows)
+        print(f"    rows equal to the stream kernel's: {ROWS[-1]['rows_equal_to_stream']}, select alone "
+              f"{ROWS[-1]['select_ms'] or float('nan'):.3f} ms (full - scores - prep: "
+              f"{ROWS[-1]['select_ms_by_difference']:.3f} ms)", flush=True)
         report_evidence(label, summary, rows)
 
 
