@@ -4,6 +4,10 @@ and the FP8 GEMM peak measured in the same run.
 
 Run on the device:  PYTHONPATH=. python bench/sweep_indexer_prefill.py --out $OUT   (<= 4 min on one H200)
 CPU smoke test:     TRITON_INTERPRET=1 PYTHONPATH=. python bench/sweep_indexer_prefill.py --interpret --out DIR
+Correctness evidence (bench/indexer_topk_evidence.py): SAMPLES rows a case, for the stream kernel and every
+select, against float64 scores (exact rate, and for each mismatch the float64 gap between the best key left
+out and the worst key taken over the FP8 kernel's measured score error, and their ranks) and, for the gemm
+path, against the exact top-k of its own fp32 scores (a correct select is exact there).
 Cases: one request, the last T tokens of a ctx-token prompt (8K x 8K, 4K x 32K, 2K x 128K), GLM-5.3's indexer
 (32 heads x 128, top-2048, 64-token pages). FLOPs count the causal keys, as bench_kernels' indexer_prefill
 section does: 2 x 32 x 128 x sum over tokens of (position + 1). Every variant is caught on its own (a config
@@ -21,17 +25,24 @@ from pathlib import Path
 
 import torch
 
+from bench import indexer_topk_evidence as E
 from dsaserve.common.kv_layout import encode_index_k
 from dsaserve.kernels import triton_indexer_gemm as G
 from dsaserve.kernels import triton_indexer_prefill as PRE
 
 HEADS, DIM, TOPK, PS = 32, 128, 2048, 64
 CASES = ((8192, 8192), (4096, 32768), (2048, 131072))
-# (bt tokens, bs keys, tpp tiles a program, warps, stages): MMA N = bt x 32, M = bs. Offline sm_90 (ptxas -v):
-# no spills but bt8 x bs128 x 8 warps (4-8 B); bt8 bs64 w4 spilled 212 B (dropped)
-SCORE_CONFIGS = [(8, 128, 8, 8, 3), (4, 128, 8, 4, 3), (4, 128, 16, 4, 4), (2, 64, 16, 4, 4), (4, 64, 16, 4, 4),
-                 (8, 128, 16, 8, 2), (2, 128, 8, 4, 3), (4, 256, 8, 8, 3), (8, 128, 4, 8, 3), (4, 128, 4, 4, 3)]
-TIME_LIMIT_S = 200  # stop starting new score variants past this (the whole run must stay under 4 min)
+# (bt tokens, bs keys, tpp tiles a program, warps, stages): MMA N = bt x 32, M = bs. The H200 sweep of
+# 2026-12-01 (10 configs): these three were the fastest at every case
+SCORE_CONFIGS = [(8, 128, 8, 8, 3), (4, 64, 16, 4, 4), (4, 128, 16, 4, 4)]
+# the full path with each select (config overrides), on the best score config. "auto" is the default: rows
+# up to 16K keys, radix c4096 past that; ws64M: a 64 MB workspace chunk (L2-sized) instead of 256 MB
+SELECTS = [("rows", {"select": "rows"}), ("radix c4096", {"select": "radix", "radix_chunk": 4096}),
+           ("radix c2048", {"select": "radix", "radix_chunk": 2048}),
+           ("radix c8192", {"select": "radix", "radix_chunk": 8192}),
+           ("auto ws64M", {"select": "auto", "ws_budget": 64 << 20})]
+SAMPLES = 16  # rows a case checks against float64 (evenly spaced over its tokens)
+TIME_LIMIT_S = 120  # stop starting new variants past this (the whole run must stay under 2.5 min)
 ROWS: list[dict] = []
 
 
@@ -104,43 +115,88 @@ def score_only(ops, req, pos, t: int, ctx: int, conf: dict, steps: int) -> float
     return timer(run, steps)
 
 
+def select_only(ops, req, pos, table, t: int, ctx: int, conf: dict, steps: int) -> float:
+    """Seconds of the selection alone over every workspace chunk of the case (the chunk's scores computed
+    before its timing), as gemm_topk runs it."""
+    n_cols = -(-ctx // conf["bs"]) * conf["bs"]
+    step = max(conf["bt"], conf.get("ws_budget", G.WS_BUDGET) // (4 * n_cols) // 16 * 16)
+    ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=pos.device)
+    out = torch.empty((t, TOPK), dtype=torch.int64, device=pos.device)
+    total = 0.0
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        G.chunk_scores(ops, req, pos, [ctx], [t], t0, t1, ws, TOPK, conf)
+        total += timer(lambda t0=t0, t1=t1: G._select(ws[:t1 - t0], table, req[t0:t1], pos[t0:t1], out[t0:t1], TOPK,
+                                                      PS, conf["select"], conf["radix_chunk"]), steps)
+    return total
+
+
 def agreement(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Fraction of rows whose slot sets are equal (rows parting at near-ties of the k-th score differ)."""
     return float((got.sort(1).values == ref.sort(1).values).all(1).float().mean())
 
 
-def exact_rows(got: torch.Tensor, q, w, cache, table, pos, n: int = 8) -> float:
-    """Fraction of n sampled rows (past topk) whose selection is the top-k of float64 scores of the e4m3-rounded q
-    (torch's rounding, as prepare_q does): 1.0 but for near-ties at the k-th score."""
-    from dsaserve.common.kv_layout import decode_index_k
+class Truth:
+    """Float64 scores of sampled rows (q rounded to e4m3 as prepare_q does, keys decoded from the cache) and the
+    gemm kernel's own fp32 scores of the same rows, for `evidence.row_evidence`."""
 
-    q8, w8 = G.prepare_q(q, w, True)
-    rows = [r for r in torch.linspace(0, len(pos) - 1, n).long().tolist() if int(pos[r]) >= TOPK]
-    ok = 0
+    def __init__(self, q, w, cache, table, pos, ctx: int, ops, conf: dict):
+        from dsaserve.common.kv_layout import decode_index_k
+
+        j = torch.arange(ctx, device=pos.device)
+        keys = decode_index_k(cache.index_select(0, table[0, j // PS] * PS + j % PS), "fp8_ds_mla").double()
+        q8, w8 = G.prepare_q(q, w, True)
+        h = q.shape[1]
+        self.rows = [r for r in torch.linspace(0, len(pos) - 1, SAMPLES).long().tolist() if int(pos[r]) >= TOPK]
+        self.pos, self.slots = pos, table[0, j // PS] * PS + j % PS
+        self.s64, self.own = {}, {}
+        n_cols = -(-ctx // conf["bs"]) * conf["bs"]
+        step = max(conf["bt"], G.WS_BUDGET // (4 * n_cols) // 16 * 16)  # gemm_topk's chunks and blocks
+        for r in self.rows:
+            p = int(pos[r])
+            qd = q8[r].view(torch.float8_e4m3fn).double()[:h]
+            self.s64[r] = ((qd @ keys[:p + 1].t()).relu() * w8[r, :h, None].double()).sum(0)
+            b0 = r - (r % step) % conf["bt"]
+            ws = torch.full((conf["bt"], n_cols), float("nan"), device=pos.device)
+            G.chunk_scores(ops, torch.zeros_like(pos), pos, [ctx], [len(pos)], b0, b0 + conf["bt"], ws, TOPK, conf)
+            self.own[r] = ws[r - b0, :p + 1].clone()
+
+    def check(self, got: torch.Tensor, own_is_the_kernels: bool) -> tuple[dict, list[dict]]:
+        """got [T, TOPK] slots -> (summary, per-row evidence) over the sampled rows."""
+        where = torch.full((int(self.slots.max()) + 1,), -1, dtype=torch.int64, device=got.device)
+        where[self.slots] = torch.arange(len(self.slots), device=got.device)
+        rows = []
+        for r in self.rows:
+            taken = where[got[r][got[r] >= 0]]
+            ev = E.row_evidence(taken, self.s64[r], TOPK, self.own[r], own_is_the_kernels)
+            rows.append({"row": r, "position": int(self.pos[r]), **ev})
+        return E.summarize(rows), rows
+
+
+def report_evidence(what: str, summary: dict, rows: list[dict]) -> None:
+    s = summary
+    ratio = "-" if s["max_gap_over_err"] is None else f"{s['max_gap_over_err']:.2f}"
+    own = "-" if s["own_exact_rate"] is None else f"{s['own_exact_rate']:.2f}"
+    print(f"    {what:28s} {E.verdict(s):12s} exact-vs-f64 {s['exact_rate']:.2f}  exact-vs-own-fp32 {own}  "
+          f"max swapped {s['max_swapped']}  max gap/err {ratio}  max gap {s['max_gap_rel']:.1e} of max|s|  "
+          f"ranks: best left out {s['min_missing_rank']}, worst taken {s['max_extra_rank']} (k={TOPK})", flush=True)
     for r in rows:
-        j = torch.arange(int(pos[r]) + 1, device=pos.device)
-        slots = table[0, j // PS] * PS + j % PS
-        keys = decode_index_k(cache.index_select(0, slots), "fp8_ds_mla").double()
-        qd = q8[r].view(torch.float8_e4m3fn).double()[:q.shape[1]]
-        s = ((qd @ keys.t()).relu() * w8[r, :q.shape[1], None].double()).sum(0)
-        ok += int(set(slots[s.topk(TOPK).indices].tolist()) == set(got[r].tolist()))
-    return ok / max(len(rows), 1)
+        if not r["exact"] and (r["gap_over_err"] is None or r["gap_over_err"] > 2.0):
+            print(f"      row {r['row']} (pos {r['position']}): {r}", flush=True)
 
 
 def run_case(t: int, ctx: int, peak: float, dev: str, steps: int, t_start: float) -> None:
     case = f"T={t} ctx={ctx}"
+    torch.manual_seed(0)  # the same inputs in every run: select times comparable across runs
     q, w, cache, table, req, pos = inputs(t, ctx, dev)
     flops = 2.0 * HEADS * DIM * sum(range(ctx - t + 1, ctx + 1))
     stream = lambda: PRE.prefill_topk(q, w, cache, "fp8_ds_mla", table, req, pos, TOPK, PS, [ctx], [t])  # noqa: E731
     base = attempt("stream", lambda: timer(stream, steps))
-    if base:
-        record(case, "current: stream GEMM + streaming top-k", base, flops, peak, base)
     ops = (*G.prepare_q(q, w, True), *G.gather_keys(cache, table, [ctx], [t], PS, DIM))
     prep = timer(lambda: (G.prepare_q(q, w, True), G.gather_keys(cache, table, [ctx], [t], PS, DIM)), steps)
-    record(case, "new: prepare q (fp8) + gather keys", prep, flops, peak, base)
     best = None
-    for bt, bs, tpp, nw, ns in SCORE_CONFIGS:
-        if time.time() - t_start > TIME_LIMIT_S:
+    for i, (bt, bs, tpp, nw, ns) in enumerate(SCORE_CONFIGS):
+        if i and time.time() - t_start > TIME_LIMIT_S:  # every case runs at least the first config
             print("time limit: skipping the remaining score configs", flush=True)
             break
         conf = {**G.DEFAULT_CONFIG, "bt": bt, "bs": bs, "tpp": tpp, "num_warps": nw, "num_stages": ns}
@@ -152,24 +208,56 @@ def run_case(t: int, ctx: int, peak: float, dev: str, steps: int, t_start: float
                 best = (sec, conf)
     if best is None:
         return
-    conf = best[1]
-    for select in ("radix", "rows"):
-        full = {**conf, "select": select}
+    truth = Truth(q, w, cache, table, pos, ctx, ops, best[1])
+    ref = stream() if base else None
+    if base:
+        summary, rows = truth.check(ref, own_is_the_kernels=False)
+        record(case, "current: stream GEMM + streaming top-k", base, flops, peak, base, evidence=summary,
+               evidence_rows=rows)
+        report_evidence("stream (err from gemm scores)", summary, rows)
+    record(case, "new: prepare q (fp8) + gather keys", prep, flops, peak, base)
+    for i, (label, overrides) in enumerate(SELECTS):
+        if i > 1 and time.time() - t_start > TIME_LIMIT_S + 20:  # rows and radix c4096 always run
+            print("time limit: skipping the remaining selects", flush=True)
+            break
+        full = {**best[1], **overrides}
         run = lambda full=full: G.gemm_topk(q, w, cache, "fp8_ds_mla", table, req, pos, TOPK, PS, [ctx], [t],  # noqa: E731
                                             config=full)
-        sec = attempt(f"full {select}", lambda run=run: timer(run, steps))
-        if sec:
-            got, ref = run(), stream() if base else None
-            same = agreement(got, ref) if ref is not None else None
-            record(case, f"new: full (prep + scores + {select} select), best scores", sec, flops, peak, base,
-                   config=full, rows_equal_to_stream=same, exact_sampled_rows=exact_rows(got, q, w, cache, table, pos),
-                   select_ms=(sec - best[0] - prep) * 1e3)
-            print(f"    rows equal to the stream kernel's: {same}, sampled rows exact (float64): "
-                  f"{ROWS[-1]['exact_sampled_rows']}, select ~{ROWS[-1]['select_ms']:.3f} ms", flush=True)
+        sec = attempt(f"full {label}", lambda run=run: timer(run, steps))
+        if not sec:
+            continue
+        got = run()
+        summary, rows = truth.check(got, own_is_the_kernels=True)
+        alone = attempt(f"select only {label}",
+                        lambda full=full: select_only(ops, req, pos, table, t, ctx, full, steps))
+        record(case, f"new: full (prep + best scores + {label} select)", sec, flops, peak, base, config=full,
+               rows_equal_to_stream=agreement(got, ref) if ref is not None else None,
+               select_ms=alone * 1e3 if alone else None, select_ms_by_difference=(sec - best[0] - prep) * 1e3,
+               evidence=summary, evidence_rows=rows)
+        print(f"    rows equal to the stream kernel's: {ROWS[-1]['rows_equal_to_stream']}, select alone "
+              f"{ROWS[-1]['select_ms'] or float('nan'):.3f} ms (full - scores - prep: "
+              f"{ROWS[-1]['select_ms_by_difference']:.3f} ms)", flush=True)
+        report_evidence(label, summary, rows)
+
+
+def summary_table() -> None:
+    """The full-path rows and the stream's, one line each: time, speedup, select time, correctness verdict."""
+    print(f"\n{'case':16s} {'variant':28s} {'ms':>8s} {'vs stream':>9s} {'select ms':>9s} {'verdict':12s} "
+          f"{'f64 exact':>9s} {'own exact':>9s} {'=stream':>7s} {'max gap/err':>11s}")
+    for r in ROWS:
+        ev = r.get("evidence")
+        if ev is None:
+            continue
+        name = r["what"].split("+ ")[-1].replace(" select)", "") if "full" in r["what"] else "stream"
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        print(f"{r['case']:16s} {name:28s} {r['ms']:8.3f} {fmt(r['speedup_vs_stream'], '8.2f') + 'x':>9s} "
+              f"{fmt(r.get('select_ms'), '9.3f'):>9s} {E.verdict(ev):12s} {ev['exact_rate']:9.2f} "
+              f"{fmt(ev['own_exact_rate'], '9.2f'):>9s} {fmt(r.get('rows_equal_to_stream'), '7.3f'):>7s} "
+              f"{fmt(ev['max_gap_over_err'], '11.2f'):>11s}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    global CASES, SCORE_CONFIGS, TOPK, PS
+    global CASES, SCORE_CONFIGS, SELECTS, TOPK, PS, TIME_LIMIT_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--interpret", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
@@ -179,8 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--interpret needs TRITON_INTERPRET=1")
-        CASES, TOPK, PS, args.steps = ((48, 300),), 64, 16, 1
-        SCORE_CONFIGS = [(4, 32, 2, 4, 2), (8, 64, 1, 4, 2), (2, 16, 4, 4, 2)]
+        os.environ.setdefault("DSASERVE_TEST_TRITON_INTERPRET", "1")
+        from tests.kernels import gpu_common  # noqa: F401 - patches the interpreter's e4m3 rounding (as tests do)
+
+        CASES, TOPK, PS, args.steps, TIME_LIMIT_S = ((12, 160),), 32, 16, 1, 1e9
+        SCORE_CONFIGS = [(4, 32, 2, 4, 2), (2, 16, 4, 4, 2)]
+        SELECTS = [("rows", {"select": "rows"}), ("radix c128", {"select": "radix", "radix_chunk": 128})]
     t_start = time.time()
     peak = fp8_peak(dev, 256 if args.interpret else 8192)
     print(f"FP8 peak (_scaled_mm, this run): {peak / 1e12:.1f} TFLOP/s", flush=True)
@@ -188,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         attempt(f"case {t}x{ctx}", lambda t=t, ctx=ctx: run_case(t, ctx, peak, dev, args.steps, t_start))
         if dev == "cuda":
             torch.cuda.empty_cache()
+    summary_table()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_indexer_prefill.json").write_text(json.dumps({"fp8_peak_TFLOPs": peak / 1e12, "rows": ROWS},

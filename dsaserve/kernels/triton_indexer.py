@@ -223,8 +223,8 @@ def _search_over_l2(row, pos, n_cols, k, BLOCK: tl.constexpr):
         c1 = tl.zeros([], dtype=tl.int64)
         c2 = tl.zeros([], dtype=tl.int64)
         c3 = tl.zeros([], dtype=tl.int64)
-        for c0 in range(0, n_scan, BLOCK):
-            x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
+        for c0 in range(0, n_scan, BLOCK):  # past the position a row may be unwritten (gemm's workspace)
+            x = tl.load(row + c0 + offs, mask=(c0 + offs <= pos) & (c0 + offs < n_cols), other=float("-inf"))
             d1, d2, d3 = _counts(_order_key32(x), m1, m2, m3)
             c1, c2, c3 = c1 + d1, c2 + d2, c3 + d3
         lo, hi, c_lo, c_hi, interp = _narrow(lo, hi, c_lo, c_hi, m1, m2, m3, c1, c2, c3, k, interp)

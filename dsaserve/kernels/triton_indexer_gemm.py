@@ -17,8 +17,12 @@ alone, for the benchmark) and the operand preparation they share.
       see at most topk keys are skipped (the selection takes every key without reading a score).
   workspace: scores of CHUNK tokens at a time, [chunk, keys rounded up to BS] fp32 (at most WS_BUDGET bytes),
       so the [tokens x context] matrix is never in HBM at once.
-  selection: `triton_indexer_long.long_row_select` on the chunk (4 radix rounds + count + write, split over
-      4096-key programs): the exact top-k, ties in position order, slots in position order, -1 padded.
+  selection ("select"): "rows", `triton_indexer._topk_select_kernel`, one program a row (the row in
+      registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that); "radix",
+      `triton_indexer_long.long_row_select` (4 radix rounds + count + write, split over radix_chunk-key
+      programs); "auto" (default): rows while a row fits in registers, radix past that. Each is the exact
+      top-k of the workspace, ties in position order, slots in position order, -1 padded; neither reads a
+      column past the row's position (the workspace is not written there).
 Output equals the reference's selection but for near-ties at the k-th score that q's rounding parts.
 """
 
@@ -35,7 +39,11 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 WS_BUDGET = 256 << 20  # bytes of fp32 scores per chunk (8K tokens x 8K keys)
 # sm_90 offline (ptxas -v): no spills; bench/sweep_indexer_prefill.py picks the measured best
-DEFAULT_CONFIG = {"bt": 4, "bs": 128, "tpp": 8, "num_warps": 4, "num_stages": 3, "select": "radix"}
+# select "auto": the one-program row select (`triton_indexer._topk_select_kernel`) while a row fits in its
+# registers (H200, 8K x 8K: 1.17 ms against the radix's 2.3 ms), the split radix select past that
+DEFAULT_CONFIG = {"bt": 4, "bs": 128, "tpp": 8, "num_warps": 4, "num_stages": 3, "select": "auto",
+                  "radix_chunk": triton_indexer_long.CHUNK}
+SELECTS = ("auto", "radix", "rows")
 HEAD_DIMS = (32, 64, 128)
 
 
@@ -133,8 +141,8 @@ def _blocks(seq_lens: list[int], extend_lens: list[int], tok0: int, tok1: int, b
 
 def _config(config: dict | None) -> dict:
     conf = {**DEFAULT_CONFIG, **(config or {})}
-    if conf["select"] not in ("radix", "rows"):
-        raise ValueError(f"gemm_topk: select {conf['select']!r}: expected radix or rows")
+    if conf["select"] not in SELECTS:
+        raise ValueError(f"gemm_topk: select {conf['select']!r}: expected one of {SELECTS}")
     return conf
 
 
@@ -157,11 +165,17 @@ def chunk_scores(ops: tuple, req_index: torch.Tensor, positions: torch.Tensor, s
 
 
 def _select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
-            out: torch.Tensor, topk: int, page_size: int, how: str) -> None:
+            out: torch.Tensor, topk: int, page_size: int, how: str, radix_chunk: int = triton_indexer_long.CHUNK
+            ) -> None:
+    """out <- the top-k slots of every workspace row (columns past a row's position are not read: unwritten)."""
+    n_cols = scores.shape[1]
+    if how == "auto":
+        how = "rows" if n_cols <= triton_indexer.ROW_IN_REGS_MAX else "radix"
     if how == "radix":
-        triton_indexer_long.long_row_select(scores, page_table, req_index, positions, out, topk, page_size)
+        triton_indexer_long.long_row_select(scores, page_table, req_index, positions, out, topk, page_size,
+                                            chunk=radix_chunk)
         return
-    n_cols = scores.shape[1]  # one program a row (in registers up to ROW_IN_REGS_MAX keys)
+    # one program a row: in registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that
     triton_indexer._topk_select_kernel[(scores.shape[0],)](
         scores, page_table, req_index, positions, out, n_cols, topk, page_size, scores.stride(0),
         page_table.stride(0), out.stride(0), **triton_indexer._select_config(n_cols, scores.shape[0]),
@@ -195,5 +209,5 @@ def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Te
         t1 = min(t, t0 + step)
         chunk_scores(ops, req_index, positions, seq_lens, extend_lens, t0, t1, ws, topk, conf)
         _select(ws[:t1 - t0], page_table, req_index[t0:t1], positions[t0:t1], out[t0:t1], topk, page_size,
-                conf["select"])
+                conf["select"], conf["radix_chunk"])
     return out

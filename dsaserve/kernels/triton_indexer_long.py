@@ -13,14 +13,18 @@ each, and the k-th largest score is found by an exact radix select on the 32-bit
       non-zero bins to the row's global histogram with atomics. The prefix itself is re-derived by every
       program from the earlier rounds' histograms (`_bucket`: 256-bin suffix sums), so no "last program"
       hand-off and no inter-program barrier (which could deadlock under PDL or a side stream);
-  count: after 4 rounds the prefix is the exact key T of the k-th largest score and `need` says how many
-      keys equal to T are taken; each chunk counts its keys above T and equal to T;
+      A round whose chosen bucket is taken whole (`need` equals its count: on random-like scores the
+      24-bit bucket of the k-th key usually holds that key alone) ends the search: the later rounds'
+      programs return before reading a score;
+  count: after the rounds the prefix is the k-th largest score's key T (or its resolved top bits) and `need`
+      says how many keys equal to T are taken; each chunk counts its keys above T and equal to T;
   write: each chunk takes an exclusive prefix over the earlier chunks' counts and writes its slots in
       position order (ties in position order), so the output equals the one-program kernel's, bit for bit.
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
-Seven launches (+ one memset), each a pass over the row's causal prefix in L2; the rounds cost the same
-whatever the data (the 256-bin radix dropped in `triton_indexer` serialised on shared-memory atomics when
-all keys share their top byte; a ballot histogram does not). Chunks past a token's position return at once.
+Six launches (+ one memset), each a pass over the row's causal prefix in L2 (five when round 3 is
+skipped); a round costs the same whatever the data (the 256-bin radix dropped in `triton_indexer`
+serialised on shared-memory atomics when all keys share their top byte; a ballot histogram does not).
+Chunks past a token's position return at once.
 """
 
 from __future__ import annotations
@@ -48,19 +52,28 @@ def _chunk_keys(row_ptr, c, pos, n_cols, CHUNK: tl.constexpr):
 
 @triton.jit
 def _bucket(hist_row, k, R: tl.constexpr):
-    """(prefix, need) after R rounds: the k-th largest key's top 8R bits are `prefix`, and `need` (>= 1) of
-    the keys with that prefix are in the top k. Round r's digit is the largest one whose suffix count (keys
-    of the current bucket with digit >= it) still reaches `need`."""
+    """(prefix, need, shift, done) after R rounds: the k-th largest key u has u >> shift == prefix, and
+    `need` (>= 1) of the keys with that prefix are in the top k. Round r's digit is the largest one whose
+    suffix count (keys of the current bucket with digit >= it) still reaches `need`. done: the bucket was
+    resolved at an earlier round (every key of it is taken: need == its count), so the later rounds were
+    skipped (their histograms stay zero) and shift stays at that round's: 32 - 8 x (rounds used)."""
+    # counts in int32 (a row has < 2^31 keys): every program runs these 256-wide scans, int64 costs twice
     prefix = tl.zeros([], dtype=tl.int64)
-    need = tl.zeros([], dtype=tl.int64) + k
+    need = tl.zeros([], dtype=tl.int32) + k
+    shift = tl.zeros([], dtype=tl.int32) + 32
+    done = need < 0  # False
     b = tl.arange(0, 256)
     for r in tl.static_range(R):
-        h = tl.load(hist_row + r * 256 + b).to(tl.int64)
+        h = tl.load(hist_row + r * 256 + b)
         at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        d = tl.sum((at_or_above >= need).to(tl.int64), axis=0) - 1
-        need -= tl.sum(tl.where(b > d, h, 0), axis=0)
-        prefix = prefix * 256 + d
-    return prefix, need
+        d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+        new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
+        resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
+        prefix = tl.where(done, prefix, prefix * 256 + d)
+        need = tl.where(done, need, new_need)
+        shift = tl.where(done, shift, shift - 8)
+        done = done | resolved
+    return prefix, need, shift, done
 
 
 @triton.jit
@@ -72,9 +85,11 @@ def _radix_round_kernel(score_ptr, pos_ptr, hist_ptr, n_cols, k, stride_s, ROUND
     pos = tl.load(pos_ptr + row)
     if (pos < k) | (c * CHUNK > pos):  # takes every key / past the token's position
         return
-    _, vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
     hist_row = hist_ptr + row * (4 * 256)
-    prefix, _ = _bucket(hist_row, k, ROUND)
+    prefix, _, _, done = _bucket(hist_row, k, ROUND)
+    if done:  # the k-th key's bucket is taken whole: no more digits needed (scores read by none)
+        return
+    _, vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
     match = vis & ((u >> (32 - 8 * ROUND)) == prefix)
     digit = ((u >> (24 - 8 * ROUND)) & 255).to(tl.int32)
     h = tl.histogram(digit, 256, mask=match)
@@ -92,7 +107,8 @@ def _chunk_count_kernel(score_ptr, pos_ptr, hist_ptr, cnt_ptr, n_cols, k, stride
     if (pos < k) | (c * CHUNK > pos):
         return
     _, vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
-    key, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
+    key, _, shift, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
+    u = u >> shift  # compared at the resolved digit: a bucket taken whole counts as ties, all needed
     out = cnt_ptr + (row * n_chunks + c) * 2
     tl.store(out, tl.sum((vis & (u > key)).to(tl.int32), axis=0))
     tl.store(out + 1, tl.sum((vis & (u == key)).to(tl.int32), axis=0))
@@ -124,7 +140,7 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, 
         return
     if c * CHUNK > pos:
         return
-    key, need = _bucket(hist_ptr + row * (4 * 256), k, 4)
+    key, need, shift, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
     q = tl.arange(0, N_CHUNKS_P2)
     before = cnt_ptr + (row * n_chunks + q) * 2
     above_before = tl.sum(tl.load(before, mask=q < c, other=0), axis=0)
@@ -134,7 +150,7 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, 
     j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
     vis = (j <= pos) & (j < n_cols)
     x = tl.load(score_ptr + row * stride_s + j, mask=vis, other=float("-inf"))
-    u = _order_key32(x).to(tl.int64) + 2147483648
+    u = (_order_key32(x).to(tl.int64) + 2147483648) >> shift
     eq = (vis & (u == key)).to(tl.int32)
     take = (eq == 1) & (ties_before + _rank_2d(eq) - 1 < need)
     sel = ((vis & (u > key)) | take).to(tl.int32)
@@ -156,7 +172,8 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
     hist = torch.zeros((rows, ROUNDS, BINS), dtype=torch.int32, device=scores.device)
     counts = torch.empty((rows, n_chunks, 2), dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
-    launch = {"CHUNK": chunk, "num_warps": 8, **pdl_args(scores.device)}
+    # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
+    launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
     for r in range(ROUNDS):
         _radix_round_kernel[grid](scores, positions, hist, n_cols, k, scores.stride(0), ROUND=r, **launch)
     _chunk_count_kernel[grid](scores, positions, hist, counts, n_cols, k, scores.stride(0), n_chunks, **launch)

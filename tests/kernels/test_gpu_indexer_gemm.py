@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
-from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, requires_gpu_kernels
+from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, randn, requires_gpu_kernels
 from tests.kernels.test_gpu_attention import _check_topk, _indexer_case
 from tests.kernels.test_gpu_indexer_topk import PREFILL_SHAPES, _assert_within_q_rounding, _kernel_q, _prefill_inputs
 
@@ -95,3 +95,29 @@ def test_chunk_scores_are_the_float64_scores_of_the_rounded_q(gen):
             continue
         err = (ws[t, :p + 1].double() - want).abs().max()
         assert err <= 1e-5 * want.abs().max() + 1e-9, (t, float(err))
+
+
+@pytest.mark.parametrize("select", ["radix", "rows"])
+@pytest.mark.parametrize("garbage", [1e30, float("nan")])
+def test_select_reads_no_workspace_column_past_the_position(gen, select, garbage):
+    """The score workspace is never written past a token's position (stale scores of earlier chunks, or
+    whatever the allocator held): both selections must ignore those columns. Rows wider than ROW_IN_REGS_MAX
+    send the one-program select over L2 (`_search_over_l2`), whose counting passes once read them: on the H200
+    its rows matched the reference's on 0.065 of 32K-key rows."""
+    from dsaserve.kernels import triton_indexer
+    from dsaserve.kernels.triton_indexer_gemm import _select
+    from tests.kernels.test_gpu_attention import _position_ordered_topk
+
+    width, k, ps = triton_indexer.ROW_IN_REGS_MAX + 640, 64, 64
+    n = 3
+    s = randn(n, width, gen=gen)
+    pos = torch.tensor([width - 1, width - 700, 5000], device=DEVICE)
+    for r in range(n):
+        s[r, int(pos[r]) + 1:] = garbage
+    table = torch.randperm(n * (width // ps), generator=gen, device=DEVICE).view(n, -1)
+    req = torch.arange(n, device=DEVICE)
+    out = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    _select(s, table, req, pos, out, k, ps, select)
+    for r in range(n):
+        j = _position_ordered_topk(s[r], int(pos[r]), k)
+        assert torch.equal(out[r], table[r, j // ps] * ps + j % ps), f"seed {gen.initial_seed()} row {r}"

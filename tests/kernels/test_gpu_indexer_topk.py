@@ -17,26 +17,30 @@ from tests.kernels.test_gpu_attention import _check_topk, _indexer_case, _positi
 pytestmark = requires_gpu_kernels
 
 
-def _rows(gen, kind, n, width):
+def _rows(gen, kind, n, width, separated=0):
+    """Score rows of a kind; "separated": the first `separated` keys ~1e6 above the rest."""
     s = randn(n, width, gen=gen)
     return {"ties": lambda: (s * 3).round(), "all_equal": lambda: torch.full_like(s, 1.5),
             "negative": lambda: -s.abs() - 10, "narrow": lambda: 1.0 + s * 1e-6,
             "relu_zeros": lambda: s.clamp(min=0) * torch.sign(randn(n, width, gen=gen)),
             "sink_and_recent": lambda: s + 50 * (torch.arange(width, device=DEVICE) < 4) +
             torch.linspace(0, 3, width, device=DEVICE),
+            "separated": lambda: s + 1e6 * (torch.arange(width, device=DEVICE) < separated),
             "normal": lambda: s}[kind]()
 
 
 # ---- long-row decode selection ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "negative", "narrow", "relu_zeros",
-                                  "sink_and_recent"])
+                                  "sink_and_recent", "separated"])
 def test_long_row_select_takes_the_kth_key_exactly(gen, kind):
     """The multi-program radix select returns what the one-program kernel does: every key above the k-th,
-    then ties in position order, as slots, in position order; rows shorter than k take all, -1 padded."""
+    then ties in position order, as slots, in position order; rows shorter than k take all, -1 padded.
+    "separated" (exactly k keys in the k-th key's top-byte bucket) ends the search after round 0; on
+    "normal" rows the 24-bit bucket usually holds the k-th key alone (round 3 skipped)."""
     from dsaserve.kernels.triton_indexer_long import long_row_select
 
     n, width, k, chunk, ps = (6, 202752, 2048, 4096, 64) if BIG else (4, 1400, 64, 256, 16)
-    s = _rows(gen, kind, n, width)
+    s = _rows(gen, kind, n, width, separated=k)
     pos = torch.randint(width // 3, width, (n,), generator=gen, device=DEVICE)
     pos[-1] = k // 2  # a token that sees fewer than k keys
     table = torch.randperm(n * (width // ps), generator=gen, device=DEVICE).view(n, -1)
