@@ -9,42 +9,17 @@ as in the GPU launch); TMA descriptors are typed by Triton's own `mangle_type`.
 
 from __future__ import annotations
 
-import re
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 
+from bench.offline_compile import compile_sm90, ptxas
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_moe_prefill as P
 
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 E, H, INTER, TOP_K, T = 2, 6144, 2048, 8, 512
-
-
-def specialise(fn, args: tuple, meta: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) as a launch with these arguments would specialise them."""
-    sig, attrs, consts = {}, {}, {}
-    names = list(fn.arg_names)
-    for i, (name, value) in enumerate(zip(names[:len(args)], args, strict=True)):
-        sig[name] = mangle_type(value)
-        if isinstance(value, torch.Tensor):
-            aligned = value.data_ptr() % 16 == 0
-        elif isinstance(value, int):
-            aligned = value % 16 == 0 and sig[name] in ("i32", "i64")
-        else:
-            aligned = False
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in names[len(args):]:
-        sig[name] = "constexpr"
-        consts[name] = meta.get(name, False)  # PDL: off offline
-    return sig, consts, attrs
 
 
 def plans(conf: dict) -> list[tuple[str, int, tuple, dict]]:
@@ -65,18 +40,9 @@ def plans(conf: dict) -> list[tuple[str, int, tuple, dict]]:
 
 
 def compile_one(args: tuple, meta: dict) -> str:
-    fn = P._grouped_fp8_gemm_kernel
-    sig, consts, attrs = specialise(fn, args, meta)
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    kernel = compile_sm90(P._grouped_fp8_gemm_kernel, args, meta, mangle_type)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(kernel.asm["ptx"])
-        ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
-        v = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
-                           check=True).stderr
-    regs = re.search(r"Used (\d+) registers", v).group(1)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v).groups()
+        regs, spill, _ = ptxas(kernel, Path(tmp))
     wgmma = kernel.asm["ptx"].count("wgmma.mma_async")
     return (f"smem {kernel.metadata.shared / 1024:6.1f} KB regs {regs:>3s} spill st/ld {spill[0]}/{spill[1]} "
             f"wgmma {wgmma}")

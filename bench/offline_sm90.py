@@ -22,39 +22,25 @@ import tempfile
 from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from bench import sweep_sparse_mla_swap, sweep_sparse_mla_tc
+from bench.offline_compile import BIN, compile_sm90, ptxas
 from dsaserve.common.kv_layout import encode_latent, get_kv_layout
 from dsaserve.config import load_config
 from dsaserve.kernels import triton_sparse_mla_swap as SWAP
 from dsaserve.kernels import triton_sparse_mla_tc as TC
 
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int64: "*i64",
        torch.int32: "*i32"}
 
 
-def specialise(fn, args: tuple, meta: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) as a launch with these arguments would specialise them."""
-    names = list(fn.arg_names)
-    sig, attrs, consts = {}, {}, {}
-    for i, (name, value) in enumerate(zip(names[:len(args)], args, strict=True)):
-        if isinstance(value, torch.Tensor):
-            sig[name] = PTR[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
-        elif isinstance(value, float):
-            sig[name], aligned = "fp32", False
-        else:
-            sig[name], aligned = ("i64" if abs(value) >= 2**31 else "i32"), value % 16 == 0
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in names[len(args):]:
-        sig[name] = "constexpr"
-        consts[name] = meta.get(name, False)  # PDL: off offline
-    return sig, consts, attrs
+def type_of(value) -> str:
+    """A launch argument's type in the signature: pointers by dtype, floats fp32, integers i32 unless past 2^31."""
+    if isinstance(value, torch.Tensor):
+        return PTR[value.dtype]
+    if isinstance(value, float):
+        return "fp32"
+    return "i64" if abs(value) >= 2**31 else "i32"
 
 
 def loop_census(cubin: Path) -> dict[str, int]:
@@ -92,17 +78,9 @@ def _plan(kernel: str, name: str, t: int):
 
 def report(kernel: str, name: str, t: int) -> str:
     fn, args, meta, programs_a_token = _plan(kernel, name, t)
-    sig, consts, attrs = specialise(fn, args, meta)
-    compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]})
+    compiled = compile_sm90(fn, args, meta, type_of)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        ptxas = BIN / ("ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else "ptxas")
-        v = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True,
-                           check=True).stderr
-        regs = re.search(r"Used (\d+) registers", v).group(1)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", v).groups()
+        regs, spill, cubin = ptxas(compiled, Path(tmp))
         ops = loop_census(cubin)
     total = sum(ops.values())
     # warp instructions a token's key costs: all warps of all programs of the token (the SM issues 4 a cycle)

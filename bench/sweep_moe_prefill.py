@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor
@@ -109,17 +108,10 @@ def precompile(names: list[str], shape: tuple, workers: int) -> dict[str, str]:
 
 
 def event_time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    """Median seconds of fn() over `reps` CUDA-event-timed runs after one warm-up run."""
+    from bench.bench_gpu import cuda_time  # imported here: bench_gpu imports the engine, the workers need not
+
+    return cuda_time(fn, iters=reps, warmup=1)
 
 
 def fp8_peak() -> float:

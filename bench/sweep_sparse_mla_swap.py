@@ -17,17 +17,14 @@ Run on the device (<= 4 min on an H200):  PYTHONPATH=. python bench/sweep_sparse
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
-import multiprocessing as mp
-import traceback
-from pathlib import Path
 
 import torch
 
-from bench.sweep_sparse_mla_tc import CASES, CHECK_LAYOUTS, FLASHMLA, _inputs, bf16_peak
+from bench import sparse_mla_sweep as SW
+from bench.sparse_mla_sweep import CASES, CHECK_LAYOUTS
 
 CHECK_T = (20, 300)  # split top-k (combine kernel) and unsplit
 OLD = "split-K (registry now)"
@@ -69,31 +66,12 @@ def _call(name: str, a: tuple, layout: str = "fp8_ds_mla") -> torch.Tensor:
     return sparse_mla_attention_swap(a[0], a[1], a[2], layout, a[3], a[4], a[5], config=CONFIGS[name])
 
 
-def _warm(job: tuple[str, int, str]) -> tuple[str, int, str]:
-    """Worker: run one kernel once on one case's shapes with a small cache, so its binary lands in Triton's on-disk
-    cache (strides, hence the specialisation, are the timed run's)."""
-    name, t, layout = job
-    try:
-        qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=4096)
-        _call(name, (qn, qr, cache, slots, scale, dc), layout)
-        torch.cuda.synchronize()
-        return name, t, ""
-    except Exception as ex:  # noqa: BLE001 - report, the sweep goes on without this config
-        return name, t, f"{type(ex).__name__}: {str(ex)[-300:]}"
-
-
 def precompile(names: list[str], workers: int) -> dict[str, str]:
     # one binary per (config, split or not): T=16 splits the top-k, T=4096 does not (the other T differ only in
     # values Triton does not specialise on); the split-K kernel has a few-token variant too
     jobs = [(n, t, "fp8_ds_mla") for n in [OLD, *names] for t in (16, 4096)] + [(OLD, 1, "fp8_ds_mla")]
     jobs += [("default", t, lay) for lay in CHECK_LAYOUTS[1:] for t in (16, 4096)]
-    failed = {}
-    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
-        for name, t, err in pool.imap_unordered(_warm, jobs):
-            if err:
-                failed[name] = err
-                print(f"compile/run FAILED {name} T={t}: {err}", flush=True)
-    return failed
+    return SW.precompile(_call, jobs, workers)
 
 
 def _skip_some(slots: torch.Tensor) -> torch.Tensor:
@@ -111,7 +89,7 @@ def check(names: list[str]) -> dict[str, float]:
     for name, layout in [(n, "fp8_ds_mla") for n in names] + [("default", lay) for lay in CHECK_LAYOUTS[1:]]:
         for t in CHECK_T:
             try:
-                qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=50_000)
+                qn, qr, cache, slots, scale, dc = SW.inputs(t, layout, rows=50_000)
                 slots = _skip_some(slots)
                 got = _call(name, (qn, qr, cache, slots, scale, dc), layout)
                 ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, scale, dc)
@@ -126,28 +104,7 @@ def check(names: list[str]) -> dict[str, float]:
 
 
 def timings(names: list[str], peak: float) -> list[dict]:
-    from bench.bench_kernels import copies_for, graph_time
-
-    rows = []
-    for case, t in CASES.items():
-        copies = copies_for(t * 2048 * 656, cap=16) if t < 1024 else 1
-        sets = [_inputs(t) for _ in range(copies)]
-        flops = 2.0 * t * 64 * 2048 * (2 * 512 + 64)
-        for name in [OLD, *names]:
-            try:
-                sec = graph_time([functools.partial(_call, name, a) for a in sets], reps=5 if t >= 1024 else 20)
-            except Exception as ex:  # noqa: BLE001
-                print(f"time FAILED {name} {case}: {str(ex)[-200:]}", flush=True)
-                continue
-            tf = flops / sec / 1e12
-            ref = FLASHMLA["prefill" if t >= 1024 else "decode"]
-            rows.append({"case": case, "config": name, "us": sec * 1e6, "TFLOPs": tf, "vs_flashmla": tf / ref,
-                         "vs_bf16_peak": tf * 1e12 / peak})
-            print(f"{case:15s} {name:22s} {sec * 1e6:9.1f} us {tf:7.1f} TFLOP/s  {tf / ref:5.2f} x FlashMLA(H800 "
-                  f"{ref:.0f})  {tf * 1e12 / peak:5.2f} x bf16 peak", flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return rows
+    return SW.timings([(n, functools.partial(_call, n)) for n in [OLD, *names]], peak)
 
 
 def split_k_summary(rows: list[dict], bad: set[str]) -> dict[str, dict[str, float]]:
@@ -196,29 +153,8 @@ def summary(rows: list[dict], errs: dict[str, float]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--only", default=",".join(CONFIGS), help="swap configs to sweep")
-    args = ap.parse_args()
-    for name in args.only.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"--only: unknown config {name!r}; known: {', '.join(CONFIGS)}")
-    failed = precompile(args.only.split(","), args.workers)
-    names = [n for n in args.only.split(",") if n not in failed]
-    torch.manual_seed(0)
-    peak = bf16_peak()
-    print(f"bf16 GEMM 8192^3: {peak / 1e12:.0f} TFLOP/s; {torch.cuda.get_device_name()}", flush=True)
-    errs, rows = {}, []
-    try:
-        errs = check(names)
-        rows = timings(names, peak)
-    except Exception:  # noqa: BLE001 - keep what was measured
-        traceback.print_exc()
-    result = {"peak_bf16": peak, "compile_failed": failed, "errors": errs, "rows": rows,
-              "summary": summary(rows, errs) if rows else {}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep_sparse_mla_swap.json").write_text(json.dumps(result, indent=1, default=str))
+    SW.main(__doc__, CONFIGS, "sweep_sparse_mla_swap.json", precompile=precompile, check=check, timings=timings,
+            summary=summary, only_help="swap configs to sweep")
 
 
 if __name__ == "__main__":

@@ -13,21 +13,15 @@ Run on the device (<= 3 min on an H200):  PYTHONPATH=. python bench/sweep_sparse
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
-import multiprocessing as mp
-import traceback
-from pathlib import Path
 
-import torch
+from bench import sparse_mla_sweep as SW
+from bench.sparse_mla_sweep import CASES, CHECK_LAYOUTS
 
-CASES = {"decode T=16": 16, "decode T=32": 32, "decode T=128": 128, "prefill T=4096": 4096}
-CTX = 8192  # decode context (rows drawn from T x CTX); prefill draws from 1M rows
 CHECK_T = (20, 128)  # reference checks: split top-k (and its combine), unsplit
-CHECK_LAYOUTS = ("fp8_ds_mla", "bf16", "fp8_e4m3", "fp32")
-FLASHMLA = {"decode": 410.0, "prefill": 640.0}  # TFLOP/s, H800 (FlashMLA README / deep-dive blog)
+OLD = "split-K kernel (old)"
 CONFIGS = {  # name: overrides of triton_sparse_mla_tc.DEFAULT (4 warps, 32-key tiles, dv_split 2, bits, prefetch)
     "default": {},
     "no-prefetch": {"prefetch": False},
@@ -40,45 +34,21 @@ CONFIGS = {  # name: overrides of triton_sparse_mla_tc.DEFAULT (4 warps, 32-key 
 }
 
 
-def _inputs(t: int, layout: str = "fp8_ds_mla", rows: int | None = None):
-    """(q_nope, q_rope, cache, top-k slots, softmax scale, kv_lora) at glm-5.3-slice's shapes; every slot valid,
-    drawn at random from `rows` cache rows (default T x CTX, at most 1M: 656 MB)."""
-    from dsaserve.common.kv_layout import encode_latent
-    from dsaserve.config import load_config
+def _call(name: str | None, a: tuple, layout: str = "fp8_ds_mla"):
+    """One sparse MLA on input set `a`: the split-K kernel it replaces (name None) or the tc kernel with config
+    `name`."""
+    from dsaserve.kernels import triton_sparse_mla
+    from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
 
-    cfg = load_config("glm-5.3-slice")
-    h, dc, dr, topk = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk
-    rows = rows or min(t * CTX, 1 << 20)
-    cache = encode_latent(torch.randn(rows, dc + dr, device="cuda"), layout, dc)
-    slots = torch.randint(0, rows, (t, topk), device="cuda")
-    qn = torch.randn(t, h, dc, device="cuda", dtype=torch.bfloat16)
-    qr = torch.randn(t, h, dr, device="cuda", dtype=torch.bfloat16)
-    return qn, qr, cache, slots, cfg.qk_head_dim ** -0.5, dc
-
-
-def _warm(job: tuple[str | None, int, str]) -> tuple[str | None, int, str]:
-    """Worker: run one config (None: the split-K kernel) once on one case's shapes with a small cache, so its
-    binary lands in Triton's on-disk cache (the strides, hence the specialisation, are the timed run's)."""
-    name, t, layout = job
-    try:
-        qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=4096)
-        _call(None if name is None else CONFIGS[name], (qn, qr, cache, slots, scale, dc), layout)
-        torch.cuda.synchronize()
-        return name, t, ""
-    except Exception as ex:  # noqa: BLE001 - report, the sweep goes on without this config
-        return name, t, f"{type(ex).__name__}: {str(ex)[-300:]}"
+    if name is None:
+        return triton_sparse_mla.sparse_mla_attention(a[0], a[1], a[2], layout, a[3], a[4], a[5])
+    return sparse_mla_attention_tc(a[0], a[1], a[2], layout, a[3], a[4], a[5], config=CONFIGS[name])
 
 
 def precompile(names: list[str], workers: int) -> dict[str, str]:
     jobs = [(n, t, "fp8_ds_mla") for n in [None, *names] for t in CASES.values()]
     jobs += [("default", t, lay) for lay in CHECK_LAYOUTS[1:] for t in CHECK_T]
-    failed = {}
-    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
-        for name, t, err in pool.imap_unordered(_warm, jobs):
-            if err:
-                failed[str(name)] = err
-                print(f"compile/run FAILED {name} T={t}: {err}", flush=True)
-    return failed
+    return SW.precompile(_call, jobs, workers)
 
 
 def check(names: list[str]) -> dict[str, float]:
@@ -89,8 +59,8 @@ def check(names: list[str]) -> dict[str, float]:
     runs = [(n, "fp8_ds_mla") for n in names] + [("default", lay) for lay in CHECK_LAYOUTS[1:]]
     for name, layout in runs:
         for t in CHECK_T:
-            qn, qr, cache, slots, scale, dc = _inputs(t, layout, rows=50_000)
-            got = _call(CONFIGS[name], (qn, qr, cache, slots, scale, dc), layout)
+            qn, qr, cache, slots, scale, dc = SW.inputs(t, layout, rows=50_000)
+            got = _call(name, (qn, qr, cache, slots, scale, dc), layout)
             ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, scale, dc)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
             errs[f"{name} {layout} T={t}"] = err
@@ -99,40 +69,9 @@ def check(names: list[str]) -> dict[str, float]:
     return errs
 
 
-def _call(conf: dict | None, a: tuple, layout: str = "fp8_ds_mla") -> torch.Tensor:
-    """One sparse MLA on input set `a`: the split-K kernel it replaces (conf None) or the tc kernel with conf."""
-    from dsaserve.kernels import triton_sparse_mla as OLD
-    from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
-
-    if conf is None:
-        return OLD.sparse_mla_attention(a[0], a[1], a[2], layout, a[3], a[4], a[5])
-    return sparse_mla_attention_tc(a[0], a[1], a[2], layout, a[3], a[4], a[5], config=conf)
-
-
 def timings(names: list[str], peak: float) -> list[dict]:
-    from bench.bench_kernels import copies_for, graph_time
-
-    rows = []
-    for case, t in CASES.items():
-        copies = copies_for(t * 2048 * 656, cap=16) if t < 1024 else 1
-        sets = [_inputs(t) for _ in range(copies)]
-        flops = 2.0 * t * 64 * 2048 * (2 * 512 + 64)
-        kinds = [("split-K kernel (old)", None)] + [(n, CONFIGS[n]) for n in names]
-        for label, conf in kinds:
-            try:
-                sec = graph_time([functools.partial(_call, conf, a) for a in sets], reps=5 if t >= 1024 else 20)
-            except Exception as ex:  # noqa: BLE001
-                print(f"time FAILED {label} {case}: {str(ex)[-200:]}", flush=True)
-                continue
-            tf = flops / sec / 1e12
-            ref = FLASHMLA["prefill" if t >= 1024 else "decode"]
-            rows.append({"case": case, "config": label, "us": sec * 1e6, "TFLOPs": tf, "vs_flashmla": tf / ref,
-                         "vs_bf16_peak": tf * 1e12 / peak})
-            print(f"{case:15s} {label:22s} {sec * 1e6:9.1f} us {tf:7.1f} TFLOP/s  {tf / ref:5.2f} x FlashMLA(H800 "
-                  f"{ref:.0f})  {tf * 1e12 / peak:5.2f} x bf16 peak", flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return rows
+    return SW.timings([(OLD, functools.partial(_call, None))] + [(n, functools.partial(_call, n)) for n in names],
+                      peak)
 
 
 def summary(rows: list[dict], errs: dict[str, float]) -> dict:
@@ -162,38 +101,9 @@ def summary(rows: list[dict], errs: dict[str, float]) -> dict:
     return {"best": best, "geomean": geo, "failed_checks": sorted(bad)}
 
 
-def bf16_peak() -> float:
-    """This run's dense bf16 rate (8192^3 GEMM), the ceiling the kernel's TFLOP/s are read against."""
-    from bench.bench_kernels import graph_time
-
-    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / graph_time([functools.partial(torch.matmul, m, m)], reps=10)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--only", default=",".join(CONFIGS), help="configs to sweep")
-    args = ap.parse_args()
-    for name in args.only.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"--only: unknown config {name!r}; known: {', '.join(CONFIGS)}")
-    failed = precompile(args.only.split(","), args.workers)
-    names = [n for n in args.only.split(",") if n not in failed]
-    torch.manual_seed(0)
-    peak = bf16_peak()
-    print(f"bf16 GEMM 8192^3: {peak / 1e12:.0f} TFLOP/s; {torch.cuda.get_device_name()}", flush=True)
-    errs, rows = {}, []
-    try:
-        errs = check(names)
-        rows = timings(names, peak)
-    except Exception:  # noqa: BLE001 - keep what was measured
-        traceback.print_exc()
-    result = {"peak_bf16": peak, "compile_failed": failed, "errors": errs, "rows": rows,
-              "summary": summary(rows, errs) if rows else {}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep_sparse_mla_tc.json").write_text(json.dumps(result, indent=1, default=str))
+    SW.main(__doc__, CONFIGS, "sweep_sparse_mla_tc.json", precompile=precompile, check=check, timings=timings,
+            summary=summary)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
-from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, moe_prefill_fp8
+from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, _store_combined, moe_prefill_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 PREFILL_MIN_PAIRS = 4096  # T*k pairs from which the A-operand (prefill) kernel replaces the swap-AB one
@@ -232,11 +232,7 @@ def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.c
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
-    y = acc.to(y_ptr.dtype.element_ty)
-    if HAS_ADD:
-        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32))
-        y = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + t * H + offs, y, mask=mask)
+    _store_combined(acc, y_ptr, add_ptr, t, H, offs, mask, HAS_ADD)
 
 
 def _block_m(pairs: int, experts: int) -> int:

@@ -181,6 +181,17 @@ def _grouped_fp8_gemm_kernel(a_src, as_ptr, b_src, bs_ptr, c_ptr, cs_ptr, bexp_p
 
 
 @triton.jit
+def _store_combined(acc, y_ptr, add_ptr, t, H, offs, mask, HAS_ADD: tl.constexpr):
+    """y[t, offs] = the fp32 sum `acc` rounded once to y's dtype, then (HAS_ADD) + add[t, offs] rounded again, as
+    the reference's sum(1, dtype=fp32).to(dtype) + add does: both MoE combine kernels end here."""
+    y = acc.to(y_ptr.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32))
+        y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * H + offs, y, mask=mask)
+
+
+@triton.jit
 def _unpermute_combine_kernel(x_ptr, pos_ptr, tw_ptr, y_ptr, add_ptr, H, stride_x, TOP_K: tl.constexpr,
                               BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
     """y[t] = sum_j tw[t*k+j] * x[pos[t*k+j]] in fp32, rounded once (+ add[t], rounded again as torch's add);
@@ -195,11 +206,7 @@ def _unpermute_combine_kernel(x_ptr, pos_ptr, tw_ptr, y_ptr, add_ptr, H, stride_
         w = tl.load(tw_ptr + t * TOP_K + j)
         v = tl.load(x_ptr + tl.maximum(p, 0).to(tl.int64) * stride_x + offs, mask=mask & (p >= 0), other=0.0)
         acc += v.to(tl.float32) * w
-    y = acc.to(y_ptr.dtype.element_ty)
-    if HAS_ADD:
-        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32))
-        y = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + t * H + offs, y, mask=mask)
+    _store_combined(acc, y_ptr, add_ptr, t, H, offs, mask, HAS_ADD)
 
 
 def _operand(t: torch.Tensor, rows: int, block_rows: int, tma: bool):

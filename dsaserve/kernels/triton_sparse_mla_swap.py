@@ -31,13 +31,23 @@ import triton.language as tl
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel, _valid_end
-from dsaserve.kernels.triton_sparse_mla_tc import _LAYOUT, _cache_view, _gather_rope, _rope_bf16, _slots
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _valid_end
+from dsaserve.kernels.triton_sparse_mla_tc import (
+    _LAYOUT,
+    RESCALE_LOG2,
+    _cache_view,
+    _combine,
+    _gather_rope,
+    _out_buffer,
+    _rope_bf16,
+    _slots,
+    _split_partials,
+    pick_splits,
+)
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 SWAP_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and decode batches >= 16)
 MAX_LATENT = 512  # four groups of <= 128 columns: one fp8_ds_mla scale each, 128 accumulator registers a thread
-RESCALE_LOG2 = tl.constexpr(8.0)
 # 8 warps x 128-key tiles: two warpgroups of 64 keys each along S's M; O^T [512, 64] fp32 is 128 registers a
 # thread. Offline sm_90 compile (Triton 3.9, T=4096): 68 wgmma a tile (S once), 88 KB of shared memory, 255
 # registers and ~1.1 KB spilled: Triton feeds the group tiles to wgmma from registers (32 a tile), so keeping
@@ -186,14 +196,6 @@ def supports(kv_lora_rank: int) -> bool:
     return 64 <= kv_lora_rank <= MAX_LATENT
 
 
-def pick_splits(programs: int, n_keys: int, block_k: int, sms: int) -> int:
-    """Top-k splits so the programs (one an SM: ~170 KB of shared memory) fill one wave; each split keeps >= 2
-    key tiles. Floor, not ceiling: 128 programs on 132 SMs is a full wave, 256 would be two."""
-    if programs >= sms:
-        return 1
-    return max(1, min(sms // programs, n_keys // (2 * block_k)))
-
-
 def _config(config: dict | None) -> dict:
     cfg = dict(DEFAULT)
     cfg.update(config or {})
@@ -209,14 +211,9 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tens
     view, _ = _cache_view(kv_cache, layout, dc, dr)
     bh, bk, n_keys = min(cfg["block_h"], max(16, triton.next_power_of_2(h))), cfg["block_k"], topk_slots.shape[1]
     head_blocks = triton.cdiv(h, bh)
+    # one program an SM (~170 KB of shared memory): floor, not ceiling, so 128 programs on 132 SMs is a full wave
     splits = cfg["splits"] or pick_splits(t * head_blocks, n_keys, bk, sms)
-    per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
-    splits = max(1, triton.cdiv(n_keys, per_split))
-    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
-    part, lse = out.unsqueeze(0), out[:, :, 0].unsqueeze(0)  # lse unused when unsplit
-    if splits > 1:
-        part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)
-        lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
+    per_split, splits, slots, part, lse = _split_partials(q_nope, out, topk_slots, splits, bk)
     meta = {"LAYOUT": _LAYOUT[layout.name], "DC": dc, "DR": dr, "GW": triton.next_power_of_2(dc) // 4,
             "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_H": bh, "BLOCK_K": bk, "SPLIT": splits > 1,
             "RELOAD": cfg["reload"], "LAZY": cfg["lazy"], "num_warps": cfg["num_warps"],
@@ -238,22 +235,13 @@ def sparse_mla_attention_swap(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cac
     if dc != kv_lora_rank or not supports(dc):
         raise ValueError(f"sparse_mla_attention_swap: q_nope has {dc} channels, kv_lora_rank is {kv_lora_rank} "
                          f"(this kernel takes 64..{MAX_LATENT})")
-    if out is None:
-        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
-    elif out.shape != q_nope.shape or out.dtype != q_nope.dtype or not out.is_contiguous():
-        raise ValueError(f"sparse_mla_attention: out must be contiguous {tuple(q_nope.shape)} {q_nope.dtype}, "
-                         f"got {tuple(out.shape)} {out.dtype}")
+    out = _out_buffer(q_nope, out)
     if out.shape[0] == 0:
         return out
     part, lse, grid, args, meta = launch_plan(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, out,
                                               _config(config), _sm_count(q_nope))
     _sparse_mla_swap_kernel[grid](*args, **meta, **pdl_args(q_nope.device))
-    if part.shape[0] > 1:
-        t, h, _ = out.shape
-        _combine_kernel[(t, h)](part, lse, out, part.shape[0], h, dc, part.stride(0), part.stride(1),
-                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(part.shape[0]), BLOCK_C=triton.next_power_of_2(dc),
-                                num_warps=4, **pdl_args(part.device))
+    _combine(part, lse, out)
     return out
 
 

@@ -308,6 +308,42 @@ def _cache_view(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int) -> t
     return view, view.element_size()
 
 
+def _out_buffer(q_nope: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The result's buffer: `out` checked (contiguous, q_nope's shape and dtype), or a new one."""
+    if out is None:
+        return torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+    if out.shape != q_nope.shape or out.dtype != q_nope.dtype or not out.is_contiguous():
+        raise ValueError(f"sparse_mla_attention: out must be contiguous {tuple(q_nope.shape)} {q_nope.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def _split_partials(q_nope: torch.Tensor, out: torch.Tensor, topk_slots: torch.Tensor, splits: int, block_k: int):
+    """(keys per split, splits, slots with unit stride, partials [splits, T, H, dc], lse [splits, T, H]) for
+    `splits` requested top-k splits, each a whole number of key tiles (so fewer may be left). Unsplit, the
+    partials are `out` itself and lse an unused view of it."""
+    n_keys = topk_slots.shape[1]
+    per_split = triton.cdiv(triton.cdiv(n_keys, splits), block_k) * block_k
+    splits = max(1, triton.cdiv(n_keys, per_split))
+    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
+    part, lse = out.unsqueeze(0), out[:, :, 0].unsqueeze(0)  # lse unused when unsplit
+    if splits > 1:
+        t, h, dc = q_nope.shape
+        part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
+    return per_split, splits, slots, part, lse
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the top-k splits' partials into `out` (`triton_sparse_mla`'s combine kernel); unsplit, nothing."""
+    if part.shape[0] > 1:
+        t, h, dc = out.shape
+        _combine_kernel[(t, h)](part, lse, out, part.shape[0], h, dc, part.stride(0), part.stride(1),
+                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                BLOCK_S=triton.next_power_of_2(part.shape[0]), BLOCK_C=triton.next_power_of_2(dc),
+                                num_warps=4, **pdl_args(part.device))
+
+
 def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             layout: KVLayout | str, topk_slots: torch.Tensor, softmax_scale: float,
                             kv_lora_rank: int, out: torch.Tensor | None = None,
@@ -323,23 +359,14 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
     if q_nope.shape[-1] != kv_lora_rank:
         raise ValueError(f"sparse_mla_attention: q_nope has {q_nope.shape[-1]} channels, kv_lora_rank is "
                          f"{kv_lora_rank}")
-    if out is None:
-        out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
-    elif out.shape != q_nope.shape or out.dtype != q_nope.dtype or not out.is_contiguous():
-        raise ValueError(f"sparse_mla_attention: out must be contiguous {tuple(q_nope.shape)} {q_nope.dtype}, "
-                         f"got {tuple(out.shape)} {out.dtype}")
+    out = _out_buffer(q_nope, out)
     if out.shape[0] == 0:
         return out
     part, lse, launches, meta = launch_plan(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, out,
                                             _config(layout, config), _sm_count(q_nope))
     for grid, args in launches:
         _sparse_mla_tc_kernel[grid](*args, **meta, **pdl_args(q_nope.device))
-    if part.shape[0] > 1:
-        t, h, dc = out.shape
-        _combine_kernel[(t, h)](part, lse, out, part.shape[0], h, dc, part.stride(0), part.stride(1),
-                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(part.shape[0]), BLOCK_C=triton.next_power_of_2(dc),
-                                num_warps=4, **pdl_args(part.device))
+    _combine(part, lse, out)
     return out
 
 
@@ -354,13 +381,7 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tens
     n_keys = topk_slots.shape[1]
     grid1 = triton.cdiv(h, bh) * dv
     splits = cfg["splits"] or pick_splits(t * grid1, n_keys, bk, sms * programs_per_sm(cfg))
-    per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
-    splits = max(1, triton.cdiv(n_keys, per_split))
-    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
-    part, lse = out.unsqueeze(0), out[:, :, 0].unsqueeze(0)  # lse unused when unsplit
-    if splits > 1:
-        part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)
-        lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
+    per_split, splits, slots, part, lse = _split_partials(q_nope, out, topk_slots, splits, bk)
     shift = 2.0 ** BITS_SHIFT if cfg["bits"] else 1.0
     row_bytes = view.shape[-1] * elem
     meta = {"LAYOUT": _LAYOUT[layout.name], "DC": dc, "DR": dr, "ELEM": elem, "ROW_BYTES": row_bytes,

@@ -21,7 +21,9 @@ import os
 import pytest
 import torch
 
+from dsaserve.common.kv_layout import encode_latent
 from dsaserve.config import ModelConfig, load_config
+from dsaserve.kernels import reference as R
 
 _INTERP = os.environ.get("DSASERVE_TEST_TRITON_INTERPRET") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -127,3 +129,47 @@ BF16_ULP = dict(rtol=2 ** -6 * SLACK, atol=2 ** -6 * SLACK)  # one bf16 rounding
 # the tiny test configs (kv_lora 128, rope 16, indexer 16 x 32; DeepSeek's 4 expert groups)
 MODEL_NAMES = (["glm-5.3"] if BIG else []) + ["glm-5.3-mini", "glm-5.3-tiny", "deepseek-v3.2-tiny"]
 MODELS: dict[str, ModelConfig] = {name: load_config(name) for name in MODEL_NAMES}
+
+
+# ---- sparse MLA (test_gpu_sparse_mla_*.py: the tensor-core kernels, whose ops take a `config`) -----------------
+def sparse_mla_case(gen, t: int, dims: tuple, layout: str, skip=(slice(0), slice(0))):
+    """(q_nope, q_rope, cache, top-k slots) of T tokens; dims (heads, kv_lora_rank, rope, top-k, cache rows),
+    slots drawn from every row, those at index `skip` -1."""
+    h, dc, dr, k, n_slots = dims
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    slots[skip] = -1
+    qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+    return qn, qr, cache, slots
+
+
+def check_sparse_mla(op, gen, args: tuple, layout: str, dc: int, config: dict | None = None) -> None:
+    """`op` with `config` on a case's (q_nope, q_rope, cache, slots) against the reference, into poisoned memory."""
+    poison_free_memory()
+    got = op(*args[:3], layout, args[3], 0.04, dc, config=config)
+    ref = R.sparse_mla_attention(*args[:3], layout, args[3], 0.04, dc)
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
+    assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} layout {layout} config {config}"
+
+
+def check_sparse_mla_token_without_slots(op, gen, dims: tuple, config: dict | None = None) -> None:
+    """Of three tokens, the middle one has every slot -1: `op` gives it zeros, the others the reference's output."""
+    qn, qr, cache, slots = sparse_mla_case(gen, 3, dims, "fp8_ds_mla", (slice(1, 2), slice(None)))
+    got = op(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dims[1], config=config)
+    assert got[1].eq(0).all()
+    keep = torch.tensor([0, 2], device=DEVICE)
+    ref = R.sparse_mla_attention(qn[keep], qr[keep], cache, "fp8_ds_mla", slots[keep], 0.04, dims[1])
+    assert rel(got[keep], ref) < BF16
+
+
+def far_rows_case(gen) -> tuple[tuple, int]:
+    """((q_nope, q_rope, cache, slots), kv_lora_rank) at GLM-5.3's shapes with every selected row past 2^31 bytes of
+    a 2.2 GB fp8_ds_mla cache (202K context x many pages): row offsets must be 64-bit. GPU only."""
+    h, dc, dr, k = 64, 512, 64, 256
+    n_slots = (1 << 31) // 656 + 40_000
+    cache = torch.zeros(n_slots, 656, dtype=torch.uint8, device=DEVICE)
+    top = n_slots - 30_000
+    cache[top:] = encode_latent(randn(30_000, dc + dr, gen=gen), "fp8_ds_mla", dc)
+    slots = torch.randint(top, n_slots, (16, k), generator=gen, device=DEVICE)
+    qn, qr = randn(16, h, dc, gen=gen, dtype=torch.bfloat16), randn(16, h, dr, gen=gen, dtype=torch.bfloat16)
+    return (qn, qr, cache, slots), dc

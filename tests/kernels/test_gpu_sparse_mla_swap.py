@@ -10,7 +10,18 @@ import torch
 
 from dsaserve.common.kv_layout import encode_latent
 from dsaserve.kernels import reference as R
-from tests.kernels.gpu_common import BF16, BIG, DEVICE, poison_free_memory, randn, rel, requires_gpu_kernels
+from tests.kernels.gpu_common import (
+    BF16,
+    BIG,
+    DEVICE,
+    check_sparse_mla,
+    check_sparse_mla_token_without_slots,
+    far_rows_case,
+    randn,
+    rel,
+    requires_gpu_kernels,
+    sparse_mla_case,
+)
 
 pytestmark = requires_gpu_kernels
 LAYOUTS = ["fp8_ds_mla", "bf16", "fp8_e4m3", "fp32"]
@@ -20,23 +31,10 @@ GLM = (64, 512, 64, 2048, 8192) if BIG else (4, 128, 16, 50, 200)
 SMALL_TILES = {} if BIG else {"block_k": 32, "num_warps": 4}  # the interpreter's cost grows with the tile
 
 
-def _case(gen, t, dims, layout, skip=(slice(0), slice(0))):
-    h, dc, dr, k, n_slots = dims
-    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
-    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
-    slots[skip] = -1
-    qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
-    return qn, qr, cache, slots
-
-
 def _check(gen, args, layout, dc, config=None):
     from dsaserve.kernels.triton_sparse_mla_swap import sparse_mla_attention_swap
 
-    poison_free_memory()
-    got = sparse_mla_attention_swap(*args[:3], layout, args[3], 0.04, dc, config={**SMALL_TILES, **(config or {})})
-    ref = R.sparse_mla_attention(*args[:3], layout, args[3], 0.04, dc)
-    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
-    assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} layout {layout} config {config}"
+    check_sparse_mla(sparse_mla_attention_swap, gen, args, layout, dc, {**SMALL_TILES, **(config or {})})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -44,32 +42,28 @@ def _check(gen, args, layout, dc, config=None):
 def test_swap_kernel_matches_reference_on_every_layout(gen, layout, splits):
     """Unsplit and split top-k (combine kernel); a third of token 0's selection is -1."""
     k = GLM[3]
-    args = _case(gen, 20 if BIG else 2, GLM, layout, (slice(0, 1), slice(k // 3, k // 2)))
+    args = sparse_mla_case(gen, 20 if BIG else 2, GLM, layout, (slice(0, 1), slice(k // 3, k // 2)))
     _check(gen, args, layout, GLM[1], {"splits": splits})
 
 
 @pytest.mark.parametrize("config", [{"reload": False}, {"lazy": True}, {"num_stages": 2}, {"block_h": 16},
                                     {"reload": False, "lazy": True}])
 def test_swap_kernel_configs_match_reference(gen, config):
-    _check(gen, _case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
+    _check(gen, sparse_mla_case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
 def test_swap_kernel_handles_head_and_latent_dims_off_the_powers_of_two(gen, layout):
     """80 heads (two head blocks, the second partly masked), kv_lora 384 (the last group masked), rope 48."""
     dims = (80, 384, 48, 256, 1024) if BIG else (20, 384, 48, 24, 64)
-    _check(gen, _case(gen, 17 if BIG else 1, dims, layout), layout, dims[1], {"block_h": 16} if not BIG else None)
+    args = sparse_mla_case(gen, 17 if BIG else 1, dims, layout)
+    _check(gen, args, layout, dims[1], {"block_h": 16} if not BIG else None)
 
 
 def test_swap_kernel_gives_zeros_for_a_token_with_no_slots(gen):
     from dsaserve.kernels.triton_sparse_mla_swap import sparse_mla_attention_swap
 
-    qn, qr, cache, slots = _case(gen, 3, GLM, "fp8_ds_mla", (slice(1, 2), slice(None)))
-    got = sparse_mla_attention_swap(qn, qr, cache, "fp8_ds_mla", slots, 0.04, GLM[1], config=SMALL_TILES)
-    assert got[1].eq(0).all()
-    keep = torch.tensor([0, 2], device=DEVICE)
-    ref = R.sparse_mla_attention(qn[keep], qr[keep], cache, "fp8_ds_mla", slots[keep], 0.04, GLM[1])
-    assert rel(got[keep], ref) < BF16
+    check_sparse_mla_token_without_slots(sparse_mla_attention_swap, gen, GLM, SMALL_TILES)
 
 
 def test_swap_kernel_reads_head_major_queries_and_writes_into_out(gen):
@@ -79,7 +73,7 @@ def test_swap_kernel_reads_head_major_queries_and_writes_into_out(gen):
     h, dc, dr, k, n = GLM
     t = 5
     qn = randn(h, t, dc, gen=gen, dtype=torch.bfloat16).transpose(0, 1)
-    _, qr, cache, slots = _case(gen, t, GLM, "fp8_ds_mla")
+    _, qr, cache, slots = sparse_mla_case(gen, t, GLM, "fp8_ds_mla")
     out = torch.full((t, h, dc), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     got = sparse_mla_attention_swap(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc, out=out, config=SMALL_TILES)
     assert got is out
@@ -89,14 +83,8 @@ def test_swap_kernel_reads_head_major_queries_and_writes_into_out(gen):
 @pytest.mark.skipif(not BIG, reason="a 2.2 GB cache: GPU only")
 def test_swap_kernel_reads_rows_past_two_gigabytes(gen):
     """Slots x 656 B pass 2^31 (202K context x many pages): the row offsets must be 64-bit."""
-    h, dc, dr, k = 64, 512, 64, 256
-    n_slots = (1 << 31) // 656 + 40_000
-    cache = torch.zeros(n_slots, 656, dtype=torch.uint8, device=DEVICE)
-    top = n_slots - 30_000
-    cache[top:] = encode_latent(randn(30_000, dc + dr, gen=gen), "fp8_ds_mla", dc)
-    slots = torch.randint(top, n_slots, (16, k), generator=gen, device=DEVICE)
-    qn, qr = randn(16, h, dc, gen=gen, dtype=torch.bfloat16), randn(16, h, dr, gen=gen, dtype=torch.bfloat16)
-    _check(gen, (qn, qr, cache, slots), "fp8_ds_mla", dc)
+    args, dc = far_rows_case(gen)
+    _check(gen, args, "fp8_ds_mla", dc)
 
 
 def test_dispatcher_takes_the_swap_kernel_from_16_tokens_on_latents_it_supports(monkeypatch):

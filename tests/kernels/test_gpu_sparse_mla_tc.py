@@ -8,9 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.common.kv_layout import encode_latent
-from dsaserve.kernels import reference as R
-from tests.kernels.gpu_common import BF16, BIG, DEVICE, HAS_TRITON, poison_free_memory, randn, rel, requires_gpu_kernels
+from tests.kernels.gpu_common import (
+    BIG,
+    DEVICE,
+    HAS_TRITON,
+    check_sparse_mla,
+    check_sparse_mla_token_without_slots,
+    far_rows_case,
+    requires_gpu_kernels,
+    sparse_mla_case,
+)
 
 pytestmark = requires_gpu_kernels
 LAYOUTS = ["fp8_ds_mla", "bf16", "fp8_e4m3", "fp32"]
@@ -18,23 +25,10 @@ LAYOUTS = ["fp8_ds_mla", "bf16", "fp8_e4m3", "fp32"]
 GLM = (64, 512, 64, 2048, 8192) if BIG else (4, 128, 16, 40, 200)
 
 
-def _case(gen, t, dims, layout, skip=(slice(0), slice(0))):
-    h, dc, dr, k, n_slots = dims
-    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
-    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
-    slots[skip] = -1
-    qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
-    return qn, qr, cache, slots
-
-
 def _check(gen, args, layout, dc, config=None):
     from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
 
-    poison_free_memory()
-    got = sparse_mla_attention_tc(*args[:3], layout, args[3], 0.04, dc, config=config)
-    ref = R.sparse_mla_attention(*args[:3], layout, args[3], 0.04, dc)
-    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got).all()
-    assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} layout {layout} config {config}"
+    check_sparse_mla(sparse_mla_attention_tc, gen, args, layout, dc, config)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -42,21 +36,21 @@ def _check(gen, args, layout, dc, config=None):
 def test_tc_kernel_matches_reference_on_every_layout(gen, layout, t):
     """T=20 splits the top-k over programs (combine kernel), T=300 runs unsplit; a third of a selection is -1."""
     k = GLM[3]
-    _check(gen, _case(gen, t, GLM, layout, (slice(0, 1), slice(k // 3, k // 2))), layout, GLM[1])
+    _check(gen, sparse_mla_case(gen, t, GLM, layout, (slice(0, 1), slice(k // 3, k // 2))), layout, GLM[1])
 
 
 @pytest.mark.parametrize("config", [{"num_warps": 8, "dv_split": 1, "block_k": 64}, {"bits": False},
                                     {"prefetch": False, "num_stages": 2}, {"num_warps": 8}, {"block_k": 16},
                                     {"splits": 3}])
 def test_tc_kernel_configs_match_reference(gen, config):
-    _check(gen, _case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
+    _check(gen, sparse_mla_case(gen, 20 if BIG else 2, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], config)
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
 def test_tc_kernel_handles_head_and_latent_dims_off_the_powers_of_two(gen, layout):
     """80 heads (two head blocks, the second partly masked), kv_lora 384 (half b masked), rope 48."""
     dims = (80, 384, 48, 256, 1024) if BIG else (20, 384, 48, 24, 64)
-    _check(gen, _case(gen, 17 if BIG else 2, dims, layout), layout, dims[1])
+    _check(gen, sparse_mla_case(gen, 17 if BIG else 2, dims, layout), layout, dims[1])
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -65,31 +59,20 @@ def test_tc_kernel_launches_many_tokens_in_chunks_of_the_grid_limit(gen, monkeyp
     from dsaserve.kernels import triton_sparse_mla_tc
 
     monkeypatch.setattr(triton_sparse_mla_tc, "MAX_GRID_Y", 2)
-    _check(gen, _case(gen, 5, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], {"splits": splits})
+    _check(gen, sparse_mla_case(gen, 5, GLM, "fp8_ds_mla"), "fp8_ds_mla", GLM[1], {"splits": splits})
 
 
 def test_tc_kernel_gives_zeros_for_a_token_with_no_slots(gen):
     from dsaserve.kernels.triton_sparse_mla_tc import sparse_mla_attention_tc
 
-    qn, qr, cache, slots = _case(gen, 3, GLM, "fp8_ds_mla", (slice(1, 2), slice(None)))
-    got = sparse_mla_attention_tc(qn, qr, cache, "fp8_ds_mla", slots, 0.04, GLM[1])
-    assert got[1].eq(0).all()
-    keep = torch.tensor([0, 2], device=DEVICE)
-    ref = R.sparse_mla_attention(qn[keep], qr[keep], cache, "fp8_ds_mla", slots[keep], 0.04, GLM[1])
-    assert rel(got[keep], ref) < BF16
+    check_sparse_mla_token_without_slots(sparse_mla_attention_tc, gen, GLM)
 
 
 @pytest.mark.skipif(not BIG, reason="a 2.2 GB cache: GPU only")
 def test_tc_kernel_reads_rows_past_two_gigabytes(gen):
     """Slots x 656 B pass 2^31 (202K context x many pages): the row offsets must be 64-bit."""
-    h, dc, dr, k = 64, 512, 64, 256
-    n_slots = (1 << 31) // 656 + 40_000
-    cache = torch.zeros(n_slots, 656, dtype=torch.uint8, device=DEVICE)
-    top = n_slots - 30_000
-    cache[top:] = encode_latent(randn(30_000, dc + dr, gen=gen), "fp8_ds_mla", dc)
-    slots = torch.randint(top, n_slots, (16, k), generator=gen, device=DEVICE)
-    qn, qr = randn(16, h, dc, gen=gen, dtype=torch.bfloat16), randn(16, h, dr, gen=gen, dtype=torch.bfloat16)
-    _check(gen, (qn, qr, cache, slots), "fp8_ds_mla", dc)
+    args, dc = far_rows_case(gen)
+    _check(gen, args, "fp8_ds_mla", dc)
 
 
 if HAS_TRITON:  # a one-op kernel around the decode (the CPU CI's torch wheel may ship no Triton)
