@@ -118,8 +118,10 @@ def main() -> None:
             env = scenario_env(name, caches, root, specs)
             res = run_one(name, env, args, out)
             recorded = caches[name] / "triton_specs.jsonl"
-            if name == "cold_serial" and recorded.is_file():
-                shutil.copy(recorded, specs)
+            if recorded.is_file():  # each start's list (a new kernel's specs, to ship in engine/kernel_specs)
+                shutil.copy(recorded, out / f"triton_specs_{name}.jsonl")
+                if name == "cold_serial":
+                    shutil.copy(recorded, specs)
             rows.append(res)
             (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
             print(f"{name}: healthy {res.get('healthy_after_s')} s, manifest {res.get('manifest_total_s')} s"

@@ -37,12 +37,16 @@ from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_long
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
-WS_BUDGET = 256 << 20  # bytes of fp32 scores per chunk (8K tokens x 8K keys)
+# bytes of fp32 scores per chunk: 64 MB stays near the L2 between the score GEMM and the select (H200 sweep
+# 2026-12-01: the full path at 8K x 8K 2.56 ms with 64 MB against 3.54 with 256)
+WS_BUDGET = 64 << 20
 # sm_90 offline (ptxas -v): no spills; bench/sweep_indexer_prefill.py picks the measured best
 # select "auto": the one-program row select (`triton_indexer._topk_select_kernel`) while a row fits in its
 # registers (H200, 8K x 8K: 1.17 ms against the radix's 2.3 ms), the split radix select past that
-DEFAULT_CONFIG = {"bt": 4, "bs": 128, "tpp": 8, "num_warps": 4, "num_stages": 3, "select": "auto",
-                  "radix_chunk": triton_indexer_long.CHUNK}
+# H200 sweep (2026-12-01, bench/RESULTS.md): scores 4 tokens x 64 keys, 16 tiles a program, 4 stages were the
+# fastest at 8K / 32K / 128K context (345 / 696 / 729 TFLOP/s); radix chunks of 2048 columns beat 4096 / 8192
+DEFAULT_CONFIG = {"bt": 4, "bs": 64, "tpp": 16, "num_warps": 4, "num_stages": 4, "select": "auto",
+                  "radix_chunk": 2048}
 SELECTS = ("auto", "radix", "rows")
 HEAD_DIMS = (32, 64, 128)
 

@@ -277,9 +277,12 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
     # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
     # latency-bound and a little faster on the generic kernel at 16 heads
-    ds4 = layout == FP8_DS_MLA and dc == 512 and t > 2
-    cfg = {"block_h": 64 if ds4 else 16, "block_k": 32, "num_warps": 8 if ds4 else 4, "num_stages": 2,
-           "splits": None, "grouped": ds4}
+    # H200 sweep (2026-12-01): from 3 tokens on at kv_lora 512, dequantising first and one chained dot over 64-key
+    # tiles is 1.08 / 1.20 / 1.38 / 1.46x the 4-group kernel at T = 16 / 32 / 128 / 4096 (S in one dot, not five
+    # with a wait and a scale each); the 4-group kernel stays reachable with {"grouped": True}
+    big = layout == FP8_DS_MLA and dc == 512 and t > 2
+    cfg = {"block_h": 64 if big else 16, "block_k": 64 if big else 32, "num_warps": 8 if big else 4,
+           "num_stages": 2, "splits": None, "grouped": False}
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
