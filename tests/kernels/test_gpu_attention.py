@@ -48,7 +48,8 @@ def _indexer_case(gen, layout, seq_lens, ext, ps, hi, d):
     return q, w, cache, table, req, pos
 
 
-def _check_topk(got, q, w, cache, layout, table, req, pos, topk, ps, seed):
+def _check_topk(got, q, w, cache, layout, table, req, pos, topk, ps, seed, tol=1e-4):
+    """`tol` x the row's largest |score|: how far below the k-th a picked key's float64 score may be."""
     keys = decode_index_k(cache, layout).double()
     for t in range(len(pos)):
         r, p = int(req[t]), int(pos[t])
@@ -64,7 +65,7 @@ def _check_topk(got, q, w, cache, layout, table, req, pos, topk, ps, seed):
         picked = scores[[pos_of[int(s)] for s in sel]]
         kth = scores.topk(sel.numel())[0][-1]
         # near-ties at the k-th score may go either way (fp32 accumulation order)
-        assert picked.min() >= kth - 1e-4 * scores.abs().max(), f"seed {seed} token {t}"
+        assert picked.min() >= kth - tol * scores.abs().max(), f"seed {seed} token {t}"
 
 
 @pytest.mark.parametrize("layout,topk", [("fp8_ds_mla", 256), ("bf16", 256), ("fp8_ds_mla", 2048)])

@@ -36,7 +36,9 @@ def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
                     config=_conf(select))
     assert got.shape == (len(pos), topk) and got.dtype == torch.int64
     q8 = _kernel_q(q, True)
-    _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    # the FP8 tensor-core dot accumulates with ~13 bits on Hopper (DeepGEMM's finding): on the H200 a picked key
+    # scored 1.07e-4 of the row's max below the k-th in float64 (2026-12-01), a near-tie, not a wrong select
+    _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed(), tol=2.0 ** -12)
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
     _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
