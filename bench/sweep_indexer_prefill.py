@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench import indexer_topk_evidence as E
+from bench.bench_gpu import pipelined_time
 from dsaserve.common.kv_layout import encode_index_k
 from dsaserve.kernels import triton_indexer_gemm as G
 from dsaserve.kernels import triton_indexer_prefill as PRE
@@ -48,20 +49,13 @@ ROWS: list[dict] = []
 
 def timer(fn, steps: int) -> float:
     """Seconds a call: one warm call, then `steps` back to back with one sync (CUDA events on the GPU)."""
+    if torch.cuda.is_available():
+        return pipelined_time(fn, steps)
     fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - t) / steps
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
+    t = time.perf_counter()
     for _ in range(steps):
         fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 1e3 / steps
+    return (time.perf_counter() - t) / steps
 
 
 def fp8_peak(dev: str, n: int) -> float:

@@ -75,31 +75,8 @@ class ModelRunner:
                            if str(device).startswith("cuda") else None)
         if str(device).startswith("cuda"):
             prewarm_triton_key()  # Triton's per-process hash, on a thread while this rank initialises and loads
-        with _Timer(self.startup_time, "init_distributed"):
-            self.parallel = initialize_model_parallel(
-                args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
-                device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
-                dp_attention=args.enable_dp_attention)
-        self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
-        # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
-        self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
-            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs),
-            self.parallel.world_size * max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)
-        # the memory profile and the prefill warmup run as the largest gather step the rule allows
-        self.dp_world = self.parallel.world_size if self.dp_sync is not None and args.dp_moe != A2A else 1
-        self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
-        self.dtype = DTYPES[args.resolved_dtype()]
-        self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
-        self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
-        self.profile: MemoryProfile | None = None
-        self.graphs: CudaGraphRunner | None = None
-        self.piecewise: PiecewiseRunner | None = None
-        self.warmed_prefill: list[int] = []
-        self.warmed: dict[str, Any] = {}
-        self.graph_errors: dict[str, str] = {}
-        self.compile_cache = CompileCache(None) if self.device.type == "cuda" else None
-        self.kernel_loads = KernelLoads() if self.device.type == "cuda" else None  # before any kernel compiles
-        self.spec_recorder = kernel_precompile.SpecRecorder() if self.device.type == "cuda" else None
+        self._init_parallel(args, device, rank, dist_init_method)
+        self._init_state(args, graph_reserve_bytes)
         torch.manual_seed(args.seed)
         with _Timer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
@@ -131,13 +108,50 @@ class ModelRunner:
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
         self.eos_token_ids = self.cfg.eos_token_ids
         fold_device_expert_counts(reset=True)  # profile / warmup / capture forwards are not traffic
-        if self.compile_cache is not None:
-            self.compile_cache.mark_up()
-            self.kernel_loads.mark_up()
-            self._save_specs()
-            self._save_warm_start()
-            COUNTERS.add_source(self.compile_cache.compiles_after_up)
-            COUNTERS.add_source(self.kernel_loads.read)
+        self._mark_up()
+
+    def _init_parallel(self, args: EngineArgs, device: str, rank: int | None, dist_init_method: str | None) -> None:
+        """The process groups, this rank's device and, under DP-attention, the step agreement."""
+        with _Timer(self.startup_time, "init_distributed"):
+            self.parallel = initialize_model_parallel(
+                args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
+                device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
+                dp_attention=args.enable_dp_attention)
+        self.device = local_device(device) if self.parallel.world_size > 1 else torch.device(device)
+        # DP-attention: every main forward starts with the ranks' agreement on the step (engine/dp_step.py)
+        self.dp_sync = None if not self.parallel.dp_attention else DPStepSync(
+            self.parallel.dp_cpu_group, self.parallel.world_size, decode_buckets(args.graph_max_bs),
+            self.parallel.world_size * max(args.chunk_size, args.max_num_batched_tokens), args.dp_moe)
+        # the memory profile and the prefill warmup run as the largest gather step the rule allows
+        self.dp_world = self.parallel.world_size if self.dp_sync is not None and args.dp_moe != A2A else 1
+        self.dp_step: DPStep | None = None  # the last agreement (tests, bench)
+
+    def _init_state(self, args: EngineArgs, graph_reserve_bytes: int) -> None:
+        """Sizes and the start-up bookkeeping filled in later (profile, graphs, warmup, compile counters)."""
+        self.dtype = DTYPES[args.resolved_dtype()]
+        self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
+        self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
+        self.profile: MemoryProfile | None = None
+        self.graphs: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseRunner | None = None
+        self.warmed_prefill: list[int] = []
+        self.warmed: dict[str, Any] = {}
+        self.graph_errors: dict[str, str] = {}
+        cuda = self.device.type == "cuda"
+        self.compile_cache = CompileCache(None) if cuda else None
+        self.kernel_loads = KernelLoads() if cuda else None  # before any kernel compiles
+        self.spec_recorder = kernel_precompile.SpecRecorder() if cuda else None
+
+    def _mark_up(self) -> None:
+        """Up: from here a compile or a kernel load counts as after Up; the start's kernel specs are saved."""
+        if self.compile_cache is None:
+            return
+        self.compile_cache.mark_up()
+        self.kernel_loads.mark_up()
+        self._save_specs()
+        self._save_warm_start()
+        COUNTERS.add_source(self.compile_cache.compiles_after_up)
+        COUNTERS.add_source(self.kernel_loads.read)
 
     def _save_specs(self) -> None:
         """This start's kernel specs onto the list the next start precompiles (an unwritable cache: logged)."""

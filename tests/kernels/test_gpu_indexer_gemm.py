@@ -10,7 +10,13 @@ import torch
 from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
 from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, randn, requires_gpu_kernels
 from tests.kernels.test_gpu_attention import _check_topk, _indexer_case
-from tests.kernels.test_gpu_indexer_topk import PREFILL_SHAPES, _assert_within_q_rounding, _kernel_q, _prefill_inputs
+from tests.kernels.test_gpu_indexer_topk import (
+    PREFILL_SHAPES,
+    _assert_position_order,
+    _assert_within_q_rounding,
+    _kernel_q,
+    _prefill_inputs,
+)
 
 pytestmark = requires_gpu_kernels
 
@@ -42,16 +48,6 @@ def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
     _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
-
-
-def _assert_position_order(got, table, req, pos, seq_lens, ps, seed):
-    page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
-    for t in range(len(pos)):
-        r, n = int(req[t]), int((got[t] >= 0).sum())
-        used = -(-seq_lens[r] // ps)  # the table's tail is padding (page 0)
-        page_of[table[r, :used]] = torch.arange(used, device=DEVICE)
-        key_pos = page_of[got[t, :n] // ps] * ps + got[t, :n] % ps
-        assert (key_pos.diff() > 0).all() and (got[t, n:] == -1).all(), f"seed {seed} token {t}"
 
 
 def test_gemm_topk_fp16_q_and_causal_edges(gen):

@@ -196,13 +196,7 @@ def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, h
     _check_topk(got, q16, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
     _assert_within_q_rounding(got, ref, q, q16, w, cache, table, req, pos, ps, gen.initial_seed())
-    page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
-    for t in range(len(pos)):
-        r, n = int(req[t]), int((got[t] >= 0).sum())
-        used = -(-seq_lens[r] // ps)  # the table's tail is padding (page 0)
-        page_of[table[r, :used]] = torch.arange(used, device=DEVICE)
-        key_pos = page_of[got[t, :n] // ps] * ps + got[t, :n] % ps
-        assert (key_pos.diff() > 0).all() and (got[t, n:] == -1).all(), f"seed {gen.initial_seed()} token {t}"
+    _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
 
 
 # ---- dispatch ---------------------------------------------------------------------------------------
@@ -248,3 +242,13 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
         if DEVICE == "cuda" or prefill:  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
             _check_topk(got, _kernel_q(q, True) if prefill else q, w, cache, layout, table, req, pos,
                         topk, ps, gen.initial_seed())
+
+
+def _assert_position_order(got, table, req, pos, seq_lens, ps, seed):
+    page_of = torch.full((int(table.max()) + 1,), -1, dtype=torch.int64, device=DEVICE)
+    for t in range(len(pos)):
+        r, n = int(req[t]), int((got[t] >= 0).sum())
+        used = -(-seq_lens[r] // ps)  # the table's tail is padding (page 0)
+        page_of[table[r, :used]] = torch.arange(used, device=DEVICE)
+        key_pos = page_of[got[t, :n] // ps] * ps + got[t, :n] % ps
+        assert (key_pos.diff() > 0).all() and (got[t, n:] == -1).all(), f"seed {seed} token {t}"
