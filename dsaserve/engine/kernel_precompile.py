@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,40 @@ def read_specs(paths: list[Path]) -> list[str]:
     return list(out)
 
 
+def spec_name(spec: str) -> str:
+    """The kernel a spec line names ('?' for a torn or foreign line)."""
+    try:
+        return str(json.loads(spec).get("name", "?"))
+    except (ValueError, AttributeError):
+        return "?"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` to `path` through a temporary file and a rename: a reader never sees half a list."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def chain_post_compile_hook(on_load: Callable[[dict[str, Any]], None]) -> bool:
+    """Call `on_load(kwargs)` each time a Triton JIT compiles or loads a kernel, before any hook installed
+    earlier (which still runs); False without Triton's knobs (Triton < 3.4 or none): nothing is observed."""
+    try:
+        from triton import knobs
+
+        previous = knobs.runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return False
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        on_load(kwargs)
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return True
+
+
 class SpecRecorder:
     """Collects the serialised specialisation of every kernel the JIT compiles or loads (chained after any
     hook installed before). `save()` merges them into the spec list; after it, each new one is appended at
@@ -82,20 +117,8 @@ class SpecRecorder:
         self.specs: dict[str, None] = {}
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
-        self.installed = False
-        try:
-            from triton import knobs
-
-            previous = knobs.runtime.jit_post_compile_hook
-        except (ImportError, AttributeError):  # no Triton, or one without knobs: nothing to record
-            return
-
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            self.add((kwargs.get("compile") or {}).get("specialization_data"))
-            return previous(*args, **kwargs) if previous is not None else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-        self.installed = True
+        self.installed = chain_post_compile_hook(
+            lambda kw: self.add((kw.get("compile") or {}).get("specialization_data")))
 
     def add(self, spec: str | None) -> None:
         if not spec or spec in self.specs:
@@ -113,12 +136,9 @@ class SpecRecorder:
 
     def save(self) -> int:
         """The recorded specs merged into the list on disk (atomically); how many lines it now has."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = read_specs([self.path] if self.path.is_file() else []) + list(self.specs)
         lines = list(dict.fromkeys(lines))
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(line + "\n" for line in lines))
         self.saved = True
         return len(lines)
 
@@ -173,7 +193,7 @@ def compile_spec(spec: str) -> str | None:
         triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_target(d, GPUTarget), options=options)
         return None
     except Exception as e:  # one bad spec must not stop the others
-        return f"{_name(spec)}: {type(e).__name__}: {e}"[:300]
+        return f"{spec_name(spec)}: {type(e).__name__}: {e}"[:300]
 
 
 def _target(d: dict[str, Any], gpu_target: Any) -> Any:
@@ -185,13 +205,6 @@ def _target(d: dict[str, Any], gpu_target: Any) -> Any:
     arch = str(opts["arch"])
     return gpu_target(opts.get("backend_name", "cuda"), int(arch[2:]) if arch.startswith("sm") else arch,
                       opts.get("warp_size", 32))
-
-
-def _name(spec: str) -> str:
-    try:
-        return str(json.loads(spec).get("name", "?"))
-    except (ValueError, AttributeError):
-        return "?"
 
 
 def _entries(path: Path) -> set[str]:

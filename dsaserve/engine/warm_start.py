@@ -26,7 +26,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
-from dsaserve.engine.kernel_precompile import cache_root, read_specs, resolve_jit
+from dsaserve.engine.kernel_precompile import cache_root, read_specs, resolve_jit, spec_name, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -110,27 +109,13 @@ def preload_spec(spec: str) -> str | None:
             fn = fn.fn
         kernel = fn.preload(spec)
         if kernel is None:
-            return f"{_name(spec)}: not loaded (a JIT cache hook declined it)"
+            return f"{spec_name(spec)}: not loaded (a JIT cache hook declined it)"
         if hasattr(kernel, "result"):  # Triton's async compile mode hands back a future
             kernel = kernel.result()
         kernel._init_handles()  # the module load and the launcher: what its first launch would do
         return None
     except Exception as e:  # one stale spec must not stop the others: the forward warmup covers it
-        return f"{_name(spec)}: {type(e).__name__}: {e}"[:300]
-
-
-def _name(spec: str) -> str:
-    try:
-        return str(json.loads(spec).get("name", "?"))
-    except (ValueError, AttributeError):
-        return "?"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        return f"{spec_name(spec)}: {type(e).__name__}: {e}"[:300]
 
 
 class WarmStart:
@@ -211,10 +196,10 @@ class WarmStart:
         wrote = False
         old = read_specs([self.specs_path]) if self.specs_path.is_file() else []
         if specs and set(specs) != set(old):
-            _write_atomic(self.specs_path, "".join(s + "\n" for s in specs))
+            write_atomic(self.specs_path, "".join(s + "\n" for s in specs))
             wrote = True
         if profile is not None and self.profile_status != "hit":
-            _write_atomic(self.profile_path, json.dumps(profile, sort_keys=True))
+            write_atomic(self.profile_path, json.dumps(profile, sort_keys=True))
             wrote = True
         return wrote
 

@@ -17,6 +17,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.engine.kernel_precompile import chain_post_compile_hook
 from dsaserve.engine.warmup_plan import SAMPLER_VARIANTS, WarmupPlan
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.sampler import Sampler
@@ -98,20 +99,11 @@ class KernelLoads:
     miss) after `mark_up()`. Chains to a hook someone else installed; absent (0) without Triton's knobs."""
 
     def __init__(self) -> None:
-        self.count, self.at_up, self.installed = 0, None, False
-        try:
-            from triton import knobs
+        self.count, self.at_up = 0, None
+        self.installed = chain_post_compile_hook(self._loaded)
 
-            previous = knobs.runtime.jit_post_compile_hook
-        except (ImportError, AttributeError):  # Triton < 3.4 or not installed: nothing to count
-            return
-
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return previous(*args, **kwargs) if previous is not None else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-        self.installed = True
+    def _loaded(self, _kwargs: dict[str, Any]) -> None:
+        self.count += 1
 
     def mark_up(self) -> None:
         self.at_up = self.count

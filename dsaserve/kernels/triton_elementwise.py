@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, SMALL_M, attach_fp8, quant_rows_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 
@@ -25,8 +25,8 @@ def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK: tl.constexpr):
     """Row y [BLOCK] (already rounded to the activation dtype) -> e4m3 + one fp32 scale per 128 values:
     `quant_act_fp8`'s rule and layout ([M, K] and [M, K/128], contiguous)."""
     g = tl.reshape(y.to(tl.float32), [BLOCK // 128, 128])
-    scale = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-12) / FP8_MAX_C
-    q = tl.reshape(tl.clamp(g / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv), [BLOCK])
+    q, scale = quant_rows_fp8(g)
+    q = tl.reshape(q, [BLOCK])
     offs = tl.arange(0, BLOCK)
     tl.store(q_ptr + row * N + offs, q, mask=offs < N)
     groups = tl.arange(0, BLOCK // 128)

@@ -49,6 +49,14 @@ def _sm_count(t: torch.Tensor) -> int:
 
 # ---- activation quantisation: [M, K] -> e4m3 [M_pad, K] + fp32 scales [M_pad, K/128] -------------------
 @triton.jit
+def quant_rows_fp8(x):
+    """x [R, G] fp32 -> (e4m3 [R, G], fp32 scale [R]): kv_layout._quant_fp8's rule, scale = max(amax, 1e-12) /
+    448, values clamped to +-448 (a zero row quantises to zeros). Every activation quantiser uses it."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX_C
+    return tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                         GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -58,9 +66,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     kmask = offs_k < K
     x = tl.load(x_ptr + m * stride_xm + offs_k, mask=kmask & (m < M), other=0.0).to(tl.float32)
-    # same rule as kv_layout._quant_fp8: scale = max(amax, 1e-12) / 448, padding rows quantise to zeros
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX_C
-    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+    q, scale = quant_rows_fp8(x)  # padding rows quantise to zeros
     tl.store(q_ptr + m * stride_qm + offs_k, q, mask=kmask)
     tl.store(s_ptr + m * stride_sm + offs_g * stride_sk, scale, mask=offs_g * GROUP < K)
 

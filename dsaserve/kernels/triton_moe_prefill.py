@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, num_sms, quant_act_fp8
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, num_sms, quant_act_fp8, quant_rows_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 try:  # host-side TMA descriptors (Triton >= 3.4; the H200 has 3.6)
@@ -64,8 +64,7 @@ def _permute_quant_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, sorted_ptr, total_ptr, n
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     kmask = offs_k < K
     x = tl.load(x_ptr + row * stride_xm + offs_k, mask=kmask & valid, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX_C  # quant_act_fp8's rule
-    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+    q, scale = quant_rows_fp8(x)  # quant_act_fp8's rule
     s64 = slot.to(tl.int64)
     tl.store(q_ptr + s64 * K + offs_k, q, mask=kmask)
     tl.store(s_ptr + offs_g.to(tl.int64) * rows_pad + s64, scale, mask=offs_g * GROUP < K)
@@ -172,8 +171,7 @@ def _grouped_fp8_gemm_kernel(a_src, as_ptr, b_src, bs_ptr, c_ptr, cs_ptr, bexp_p
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
         if QUANT_OUT:  # quant_act_fp8 of the bf16 act: the same bytes the unfused path would produce
             h = tl.where(nmask[None, :], acc_g.to(tl.bfloat16).to(tl.float32), 0.0)
-            scale = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12) / FP8_MAX_C
-            q = tl.clamp(h / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+            q, scale = quant_rows_fp8(h)
             tl.store(c_ptrs, q, mask=nmask[None, :])
             tl.store(cs_ptr + pid_n.to(tl.int64) * rows_pad + offs_m, scale)
         else:

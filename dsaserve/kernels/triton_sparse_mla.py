@@ -19,6 +19,7 @@ and an int32 product wrapped into an illegal address (issue 17).
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -231,8 +232,10 @@ def _cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int):
     return typed, typed, typed, typed.stride(0), 0, 0, 0, 0
 
 
+@functools.lru_cache(maxsize=4)
 def _env_config(raw: str) -> dict:
-    """DSASERVE_SPARSE_MLA_CONFIG: a JSON object of known config keys (the error names the switch)."""
+    """DSASERVE_SPARSE_MLA_CONFIG: a JSON object of known config keys (the error names the switch); parsed once
+    per value, not on every layer's call (callers only read it)."""
     try:
         conf = json.loads(raw)
     except ValueError as e:
