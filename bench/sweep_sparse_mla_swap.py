@@ -51,6 +51,12 @@ SPLIT_K = {
     "sk-bk16-s3": {"block_k": 16, "num_stages": 3},
     "sk-generic": {"grouped": False},  # dequantise first, one chained dot over the 576 columns
     "sk-generic-bk64": {"grouped": False, "block_k": 64},
+    # each 128-group dequantised apart, S one chained dot, four accumulators: no spills (offline sm_90, Triton 3.6)
+    "sk-dq-bk64": {"grouped": "dequant", "block_k": 64},
+    "sk-dq-bk64-s1": {"grouped": "dequant", "block_k": 64, "num_stages": 1},
+    "sk-dq-bk64-s3": {"grouped": "dequant", "block_k": 64, "num_stages": 3},
+    "sk-dq-bk32": {"grouped": "dequant", "block_k": 32},
+    "sk-dq-bk64-s1-pf": {"grouped": "dequant", "block_k": 64, "num_stages": 1, "prefetch": True},
 }
 CONFIGS.update(SPLIT_K)
 

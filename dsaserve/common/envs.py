@@ -45,9 +45,9 @@ SWITCHES: dict[str, Switch] = {
         "'reference': the PyTorch reference kernels everywhere (debugging, bisecting)"),
     "DSASERVE_FP8_ACTIVATIONS": Switch("1", str.strip, "'0': the GPU FP8 GEMMs keep their activations bf16"),
     "DSASERVE_INDEXER_PREFILL": Switch(
-        "stream", lambda raw: raw.strip().lower() or "stream",
-        "'gemm': prefill indexer batches take the tiled score GEMM + select (triton_indexer_gemm: 1.46-1.77x the "
-        "streaming kernel on the H200, its device tests not yet run through), not the streaming top-k kernel"),
+        "gemm", lambda raw: raw.strip().lower() or "gemm",
+        "'stream': prefill indexer batches take the streaming top-k kernel (triton_indexer_prefill), not the tiled "
+        "score GEMM + select (triton_indexer_gemm: 1.46-1.77x the streaming kernel on the H200)"),
     "DSASERVE_PDL": Switch(
         True, _on_unless_exactly_zero, "'0': launch the Triton kernels without programmatic dependent launch"),
     "DSASERVE_GRAPH_H2D": Switch(

@@ -118,8 +118,8 @@ def _indexer_impl(triton_indexer, fp8_flag: str) -> str:
     q = "FP8" if fp8_flag != "0" else "fp16"
     return (f"decode (<={triton_indexer.SELECT_MAX_ROWS} tokens): triton paged FP8 scores + triton select, one program "
             f"per row up to {triton_indexer.ROW_IN_REGS_MAX} keys, radix split over programs past it; prefill: "
-            f"triton {q}-q GEMM + streaming top-k (FP8 keys; DSASERVE_INDEXER_PREFILL=gemm: tiled score GEMM "
-            f"into a chunk workspace + select), torch.topk (bf16/fp32 keys)")
+            f"triton {q}-q tiled score GEMM into a chunk workspace + select (FP8 keys; DSASERVE_INDEXER_PREFILL="
+            f"stream: GEMM + streaming top-k), torch.topk (bf16/fp32 keys)")
 
 
 def get_ops(device: torch.device | str) -> SimpleNamespace:

@@ -4,11 +4,11 @@
 Owns: the routing, nothing else.
   prefill-size batches (> triton_indexer.SELECT_MAX_ROWS tokens) with FP8 keys, outside CUDA-graph capture
       (a decode graph bucket may hold that many tokens; the prefill kernels' block tables are built on the host)
-      -> `triton_indexer_prefill` (one FP8 GEMM with a streaming top-k), or with DSASERVE_INDEXER_PREFILL=gemm
-      `triton_indexer_gemm` (tiled FP8 score GEMM into a bounded chunk workspace + a top-k select of it: one
+      -> `triton_indexer_gemm` (tiled FP8 score GEMM into a bounded chunk workspace + a top-k select of it: one
       program a row up to ROW_IN_REGS_MAX keys, the split radix past that; on the H200 1.46-1.77x the
       streaming kernel, each sampled selection the exact top-k of its own scores and near-ties where it parts
-      from float64, but its device test file has not yet run to the end there, so not the default);
+      from float64; its device tests pass), or with DSASERVE_INDEXER_PREFILL=stream `triton_indexer_prefill`
+      (one FP8 GEMM with a streaming top-k);
   decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
       triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
       split over programs);

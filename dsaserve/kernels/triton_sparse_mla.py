@@ -29,7 +29,7 @@ import triton.language as tl
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP32, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
+from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 1, FP8_E4M3: 2}  # the kernel's LAYOUT constexpr
 LOG2E = 1.4426950408889634
@@ -113,11 +113,14 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
 
 
 @triton.jit
-def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.constexpr):
-    """Group G of the gathered rows: e4m3 nope values [BK, 128] as bf16 (exact) and their scale [BK]."""
+def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.constexpr, SCALE_FIRST: tl.constexpr):
+    """Group G of the gathered rows [BK, 128] as bf16 and its scale [BK]: with SCALE_FIRST the dequantised
+    values (the FP32 product rounded once, as the generic kernel's tile), else the e4m3 values (exact)."""
     d = tl.arange(0, 128)
     c = tl.load(c_ptr + row[:, None] * stride_c + G * 128 + d[None, :], mask=valid[:, None], other=0)
     sc = tl.load(cs_ptr + row * stride_cs + cs_off + G, mask=valid, other=0.0)
+    if SCALE_FIRST:
+        return (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(tl.bfloat16), sc
     return c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), sc
 
 
@@ -127,11 +130,18 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
                            stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                            r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                            SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, SCALE_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
+                           ROW_BYTES: tl.constexpr, PDL: tl.constexpr = False):
     """fp8_ds_mla with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups kept apart.
 
-    scores = sum_g s_g[key] * (q_g . c8_g[key]) and out_g = (p * s_g) @ c8_g: the e4m3 values reach the
-    tensor cores exactly (e4m3 is a subset of bf16) and no FP32 copy of the gathered tile is made.
+    SCALE_FIRST: each group dequantised on its own (the generic kernel's numbers), S one chained dot over the
+    groups and the rope, out_g = p @ c_g into four accumulators. The generic kernel's whole [BK, 512] tile in
+    FP32 spills (offline sm_90 compile, Triton 3.6, 64-key tiles, 8 warps, 2 stages: 420 B a thread, ~58 local
+    loads a tile); a group at a time does not (0 B).
+    Else: scores = sum_g s_g[key] * (q_g . c8_g[key]) and out_g = (p * s_g) @ c8_g: the e4m3 values reach the
+    tensor cores exactly (e4m3 is a subset of bf16), the scales applied after each dot.
+    PREFETCH: the next tile's rows (ROW_BYTES each) are asked of L2 while this tile computes.
+    (FlashAttention-4's lazy rescale, one branch a program, spills 744 B a thread in this kernel: not taken.)
     """
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)  # int64 before any stride (module docstring)
@@ -162,26 +172,43 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
         slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
         valid = slot >= 0
         row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
-        c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0)
-        c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1)
-        c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2)
-        c3, s3 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 3)
+        if PREFETCH:
+            nxt = tl.load(slot_ptr + t * stride_st + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k1, other=-1)
+            prefetch_rows(c_ptr, tl.where(nxt >= 0, nxt, 0).to(tl.int64), stride_c, 1, ROW_BYTES,
+                          triton.next_power_of_2(triton.cdiv(ROW_BYTES, 128)))
         kr = tl.load(r_ptr + row[:, None] * stride_r + r_off + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
                      other=0.0).to(tl.bfloat16)
+        c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0, SCALE_FIRST)
+        c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1, SCALE_FIRST)
+        c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2, SCALE_FIRST)
+        c3, s3 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 3, SCALE_FIRST)
         s = tl.dot(qr, tl.trans(kr))
-        s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
-        s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
-        s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
-        s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
+        if SCALE_FIRST:
+            s = tl.dot(q0, tl.trans(c0), s)
+            s = tl.dot(q1, tl.trans(c1), s)
+            s = tl.dot(q2, tl.trans(c2), s)
+            s = tl.dot(q3, tl.trans(c3), s)
+        else:
+            s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
+            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
+            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
+            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
-        acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
-        acc2 = acc2 * alpha[:, None] + tl.dot((p * s2[None, :]).to(tl.bfloat16), c2)
-        acc3 = acc3 * alpha[:, None] + tl.dot((p * s3[None, :]).to(tl.bfloat16), c3)
+        if SCALE_FIRST:
+            pb = p.to(tl.bfloat16)
+            acc0 = tl.dot(pb, c0, acc0 * alpha[:, None])
+            acc1 = tl.dot(pb, c1, acc1 * alpha[:, None])
+            acc2 = tl.dot(pb, c2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pb, c3, acc3 * alpha[:, None])
+        else:
+            acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
+            acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
+            acc2 = acc2 * alpha[:, None] + tl.dot((p * s2[None, :]).to(tl.bfloat16), c2)
+            acc3 = acc3 * alpha[:, None] + tl.dot((p * s3[None, :]).to(tl.bfloat16), c3)
         m_i = m_new
     inv = 1.0 / tl.maximum(l_i, 1e-30)[:, None]
     o_rows = o_ptr + sp * stride_os + t * stride_ot + offs_h[:, None] * stride_oh + d[None, :]
@@ -240,7 +267,7 @@ def _env_config(raw: str) -> dict:
         conf = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: not JSON ({e}): {raw!r}") from None
-    unknown = set(conf) - {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped"} \
+    unknown = set(conf) - {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped", "prefetch"} \
         if isinstance(conf, dict) else {raw}
     if unknown:
         raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: unknown keys {sorted(unknown)} in {raw!r}")
@@ -262,7 +289,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     given: the piecewise graphs' buffer).
 
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
-    (fp8_ds_mla at kv_lora 512: scales outside the dots, `_sparse_mla_ds4_kernel`; False: dequantise first).
+    (fp8_ds_mla at kv_lora 512, `_sparse_mla_ds4_kernel`: True scales after the dots, "dequant" each 128-group
+    dequantised apart; False: the whole tile dequantised first, `_sparse_mla_kernel`).
     """
     layout = get_kv_layout(layout, "sparse_mla_attention: layout")
     t, h, dc = q_nope.shape
@@ -280,12 +308,15 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
     # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
     # latency-bound and a little faster on the generic kernel at 16 heads
-    # H200 sweep (2026-12-01): from 3 tokens on at kv_lora 512, dequantising first and one chained dot over 64-key
+    # H200 sweeps, from 3 tokens on at kv_lora 512: (2026-12-01) dequantising first and one chained dot over 64-key
     # tiles is 1.08 / 1.20 / 1.38 / 1.46x the 4-group kernel at T = 16 / 32 / 128 / 4096 (S in one dot, not five
-    # with a wait and a scale each); the 4-group kernel stays reachable with {"grouped": True}
+    # with a wait and a scale each); (2026-12-01, later) each 128-group dequantised apart (no spills) and no
+    # cp.async staging (1 stage) is 1.26 / 1.20 / 1.16 / 1.13x that (174 TFLOP/s at T = 4096, 138 at T = 128);
+    # asking L2 for the next tile's rows is 1.07 / 1.03x more at T = 128 / 4096 but 0.85x at T = 16 (from 64 on)
     big = layout == FP8_DS_MLA and dc == 512 and t > 2
     cfg = {"block_h": 64 if big else 16, "block_k": 64 if big else 32, "num_warps": 8 if big else 4,
-           "num_stages": 2, "splits": None, "grouped": False}
+           "num_stages": 1 if big else 2, "splits": None, "grouped": "dequant" if big else False,
+           "prefetch": big and t >= 64}
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
@@ -311,7 +342,9 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     if cfg["grouped"] and layout == FP8_DS_MLA and dc == 512:
         common.pop("NG")
         _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
-                                     softmax_scale * LOG2E, dr, *strides, **common, **pdl_args(q_nope.device))
+                                     softmax_scale * LOG2E, dr, *strides, SCALE_FIRST=cfg["grouped"] == "dequant",
+                                     PREFETCH=cfg["prefetch"], ROW_BYTES=kv_cache.shape[1], **common,
+                                     **pdl_args(q_nope.device))
     else:
         _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
                                  softmax_scale * LOG2E, dc, dr, *strides, LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,

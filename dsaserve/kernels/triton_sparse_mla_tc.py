@@ -36,7 +36,7 @@ from dsaserve.common.kv_layout import FP8_DS_MLA, FP8_E4M3, QUANT_GROUP, KVLayou
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel
-from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, opaque_index, pdl_args
+from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
 
 TC_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and decode batches >= 16)
 # e4m3_bf16 (BITS) gives value * 2^-120; the nope scale is multiplied by 2^64, so FP8 tiles hold value * 2^-56
@@ -66,10 +66,6 @@ if INTERPRET:  # the interpreter has no inline asm and does bf16 arithmetic on t
     def _mul_bf16(a, b):  # the exact product in fp32, rounded once: what sm_90's bf16 multiply gives
         return (a.to(tl.float32) * b.to(tl.float32)).to(tl.bfloat16)
 
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        pass
-
 else:
 
     @triton.jit
@@ -88,11 +84,6 @@ else:
     @triton.jit
     def _mul_bf16(a, b):  # sm_90 multiplies bf16x2 natively (mul.bf16x2): one rounding
         return a * b
-
-    @triton.jit
-    def _prefetch_l2(ptrs):  # not pure: kept although its (dummy) result is unused
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -151,14 +142,6 @@ def _gather_rope(c_ptr, row, valid, stride_c, LAYOUT: tl.constexpr, DC: tl.const
     else:
         kr = tl.load(base[:, None] + offs[None, :], mask=valid[:, None] & (offs < DR)[None, :], other=0)
     return kr
-
-
-@triton.jit
-def _prefetch_rows(c_ptr, row, stride_c, ELEM: tl.constexpr, ROW_BYTES: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for every 128-byte line of the rows (their first and last byte included): no registers held."""
-    offs = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
-    base = c_ptr.to(tl.pointer_type(tl.uint8)) + row * (stride_c * ELEM)
-    _prefetch_l2(base[:, None] + offs[None, :])
 
 
 @triton.jit
@@ -237,7 +220,7 @@ def _sparse_mla_tc_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_hea
         row, valid = row_n, valid_n
         row_n, valid_n = _slots(slot_ptr, t, stride_st, start + BLOCK_K, k1, BLOCK_K)
         if PREFETCH:  # the next tile's rows travel HBM -> L2 while this one computes
-            _prefetch_rows(c_ptr, row_n, stride_c, ELEM, ROW_BYTES, LINES)
+            prefetch_rows(c_ptr, row_n, stride_c, ELEM, ROW_BYTES, LINES)
         ra, sa = _gather_nope(c_ptr, row, valid, col_a, stride_c, LAYOUT, DC, HW)
         rb, sb = _gather_nope(c_ptr, row, valid, col_b, stride_c, LAYOUT, DC, HW)
         kr = _gather_rope(c_ptr, row, valid, stride_c, LAYOUT, DC, DR, BLOCK_R)

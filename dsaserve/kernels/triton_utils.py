@@ -37,11 +37,29 @@ if INTERPRET:  # the interpreter has no inline asm; it needs no such fence
     def opaque_index(x):
         return x
 
+    @triton.jit
+    def prefetch_l2(ptrs):
+        pass
+
 else:
 
     @triton.jit
     def opaque_index(x):
         return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
+
+    @triton.jit
+    def prefetch_l2(ptrs):  # not pure: kept although its (dummy) result is unused
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(c_ptr, row, stride_c, ELEM: tl.constexpr, ROW_BYTES: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for every 128-byte line of the gathered rows (their first and last byte included): no registers held
+    (the sparse MLA kernels: the next key tile's rows travel HBM -> L2 while this one computes)."""
+    offs = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
+    base = c_ptr.to(tl.pointer_type(tl.uint8)) + row * (stride_c * ELEM)
+    prefetch_l2(base[:, None] + offs[None, :])
 
 
 @triton.jit

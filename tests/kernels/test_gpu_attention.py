@@ -198,9 +198,10 @@ def test_sparse_mla_attention_matches_reference(gen, layout, t):
     assert rel(got, ref) < BF16, f"seed {gen.initial_seed()}"
     unsplit = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config={"splits": 1})
     assert rel(unsplit, ref) < BF16, f"seed {gen.initial_seed()}"
-    if layout == "fp8_ds_mla":  # the 4-group kernel (scales outside the dots) as well as the default
-        grouped = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config={"grouped": True})
-        assert rel(grouped, ref) < BF16, f"seed {gen.initial_seed()}"
+    if layout == "fp8_ds_mla":  # the 4-group kernel (scales outside the dots; each group dequantised apart)
+        for grouped in (True, "dequant"):
+            got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config={"grouped": grouped})
+            assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} grouped={grouped}"
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])

@@ -201,8 +201,8 @@ def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, h
 
 # ---- dispatch ---------------------------------------------------------------------------------------
 def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch):
-    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the GEMM +
-    streaming top-k (the default) or, with DSASERVE_INDEXER_PREFILL=gemm, the tiled score GEMM + select
+    """The registered indexer_topk (`triton_indexer_dispatch`): prefill-size batches with FP8 keys take the tiled
+    score GEMM + select (the default) or, with DSASERVE_INDEXER_PREFILL=stream, the GEMM + streaming top-k
     (bf16 keys keep torch.topk); decode batches whose static row bound passes ROW_IN_REGS_MAX take the split radix
     select. Thresholds lowered so small inputs cross them."""
     from dsaserve.common import envs
