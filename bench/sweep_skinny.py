@@ -42,15 +42,16 @@ def main() -> None:
         ws = [(w.clone(), s.clone()) for _ in range(copies_for(wbytes, cap=48))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         auto = G.skinny_config(m, n, k, G._sm_count(x))
-        cases = [("auto", auto)]
-        for bn, wp, st, sp in itertools.product((64, 128), (4, 8), (4, 6), (1, 2, 4, 8)):
-            conf = dict(auto, block_n=bn, num_warps=wp, num_stages=st, split=sp)
-            cases.append((f"bn{bn} w{wp} st{st} split{sp}", conf))
+        cases = [("auto", auto), ("fp8_linear (dispatcher)", None)]
+        block_ms = (auto["block_m"], 128) if m > 64 else (auto["block_m"],)  # M = 128: one M block reads W once
+        for bm, bn, wp, st, sp in itertools.product(block_ms, (64, 128), (4, 8), (4, 6), (1, 2, 4, 8)):
+            conf = dict(auto, block_m=bm, block_n=bn, num_warps=wp, num_stages=st, split=sp)
+            cases.append((f"bm{bm} bn{bn} w{wp} st{st} split{sp}", conf))
         best = None
         for tag, conf in cases:
             try:
                 t = graph_time([lambda w=w, s=s, c=conf, x=x: G.skinny_gemm(x, w, s, out_dtype=torch.bfloat16, **c)
-                                for w, s in ws])
+                                if c else G.fp8_linear(x, w, s) for w, s in ws])
             except Exception as e:  # noqa: BLE001 - a config that does not fit is a data point
                 print(name, m, tag, "failed", repr(e)[:120])
                 continue
@@ -59,8 +60,11 @@ def main() -> None:
             best = row if best is None or row["us"] < best["us"] else best
             if tag == "auto":
                 auto_row = row
-        print(f"{name:28s} M={m:3d}: auto {auto_row['us']:6.1f} us {auto_row['tb_s']:.2f} TB/s ({auto}) | best "
-              f"{best['us']:6.1f} us {best['tb_s']:.2f} TB/s {best['config']}", flush=True)
+            if conf is None:
+                disp_row = row
+        print(f"{name:28s} M={m:3d}: auto {auto_row['us']:6.1f} us {auto_row['tb_s']:.2f} TB/s ({auto}) | "
+              f"dispatcher {disp_row['us']:6.1f} us | best {best['us']:6.1f} us {best['tb_s']:.2f} TB/s "
+              f"{best['config']}", flush=True)
         del ws
     (args.out / "sweep_skinny.json").write_text(json.dumps(rows, indent=1))
 

@@ -80,6 +80,22 @@ def test_row_kernels_attach_the_fp8_copy_the_gemm_would_make(gen, op):
     assert G.cached_fp8(E.rms_norm(big, w, 1e-6)) is None  # prefill-size outputs carry none
 
 
+def test_activation_quant_gives_each_row_the_same_bytes_at_any_batch_size(gen):
+    """Prefill-size inputs quantise 4 rows a program, decode-size ones 1: a row's e4m3 bytes and scales do not
+    depend on which; padding rows are zeros; each 128-group dequantises within one e4m3 step."""
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    x = randn(600, 640, gen=gen, dtype=torch.bfloat16) * 3
+    q, s = G.quant_act_fp8(x, pad_m_to=64)
+    assert q.shape == (640, 640) and s.shape == (640, 5) and not q[600:].float().any()
+    for r0 in (0, 255, 597):
+        q1, s1 = G.quant_act_fp8(x[r0:r0 + 3])
+        assert torch.equal(q1.view(torch.uint8), q[r0:r0 + 3].view(torch.uint8)) and torch.equal(s1, s[r0:r0 + 3])
+    back = q[:600].float() * s[:600].repeat_interleave(128, dim=1)
+    step = x.float().abs().view(600, 5, 128).amax(-1).repeat_interleave(128, dim=1) * 2 ** -3
+    assert ((back - x.float()).abs() <= step).all()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the registry picks GPU kernels only on CUDA")
 def test_registry_binds_gpu_kernels_on_cuda(set_switch):
     from dsaserve.kernels import registry
