@@ -9,8 +9,9 @@ gathered once per head block) and one split of the token's top-k slots; per BLOC
   (BF16 operands, FP32 accumulation), and folds them into an online (flash) softmax.
 Decode splits the top-k over several programs (flash-decoding) so a batch of one still fills the GPU,
 then a small combine kernel merges the splits by their log-sum-exp; prefill (many tokens) runs unsplit.
-Each program first finds its last valid slot (`_valid_end`) and stops there: the -1 tail of a token that
-sees fewer than top-k keys costs no tile. A token whose slots are all -1 gets zeros (the reference gives NaN):
+Each program first finds its token's last valid slot (`_valid_end`) and divides the slots up to it evenly over
+the splits (`_split_range`): the -1 tail of a token that sees fewer than top-k keys costs no tile and does not
+leave splits idle. A token whose slots are all -1 gets zeros (the reference gives NaN):
 graph padding rows stay finite.
 Every program id is widened to int64 before it meets a stride: at a 131072-token prefill q_nope comes out of
 cuBLAS's bmm head-major ([H, T, 512] transposed, head stride T * 512 = 2^26), so head 32's offset passes 2^31
@@ -50,8 +51,24 @@ def _valid_end(slot_ptr, row_base, k0, k1, SCAN: tl.constexpr):
 
 
 @triton.jit
+def _split_range(slot_ptr, row_base, sp, n_keys, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """[k0, k1) of split `sp` of the token's slots: its valid ones (up to `_valid_end` of the row) divided evenly
+    over the launch's splits in BLOCK_K tiles. A static split of the top-k put a short context's keys all on
+    the first splits (batch 128 at a 1K context: 11 tiles on split 0, 5 on split 1, none on split 2)."""
+    kend = _valid_end(slot_ptr, row_base, 0, n_keys, 256)
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(kend, tl.num_programs(2)), BLOCK_K) * BLOCK_K
+        k0 = sp * per
+        k1 = tl.minimum(k0 + per, kend)
+    else:
+        k0 = sp * 0
+        k1 = kend
+    return k0, k1
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, lse_ptr,
-                       n_heads, n_keys, keys_per_split, qk_scale, dc, dr,
+                       n_heads, n_keys, qk_scale, dc, dr,
                        stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                        r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                        LAYOUT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -73,8 +90,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # finite: a block of all-skipped slots gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    k0 = sp * keys_per_split
-    k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
+    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
@@ -126,7 +142,7 @@ def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.co
 
 @triton.jit
 def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, lse_ptr,
-                           n_heads, n_keys, keys_per_split, qk_scale, dr,
+                           n_heads, n_keys, qk_scale, dr,
                            stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                            r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                            SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -165,8 +181,7 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
-    k0 = sp * keys_per_split
-    k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
+    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
@@ -341,12 +356,12 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     grid = (t, head_blocks, splits)
     if cfg["grouped"] and layout == FP8_DS_MLA and dc == 512:
         common.pop("NG")
-        _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
+        _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys,
                                      softmax_scale * LOG2E, dr, *strides, SCALE_FIRST=cfg["grouped"] == "dequant",
                                      PREFETCH=cfg["prefetch"], ROW_BYTES=kv_cache.shape[1], **common,
                                      **pdl_args(q_nope.device))
     else:
-        _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys, per_split,
+        _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys,
                                  softmax_scale * LOG2E, dc, dr, *strides, LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
                                  **common, **pdl_args(q_nope.device))
     if splits > 1:
