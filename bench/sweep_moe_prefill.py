@@ -36,18 +36,17 @@ CONFIGS: dict[str, dict] = {
     "gather-64x64 (old)": {"kernel": "gemm", "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
     "d128 promote (default)": {"kernel": "dense"},
     "d128 promote slot-permute (old)": {"kernel": "dense", "permute": "slot"},
+    "d128 lag2": {"kernel": "dense", "lag2": True},
+    "d128 lag2 s3": {"kernel": "dense", "lag2": True, "stages2": 3},
     "d128 mma_acc": {"kernel": "dense", "mma_acc": True},
+    "d128 mma_acc1": {"kernel": "dense", "mma_acc1": True},
     "d128 mma_acc2": {"kernel": "dense", "mma_acc2": True},
     "d128 pair2 mma_acc2": {"kernel": "dense", "pair_n2": True, "mma_acc2": True},
     "d128 pair2 mma_acc2 s3": {"kernel": "dense", "pair_n2": True, "mma_acc2": True, "stages2": 3},
-    "d128 pair2 mma_acc2 g16": {"kernel": "dense", "pair_n2": True, "mma_acc2": True, "group_m": 16},
     "d128 pair2 promote (spills)": {"kernel": "dense", "pair_n2": True},
-    "d128 mma_acc pair2": {"kernel": "dense", "mma_acc": True, "pair_n2": True},
-    "d128 persistent2 flatten2 mma_acc2": {"kernel": "dense", "persistent2": True, "flatten2": True,
-                                           "mma_acc2": True},
-    "d128 persistent flatten": {"kernel": "dense", "persistent": True, "flatten": True},
+    "d128 persistent2 flatten2": {"kernel": "dense", "persistent2": True, "flatten2": True},
+    "d128 persistent2 flatten2 lag2": {"kernel": "dense", "persistent2": True, "flatten2": True, "lag2": True},
     "d128 persistent": {"kernel": "dense", "persistent": True},
-    "d128 s4/4": {"kernel": "dense", "stages1": 4},
     "d128 g16": {"kernel": "dense", "group_m": 16},
 }
 SHAPE = {"slice": (32, 6144, 2048, 8), "tiny": (4, 256, 128, 2)}  # E, H, I, top-k
@@ -272,8 +271,9 @@ def main() -> None:
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     if args.offline:
-        from bench.offline_moe_prefill import report
+        from bench.offline_moe_prefill import report, report_data_movement
 
+        print(report_data_movement(), flush=True)
         for name in names:
             print(report(name, CONFIGS[name]), flush=True)
         return

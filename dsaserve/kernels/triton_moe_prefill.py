@@ -40,14 +40,16 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 #   same dense rows); mma_acc: the MMA accumulates in place, block scales as a per-row rescale (`_k_step`);
 #   permute: "token" (each token quantised once, copied to its k rows) or "slot" (`permute_quant`);
 #   flatten (persistent only) / pair_n (GEMM2): `_grouped_fp8_gemm_kernel`'s FLATTEN / PAIR_N.
-#   persistent, flatten, mma_acc, pair_n: both GEMMs, unless "<key>1" / "<key>2" sets one GEMM's.
+#   lag: `_k_step`'s LAG (promotion one K step behind the MMA).
+#   persistent, flatten, mma_acc, pair_n, lag: both GEMMs, unless "<key>1" / "<key>2" sets one GEMM's.
 # H200 sweep (2026-12-01, bench/RESULTS.md): mma_acc False (fp32 adds every 128 K, DeepGEMM's promotion) was
 #   the fastest correct variant at T = 4096 / 8192 / 16384 tokens, uniform and skewed routing: 605-671 TFLOP/s,
 #   0.42-0.47 of that run's _scaled_mm FP8 peak (the gather kernel 470-511, 0.33-0.36), same error as the
 #   reference's other paths (rel 0.0434 vs 0.0436).
 PREFILL_CONFIG = {"kernel": "dense", "block_m": 128, "bn1": 128, "warps1": 8, "stages1": 3,
                   "bn2": 128, "warps2": 8, "stages2": 4, "group_m": 8, "persistent": False, "tma": True,
-                  "mma_acc": False, "permute": "token", "flatten": False, "pair_n": False}
+                  "mma_acc": False, "permute": "token", "flatten": False, "pair_n": False,
+                  "lag": False}
 PERMUTE_GROUPS = 8  # 128-groups a permute program quantises (6 programs a GLM-5.3 row)
 
 
@@ -110,8 +112,9 @@ def _load_rows(src, row0, k0, offs_r, offs_k, R, K, stride, USE_TMA: tl.constexp
 
 
 @triton.jit
-def _k_step(acc, unit, a, w, sa, ws_ptrs, ws_ptr0, nmask, ONE_WS: tl.constexpr, MMA_ACC: tl.constexpr):
-    """acc += (a @ w^T) * sa[row] * ws[col] for one 128-deep K step; returns (acc, unit).
+def _k_step(acc, unit, prev, a, w, sa, ws_ptrs, ws_ptr0, nmask, ONE_WS: tl.constexpr, MMA_ACC: tl.constexpr,
+            LAG: tl.constexpr):
+    """acc += (a @ w^T) * sa[row] * ws[col] for one 128-deep K step; returns (acc, unit, prev).
 
     MMA_ACC (needs ONE_WS): acc is kept in units of the last step's scales (true sum = acc * unit[row]), so
     the MMA accumulates into it in place: acc = a @ w^T + acc * (unit / s), unit = s. No second
@@ -119,8 +122,16 @@ def _k_step(acc, unit, a, w, sa, ws_ptrs, ws_ptr0, nmask, ONE_WS: tl.constexpr, 
     the range: s >= 2e-15 * the smallest weight scale. But the whole K sum then runs through the FP8 MMA's
     accumulator, which on sm_90 adds with reduced precision (Triton's default there: no promotion), where
     the other mode promotes every 128 K as DeepGEMM does: the sweep reports both modes' errors.
+    LAG (needs ONE_WS): the step's product is kept (prev, its scales in unit) and added one step later, so
+    this step's MMA is issued before the last one's promotion and may run under it (one more [BM, BN] tile
+    live; the caller adds the last prev after the loop).
     Else: the step's product is scaled and added in fp32."""
-    if MMA_ACC:
+    if LAG:
+        part = tl.dot(a, tl.trans(w))
+        acc += prev * unit[:, None]
+        prev = part
+        unit = sa * tl.load(ws_ptr0)
+    elif MMA_ACC:
         s = sa * tl.load(ws_ptr0)
         acc = tl.dot(a, tl.trans(w), acc * (unit / s)[:, None])
         unit = s
@@ -128,7 +139,7 @@ def _k_step(acc, unit, a, w, sa, ws_ptrs, ws_ptr0, nmask, ONE_WS: tl.constexpr, 
         acc += tl.dot(a, tl.trans(w)) * (sa * tl.load(ws_ptr0))[:, None]
     else:
         acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * tl.load(ws_ptrs, mask=nmask, other=0.0)[None, :])
-    return acc, unit
+    return acc, unit, prev
 
 
 @triton.jit
@@ -137,7 +148,8 @@ def _grouped_fp8_gemm_kernel(a_src, as_ptr, b_src, bs_ptr, c_ptr, cs_ptr, bexp_p
                              GATED: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
                              ONE_WS: tl.constexpr, MMA_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             PAIR_N: tl.constexpr = False, FLATTEN: tl.constexpr = False, PDL: tl.constexpr = False):
+                             PAIR_N: tl.constexpr = False, FLATTEN: tl.constexpr = False, LAG: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
     """C[rows of block m, n] = sum_k A[row, k] * W_e[n, k] * sa[k/128, row] * sw_e[n/128, k/128], e = bexp[m].
 
     A: [rows_pad, K] e4m3 (dense, expert-sorted), its scales K-major at as_ptr; W: every expert's rows stacked
@@ -145,7 +157,7 @@ def _grouped_fp8_gemm_kernel(a_src, as_ptr, b_src, bs_ptr, c_ptr, cs_ptr, bexp_p
     up_offset + n (up), C = silu(gate) * up. QUANT_OUT (BLOCK_N == 128): C rounded to bf16, then stored as
     e4m3 with its per-(row, 128) scale K-major at cs_ptr; else C in c_ptr's dtype. ONE_WS: a tile's columns
     (gate and up) lie in one weight scale block, so the weight scale is one scalar a K step; MMA_ACC: see
-    `_k_step`. PAIR_N (not GATED): a tile is 2 x BLOCK_N columns, kept as GATED's two accumulators (the
+    `_k_step`, as LAG. PAIR_N (not GATED): a tile is 2 x BLOCK_N columns, kept as GATED's two accumulators (the
     second at up_offset = BLOCK_N), so each still lies in one weight scale block (ONE_WS). FLATTEN
     (persistent grids): the tile and K loops flattened into one software pipeline, so the next tile's loads
     are in flight during this tile's epilogue. (Triton 3.6's `warp_specialize` leaves this loop's sm_90 code
@@ -179,18 +191,23 @@ def _grouped_fp8_gemm_kernel(a_src, as_ptr, b_src, bs_ptr, c_ptr, cs_ptr, bexp_p
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         unit_g = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         unit_u = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        prev_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # LAG only: the step not yet added
+        prev_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             k0 = kb * BLOCK_K
             a = _load_rows(a_src, m0, k0, offs_r, offs_k, rows_pad, K, K, USE_TMA, BLOCK_M, BLOCK_K)
             sa = tl.load(as_ptr + offs_m + kb * rows_pad)  # < 2^31: the scale count of A
             w = _load_rows(b_src, brow, k0, offs_c, offs_k, b_total, K, K, USE_TMA, BLOCK_N, BLOCK_K)
-            acc_g, unit_g = _k_step(acc_g, unit_g, a, w, sa, bs_g + kb * stride_bsk, bs_g0 + kb * stride_bsk, nmask,
-                                    ONE_WS, MMA_ACC)
+            acc_g, unit_g, prev_g = _k_step(acc_g, unit_g, prev_g, a, w, sa, bs_g + kb * stride_bsk,
+                                            bs_g0 + kb * stride_bsk, nmask, ONE_WS, MMA_ACC, LAG)
             if GATED or PAIR_N:
                 w = _load_rows(b_src, brow + up_offset, k0, offs_c, offs_k, b_total, K, K, USE_TMA, BLOCK_N,
                                BLOCK_K)
-                acc_u, unit_u = _k_step(acc_u, unit_u, a, w, sa, bs_u + kb * stride_bsk, bs_u0 + kb * stride_bsk,
-                                        umask, ONE_WS, MMA_ACC)
+                acc_u, unit_u, prev_u = _k_step(acc_u, unit_u, prev_u, a, w, sa, bs_u + kb * stride_bsk,
+                                                bs_u0 + kb * stride_bsk, umask, ONE_WS, MMA_ACC, LAG)
+        if LAG:
+            acc_g += prev_g * unit_g[:, None]
+            acc_u += prev_u * unit_u[:, None]
         if MMA_ACC:
             acc_g = acc_g * unit_g[:, None]
             acc_u = acc_u * unit_u[:, None]
@@ -269,6 +286,7 @@ def gemm_plan(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Te
     one_ws = FP8_BLOCK % bn == 0 and (not gated or n % FP8_BLOCK == 0)  # up rows start on a scale block
     meta = dict(GATED=gated, QUANT_OUT=out_s is not None, USE_TMA=tma, ONE_WS=one_ws,
                 MMA_ACC=bool(_key(cfg, "mma_acc", gemm)) and one_ws, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=FP8_BLOCK,
+                LAG=bool(_key(cfg, "lag", gemm)) and one_ws and not _key(cfg, "mma_acc", gemm),
                 GROUP_M=cfg["group_m"], PAIR_N=pair, FLATTEN=persistent and bool(_key(cfg, "flatten", gemm)),
                 num_warps=cfg[f"warps{gemm}"], num_stages=cfg[f"stages{gemm}"])
     return grid, args, meta

@@ -36,6 +36,8 @@ CONFIGS = {  # block_m small so the toy batches still make several blocks an exp
     "slot-permute": {"permute": "slot"},
     "pair2-mma2": {"pair_n2": True, "mma_acc2": True},  # GEMM2 2x128-column tiles (N off 256 in SHAPES[1])
     "pair2-promote-persistent-flatten": {"pair_n2": True, "persistent": True, "flatten": True, "group_m": 2},
+    "lag": {"lag": True},  # both GEMMs: the promotion one K step late
+    "lag2-unfused-quant": {"lag2": True, "bn1": 64, "bn2": 64},
 }
 
 
