@@ -17,6 +17,7 @@ from triton.runtime.jit import mangle_type
 
 from bench.offline_compile import compile_sm90, ptxas
 from dsaserve.kernels import triton_moe as MOE
+from dsaserve.kernels import triton_moe_align as A
 from dsaserve.kernels import triton_moe_prefill as P
 
 E, H, INTER, TOP_K, T = 2, 6144, 2048, 8, 512
@@ -39,8 +40,8 @@ def plans(conf: dict) -> list[tuple[str, int, tuple, dict]]:
             ("gemm2", *P.gemm_plan(act.to(f8), act_s, w2, s2, out, None, route, H, False, cfg, 2))]
 
 
-def compile_one(args: tuple, meta: dict) -> str:
-    kernel = compile_sm90(P._grouped_fp8_gemm_kernel, args, meta, mangle_type)
+def compile_one(args: tuple, meta: dict, fn=P._grouped_fp8_gemm_kernel) -> str:
+    kernel = compile_sm90(fn, args, meta, mangle_type)
     with tempfile.TemporaryDirectory() as tmp:
         regs, spill, _ = ptxas(kernel, Path(tmp))
     wgmma = kernel.asm["ptx"].count("wgmma.mma_async")
@@ -58,3 +59,37 @@ def report(name: str, conf: dict) -> str:
         except Exception as ex:  # noqa: BLE001 - a variant that does not compile is a result
             parts.append(f"{gemm}: FAILED {type(ex).__name__}: {str(ex)[:200]}")
     return f"{name:30s} " + " | ".join(parts)
+
+
+def data_movement_plans() -> list[tuple[str, object, tuple, dict]]:
+    """The expert sort's three kernels and the token-driven permute at the sweep's T=4096 (32 experts, top-8):
+    (name, kernel, arguments, meta) as `align_route` / `permute_quant` launch them."""
+    n, e, bm, h, t = 4096 * TOP_K, 32, 128, H, 4096
+    bins, chunk, chunks = 64, A.ALIGN_CHUNK, n // A.ALIGN_CHUNK
+    max_blocks = -(-(n + (e + 1) * (bm - 1)) // bm)
+    i32 = torch.int32
+    ids, counts = torch.zeros(n, dtype=torch.int64), torch.zeros(chunks, bins, dtype=i32)
+    pend, total, pos = torch.zeros(bins, dtype=i32), torch.zeros(1, dtype=i32), torch.zeros(n, dtype=i32)
+    sorted_ids, bexp = torch.zeros(max_blocks * bm, dtype=i32), torch.zeros(max_blocks, dtype=i32)
+    x, q = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(max_blocks * bm, h, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(h // 128, max_blocks * bm)
+    w = dict(num_warps=4, num_stages=3)
+    return [("align count", A._align_count_kernel, (ids, counts, n), dict(BINS=bins, CHUNK=chunk, **w)),
+            ("align scan", A._align_scan_kernel, (counts, counts, pend, total, chunks, e),
+             dict(BINS=bins, CB=32, BLOCK_M=bm, **w)),
+            ("align scatter", A._align_scatter_kernel,
+             (ids, counts, pend, sorted_ids, pos, bexp, n, chunks, e, max_blocks),
+             dict(BINS=bins, CHUNK=chunk, BLOCK_M=bm, NB=256, **w)),
+            ("permute token", P._quant_scatter_kernel, (x, q, s, pos, h, h, max_blocks * bm),
+             dict(TOP_K=TOP_K, GROUP=128, GROUPS_PER_PROG=P.PERMUTE_GROUPS, **w))]
+
+
+def report_data_movement() -> str:
+    """sm_90 compile report of `data_movement_plans` (registers, spills), one line a kernel."""
+    lines = []
+    for name, fn, args, meta in data_movement_plans():
+        try:
+            lines.append(f"{name:30s} {compile_one(args, meta, fn)}")
+        except Exception as ex:  # noqa: BLE001 - a kernel that does not compile is a result
+            lines.append(f"{name:30s} FAILED {type(ex).__name__}: {str(ex)[:200]}")
+    return "\n".join(lines)

@@ -8,7 +8,11 @@ this process); a variant that fails to compile or run is printed and skipped. Ea
 calls, TFLOP/s (6 T k H I flops a call: GEMM1 4 T k H I, GEMM2 2 T k H I), the ratio to `torch._scaled_mm`'s
 FP8 8192^3 rate measured in the same run, and the relative error against `reference.fused_moe` (bound 6e-2:
 activations quantised per (token, 128)). "skewed" routing: fixed per-expert logit offsets (a few experts
-take several times the mean, expert 0 takes none). Then the stages of the best variant at T=4096 one by one.
+take several times the mean, expert 0 takes none). Then the stages of the best variant at T=4096 one by one:
+the expert sort (old torch version beside `triton_moe_align`), both permutes ("token": each token quantised
+once and copied to its k rows; "slot": one program a row, x read k times) with their HBM byte floors at
+4.25 TB/s, GEMM1, GEMM2, the combine, the whole call. Last lines: the fastest variant per T, the worst error
+per accumulation mode, and the new default (fastest summed over all rows, correct in all).
 Writes sweep_moe_prefill.json and .md under --out.
 Without a GPU:  --offline  compiles each variant's GEMM kernels for sm_90 and prints registers, spills and
 shared memory (Triton's ptxas); --tiny  runs the whole sweep under TRITON_INTERPRET=1 at toy shapes.
@@ -30,23 +34,20 @@ FP8A = 6e-2
 # name -> fused_moe config ("dense" keys: triton_moe_prefill.PREFILL_CONFIG; "gemm": the gather kernel)
 CONFIGS: dict[str, dict] = {
     "gather-64x64 (old)": {"kernel": "gemm", "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
-    "d128 bn128/128 w8 s3/4": {"kernel": "dense"},
-    "d128 promote (no mma_acc)": {"kernel": "dense", "mma_acc": False},
-    "d128 s4/4": {"kernel": "dense", "stages1": 4},
-    "d128 s2/3": {"kernel": "dense", "stages1": 2, "stages2": 3},
-    "d128 bn2 256 s3 (spills)": {"kernel": "dense", "bn2": 256, "stages2": 3},
-    "d128 g4": {"kernel": "dense", "group_m": 4},
-    "d128 g16": {"kernel": "dense", "group_m": 16},
+    "d128 promote (default)": {"kernel": "dense"},
+    "d128 promote slot-permute (old)": {"kernel": "dense", "permute": "slot"},
+    "d128 lag2": {"kernel": "dense", "lag2": True},
+    "d128 lag2 s3": {"kernel": "dense", "lag2": True, "stages2": 3},
+    "d128 mma_acc": {"kernel": "dense", "mma_acc": True},
+    "d128 mma_acc1": {"kernel": "dense", "mma_acc1": True},
+    "d128 mma_acc2": {"kernel": "dense", "mma_acc2": True},
+    "d128 pair2 mma_acc2": {"kernel": "dense", "pair_n2": True, "mma_acc2": True},
+    "d128 pair2 mma_acc2 s3": {"kernel": "dense", "pair_n2": True, "mma_acc2": True, "stages2": 3},
+    "d128 pair2 promote (spills)": {"kernel": "dense", "pair_n2": True},
+    "d128 persistent2 flatten2": {"kernel": "dense", "persistent2": True, "flatten2": True},
+    "d128 persistent2 flatten2 lag2": {"kernel": "dense", "persistent2": True, "flatten2": True, "lag2": True},
     "d128 persistent": {"kernel": "dense", "persistent": True},
-    "d128 s3/6": {"kernel": "dense", "stages2": 6},
-    "d128 persistent s4/5": {"kernel": "dense", "persistent": True, "stages1": 4, "stages2": 5},
-    "d128 no-TMA": {"kernel": "dense", "tma": False},
-    "d128 bn1 64 (unfused quant)": {"kernel": "dense", "bn1": 64, "stages1": 4},
-    "d64 w4 s4/4": {"kernel": "dense", "block_m": 64, "warps1": 4, "stages1": 4, "warps2": 4, "stages2": 4},
-    "d64 w8 bn2 256": {"kernel": "dense", "block_m": 64, "warps1": 8, "stages1": 4, "bn2": 256, "stages2": 3},
-    "d64 w8 promote": {"kernel": "dense", "block_m": 64, "warps1": 8, "stages1": 4, "mma_acc": False},
-    "d128 bn1 64 promote": {"kernel": "dense", "bn1": 64, "stages1": 4, "mma_acc": False},
-    "d64 w4 bn1 64": {"kernel": "dense", "block_m": 64, "bn1": 64, "warps1": 4, "stages1": 4, "warps2": 4},
+    "d128 g16": {"kernel": "dense", "group_m": 16},
 }
 SHAPE = {"slice": (32, 6144, 2048, 8), "tiny": (4, 256, 128, 2)}  # E, H, I, top-k
 
@@ -163,44 +164,75 @@ def row_text(r: dict) -> str:
             f" {'ok' if r['ok'] else 'WRONG'}")
 
 
-def stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: float) -> list[dict]:
-    """Time align, permute+quant, GEMM1, GEMM2 and combine of one dense variant on their own."""
-    from dsaserve.kernels import triton_moe as MOE
+HBM = 4.25e12  # H200 HBM3e bytes/s (spec): the floor of the memory-bound stages
+
+
+def stage_bytes(t: int, k: int, h: int, rows_pad: int) -> dict[str, float]:
+    """HBM bytes each data-movement stage must move at least (no L2 reuse of x assumed for "slot", whose
+    k reads of a token fall in k different expert runs): x bf16 in, e4m3 rows + fp32 scales out."""
+    kg = -(-h // 128)
+    return {"permute token": t * h * 2 + t * k * (h + 4 * kg) + t * k * 4,
+            "permute slot": t * k * h * 2 + rows_pad * (h + 4 * kg) + rows_pad * 4 + t * k * 4,
+            "combine": t * k * h * 2 + t * h * 2 + t * k * 8}
+
+
+def stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: float, dev: str = "cuda") -> list[dict]:
+    """Time the stages of one dense variant on their own: the old torch align beside the Triton one, both
+    permutes (with their byte floors at HBM speed), GEMM1, GEMM2, the combine, and the whole call."""
+    from dsaserve.kernels import triton_moe_align as A
     from dsaserve.kernels import triton_moe_prefill as P
 
     e, h, inter, k = shape
-    w13, s13, w2, s2 = make_weights(e, h, inter, "cuda")
-    x, tw, ids = make_batch(t, e, h, k, "uniform", "cuda")
+    w13, s13, w2, s2 = make_weights(e, h, inter, dev)
+    x, tw, ids = make_batch(t, e, h, k, "uniform", dev)
     cfg = {**P.PREFILL_CONFIG, **CONFIGS[name]}
-    route = MOE.moe_align(ids, e, cfg["block_m"])
+    route = A.align_route(ids, e, cfg["block_m"])
     a1, a1_s, pos = P.permute_quant(x, route, k)
     rows_pad = a1.shape[0]
     fused = cfg["bn1"] == 128
-    act = torch.empty(rows_pad, inter, dtype=torch.float8_e4m3fn if fused else torch.bfloat16, device="cuda")
-    act_s = torch.ones(inter // 128, rows_pad, device="cuda") if fused else None
-    act8 = torch.zeros(rows_pad, inter, dtype=torch.float8_e4m3fn, device="cuda")
-    act8_s = torch.ones(inter // 128, rows_pad, device="cuda")
-    out = torch.empty(rows_pad, h, dtype=torch.bfloat16, device="cuda")
+    act = torch.empty(rows_pad, inter, dtype=torch.float8_e4m3fn if fused else torch.bfloat16, device=dev)
+    act_s = torch.ones(-(-inter // 128), rows_pad, device=dev) if fused else None
+    act8 = torch.zeros(rows_pad, inter, dtype=torch.float8_e4m3fn, device=dev)
+    act8_s = torch.ones(-(-inter // 128), rows_pad, device=dev)
+    out = torch.zeros(rows_pad, h, dtype=torch.bfloat16, device=dev)
+    nbytes = stage_bytes(t, k, h, rows_pad)
+    fl = 2.0 * t * k * h * inter
     stages = {
-        "moe_align": (lambda: MOE.moe_align(ids, e, cfg["block_m"]), 0.0),
-        "permute+quant": (lambda: P.permute_quant(x, route, k), 0.0),
-        "gemm1": (lambda: P.grouped_gemm(a1, a1_s, w13, s13, act, act_s, route, inter, True, cfg, 1),
-                  4.0 * t * k * h * inter),
-        "gemm2": (lambda: P.grouped_gemm(act8, act8_s, w2, s2, out, None, route, h, False, cfg, 2),
-                  2.0 * t * k * h * inter),
-        "whole": (lambda: run_variant(CONFIGS[name], x, (w13, s13, w2, s2), tw, ids), 6.0 * t * k * h * inter),
+        "align torch (old)": (lambda: A.moe_align_torch(ids, e, cfg["block_m"]), 0.0),
+        "align triton": (lambda: A.align_route(ids, e, cfg["block_m"]), 0.0),
+        "permute token": (lambda: P.permute_quant(x, route, k, "token"), 0.0),
+        "permute slot": (lambda: P.permute_quant(x, route, k, "slot"), 0.0),
+        "gemm1": (lambda: P.grouped_gemm(a1, a1_s, w13, s13, act, act_s, route, inter, True, cfg, 1), 2 * fl),
+        "gemm2": (lambda: P.grouped_gemm(act8, act8_s, w2, s2, out, None, route, h, False, cfg, 2), fl),
+        "combine": (lambda: P.unpermute_combine(out, pos, tw, None, x.dtype), 0.0),
+        "whole": (lambda: run_variant(CONFIGS[name], x, (w13, s13, w2, s2), tw, ids), 3 * fl),
     }
     rows = []
     for stage, (fn, flops) in stages.items():
         try:
-            sec = event_time(fn, reps)
-            rows.append({"stage": stage, "variant": name, "T": t, "us": sec * 1e6, "tflops": flops / sec / 1e12,
-                         "ratio": flops / sec / peak})
-            print(f"stage {stage:14s} {sec * 1e6:9.1f} us {flops / sec / 1e12:7.1f} TF/s  ratio "
-                  f"{flops / sec / peak:.3f}", flush=True)
+            sec = event_time(fn, reps) if dev == "cuda" else _run_once(fn)
+            r = {"stage": stage, "variant": name, "T": t, "us": sec * 1e6, "tflops": flops / sec / 1e12,
+                 "ratio": flops / sec / peak, "bytes": nbytes.get(stage, 0)}
+            rows.append(r)
+            print(stage_text(r), flush=True)
         except Exception as ex:  # noqa: BLE001
             print(f"stage {stage} FAILED {ex!r}"[:300], flush=True)
     return rows
+
+
+def _run_once(fn) -> float:
+    fn()
+    return float("nan")
+
+
+def stage_text(r: dict) -> str:
+    text = f"stage {r['stage']:18s} {r['us']:9.1f} us"
+    if r["tflops"] > 0:
+        text += f" {r['tflops']:7.1f} TF/s  ratio {r['ratio']:.3f}"
+    if r["bytes"]:
+        text += (f" {r['bytes'] / 1e6:7.1f} MB  {r['bytes'] / (r['us'] * 1e-6) / 1e12:5.2f} TB/s  (HBM floor "
+                 f"{r['bytes'] / HBM * 1e6:6.1f} us)")
+    return text
 
 
 def write(out: Path, peak: float, rows: list[dict], stages: list[dict]) -> None:
@@ -215,6 +247,9 @@ def write(out: Path, peak: float, rows: list[dict], stages: list[dict]) -> None:
         else:
             lines.append(f"| {r['T']} | {r['dist']} | {r['variant']} | {r['us']:.0f} | {r['tflops']:.0f} | "
                          f"{r['ratio']:.3f} | {r['rel_err']:.4f} |")
+    if stages:
+        lines += ["", f"Stages of {stages[0]['variant']} at T={stages[0]['T']}:", ""]
+        lines += [f"    {stage_text(r)}" for r in stages]
     (out / "sweep_moe_prefill.md").write_text("\n".join(lines) + "\n")
 
 
@@ -236,8 +271,9 @@ def main() -> None:
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     if args.offline:
-        from bench.offline_moe_prefill import report
+        from bench.offline_moe_prefill import report, report_data_movement
 
+        print(report_data_movement(), flush=True)
         for name in names:
             print(report(name, CONFIGS[name]), flush=True)
         return
@@ -258,16 +294,28 @@ def main() -> None:
     rows = sweep(names, tokens, dists, shape, dev, args.reps, peak)
     stages = []
     best = best_dense(rows, tokens[0])
-    if dev == "cuda" and best:
+    if best:
         print(f"-- stages of the fastest dense variant at T={tokens[0]}: {best}", flush=True)
         try:
-            stages = stage_breakdown(best, shape, tokens[0], args.reps, peak)
+            stages = stage_breakdown(best, shape, tokens[0], args.reps, peak, dev)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     write(Path(args.out), peak, rows, stages)
     for t in tokens:
         print(f"fastest correct dense variant at T={t}: {best_dense(rows, t)}", flush=True)
     print_accuracy(rows)
+    print(f"new default (fastest summed over every T and routing, correct in all): {overall_best(rows)}",
+          flush=True)
+
+
+def overall_best(rows: list[dict]) -> str | None:
+    """The dense variant with the least total time over every (T, routing) row, among those correct in all."""
+    total: dict[str, float] = {}
+    bad = {r["variant"] for r in rows if not r.get("ok")}
+    for r in rows:
+        if r["config"].get("kernel") == "dense" and r["variant"] not in bad:
+            total[r["variant"]] = total.get(r["variant"], 0.0) + r["us"]
+    return min(total, key=total.get) if total else None
 
 
 def print_accuracy(rows: list[dict]) -> None:
@@ -276,7 +324,9 @@ def print_accuracy(rows: list[dict]) -> None:
     def mode(conf: dict) -> str:
         if conf.get("kernel") != "dense":
             return "gather"
-        return "mma_acc" if conf.get("mma_acc", True) and 128 % conf.get("bn2", 128) == 0 else "promote"
+        m1, m2 = (bool(conf.get(f"mma_acc{g}", conf.get("mma_acc", False))) for g in (1, 2))
+        return {(False, False): "promote", (True, True): "mma_acc", (False, True): "mma_acc2 only",
+                (True, False): "mma_acc1 only"}[(m1, m2)]
 
     for key in sorted({(r["T"], r["dist"]) for r in rows}):
         worst: dict[str, float] = {}

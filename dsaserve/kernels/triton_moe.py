@@ -4,7 +4,7 @@ Owns: the GPU variant of `reference.fused_moe` and the token sort it needs. One 
   1. route: up to UNSORTED_MAX_PAIRS (token, expert) pairs (decode), each GEMM program finds its expert's
      pairs in registers (`_moe_unsorted_kernel`); above that, `moe_align` sorts the pairs by expert and
      pads each expert's run to BLOCK_M, so every M-block belongs to one expert (SGLang's
-     `moe_align_block_size`, here in torch ops with static sizes: CUDA-graph capturable);
+     `moe_align_block_size`: `triton_moe_align`, static sizes, CUDA-graph capturable);
   2. GEMM1 (Triton, grouped): for each block, gate and up tiles of the expert's w13 at once, SiLU(gate)*up
      in the epilogue -> act [T*k, I] (gate/up never reach memory);
   3. GEMM2 (Triton, grouped): act @ w2[e]^T scaled by the pair's routing weight -> [T*k, H];
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
+from dsaserve.kernels.triton_moe_align import align_route
 from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, _store_combined, moe_prefill_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
@@ -36,24 +37,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     Returns sorted_ids [max_blocks * block_m] int32 (pair index t*k+j, or T*k for padding), expert of each
     block [max_blocks] int32, and the padded total [1] int32 (blocks at or past it are skipped). Pairs of id
     num_experts (an absent expert's, `fused_moe(absent=True)`) sort into one last run past the total: no
-    GEMM block reads or writes them.
+    GEMM block reads or writes them. Stable: an expert's pairs keep their order (`triton_moe_align`).
     """
-    flat = topk_ids.reshape(-1)
-    n = flat.numel()
-    max_blocks = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m)
-    dev = flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pcum = padded.cumsum(0)
-    start = counts.cumsum(0) - counts
-    sorted_e, order = torch.sort(flat, stable=True)
-    rank = torch.arange(n, device=dev) - start[sorted_e]
-    dest = (pcum - padded)[sorted_e] + rank
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(max_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(pcum, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, pcum[num_experts - 1:num_experts].to(torch.int32)
+    return align_route(topk_ids, num_experts, block_m)[:3]
 
 
 @triton.jit
@@ -201,7 +187,7 @@ def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N
                          PDL: tl.constexpr = False):
     """Small decode batches without `moe_align`: program (n, e) finds expert e's pairs itself (all T*k ids
     fit in registers) and runs them BLOCK_M at a time; an expert nobody chose exits at once. Saves the
-    align's ~12 small launches per MoE layer, which at batch 1 cost more than the sort does work."""
+    align's 4 small launches per MoE layer, which at batch 1 cost more than the sort does work."""
     grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -314,7 +300,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
         dense = {**PREFILL_CONFIG, **(config or {})}
         if pairs == 0:
             return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
-        route = moe_align(topk_ids, e, dense["block_m"])
+        route = align_route(topk_ids, e, dense["block_m"])  # with pos: the dense path's un-permutation
         return moe_prefill_fp8(x.contiguous(), w13, w13_scale, w2, w2_scale, topk_weights, route, top_k, add, dense)
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],

@@ -33,6 +33,11 @@ CONFIGS = {  # block_m small so the toy batches still make several blocks an exp
     "unfused-quant": {"bn1": 64, "bn2": 64},
     "pointer-persistent": {"tma": False, "persistent": True, "group_m": 2},
     "bn2-256": {"bn2": 256, "warps2": 8},
+    "slot-permute": {"permute": "slot"},
+    "pair2-mma2": {"pair_n2": True, "mma_acc2": True},  # GEMM2 2x128-column tiles (N off 256 in SHAPES[1])
+    "pair2-promote-persistent-flatten": {"pair_n2": True, "persistent": True, "flatten": True, "group_m": 2},
+    "lag": {"lag": True},  # both GEMMs: the promotion one K step late
+    "lag2-unfused-quant": {"lag2": True, "bn1": 64, "bn2": 64},
 }
 
 
@@ -112,16 +117,19 @@ def test_dense_moe_skips_absent_experts_and_adds_the_shared_output(gen):
     assert torch.equal(with_add, got + shared)
 
 
-def test_permute_quant_writes_the_sorted_quantised_rows_and_their_positions(gen):
-    moe = gpu_modules()[3]
+@pytest.mark.parametrize("mode", ["token", "slot"])
+def test_permute_quant_writes_the_sorted_quantised_rows_and_their_positions(gen, mode):
+    gpu_modules()
     from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_moe_align as A
     from dsaserve.kernels import triton_moe_prefill as P
 
     t, e, h, k, bm = 23, 5, 320, 3, 16
     x = randn(t, h, gen=gen, dtype=torch.bfloat16)
     _, ids = _route(gen, t, e, k, "skewed")
-    route = moe.moe_align(ids, e, bm)
-    q, s, pos = P.permute_quant(x, route, k)
+    ids[3, 1] = e  # an absent expert's pair: no row, pos -1
+    route = A.align_route(ids, e, bm)
+    q, s, pos = P.permute_quant(x, route, k, mode)
     total = int(route[2])
     sorted_ids = route[0][:total].long()
     real = sorted_ids < t * k
@@ -129,9 +137,12 @@ def test_permute_quant_writes_the_sorted_quantised_rows_and_their_positions(gen)
     rows = torch.where(real, sorted_ids // k, 0)
     assert torch.equal(q[:total][real].view(torch.uint8), want_q[rows[real]].view(torch.uint8))
     assert torch.equal(s.t()[:total][real], want_s[rows[real]])
-    assert (q[:total][~real].float() == 0).all()
-    assert torch.equal(pos.long().sort().values, torch.nonzero(real).flatten())  # each pair once
-    assert torch.equal(sorted_ids[pos.long()], torch.arange(t * k, device=DEVICE))
+    if mode == "slot":  # the token mode leaves padding rows unwritten
+        assert (q[:total][~real].float() == 0).all()
+    assert int(pos[3 * k + 1]) == -1 and torch.equal(pos, route[3])
+    live = pos >= 0
+    assert torch.equal(pos[live].long().sort().values, torch.nonzero(real).flatten())  # each live pair once
+    assert torch.equal(sorted_ids[pos[live].long()], torch.nonzero(live).flatten())
 
 
 def test_gemm1_quantised_epilogue_equals_quantising_its_bf16_output(gen):
@@ -146,7 +157,7 @@ def test_gemm1_quantised_epilogue_equals_quantising_its_bf16_output(gen):
     x = randn(t, h, gen=gen, dtype=torch.bfloat16)
     _, ids = _route(gen, t, e, k, "skewed")
     cfg = {**P.PREFILL_CONFIG, "block_m": 16}
-    route = moe.moe_align(ids, e, 16)
+    route = moe.align_route(ids, e, 16)
     a1, a1_s, _ = P.permute_quant(x, route, k)
     rows, total = a1.shape[0], int(route[2])
     act8 = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=DEVICE)
