@@ -22,7 +22,6 @@ path; a stale or partial one) the forwards run as before and the record is rewri
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.engine.compiled_specs import code_version
 from dsaserve.engine.kernel_precompile import cache_root, read_specs, resolve_jit, spec_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -42,20 +42,9 @@ SPECS = "specs.jsonl"
 PROFILE = "memory_profile.json"
 # switches that change where caches are or how a start runs, not which kernels it loads or what it measures
 START_ONLY_SWITCHES = frozenset({"DSASERVE_CACHE_DIR", "DSASERVE_KERNEL_SPECS", "DSASERVE_PRECOMPILE",
-                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S"})
+                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S", "DSASERVE_EARLY_CUDA"})
 # engine arguments of the rendezvous only (a free port chosen per start would make every start a miss)
 START_ONLY_ARGS = frozenset({"dist_init_addr", "dist_timeout", "grammar_compile_timeout"})
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """A hash of dsaserve's Python source: a record of other code may name kernels called differently."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def fingerprint(parts: dict[str, Any]) -> str:
@@ -99,6 +88,16 @@ def prewarm_triton_key() -> threading.Thread | None:
     thread = threading.Thread(target=triton_key, name="triton-key", daemon=True)
     thread.start()
     return thread
+
+
+def _stable_keys() -> None:
+    """The kernels' cache keys as the precompile and the registry compute them (kernels/jit_keys.py)."""
+    try:
+        from dsaserve.kernels.jit_keys import stable_cache_keys
+
+        stable_cache_keys()
+    except Exception as e:  # a kernel module that fails to import: its specs fail to preload, each counted
+        log.warning("warm start: kernel cache keys not computed first: %s", e)
 
 
 def preload_spec(spec: str) -> str | None:
@@ -148,6 +147,7 @@ class WarmStart:
         if not specs:
             self.preload_report = {"status": "miss", "key": self.key}
             return self.preload_report
+        _stable_keys()
         errors = [e for e in map(preload_spec, specs) if e]
         self.preload_report = {"status": "partial" if errors else "hit", "key": self.key, "specs": len(specs),
                                "failed": len(errors), "errors": errors[:5],

@@ -20,6 +20,7 @@ from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from dsaserve.engine import warm_start as ws  # noqa: E402
+from dsaserve.engine.compiled_specs import CompiledSpecs, entry_dirs  # noqa: E402
 from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
 from dsaserve.engine.warmup import KernelLoads  # noqa: E402
 
@@ -78,3 +79,17 @@ def test_a_preloaded_spec_is_the_next_launchs_jit_cache_hit(jit, tmp_path):
     stale = json.loads(spec)
     stale["signature"]["x_ptr"] = "*nonsense"  # a kernel whose arguments changed since the record
     assert ws.preload_spec(json.dumps(stale)).startswith(f"{__name__}._copy_kernel: ")
+
+
+def test_the_recorder_marks_the_entry_the_jit_compiled(jit, tmp_path):
+    """The JIT's hook gives the recorder the kernel's cache entry: marked compiled at save(), the next start
+    replays nothing of it (engine/compiled_specs.py); the entry is the directory Triton wrote."""
+    store = CompiledSpecs(tmp_path / "compiled.jsonl", tmp_path / "triton")
+    recorder = SpecRecorder(tmp_path / "specs.jsonl", compiled=store)
+    x, y = torch.zeros(64), torch.zeros(64)
+    _copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))
+    ((spec, entry),) = recorder.specs.items()
+    assert entry is not None and any((tmp_path / "triton" / d).is_dir() for d in entry_dirs(entry))
+    assert store.pending([spec]) == [spec]
+    recorder.save()
+    assert store.pending([spec]) == []
