@@ -76,6 +76,8 @@ def start(engine_args: dict[str, Any]) -> threading.Thread | None:
         _report.update(status="not a CUDA rank")
         return None
     _report.update(status="running", device=ordinal)
+    # the driver reads this at cuInit; torch sets the same default in its own CUDA init, which now comes later
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     thread = threading.Thread(target=_create, args=(ordinal,), name="early-cuda-context", daemon=True)
     thread.start()
     return thread

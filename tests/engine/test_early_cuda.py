@@ -3,6 +3,8 @@ a machine without libcuda (the thread fails quietly; torch makes the context lat
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dsaserve.common import envs
@@ -11,7 +13,7 @@ from dsaserve.engine import early_cuda
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    for name in ("WORLD_SIZE", "LOCAL_RANK", "DSASERVE_EARLY_CUDA"):
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "DSASERVE_EARLY_CUDA", "CUDA_MODULE_LOADING"):
         monkeypatch.delenv(name, raising=False)
     envs.reload()
     monkeypatch.setattr(early_cuda, "_report", {"status": "not started"})
@@ -57,6 +59,7 @@ def test_a_driver_failure_is_reported_not_raised(monkeypatch):
     thread.join(timeout=30)
     r = early_cuda.report()
     assert r["status"] == "failed" and "libcuda.so.1" in r["error"] and r["seconds"] >= 0
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # what torch's own CUDA init would have set before cuInit
 
 
 def test_a_driver_error_code_is_reported(monkeypatch):
