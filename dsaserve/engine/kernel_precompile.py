@@ -232,6 +232,13 @@ def _target(d: dict[str, Any], gpu_target: Any) -> Any:
                       opts.get("warp_size", 32))
 
 
+def _prime(fn: Any) -> None:
+    """The kernel's cache key as the engine's JIT computes it (kernels/jit_keys.py: callees first)."""
+    from dsaserve.kernels.jit_keys import prime
+
+    prime(fn)
+
+
 def _entries(path: Path) -> set[str]:
     return {p.name for p in path.iterdir()} if path.is_dir() else set()
 
@@ -241,13 +248,9 @@ def precompile(specs: list[str], jobs: int, compiled: CompiledSpecs | None = Non
     `compiled`: where each spec's outcome is marked (its entry; a failed one too: it is not retried)."""
     t0 = time.perf_counter()
     before = _entries(triton_cache_dir())
-    for spec in specs:  # imported before the fork: each worker starts with the kernels' modules loaded
+    for spec in specs:  # imported and keyed before the fork: each worker starts with the kernels' modules loaded
         with contextlib.suppress(Exception):  # its worker reports it
-            resolve_jit(json.loads(spec)["name"])
-    with contextlib.suppress(Exception):  # the engine's keys (kernels/jit_keys.py), once, before the fork
-        from dsaserve.kernels.jit_keys import stable_cache_keys
-
-        stable_cache_keys()
+            _prime(resolve_jit(json.loads(spec)["name"]))
     with contextlib.suppress(Exception):  # Triton's version hash (~400 MB of libtriton.so) once, not per worker
         from triton.runtime.cache import triton_key
 

@@ -90,22 +90,15 @@ def prewarm_triton_key() -> threading.Thread | None:
     return thread
 
 
-def _stable_keys() -> None:
-    """The kernels' cache keys as the precompile and the registry compute them (kernels/jit_keys.py)."""
-    try:
-        from dsaserve.kernels.jit_keys import stable_cache_keys
-
-        stable_cache_keys()
-    except Exception as e:  # a kernel module that fails to import: its specs fail to preload, each counted
-        log.warning("warm start: kernel cache keys not computed first: %s", e)
-
-
 def preload_spec(spec: str) -> str | None:
     """One spec into its JITFunction's in-memory cache, its binary and launcher loaded; None, or the error."""
     try:
+        from dsaserve.kernels.jit_keys import prime
+
         fn = resolve_jit(json.loads(spec)["name"])
         while not hasattr(fn, "preload") and hasattr(fn, "fn"):  # a wrapper (autotuner, heuristics)
             fn = fn.fn
+        prime(fn)  # its key as the precompile and the JIT compute it (kernels/jit_keys.py)
         kernel = fn.preload(spec)
         if kernel is None:
             return f"{spec_name(spec)}: not loaded (a JIT cache hook declined it)"
@@ -147,7 +140,6 @@ class WarmStart:
         if not specs:
             self.preload_report = {"status": "miss", "key": self.key}
             return self.preload_report
-        _stable_keys()
         errors = [e for e in map(preload_spec, specs) if e]
         self.preload_report = {"status": "partial" if errors else "hit", "key": self.key, "specs": len(specs),
                                "failed": len(errors), "errors": errors[:5],
