@@ -220,8 +220,11 @@ def run(cfg: dict[str, Any]) -> None:
     try:
         from dsaserve.engine import early_cuda, kernel_precompile
 
-        early_cuda.start(cfg["engine_args"])  # first thing: the GPU's context is made while torch imports
-        kernel_precompile.start()  # the recorded kernels not yet compiled compile while torch imports, weights load
+        # first thing: the GPU's context is made, and the recorded kernels not yet compiled compile, while torch
+        # imports and weights load (a CPU rank runs no Triton kernel: neither)
+        early_cuda.start(cfg["engine_args"])
+        if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
+            kernel_precompile.start()
         t_imports = time.time()
         from dsaserve.engine.rank_group import RankGroup
 
