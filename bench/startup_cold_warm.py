@@ -163,7 +163,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('after_up', r.get('error'))}")
     for r in rows:
         top = sorted(((v, k) for k, v in (r.get("phases") or {}).items() if isinstance(v, (int, float))
-                      and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:8]
+                      and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:12]
         print(f"{r['scenario']:>14} phases: " + ", ".join(f"{k} {v:.2f}" for v, k in top))
         parts, early = r.get("load_weights_parts") or {}, r.get("early_cuda") or {}
         print(f"{'':>14} load_weights: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
