@@ -167,7 +167,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['scenario']:>14} phases: " + ", ".join(f"{k} {v:.2f}" for v, k in top))
         parts, early = r.get("load_weights_parts") or {}, r.get("early_cuda") or {}
         print(f"{'':>14} load_weights: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-              + f"; early CUDA context: {early.get('status')} {early.get('seconds', '')}s"
+              + f"; early CUDA context: {early.get('status')}" + (f" {early['seconds']}s" if 'seconds' in early else '')
               + f"; prefill warmup: {(r.get('warmed_shapes') or {}).get('prefill_warmup')}")
 
 
