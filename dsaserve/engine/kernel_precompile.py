@@ -124,6 +124,7 @@ class SpecRecorder:
 
     def __init__(self, path: Path | None = None, compiled: CompiledSpecs | None = None) -> None:
         self.path = path or cache_root() / SPECS_FILE
+        # the cache's own mark file by default; a recorder of another list (tests) marks only where told
         self.compiled = compiled if compiled is not None or path is not None else compiled_specs()
         self.specs: dict[str, str | None] = {}  # spec line -> its Triton cache entry (None: not known)
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
@@ -341,11 +342,14 @@ def start() -> Precompile | None:
         _skipped = {"status": "skipped: every spec already compiled", "specs": len(specs), "compiled": 0,
                     "check_s": round(time.perf_counter() - t0, 4), "lists": [str(p) for p in files]}
         return None
-    todo_file = cache_root() / f"precompile_todo.{os.getpid()}.jsonl"
-    write_atomic(todo_file, "".join(line + "\n" for line in todo))
+    todo_file: Path | None = cache_root() / f"precompile_todo.{os.getpid()}.jsonl"
+    try:
+        write_atomic(todo_file, "".join(line + "\n" for line in todo))
+    except OSError:  # an unwritable cache: replay the whole lists (their compiles fail to land the same way)
+        todo_file, todo = None, specs
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_dir())}
     cmd = [sys.executable, "-m", "dsaserve.engine.kernel_precompile", "--parent-pid", str(os.getpid()),
-           str(todo_file)]
+           *map(str, [todo_file] if todo_file is not None else files)]
     _pending = Precompile(subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                            env=env), files, todo_file)
     _pending.known = len(specs) - len(todo)

@@ -137,3 +137,21 @@ def test_the_recorder_marks_what_the_jit_loaded(caches):
     rec.add(c, HASH_B)  # after Up: marked at once
     _dir(caches / "triton", HASH_B).mkdir()
     assert rec.compiled.pending([a, b, c]) == [b]
+
+
+def test_an_unwritable_cache_replays_the_whole_lists(caches, monkeypatch):
+    own = caches / "dsaserve" / kp.SPECS_FILE
+    kp.write_atomic(own, _spec("a") + "\n")
+    started = []
+
+    class Proc:
+        def __init__(self, cmd, **kw):
+            started.append(cmd[-1])
+
+    def unwritable(path, text):
+        raise PermissionError(path)
+
+    monkeypatch.setattr(kp.subprocess, "Popen", Proc)
+    monkeypatch.setattr(kp, "write_atomic", unwritable)
+    handle = kp.start()
+    assert handle is not None and handle.todo is None and started == [str(own)]
