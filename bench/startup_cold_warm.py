@@ -8,7 +8,11 @@ first 200 of /health) beside the manifest's `total_s` and phases (`GET /startup`
   cold_parallel  empty caches again, DSASERVE_KERNEL_SPECS=that list (as installed with the package): the
                  kernels compile on all cores while the engine imports and loads weights
   warm           cold_parallel's caches: its warm-start record too (engine/warm_start.py: the recorded kernels
-                 preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep)
+                 preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep,
+                 no eager prefill warmup), and no precompile process (engine/compiled_specs.py: every listed
+                 spec known compiled); the rank's CUDA context made while torch imports (engine/early_cuda.py)
+  warm_again     the same once more (a warm start after a warm start: nothing left to record or replay)
+  warm_noearly   the same caches, DSASERVE_EARLY_CUDA=0 (the A/B: the context made by torch's first allocation)
   warm_off       the same caches, DSASERVE_WARM_START=0 (the A/B: the full forward shape warmup, a fresh profile)
   warm_noprecompile  the same caches, DSASERVE_PRECOMPILE=0: what the precompile process (nothing left to compile
                  warm) costs the engine's imports and weight load it runs beside
@@ -38,6 +42,8 @@ SCENARIOS = {
     "cold_serial": ("fresh", {"DSASERVE_PRECOMPILE": "0"}),
     "cold_parallel": ("fresh", {"DSASERVE_KERNEL_SPECS": "{specs}"}),
     "warm": ("cold_parallel", {}),
+    "warm_again": ("cold_parallel", {}),
+    "warm_noearly": ("cold_parallel", {"DSASERVE_EARLY_CUDA": "0"}),
     "warm_off": ("cold_parallel", {"DSASERVE_WARM_START": "0"}),
     "warm_noprecompile": ("cold_parallel", {"DSASERVE_PRECOMPILE": "0"}),
     "warm_cores": ("cold_parallel", {"DSASERVE_WARMUP_CORES_ONLY": "1"}),
@@ -52,7 +58,7 @@ def scenario_env(name: str, caches: dict[str, Path], root: Path, specs: Path) ->
     caches[name] = caches.get(where) or root / name  # an earlier scenario's caches, when it ran
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "DSASERVE_KERNEL_SPECS",
                                                             "DSASERVE_PRECOMPILE", "DSASERVE_WARMUP_CORES_ONLY",
-                                                            "DSASERVE_WARM_START")}
+                                                            "DSASERVE_WARM_START", "DSASERVE_EARLY_CUDA")}
     env.update({k: v.format(specs=specs) for k, v in extra.items()}, DSASERVE_CACHE_DIR=str(caches[name]))
     return env
 
@@ -85,6 +91,8 @@ def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path)
         res["precompile"] = (manifest.get("engine") or {}).get("kernel_precompile")
         res["warmed_shapes"] = (manifest.get("engine") or {}).get("warmed_shapes")
         res["warm_start"] = (manifest.get("engine") or {}).get("warm_start")
+        res["early_cuda"] = (manifest.get("engine") or {}).get("early_cuda_context")
+        res["load_weights_parts"] = (manifest.get("weights") or {}).get("phases")
         if not args.no_load:
             _load(url, args, out)
         res["after_up"] = {k: v for k, v in _metrics(url).items() if any(m in k for m in AFTER_UP)}
@@ -148,13 +156,19 @@ def print_table(rows: list[dict]) -> None:
         pc = r.get("precompile") or {}
         pre = (f"{pc.get('compiled', '-')}/{pc.get('specs', '-')} in {pc.get('wall_s', '-')}s w{pc.get('waited_s')}"
                if pc.get("status") == "ran" else str(pc.get("status", "-")))
+        if str(pc.get("status", "")).startswith("skipped"):
+            pre = f"skipped ({pc.get('specs')} known)"
         print(f"{r['scenario']:>14} {r.get('healthy_after_s', float('nan')):>9} "
               f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28} {_warm(r):>26}  "
               f"{r.get('after_up', r.get('error'))}")
     for r in rows:
         top = sorted(((v, k) for k, v in (r.get("phases") or {}).items() if isinstance(v, (int, float))
-                      and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:8]
+                      and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:12]
         print(f"{r['scenario']:>14} phases: " + ", ".join(f"{k} {v:.2f}" for v, k in top))
+        parts, early = r.get("load_weights_parts") or {}, r.get("early_cuda") or {}
+        print(f"{'':>14} load_weights: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+              + f"; early CUDA context: {early.get('status')}" + (f" {early['seconds']}s" if 'seconds' in early else '')
+              + f"; prefill warmup: {(r.get('warmed_shapes') or {}).get('prefill_warmup')}")
 
 
 if __name__ == "__main__":

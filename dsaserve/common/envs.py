@@ -73,6 +73,9 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_WARM_START": Switch(
         True, _on_unless_zero, "'0': no warm-start record (engine/warm_start.py): no kernel preload, no cached "
         "memory profile, the full forward shape warmup every start (the A/B for issue 16's warm start)"),
+    "DSASERVE_EARLY_CUDA": Switch(
+        True, _on_unless_zero, "'0': a rank creates its CUDA context when torch first needs it, not on a thread "
+        "while torch imports (engine/early_cuda.py; the A/B for issue 16's warm start)"),
     "DSASERVE_KERNEL_SPECS": Switch(None, _text, "more Triton kernel spec lists to precompile (os.pathsep-separated)"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),

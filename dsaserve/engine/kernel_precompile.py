@@ -13,7 +13,9 @@ and the shape warmup (~36 s on the H200's host); on 16 cores in parallel they ta
 engine imports torch and loads weights. A list of a different code version is harmless: a spec whose kernel
 changed compiles to an entry nobody reads, one whose kernel is gone fails in its worker and is counted.
 `DSASERVE_KERNEL_SPECS` adds a list made elsewhere (install time, the device run); `DSASERVE_PRECOMPILE=0` is
-the A/B switch. Module scope imports only the standard library: the scheduler process starts this before torch.
+the A/B switch. Only specs not known compiled are replayed (engine/compiled_specs.py): a warm start, whose
+every spec an earlier start compiled or loaded, starts no process and waits on nothing. Module scope imports
+only the standard library: the scheduler process starts this before torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.engine.compiled_specs import FILE as COMPILED_FILE
+from dsaserve.engine.compiled_specs import CompiledSpecs, entry_of_hook
 
 SPECS_FILE = "triton_specs.jsonl"
 WAIT_LIMIT_S = 300.0  # a stuck precompile must not hang start-up: the JIT then compiles what is left itself
@@ -50,6 +54,11 @@ def triton_cache_dir() -> Path:
 # Lists recorded on a device and shipped (extern library paths dropped): the first start on an empty cache has
 # them too. Named <arch>-<config>; a list for another GPU or model only costs its workers' CPU time.
 PACKAGED_SPECS = Path(__file__).with_name("kernel_specs")
+
+
+def compiled_specs() -> CompiledSpecs:
+    """Which specs this cache's Triton directory already holds (engine/compiled_specs.py)."""
+    return CompiledSpecs(cache_root() / COMPILED_FILE, triton_cache_dir())
 
 
 def spec_files() -> list[Path]:
@@ -109,37 +118,48 @@ def chain_post_compile_hook(on_load: Callable[[dict[str, Any]], None]) -> bool:
 
 class SpecRecorder:
     """Collects the serialised specialisation of every kernel the JIT compiles or loads (chained after any
-    hook installed before). `save()` merges them into the spec list; after it, each new one is appended at
-    once (a kernel compiled after Up is on the next start's list)."""
+    hook installed before), with the Triton cache entry it is in. `save()` merges them into the spec list and
+    marks them compiled (engine/compiled_specs.py: the next start replays none of them); after it, each new one
+    is appended and marked at once (a kernel compiled after Up is on the next start's list)."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, compiled: CompiledSpecs | None = None) -> None:
         self.path = path or cache_root() / SPECS_FILE
-        self.specs: dict[str, None] = {}
+        # the cache's own mark file by default; a recorder of another list (tests) marks only where told
+        self.compiled = compiled if compiled is not None or path is not None else compiled_specs()
+        self.specs: dict[str, str | None] = {}  # spec line -> its Triton cache entry (None: not known)
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
         self.installed = chain_post_compile_hook(
-            lambda kw: self.add((kw.get("compile") or {}).get("specialization_data")))
+            lambda kw: self.add((kw.get("compile") or {}).get("specialization_data"), entry_of_hook(kw)))
 
-    def add(self, spec: str | None) -> None:
+    def add(self, spec: str | None, entry: str | None = None) -> None:
         if not spec or spec in self.specs:
             return
-        self.specs[spec] = None
+        self.specs[spec] = entry
         if self.saved:
-            with open(self.path, "a") as f:
-                f.write(spec + "\n")
-            for path in self.mirrors:
+            for path in [self.path, *self.mirrors]:
                 try:  # inside a kernel launch: a full disk must not fail the step
                     with open(path, "a") as f:
                         f.write(spec + "\n")
                 except OSError:
                     pass
+            self._mark({spec: entry})
+
+    def _mark(self, specs: dict[str, str | None]) -> None:
+        """Specs whose cache entry is known marked compiled (one of unknown entry is left to the replay)."""
+        known = {s: e for s, e in specs.items() if e is not None}
+        if self.compiled is not None and known:
+            with contextlib.suppress(OSError):  # the next start replays them: slower, not wrong
+                self.compiled.mark(known)
 
     def save(self) -> int:
-        """The recorded specs merged into the list on disk (atomically); how many lines it now has."""
+        """The recorded specs merged into the list on disk (atomically) and marked compiled; how many lines
+        the list now has."""
         lines = read_specs([self.path] if self.path.is_file() else []) + list(self.specs)
         lines = list(dict.fromkeys(lines))
         write_atomic(self.path, "".join(line + "\n" for line in lines))
         self.saved = True
+        self._mark(self.specs)
         return len(lines)
 
 
@@ -178,6 +198,11 @@ def _tuples(v: Any) -> Any:
 
 def compile_spec(spec: str) -> str | None:
     """Compile one spec into Triton's disk cache (a hit there just loads it); None, or the error."""
+    return replay_spec(spec)[1]
+
+
+def replay_spec(spec: str) -> tuple[str | None, str | None]:
+    """Compile one spec into Triton's disk cache; (the cache entry it is in, None) or (None, the error)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -190,10 +215,11 @@ def compile_spec(spec: str) -> str | None:
         signature = {k: _tuples(v) for k, v in d["signature"].items()}
         # extern library paths are the recording machine's; left out, the backend puts this install's default
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
-        triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_target(d, GPUTarget), options=options)
-        return None
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_target(d, GPUTarget),
+                                options=options)
+        return str(kernel.hash), None
     except Exception as e:  # one bad spec must not stop the others
-        return f"{spec_name(spec)}: {type(e).__name__}: {e}"[:300]
+        return None, f"{spec_name(spec)}: {type(e).__name__}: {e}"[:300]
 
 
 def _target(d: dict[str, Any], gpu_target: Any) -> Any:
@@ -207,28 +233,39 @@ def _target(d: dict[str, Any], gpu_target: Any) -> Any:
                       opts.get("warp_size", 32))
 
 
+def _prime(fn: Any) -> None:
+    """The kernel's cache key as the engine's JIT computes it (kernels/jit_keys.py: callees first)."""
+    from dsaserve.kernels.jit_keys import prime
+
+    prime(fn)
+
+
 def _entries(path: Path) -> set[str]:
     return {p.name for p in path.iterdir()} if path.is_dir() else set()
 
 
-def precompile(specs: list[str], jobs: int) -> dict[str, Any]:
-    """Compile every spec on `jobs` forked workers; what happened (entries made = kernels compiled now)."""
+def precompile(specs: list[str], jobs: int, compiled: CompiledSpecs | None = None) -> dict[str, Any]:
+    """Compile every spec on `jobs` forked workers; what happened (entries made = kernels compiled now).
+    `compiled`: where each spec's outcome is marked (its entry; a failed one too: it is not retried)."""
     t0 = time.perf_counter()
     before = _entries(triton_cache_dir())
-    for spec in specs:  # imported before the fork: each worker starts with the kernels' modules loaded
+    for spec in specs:  # imported and keyed before the fork: each worker starts with the kernels' modules loaded
         with contextlib.suppress(Exception):  # its worker reports it
-            resolve_jit(json.loads(spec)["name"])
+            _prime(resolve_jit(json.loads(spec)["name"]))
     with contextlib.suppress(Exception):  # Triton's version hash (~400 MB of libtriton.so) once, not per worker
         from triton.runtime.cache import triton_key
 
         triton_key()
-    errors: list[str] = []
     if jobs <= 1 or len(specs) <= 1:
-        errors = [e for e in map(compile_spec, specs) if e]
+        results = list(map(replay_spec, specs))
     else:
         ctx = multiprocessing.get_context("fork")  # nothing in this process touched a GPU
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=ctx) as pool:
-            errors = [e for e in pool.map(compile_spec, specs) if e]
+            results = list(pool.map(replay_spec, specs))
+    errors = [e for _, e in results if e]
+    if compiled is not None:
+        with contextlib.suppress(OSError):  # an unwritable cache: the next start replays them again
+            compiled.mark({s: entry for s, (entry, _) in zip(specs, results, strict=True)})
     return {"specs": len(specs), "compiled": len(_entries(triton_cache_dir()) - before), "failed": len(errors),
             "errors": errors[:5], "jobs": jobs, "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -249,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         from dsaserve.engine.lifetime import die_with_parent
 
         die_with_parent(a.parent_pid)
-    print(json.dumps(precompile(read_specs(a.specs), a.jobs)), flush=True)
+    print(json.dumps(precompile(read_specs(a.specs), a.jobs, compiled_specs())), flush=True)
     return 0
 
 
@@ -257,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
 class Precompile:
     """A running precompile process (started by this process, so it dies with it)."""
 
-    def __init__(self, proc: subprocess.Popen, files: list[Path]) -> None:
-        self.proc, self.files, self.t0 = proc, files, time.perf_counter()
+    def __init__(self, proc: subprocess.Popen, files: list[Path], todo: Path | None = None) -> None:
+        self.proc, self.files, self.todo, self.t0 = proc, files, todo, time.perf_counter()
         self.report: dict[str, Any] | None = None
+        self.known = 0  # the lists' specs left out: known compiled already (engine/compiled_specs.py)
 
     def wait(self, limit_s: float = WAIT_LIMIT_S) -> dict[str, Any]:
         """Blocks until it is done (at most `limit_s`: then it is stopped); its report, with `wall_s` (its
@@ -275,29 +313,52 @@ class Precompile:
             self.proc.kill()
             self.proc.communicate()
             self.report = {"error": f"not done in {limit_s:g} s: stopped"}
-        self.report.update(wall_s=round(time.perf_counter() - self.t0, 3),
+        self.report.update(wall_s=round(time.perf_counter() - self.t0, 3), known_compiled=self.known,
                            waited_s=round(time.perf_counter() - t, 3), lists=[str(p) for p in self.files])
+        if self.todo is not None:
+            with contextlib.suppress(OSError):
+                self.todo.unlink()
         return self.report
 
 
 _pending: Precompile | None = None
+_skipped: dict[str, Any] | None = None  # why the last start() started no process, when the lists had specs
 
 
 def start() -> Precompile | None:
-    """Start the precompile of the recorded lists (None: switched off, nothing recorded yet, or not the node's
-    first rank: ranks of one node share the disk cache). Remembered for `take_pending`."""
-    global _pending
+    """Start the precompile of the recorded lists' specs not known compiled in this cache (None: switched off,
+    nothing recorded yet, every spec already compiled by an earlier start (`skipped()` says so), or not the
+    node's first rank: ranks of one node share the disk cache). Remembered for `take_pending`."""
+    global _pending, _skipped
     if _pending is not None:
         return _pending
     files = spec_files()
     if not envs.DSASERVE_PRECOMPILE or not files or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
+    t0 = time.perf_counter()
+    specs = read_specs(files)
+    todo = compiled_specs().pending(specs)
+    if not todo:
+        _skipped = {"status": "skipped: every spec already compiled", "specs": len(specs), "compiled": 0,
+                    "check_s": round(time.perf_counter() - t0, 4), "lists": [str(p) for p in files]}
+        return None
+    todo_file: Path | None = cache_root() / f"precompile_todo.{os.getpid()}.jsonl"
+    try:
+        write_atomic(todo_file, "".join(line + "\n" for line in todo))
+    except OSError:  # an unwritable cache: replay the whole lists (their compiles fail to land the same way)
+        todo_file, todo = None, specs
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_dir())}
     cmd = [sys.executable, "-m", "dsaserve.engine.kernel_precompile", "--parent-pid", str(os.getpid()),
-           *map(str, files)]
+           *map(str, [todo_file] if todo_file is not None else files)]
     _pending = Precompile(subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                           env=env), files)
+                                           env=env), files, todo_file)
+    _pending.known = len(specs) - len(todo)
     return _pending
+
+
+def skipped() -> dict[str, Any] | None:
+    """The report of a start() that found every spec compiled already (None: it did not)."""
+    return _skipped
 
 
 def take_pending() -> Precompile | None:

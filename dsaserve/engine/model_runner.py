@@ -26,7 +26,7 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine import kernel_precompile
+from dsaserve.engine import early_cuda, kernel_precompile
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
@@ -231,16 +231,25 @@ class ModelRunner:
         return ckpt, load_config(ckpt)
 
     def _build_and_load(self, load_format: str, enable_mtp: bool) -> tuple[DsaForCausalLM, LoadReport]:
-        with torch.device(self.device):
+        """The model built on the device, its weights filled, finalized; the parts' seconds in the report
+        (`cuda_context`: the first device allocation, where torch creates the context if nothing did before)."""
+        parts: dict[str, float] = {}
+        cuda = self.device.type == "cuda"
+        with _Timer(parts, "cuda_context"):
+            if cuda:
+                torch.empty(1, device=self.device)
+        with _Timer(parts, "build"), torch.device(self.device):
             model = DsaForCausalLM(self.cfg, with_mtp=enable_mtp)
-        keep_fp8 = self.device.type == "cuda"  # the reference path computes on dequantised weights
-        if keep_fp8:
+        if cuda:  # the reference path computes on dequantised weights
             require_fp8_aligned(model)  # before reading any tensor: TP/EP parts must be whole FP8 blocks
-        if load_format == "dummy":
-            report = load_dummy(model, self.args.seed)
-        else:
-            report = load_checkpoint(model, self.checkpoint)
-        model.finalize(self.dtype, self.device, keep_fp8)
+        with _Timer(parts, "fill"):
+            report = (load_dummy(model, self.args.seed) if load_format == "dummy"
+                      else load_checkpoint(model, self.checkpoint))
+        with _Timer(parts, "finalize"):
+            model.finalize(self.dtype, self.device, cuda)
+            if cuda:
+                torch.cuda.synchronize(self.device)  # the fill's and finalize's kernels, not the next phase's
+        report.phases = parts
         return model.eval(), report
 
     def _allocate_pool(self, layout: KVLayout, num_pages: int | None, budget: int | None) -> KVPool:
@@ -259,12 +268,11 @@ class ModelRunner:
     def _warmup_and_capture(self) -> None:
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
-        with _Timer(self.startup_time, "warmup"):
-            # the chunk size, and one step just over the piecewise buckets: large eager steps of either
-            # alignment class (Triton specialises integer arguments divisible by 16) compile before Up
-            large = [max(self.args.piecewise_tokens) + 1] if self.args.piecewise_tokens else []
-            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size, *large],
-                                                 self.cfg.vocab_size, self.dp_world)
+        # every recorded kernel preloaded: the large eager steps' kernels are in the JITs already, and the
+        # capture's eager runs do the first-use work; run only if something loads after the preload (below)
+        deferred = self.warm_start is not None and self.warm_start.preload_report.get("status") == "hit"
+        if not deferred:
+            self._warmup_prefill()
         if not self.args.disable_cuda_graph and self._graphs_possible():
             with _Timer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
@@ -276,11 +284,23 @@ class ModelRunner:
                                     self.cfg.index_topk)
             # every kernel preloaded and none loaded since: one core shape per class, not the row sweep
             preloaded = self.warm_start is not None and self.warm_start.covers(self._jit_loads())
+        if deferred and not preloaded:  # the preload missed a kernel: the large eager steps warm as cold
+            self._warmup_prefill()
+        with _Timer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids))
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
                            "core_shapes": cores, "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
+                           "prefill_warmup": "skipped (preloaded)" if deferred and preloaded else "ran",
                            "sampler_variants": sampler}
+
+    def _warmup_prefill(self) -> None:
+        """The chunk size, and one step just over the piecewise buckets: large eager steps of either alignment
+        class (Triton specialises integer arguments divisible by 16) compile before Up."""
+        with _Timer(self.startup_time, "warmup"):
+            large = [max(self.args.piecewise_tokens) + 1] if self.args.piecewise_tokens else []
+            self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size, *large],
+                                                 self.cfg.vocab_size, self.dp_world)
 
     @property
     def _dp_gather_graphs(self) -> bool:
@@ -455,6 +475,7 @@ class ModelRunner:
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None,
                 "kernel_precompile": self._precompile_report(),
                 "warm_start": self.warm_start.report() if self.warm_start is not None else None,
+                "early_cuda_context": early_cuda.report(),
                 "env": envs.set_switches()}
 
 
@@ -463,6 +484,8 @@ class ModelRunner:
         `kernel_precompile_wait` is on this rank's path), and the spec list this start recorded."""
         rec = self.spec_recorder
         out: dict[str, Any] = {"status": "off" if not envs.DSASERVE_PRECOMPILE else "no spec list yet"}
+        if kernel_precompile.skipped() is not None:  # every listed spec compiled by an earlier start
+            out = dict(kernel_precompile.skipped())
         if self.precompile is not None:
             out = {"status": "ran", **(self.precompile.report or {})}
         if rec is not None:

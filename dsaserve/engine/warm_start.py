@@ -22,7 +22,6 @@ path; a stale or partial one) the forwards run as before and the record is rewri
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.engine.compiled_specs import code_version
 from dsaserve.engine.kernel_precompile import cache_root, read_specs, resolve_jit, spec_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -42,20 +42,9 @@ SPECS = "specs.jsonl"
 PROFILE = "memory_profile.json"
 # switches that change where caches are or how a start runs, not which kernels it loads or what it measures
 START_ONLY_SWITCHES = frozenset({"DSASERVE_CACHE_DIR", "DSASERVE_KERNEL_SPECS", "DSASERVE_PRECOMPILE",
-                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S"})
+                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S", "DSASERVE_EARLY_CUDA"})
 # engine arguments of the rendezvous only (a free port chosen per start would make every start a miss)
 START_ONLY_ARGS = frozenset({"dist_init_addr", "dist_timeout", "grammar_compile_timeout"})
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """A hash of dsaserve's Python source: a record of other code may name kernels called differently."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def fingerprint(parts: dict[str, Any]) -> str:
@@ -104,9 +93,12 @@ def prewarm_triton_key() -> threading.Thread | None:
 def preload_spec(spec: str) -> str | None:
     """One spec into its JITFunction's in-memory cache, its binary and launcher loaded; None, or the error."""
     try:
+        from dsaserve.kernels.jit_keys import prime
+
         fn = resolve_jit(json.loads(spec)["name"])
         while not hasattr(fn, "preload") and hasattr(fn, "fn"):  # a wrapper (autotuner, heuristics)
             fn = fn.fn
+        prime(fn)  # its key as the precompile and the JIT compute it (kernels/jit_keys.py)
         kernel = fn.preload(spec)
         if kernel is None:
             return f"{spec_name(spec)}: not loaded (a JIT cache hook declined it)"

@@ -57,6 +57,9 @@ def gpu_kernels_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
+    from dsaserve.kernels.jit_keys import install_compile_hook
+
+    install_compile_hook()  # before any launch: the disk-cache entries the precompile and the preload name
     from dsaserve.kernels import (
         triton_elementwise,
         triton_fp8_gemm,

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsaserve.server.chat_encoding.base import THINK_END, THINK_START
+from dsaserve.server.parser_names import REASONING_PARSER_CHOICES, REASONING_PARSERS
 
-REASONING_PARSERS = ("glm45", "deepseek_v3", "deepseek-v3", "deepseek_r1")
-REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS)
 FAMILY_REASONING_PARSER = {"glm_moe_dsa": "glm45", "deepseek_v32": "deepseek_v3"}
 
 

@@ -218,9 +218,13 @@ def run(cfg: dict[str, Any]) -> None:
     ends = ipc.Endpoints(**cfg["endpoints"]) if cfg.get("endpoints") else None
     to_main = ipc.push_socket(ctx, ends.main_in) if ends else None
     try:
-        from dsaserve.engine import kernel_precompile
+        from dsaserve.engine import early_cuda, kernel_precompile
 
-        kernel_precompile.start()  # first thing: the recorded kernels compile while torch imports, weights load
+        # first thing: the GPU's context is made, and the recorded kernels not yet compiled compile, while torch
+        # imports and weights load (a CPU rank runs no Triton kernel: neither)
+        early_cuda.start(cfg["engine_args"])
+        if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
+            kernel_precompile.start()
         t_imports = time.time()
         from dsaserve.engine.rank_group import RankGroup
 

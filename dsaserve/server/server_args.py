@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.common import envs
-from dsaserve.server.reasoning_parsers import REASONING_PARSER_CHOICES
-from dsaserve.server.tool_parsers import TOOL_PARSER_CHOICES
+from dsaserve.server.parser_names import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 
 API_KEY_ENV = "DSASERVE_API_KEY"  # vLLM: VLLM_API_KEY
 

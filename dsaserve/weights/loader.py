@@ -46,11 +46,12 @@ class LoadReport:
     shards: int = 0
     seconds: float = 0.0
     not_loaded: dict[str, str] = field(default_factory=dict)  # tensor -> why it was skipped on purpose
+    phases: dict[str, float] = field(default_factory=dict)  # the "load_weights" phase's parts (the runner's)
 
     def to_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "tensors_loaded": self.tensors_loaded,
                 "bytes_loaded": self.bytes_loaded, "shards": self.shards, "seconds": round(self.seconds, 3),
-                "not_loaded": self.not_loaded_by_reason()}
+                "not_loaded": self.not_loaded_by_reason(), "phases": dict(self.phases)}
 
     def not_loaded_by_reason(self) -> dict[str, dict]:
         """Skipped tensors grouped by why (a full list of 1000s of MTP/EP names helps nobody reading /startup)."""

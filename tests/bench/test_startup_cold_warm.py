@@ -9,6 +9,7 @@ def test_scenarios_share_caches_as_described(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
     monkeypatch.setenv("DSASERVE_WARMUP_CORES_ONLY", "1")
     monkeypatch.setenv("DSASERVE_WARM_START", "0")
+    monkeypatch.setenv("DSASERVE_EARLY_CUDA", "0")
     caches: dict = {}
     envs = {name: scenario_env(name, caches, tmp_path, tmp_path / "specs.jsonl") for name in SCENARIOS}
     assert envs["cold_serial"]["DSASERVE_CACHE_DIR"] != envs["cold_parallel"]["DSASERVE_CACHE_DIR"]
@@ -20,6 +21,26 @@ def test_scenarios_share_caches_as_described(tmp_path, monkeypatch):
     assert "DSASERVE_WARMUP_CORES_ONLY" not in envs["warm"] and envs["warm_cores"]["DSASERVE_WARMUP_CORES_ONLY"] == "1"
     assert envs["warm_off"]["DSASERVE_CACHE_DIR"] == envs["warm"]["DSASERVE_CACHE_DIR"]
     assert envs["warm_off"]["DSASERVE_WARM_START"] == "0" and "DSASERVE_WARM_START" not in envs["warm"]
+    assert envs["warm_again"] == envs["warm"]  # the same start once more, on the same caches
+    assert envs["warm_noearly"]["DSASERVE_EARLY_CUDA"] == "0" and "DSASERVE_EARLY_CUDA" not in envs["warm"]
+
+
+def test_the_table_reads_a_skipped_precompile_and_the_load_parts(capsys):
+    from bench.startup_cold_warm import print_table
+
+    row = {"scenario": "warm", "healthy_after_s": 4.9, "manifest_total_s": 4.6,
+           "precompile": {"status": "skipped: every spec already compiled", "specs": 185},
+           "warm_start": {"status": "hit", "preload": {"status": "hit", "specs": 92, "seconds": 0.3},
+                          "memory_profile": "hit"},
+           "warmed_shapes": {"core_warmup": "per class (preloaded)", "prefill_warmup": "skipped (preloaded)"},
+           "phases": {"engine_imports": 2.3, "load_weights": 0.3, "total_s": 4.6},
+           "load_weights_parts": {"cuda_context": 0.01, "build": 0.02, "fill": 0.2, "finalize": 0.05},
+           "early_cuda": {"status": "created", "seconds": 0.31}, "after_up": {"kernel_compiles_after_up": 0}}
+    print_table([row, {"scenario": "cold_parallel", "error": "RuntimeError: x"}])
+    out = capsys.readouterr().out
+    assert "skipped (185 known)" in out and "hit 92/0.3s prof hit class" in out
+    assert "cuda_context 0.010" in out and "early CUDA context: created 0.31s" in out
+    assert "prefill warmup: skipped (preloaded)" in out and "RuntimeError: x" in out
 
 
 def test_a_scenario_whose_source_did_not_run_gets_its_own_caches(tmp_path):

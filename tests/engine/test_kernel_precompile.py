@@ -19,6 +19,7 @@ from triton.runtime.jit import serialize_specialization_data  # noqa: E402
 
 from dsaserve.common import envs  # noqa: E402
 from dsaserve.engine import kernel_precompile as kp  # noqa: E402
+from dsaserve.engine.compiled_specs import entry_dirs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -41,7 +42,11 @@ def _jit_view(block: int) -> tuple[dict, dict, dict, object]:
 
 def _spec(block: int) -> str:
     sig, consts, attrs, options = _jit_view(block)
-    return serialize_specialization_data(f"{__name__}._scale_kernel", sig, consts, attrs, options, "key", TARGET)
+    name = f"{__name__}._scale_kernel"
+    try:  # Triton 3.9 serialises the target too; 3.6 (the H200's) does not
+        return serialize_specialization_data(name, sig, consts, attrs, options, "key", TARGET)
+    except TypeError:
+        return serialize_specialization_data(name, sig, consts, attrs, options, "key")
 
 
 @pytest.fixture
@@ -51,6 +56,8 @@ def caches(tmp_path, monkeypatch):
     monkeypatch.delenv("DSASERVE_KERNEL_SPECS", raising=False)
     monkeypatch.delenv("DSASERVE_PRECOMPILE", raising=False)
     monkeypatch.setattr(kp, "PACKAGED_SPECS", tmp_path / "packaged")  # none shipped, unless a test writes one
+    monkeypatch.setattr(kp, "_pending", None)
+    monkeypatch.setattr(kp, "_skipped", None)
     envs.reload()
     yield tmp_path
     envs.reload()
@@ -82,6 +89,17 @@ def test_precompile_counts_and_survives_bad_specs(caches):
     assert report["compiled"] >= 2
     again = kp.precompile([_spec(64), _spec(32)], jobs=1)  # warm: every spec a hit
     assert again["compiled"] == 0 and again["failed"] == 0
+
+
+def test_precompile_marks_what_it_replayed(caches):
+    """Each replayed spec is marked with the entry it compiled to; a failed one too (not retried)."""
+    gone = json.dumps({**json.loads(_spec(64)), "name": f"{__name__}._no_such_kernel"})
+    store = kp.compiled_specs()
+    assert store.pending([_spec(64), gone]) == [_spec(64), gone]
+    report = kp.precompile([_spec(64), gone], jobs=2, compiled=store)
+    assert report["failed"] == 1 and store.pending([_spec(64), gone, _spec(32)]) == [_spec(32)]
+    (entry,) = [e for e in store.read().values() if e]
+    assert any((caches / "triton" / d).is_dir() for d in entry_dirs(entry))  # the entry Triton wrote
 
 
 def test_recorder_chains_and_keeps_one_list(caches):
@@ -126,6 +144,10 @@ def test_start_runs_the_recorded_lists(caches, monkeypatch):
     assert report["specs"] == 1 and report["failed"] == 0 and report["compiled"] >= 1, report
     assert report["lists"] == [str(extra)] and report["wall_s"] >= report["waited_s"] >= 0
     assert handle.wait() is report
+    assert not handle.todo.exists()  # the process's own list of what was left to compile
+    # the next start: the process marked the spec compiled, so none is started
+    monkeypatch.setattr(kp, "_pending", None)
+    assert kp.start() is None and kp.skipped()["specs"] == 1
 
 
 def test_packaged_lists_come_last_and_the_shipped_one_is_for_an_h200():

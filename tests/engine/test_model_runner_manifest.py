@@ -22,3 +22,39 @@ def test_manifest_lists_the_switches_the_environment_set(set_switch):
     set_switch("DSASERVE_OVERLAP_INDEXER", "0")
     env = ModelRunner.from_kwargs("glm-5.3-tiny", kv_cache_bytes=8 << 20).manifest()["env"]
     assert env["DSASERVE_OVERLAP_INDEXER"] == "0" and all(k.startswith("DSASERVE_") for k in env)
+
+
+def test_manifest_splits_load_weights_into_its_parts():
+    m = ModelRunner.from_kwargs("glm-5.3-tiny", kv_cache_bytes=8 << 20).manifest()
+    parts = m["weights"]["phases"]
+    assert set(parts) == {"cuda_context", "build", "fill", "finalize"}
+    assert sum(parts.values()) <= m["startup_time"]["load_weights"] + 1e-3
+    assert m["early_cuda_context"]["status"]  # what the scheduler process's early context did (here: nothing)
+
+
+@pytest.mark.parametrize(("status", "loads_after_capture", "prefill_ran"),
+                         [("hit", 5, False), ("hit", 6, True), ("miss", 5, True), ("partial", 5, True)])
+def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp_path, status, loads_after_capture,
+                                                              prefill_ran):
+    """A preload hit defers the eager prefill warmup; a kernel loaded after the preload (the capture found one
+    the record lacked) runs it after all, as does a start without a full preload (run first, as before)."""
+    from types import SimpleNamespace
+
+    from dsaserve.engine import model_runner as mr
+    from dsaserve.engine.warm_start import WarmStart
+
+    runs: list[list[int]] = []
+    monkeypatch.setattr(mr, "warmup_prefill", lambda model, pool, sizes, *a: runs.append(sizes) or sizes)
+    monkeypatch.setattr(mr, "warm_sampler", lambda *a: 0)
+    warm = WarmStart({"test": status}, root=tmp_path)
+    warm.preload_report, warm.loads_after_preload = {"status": status}, 5
+    r = ModelRunner.__new__(ModelRunner)
+    r.warm_start, r.startup_time, r.graphs, r.piecewise, r.warmed_prefill = warm, {}, None, None, []
+    r.args = SimpleNamespace(piecewise_tokens=[256, 512], disable_cuda_graph=True)
+    r.cfg = SimpleNamespace(index_topk=64, vocab_size=128, eos_token_ids=[1])
+    r.max_model_len, r.chunked_prefill_size, r.dp_world, r.model, r.kv_pool, r.device = 1024, 512, 1, None, None, "cpu"
+    r._jit_loads = lambda: loads_after_capture
+    r._warmup_and_capture()
+    assert runs == ([[512, 513]] if prefill_ran else [])  # the chunk, and one token over the piecewise buckets
+    assert r.warmed["prefill_warmup"] == ("ran" if prefill_ran else "skipped (preloaded)")
+    assert ("warmup" in r.startup_time) == prefill_ran

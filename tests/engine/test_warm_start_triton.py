@@ -20,6 +20,7 @@ from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from dsaserve.engine import warm_start as ws  # noqa: E402
+from dsaserve.engine.compiled_specs import CompiledSpecs, entry_dirs  # noqa: E402
 from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
 from dsaserve.engine.warmup import KernelLoads  # noqa: E402
 
@@ -78,3 +79,65 @@ def test_a_preloaded_spec_is_the_next_launchs_jit_cache_hit(jit, tmp_path):
     stale = json.loads(spec)
     stale["signature"]["x_ptr"] = "*nonsense"  # a kernel whose arguments changed since the record
     assert ws.preload_spec(json.dumps(stale)).startswith(f"{__name__}._copy_kernel: ")
+
+
+def test_the_recorder_marks_the_entry_the_jit_compiled(jit, tmp_path):
+    """The JIT's hook gives the recorder the kernel's cache entry: marked compiled at save(), the next start
+    replays nothing of it (engine/compiled_specs.py); the entry is the directory Triton wrote."""
+    store = CompiledSpecs(tmp_path / "compiled.jsonl", tmp_path / "triton")
+    recorder = SpecRecorder(tmp_path / "specs.jsonl", compiled=store)
+    x, y = torch.zeros(64), torch.zeros(64)
+    _copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))
+    ((spec, entry),) = recorder.specs.items()
+    assert entry is not None and any((tmp_path / "triton" / d).is_dir() for d in entry_dirs(entry))
+    assert store.pending([spec]) == [spec]
+    recorder.save()
+    assert store.pending([spec]) == []
+
+
+_SCALE = tl.constexpr(2.0)
+
+
+@triton.jit
+def _scaled(x):
+    return x * _SCALE
+
+
+@triton.jit
+def _scale_copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _scaled(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def _forget_keys() -> None:
+    """As in a fresh process: no key computed yet for the kernel or its helper."""
+    for fn in (_scale_copy_kernel, _scaled):
+        fn.hash, fn.used_global_vals = None, {}
+    _scale_copy_kernel.device_caches.clear()
+
+
+def _keyed_with_callee_globals() -> bool:
+    return any(name == "_SCALE" for name, _ in _scale_copy_kernel.used_global_vals)
+
+
+def test_the_jit_and_the_preload_key_a_kernel_with_its_callees_globals(jit, tmp_path, monkeypatch):
+    """kernels/jit_keys.py: Triton 3.6 alone keys a kernel without its helper's constexpr globals when the
+    kernel's key is computed first (`PYTHONPATH=/work/t36:.` shows it); the compile hook and the preload
+    compute the helper's first, so the JIT, the preload and the precompile name the same cache entry."""
+    from dsaserve.kernels import jit_keys
+
+    monkeypatch.setattr(jit_keys, "_installed", False)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    assert jit_keys.install_compile_hook()
+    _forget_keys()
+    recorder = SpecRecorder(tmp_path / "specs.jsonl")
+    x, y = torch.zeros(64), torch.zeros(64)
+    _scale_copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))  # the JIT's compile, through the hook
+    assert _keyed_with_callee_globals()
+    ((spec, entry),) = recorder.specs.items()
+    key = _scale_copy_kernel.hash
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)  # the preload alone primes it too
+    _forget_keys()
+    assert ws.preload_spec(spec) is None
+    assert _keyed_with_callee_globals() and _scale_copy_kernel.hash == key

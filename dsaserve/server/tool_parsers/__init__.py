@@ -6,6 +6,7 @@ model_type; `none` turns tool calling off (requests with `tools` then get a 400)
 
 from __future__ import annotations
 
+from dsaserve.server.parser_names import TOOL_PARSER_CHOICES
 from dsaserve.server.tool_parsers.base import ParsedOutput, ToolCall, ToolCallStream, ToolDelta, ToolParser
 from dsaserve.server.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
 from dsaserve.server.tool_parsers.glm5 import Glm5ToolParser
@@ -15,7 +16,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v32": DeepSeekV32ToolParser, "deepseekv32": DeepSeekV32ToolParser,
 }
 FAMILY_TOOL_PARSER = {"glm_moe_dsa": "glm47", "deepseek_v32": "deepseek_v32"}
-TOOL_PARSER_CHOICES = ("auto", "none", *TOOL_PARSERS)
 
 
 def resolve_tool_parser(name: str | None, model_type: str | None) -> str | None:
