@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import importlib
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+
+log = logging.getLogger(__name__)
 
 SPECS_FILE = "triton_specs.jsonl"
 WAIT_LIMIT_S = 300.0  # a stuck precompile must not hang start-up: the JIT then compiles what is left itself
@@ -117,6 +120,7 @@ class SpecRecorder:
         self.specs: dict[str, None] = {}
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
+        self.append_failed = False  # one warning for the first failed append, not one per kernel
         self.installed = chain_post_compile_hook(
             lambda kw: self.add((kw.get("compile") or {}).get("specialization_data")))
 
@@ -125,14 +129,19 @@ class SpecRecorder:
             return
         self.specs[spec] = None
         if self.saved:
-            with open(self.path, "a") as f:
+            for path in (self.path, *self.mirrors):
+                self._append(path, spec)
+
+    def _append(self, path: Path, spec: str) -> None:
+        """Best effort: this runs inside a kernel launch, where a full disk or a read-only cache must not fail
+        the step (the spec stays in `specs`; the next start just compiles that kernel itself)."""
+        try:
+            with open(path, "a") as f:
                 f.write(spec + "\n")
-            for path in self.mirrors:
-                try:  # inside a kernel launch: a full disk must not fail the step
-                    with open(path, "a") as f:
-                        f.write(spec + "\n")
-                except OSError:
-                    pass
+        except OSError as e:
+            if not self.append_failed:
+                self.append_failed = True
+                log.warning("kernel spec not appended to %s (further failures not logged): %s", path, e)
 
     def save(self) -> int:
         """The recorded specs merged into the list on disk (atomically); how many lines it now has."""
