@@ -50,6 +50,15 @@ def _valid_end(slot_ptr, row_base, k0, k1, SCAN: tl.constexpr):
 
 
 @triton.jit
+def _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K: tl.constexpr):
+    """(64-bit rows, valid) of slots [start, start + BLOCK_K) of token t; -1 and slots past k1 are invalid."""
+    offs_k = start + tl.arange(0, BLOCK_K)
+    slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
+    valid = slot >= 0
+    return opaque_index(tl.where(valid, slot, 0).to(tl.int64)), valid  # 64-bit: slots x row bytes pass 2^31
+
+
+@triton.jit
 def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, lse_ptr,
                        n_heads, n_keys, keys_per_split, qk_scale, dc, dr,
                        stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
@@ -76,10 +85,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     k0 = sp * keys_per_split
     k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
     for start in range(k0, k1, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
-        valid = slot >= 0
-        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         c = tl.load(c_ptr + row[:, None] * stride_c + offs_c[None, :], mask=valid[:, None] & cmask[None, :], other=0)
         if LAYOUT == 0:
             sc = tl.load(cs_ptr + row[:, None] * stride_cs + cs_off + tl.arange(0, NG)[None, :],
@@ -158,10 +164,7 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     k0 = sp * keys_per_split
     k1 = _valid_end(slot_ptr, t * stride_st, k0, tl.minimum(k0 + keys_per_split, n_keys), 256)
     for start in range(k0, k1, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
-        valid = slot >= 0
-        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0)
         c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1)
         c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2)
