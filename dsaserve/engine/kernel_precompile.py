@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import importlib
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -37,6 +38,8 @@ from typing import Any
 from dsaserve.common import envs
 from dsaserve.engine.compiled_specs import FILE as COMPILED_FILE
 from dsaserve.engine.compiled_specs import CompiledSpecs, entry_of_hook
+
+log = logging.getLogger(__name__)
 
 SPECS_FILE = "triton_specs.jsonl"
 WAIT_LIMIT_S = 300.0  # a stuck precompile must not hang start-up: the JIT then compiles what is left itself
@@ -129,6 +132,7 @@ class SpecRecorder:
         self.specs: dict[str, str | None] = {}  # spec line -> its Triton cache entry (None: not known)
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
+        self.append_failed = False  # one warning for the first failed append, not one per kernel
         self.installed = chain_post_compile_hook(
             lambda kw: self.add((kw.get("compile") or {}).get("specialization_data"), entry_of_hook(kw)))
 
@@ -137,13 +141,20 @@ class SpecRecorder:
             return
         self.specs[spec] = entry
         if self.saved:
-            for path in [self.path, *self.mirrors]:
-                try:  # inside a kernel launch: a full disk must not fail the step
-                    with open(path, "a") as f:
-                        f.write(spec + "\n")
-                except OSError:
-                    pass
+            for path in (self.path, *self.mirrors):
+                self._append(path, spec)
             self._mark({spec: entry})
+
+    def _append(self, path: Path, spec: str) -> None:
+        """Best effort: this runs inside a kernel launch, where a full disk or a read-only cache must not fail
+        the step (the spec stays in `specs`; the next start just compiles that kernel itself)."""
+        try:
+            with open(path, "a") as f:
+                f.write(spec + "\n")
+        except OSError as e:
+            if not self.append_failed:
+                self.append_failed = True
+                log.warning("kernel spec not appended to %s (further failures not logged): %s", path, e)
 
     def _mark(self, specs: dict[str, str | None]) -> None:
         """Specs whose cache entry is known marked compiled (one of unknown entry is left to the replay)."""

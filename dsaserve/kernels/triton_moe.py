@@ -43,6 +43,34 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
+def _weight_dot(a, a_s, b_ptrs, bs_ptrs, kmask, nmask, A_FP8: tl.constexpr, B_SCALED: tl.constexpr):
+    """One K block of one weight half (gate or up), [BLOCK_M, BLOCK_N]: a @ W^T tile (read at b_ptrs, [BK, BN]),
+    times the weight's 128-block scale of each column (B_SCALED) and the activations' of each row (A_FP8)."""
+    b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+    if not A_FP8:
+        b = b.to(tl.bfloat16)
+    part = tl.dot(a, b)
+    if B_SCALED:
+        part = part * tl.load(bs_ptrs, mask=nmask, other=0.0)[None, :]
+    if A_FP8:
+        part = part * a_s[:, None]
+    return part
+
+
+@triton.jit
+def _weight_dot_swap(a_t, a_s, w_ptrs, ws_ptrs, kmask, nmask, A_FP8: tl.constexpr, B_SCALED: tl.constexpr):
+    """`_weight_dot` swap-AB, [BLOCK_N, BLOCK_M]: the W tile (rows at w_ptrs, [BN, BK]) @ a^T, scaled per weight
+    row (B_SCALED) and per activation column (A_FP8: a_s is [1, BLOCK_M])."""
+    w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+    part = tl.dot(w if A_FP8 else w.to(tl.bfloat16), a_t)
+    if B_SCALED:
+        part = part * tl.load(ws_ptrs, mask=nmask, other=0.0)[:, None]
+    if A_FP8:
+        part = part * a_s
+    return part
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, bexp_ptr, total_ptr,
                      N, K, num_pairs, a_row_div, up_offset,
                      stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
@@ -80,25 +108,11 @@ def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, be
             a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=pmask, other=0.0)
         else:
             a = a.to(tl.bfloat16)
-        b = tl.load(g_ptrs + kb * BLOCK_K, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if not A_FP8:
-            b = b.to(tl.bfloat16)
-        part = tl.dot(a, b)
-        if B_SCALED:
-            part = part * tl.load(gs_ptrs + kb * stride_bsk, mask=nmask, other=0.0)[None, :]
-        if A_FP8:
-            part = part * a_s[:, None]
-        acc_g += part
+            a_s = 1.0  # bf16 activations carry no scale (never read)
+        acc_g += _weight_dot(a, a_s, g_ptrs + kb * BLOCK_K, gs_ptrs + kb * stride_bsk, kmask, nmask, A_FP8, B_SCALED)
         if GATED:
-            b = tl.load(u_ptrs + kb * BLOCK_K, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if not A_FP8:
-                b = b.to(tl.bfloat16)
-            part = tl.dot(a, b)
-            if B_SCALED:
-                part = part * tl.load(us_ptrs + kb * stride_bsk, mask=nmask, other=0.0)[None, :]
-            if A_FP8:
-                part = part * a_s[:, None]
-            acc_u += part
+            acc_u += _weight_dot(a, a_s, u_ptrs + kb * BLOCK_K, us_ptrs + kb * stride_bsk, kmask, nmask, A_FP8,
+                                 B_SCALED)
     if GATED:
         acc_g = acc_g * tl.sigmoid(acc_g) * acc_u
     if MUL_WEIGHT:
@@ -134,22 +148,13 @@ def _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e, pairs, pmask, p
             a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=pmask, other=0.0)[None, :]
         else:
             a = a.to(tl.bfloat16)
+            a_s = 1.0  # bf16 activations carry no scale (never read)
         a = tl.trans(a)
-        w = tl.load(g_ptrs + kb * BLOCK_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        part = tl.dot(w if A_FP8 else w.to(tl.bfloat16), a)
-        if B_SCALED:
-            part = part * tl.load(gs_ptrs + kb * stride_bsk, mask=nmask, other=0.0)[:, None]
-        if A_FP8:
-            part = part * a_s
-        acc_g += part
+        acc_g += _weight_dot_swap(a, a_s, g_ptrs + kb * BLOCK_K, gs_ptrs + kb * stride_bsk, kmask, nmask, A_FP8,
+                                  B_SCALED)
         if GATED:
-            w = tl.load(u_ptrs + kb * BLOCK_K, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            part = tl.dot(w if A_FP8 else w.to(tl.bfloat16), a)
-            if B_SCALED:
-                part = part * tl.load(us_ptrs + kb * stride_bsk, mask=nmask, other=0.0)[:, None]
-            if A_FP8:
-                part = part * a_s
-            acc_u += part
+            acc_u += _weight_dot_swap(a, a_s, u_ptrs + kb * BLOCK_K, us_ptrs + kb * stride_bsk, kmask, nmask, A_FP8,
+                                      B_SCALED)
     if GATED:
         acc_g = acc_g * tl.sigmoid(acc_g) * acc_u
     if MUL_WEIGHT:

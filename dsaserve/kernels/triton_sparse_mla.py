@@ -51,6 +51,15 @@ def _valid_end(slot_ptr, row_base, k0, k1, SCAN: tl.constexpr):
 
 
 @triton.jit
+def _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K: tl.constexpr):
+    """(64-bit rows, valid) of slots [start, start + BLOCK_K) of token t; -1 and slots past k1 are invalid."""
+    offs_k = start + tl.arange(0, BLOCK_K)
+    slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
+    valid = slot >= 0
+    return opaque_index(tl.where(valid, slot, 0).to(tl.int64)), valid  # 64-bit: slots x row bytes pass 2^31
+
+
+@triton.jit
 def _split_range(slot_ptr, row_base, sp, n_keys, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """[k0, k1) of split `sp` of the token's slots: its valid ones (up to `_valid_end` of the row) divided evenly
     over the launch's splits in BLOCK_K tiles. A static split of the top-k put a short context's keys all on
@@ -92,10 +101,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
     for start in range(k0, k1, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
-        valid = slot >= 0
-        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         c = tl.load(c_ptr + row[:, None] * stride_c + offs_c[None, :], mask=valid[:, None] & cmask[None, :], other=0)
         if LAYOUT == 0:
             sc = tl.load(cs_ptr + row[:, None] * stride_cs + cs_off + tl.arange(0, NG)[None, :],
@@ -183,12 +189,10 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
     for start in range(k0, k1, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
-        valid = slot >= 0
-        row = opaque_index(tl.where(valid, slot, 0).to(tl.int64))
+        row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         if PREFETCH:
-            nxt = tl.load(slot_ptr + t * stride_st + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k1, other=-1)
+            nxt = tl.load(slot_ptr + t * stride_st + start + BLOCK_K + tl.arange(0, BLOCK_K),
+                          mask=start + BLOCK_K + tl.arange(0, BLOCK_K) < k1, other=-1)
             prefetch_rows(c_ptr, tl.where(nxt >= 0, nxt, 0).to(tl.int64), stride_c, 1, ROW_BYTES,
                           triton.next_power_of_2(triton.cdiv(ROW_BYTES, 128)))
         kr = tl.load(r_ptr + row[:, None] * stride_r + r_off + offs_r[None, :], mask=valid[:, None] & rmask[None, :],

@@ -31,7 +31,7 @@ import triton.language as tl
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _valid_end
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _slots, _valid_end
 from dsaserve.kernels.triton_sparse_mla_tc import (
     _LAYOUT,
     RESCALE_LOG2,
@@ -40,7 +40,6 @@ from dsaserve.kernels.triton_sparse_mla_tc import (
     _gather_rope,
     _out_buffer,
     _rope_bf16,
-    _slots,
     _split_partials,
     pick_splits,
 )

@@ -35,8 +35,8 @@ import triton.language as tl
 from dsaserve.common.kv_layout import FP8_DS_MLA, FP8_E4M3, QUANT_GROUP, KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel
-from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel, _slots
+from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, pdl_args, prefetch_rows
 
 TC_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and decode batches >= 16)
 # e4m3_bf16 (BITS) gives value * 2^-120; the nope scale is multiplied by 2^64, so FP8 tiles hold value * 2^-56
@@ -96,15 +96,6 @@ def e4m3_bf16(x, BITS: tl.constexpr):
     else:
         y = x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     return y
-
-
-@triton.jit
-def _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K: tl.constexpr):
-    """(64-bit rows, valid) of slots [start, start + BLOCK_K) of token t; -1 and slots past k1 are invalid."""
-    offs_k = start + tl.arange(0, BLOCK_K)
-    slot = tl.load(slot_ptr + t * stride_st + offs_k, mask=offs_k < k1, other=-1)
-    valid = slot >= 0
-    return opaque_index(tl.where(valid, slot, 0).to(tl.int64)), valid  # 64-bit: slots x row bytes pass 2^31
 
 
 @triton.jit

@@ -4,6 +4,7 @@ recorder chains hooks and keeps one list; the engine's handle runs the precompil
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -40,13 +41,22 @@ def _jit_view(block: int) -> tuple[dict, dict, dict, object]:
     return sig, consts, attrs, options
 
 
+# Triton 3.9 serialises the target too; 3.6 (the H200's) takes no `target` and writes none (compile_spec then
+# reads it from the options): build the spec as the installed Triton's JIT would.
+_SERIALIZE_TAKES_TARGET = "target" in inspect.signature(serialize_specialization_data).parameters
+
+
 def _spec(block: int) -> str:
     sig, consts, attrs, options = _jit_view(block)
-    name = f"{__name__}._scale_kernel"
-    try:  # Triton 3.9 serialises the target too; 3.6 (the H200's) does not
-        return serialize_specialization_data(name, sig, consts, attrs, options, "key", TARGET)
-    except TypeError:
-        return serialize_specialization_data(name, sig, consts, attrs, options, "key")
+    args = (f"{__name__}._scale_kernel", sig, consts, attrs, options, "key")
+    return serialize_specialization_data(*args, *([TARGET] if _SERIALIZE_TAKES_TARGET else []))
+
+
+def test_spec_is_the_installed_tritons_format():
+    """The helper builds what this Triton's JIT writes: a target exactly when its serialiser takes one."""
+    d = json.loads(_spec(16))
+    assert d["name"].endswith("._scale_kernel") and d["options"]["arch"] == "sm90"
+    assert ("target" in d) == _SERIALIZE_TAKES_TARGET
 
 
 @pytest.fixture
@@ -175,3 +185,30 @@ def test_a_spec_without_a_target_takes_its_options_arch():
     got = kp._target({"options": {"backend_name": "cuda", "arch": "sm90", "warp_size": 32}}, lambda *a: a)
     assert got == ("cuda", 90, 32)
     assert kp._target({"target": {"backend": "cuda", "arch": 90, "warp_size": 32}}, lambda **k: k)["arch"] == 90
+
+
+def test_a_failed_append_after_up_is_logged_once_not_raised(caches, caplog):
+    """A kernel seen after Up is appended inside its launch: an unwritable list (full disk, read-only cache) must
+    not raise there; one warning, the spec still recorded, writable mirrors still appended."""
+    from triton import knobs
+
+    previous = knobs.runtime.jit_post_compile_hook
+    try:
+        rec = kp.SpecRecorder()
+        hook = knobs.runtime.jit_post_compile_hook
+        rec.save()
+        rec.path.unlink()
+        rec.path.mkdir()  # the list's path is now unwritable as a file (root ignores permission bits)
+        blocker = caches / "not_a_dir"
+        blocker.write_text("")
+        good = caches / "mirror.jsonl"
+        rec.mirrors += [blocker / "warm.jsonl", good]
+        with caplog.at_level("WARNING", logger=kp.__name__):
+            for block in (16, 32):
+                hook(key=block, compile={"specialization_data": _spec(block)})
+        assert list(rec.specs) == [_spec(16), _spec(32)]
+        assert kp.read_specs([good]) == [_spec(16), _spec(32)]
+        warnings = [r for r in caplog.records if r.name == kp.__name__]
+        assert len(warnings) == 1 and "not appended" in warnings[0].getMessage()
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
