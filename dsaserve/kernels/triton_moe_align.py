@@ -58,7 +58,10 @@ def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return sorted_ids, bexp, total, pos
 
 
-@triton.jit
+# Every size below is a constexpr of the expert count alone and no pair / chunk / block count is specialised:
+# one binary per (experts, BLOCK_M), so no batch size compiles a kernel after start-up (a 32K-token prefill
+# once did: the scan's tile had followed the chunk count).
+@triton.jit(do_not_specialize=["n"])
 def _align_count_kernel(ids_ptr, counts_ptr, n, BINS: tl.constexpr, CHUNK: tl.constexpr):
     """counts[chunk, bin] = pairs of the chunk routed to bin (the tail past n counts in bin BINS - 1)."""
     c = tl.program_id(0)
@@ -67,7 +70,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, n, BINS: tl.constexpr, CHUNK: tl.co
     tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(e, BINS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _align_scan_kernel(counts_ptr, base_ptr, pend_ptr, total_ptr, num_chunks, num_experts,
                        BINS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr):
     """base[c, e] = start of e's padded run + e's pairs in chunks before c - pairs before e's in chunk c;
@@ -95,7 +98,7 @@ def _align_scan_kernel(counts_ptr, base_ptr, pend_ptr, total_ptr, num_chunks, nu
         run += tl.sum(tile, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_chunks", "max_blocks"])
 def _align_scatter_kernel(ids_ptr, base_ptr, pend_ptr, sorted_ptr, pos_ptr, bexp_ptr, n, num_chunks, num_experts,
                           max_blocks, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                           NB: tl.constexpr):
@@ -131,7 +134,7 @@ def align_route(topk_ids: torch.Tensor, num_experts: int,
     if not (flat.is_cuda or INTERPRET):  # CPU tensors outside the interpreter (offline compiles, tools)
         return _route_torch(flat, num_experts, block_m)
     max_blocks = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m)
-    chunk = min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n)))
+    chunk = ALIGN_CHUNK
     chunks = triton.cdiv(n, chunk)
     bins = triton.next_power_of_2(num_experts + 2)
     counts = torch.empty(max(chunks, 1), bins, dtype=torch.int32, device=dev)
@@ -143,9 +146,9 @@ def align_route(topk_ids: torch.Tensor, num_experts: int,
     bexp = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if chunks:
         _align_count_kernel[(chunks,)](flat, counts, n, BINS=bins, CHUNK=chunk)
-    cb = max(1, min(triton.next_power_of_2(max(chunks, 1)), 8192 // bins))
+    cb = max(1, 8192 // bins)
     _align_scan_kernel[(1,)](counts, base, pend, total, chunks, num_experts, BINS=bins, CB=cb, BLOCK_M=block_m)
-    nb = min(max(16, ALIGN_BLOCK_BINS // bins), triton.next_power_of_2(max_blocks))
+    nb = max(16, ALIGN_BLOCK_BINS // bins)
     grid = max(chunks, triton.cdiv(max_blocks, nb))
     _align_scatter_kernel[(grid,)](flat, base, pend, sorted_ids, pos, bexp, n, chunks, num_experts, max_blocks,
                                    BINS=bins, CHUNK=chunk, BLOCK_M=block_m, NB=nb)
