@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from dsaserve.common import envs
 from dsaserve.engine import compiled_specs as cs
 from dsaserve.engine import kernel_precompile as kp
 
@@ -78,24 +77,6 @@ def test_the_hook_entry_is_the_kernel_the_jit_cached():
     assert cs.entry_of_hook({"fn": Info(), "key": "k", "compile": {"device": 0}}) == HASH_A
     assert cs.entry_of_hook({"fn": Info(), "key": "other", "compile": {"device": 0}}) is None
     assert cs.entry_of_hook({"key": "k"}) is None  # a Triton whose hook passes no fn
-
-
-@pytest.fixture
-def caches(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSASERVE_CACHE_DIR", str(tmp_path / "dsaserve"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.delenv("DSASERVE_KERNEL_SPECS", raising=False)
-    monkeypatch.delenv("DSASERVE_PRECOMPILE", raising=False)
-    monkeypatch.setattr(kp, "PACKAGED_SPECS", tmp_path / "packaged")
-    monkeypatch.setattr(kp, "_pending", None)
-    monkeypatch.setattr(kp, "_skipped", None)
-    envs.reload()
-    knobs = getattr(pytest.importorskip("triton"), "knobs", None)
-    previous = knobs.runtime.jit_post_compile_hook if knobs else None
-    yield tmp_path
-    envs.reload()
-    if knobs:  # SpecRecorder chains its hook into Triton's global knobs
-        knobs.runtime.jit_post_compile_hook = previous
 
 
 def test_a_warm_start_starts_no_precompile(caches, monkeypatch):

@@ -59,20 +59,6 @@ def test_spec_is_the_installed_tritons_format():
     assert ("target" in d) == _SERIALIZE_TAKES_TARGET
 
 
-@pytest.fixture
-def caches(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSASERVE_CACHE_DIR", str(tmp_path / "dsaserve"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.delenv("DSASERVE_KERNEL_SPECS", raising=False)
-    monkeypatch.delenv("DSASERVE_PRECOMPILE", raising=False)
-    monkeypatch.setattr(kp, "PACKAGED_SPECS", tmp_path / "packaged")  # none shipped, unless a test writes one
-    monkeypatch.setattr(kp, "_pending", None)
-    monkeypatch.setattr(kp, "_skipped", None)
-    envs.reload()
-    yield tmp_path
-    envs.reload()
-
-
 def _entries(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()} if d.is_dir() else set()
 
