@@ -39,8 +39,8 @@ def test_configs_are_known_overrides_of_the_kernels_default():
     swap = {n: c for n, c in S.CONFIGS.items() if n not in S.SPLIT_K}
     assert "default" in swap and all(set(c) <= set(DEFAULT) for c in swap.values())
     # the split-K configs override what sparse_mla_attention's `config` takes
-    assert all(set(c) <= {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped"}
-               for c in S.SPLIT_K.values())
+    known = {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped", "prefetch"}
+    assert all(set(c) <= known for c in S.SPLIT_K.values())
 
 
 def test_split_k_configs_are_summarised_apart_and_never_flip_the_swap_switch(capsys):

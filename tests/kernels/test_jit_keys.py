@@ -52,7 +52,8 @@ def test_a_callers_key_covers_its_callees_globals():
     checked = 0
     for name in sorted(n for n in sys.modules if n.startswith("dsaserve.kernels.triton_")):
         for fn in jit_keys._jit_functions(sys.modules[name]):
-            for callee in jit_keys._callees(fn):
+            # triton.language's own functions (tl.sort, ...) are Triton's, covered by its version in every key
+            for callee in (c for c in jit_keys._callees(fn) if c.__module__.startswith("dsaserve.")):
                 assert set(callee.used_global_vals) <= set(fn.used_global_vals), (fn.__name__, callee.__name__)
                 checked += 1
     assert checked > 10
