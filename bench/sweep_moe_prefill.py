@@ -324,7 +324,10 @@ def print_accuracy(rows: list[dict]) -> None:
     def mode(conf: dict) -> str:
         if conf.get("kernel") != "dense":
             return "gather"
-        m1, m2 = (bool(conf.get(f"mma_acc{g}", conf.get("mma_acc", False))) for g in (1, 2))
+        from dsaserve.kernels import triton_moe_prefill as P
+
+        full = {**P.PREFILL_CONFIG, **conf}  # as gemm_plan: the MMA accumulates only on one-scale tiles
+        m1, m2 = (bool(P._key(full, "mma_acc", g)) and P.FP8_BLOCK % full[f"bn{g}"] == 0 for g in (1, 2))
         return {(False, False): "promote", (True, True): "mma_acc", (False, True): "mma_acc2 only",
                 (True, False): "mma_acc1 only"}[(m1, m2)]
 

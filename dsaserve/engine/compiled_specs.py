@@ -7,7 +7,8 @@ Triton's version and dsaserve's source hash (`code_version`); under another stam
 (a changed kernel compiles to another entry under the same spec line). Who writes it: the precompile process
 (each spec it replayed) and the engine's spec recorder (each kernel its JIT compiled or loaded, so the
 cache's own list is known compiled at the next start without a replay). Who reads it: `kernel_precompile.start`,
-which replays only the specs not known compiled, and starts no process at all when none are left.
+which replays only the specs not known compiled, and starts no process at all when none are left. Also
+`write_atomic`, the temporary-file-and-rename write the spec lists and the warm-start record use too.
 
 Why: on a warm start every spec was compiled by an earlier start, yet the replay still started a process
 that imported torch and Triton, forked 15 workers that re-hashed every spec, and held the engine ~0.9 s before
@@ -78,19 +79,21 @@ class CompiledSpecs:
         """digest -> cache entry (None: a spec that failed to replay); empty under another stamp."""
         try:
             lines = self.path.read_text().splitlines()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: not UTF-8 (a foreign or damaged file counts as empty)
             return {}
         out: dict[str, str | None] = {}
         for i, line in enumerate(lines):
             try:
                 d = json.loads(line)
             except ValueError:
-                continue  # a torn last line (a writer died mid-append)
+                if i == 0:
+                    return {}  # no stamp to trust the rest by
+                continue  # a torn line (a writer died mid-append)
             if i == 0:
                 if not isinstance(d, dict) or d.get("stamp") != stamp():
                     return {}
                 continue
-            if isinstance(d, dict) and isinstance(d.get("d"), str):
+            if isinstance(d, dict) and isinstance(d.get("d"), str) and isinstance(d.get("e"), str | None):
                 out[d["d"]] = d.get("e")
         return out
 
@@ -114,10 +117,15 @@ class CompiledSpecs:
             with open(self.path, "a") as f:  # one write of a few lines: concurrent writers do not interleave
                 f.write(body)
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"stamp": stamp()}) + "\n" + body)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps({"stamp": stamp()}) + "\n" + body)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` to `path` through a temporary file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def entry_dirs(entry: str) -> list[str]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from dsaserve.common import envs
 from dsaserve.engine.compiled_specs import FILE as COMPILED_FILE
-from dsaserve.engine.compiled_specs import CompiledSpecs, entry_of_hook
+from dsaserve.engine.compiled_specs import CompiledSpecs, entry_of_hook, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,30 +93,12 @@ def spec_name(spec: str) -> str:
         return "?"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """`text` to `path` through a temporary file and a rename: a reader never sees half a list."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def chain_post_compile_hook(on_load: Callable[[dict[str, Any]], None]) -> bool:
     """Call `on_load(kwargs)` each time a Triton JIT compiles or loads a kernel, before any hook installed
     earlier (which still runs); False without Triton's knobs (Triton < 3.4 or none): nothing is observed."""
-    try:
-        from triton import knobs
+    from dsaserve.kernels.jit_keys import chain_runtime_hook
 
-        previous = knobs.runtime.jit_post_compile_hook
-    except (ImportError, AttributeError):
-        return False
-
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        on_load(kwargs)
-        return previous(*args, **kwargs) if previous is not None else None
-
-    knobs.runtime.jit_post_compile_hook = hook
-    return True
+    return chain_runtime_hook("jit_post_compile_hook", on_load)
 
 
 class SpecRecorder:

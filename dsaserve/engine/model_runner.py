@@ -269,8 +269,10 @@ class ModelRunner:
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
         # every recorded kernel preloaded: the large eager steps' kernels are in the JITs already, and the
-        # capture's eager runs do the first-use work; run only if something loads after the preload (below)
-        deferred = self.warm_start is not None and self.warm_start.preload_report.get("status") == "hit"
+        # capture's eager runs do the first-use work; run only if something loads after the preload (below).
+        # One rank only: each rank's record hits or misses on its own, and this forward holds collectives
+        deferred = (self.parallel.world_size == 1 and self.warm_start is not None
+                    and self.warm_start.preload_report.get("status") == "hit")
         if not deferred:
             self._warmup_prefill()
         if not self.args.disable_cuda_graph and self._graphs_possible():

@@ -2,7 +2,9 @@
 
 Owns: `prime(fn)`, which computes the cache key of a JIT function's callees before its own; the compile hook
 that primes every kernel the JIT is about to compile (`install_compile_hook`, installed by the registry before
-the GPU ops' first launch); and `stable_cache_keys()`, every dsaserve kernel primed at once (tests). The
+the GPU ops' first launch); `chain_runtime_hook`, which puts a callable before any hook in one of Triton's
+runtime knobs (the spec recorder's and the kernel-load counter's too); and `stable_cache_keys()`, every
+dsaserve kernel primed at once (tests). The
 precompile and the warm-start preload prime each spec's kernel before compiling it, so all three name a
 kernel's disk-cache entry alike.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -84,21 +87,31 @@ def install_compile_hook() -> bool:
     global _installed
     if _installed:
         return True
+
+    def before(kwargs: dict[str, Any]) -> None:
+        info = kwargs.get("fn")
+        if info is not None and hasattr(info, "jit_function"):
+            prime(info.jit_function)
+
+    _installed = chain_runtime_hook("jit_cache_hook", before)
+    return _installed
+
+
+def chain_runtime_hook(knob: str, before: Callable[[dict[str, Any]], None]) -> bool:
+    """Triton's runtime hook `knob` (`jit_cache_hook`, `jit_post_compile_hook`) made to call `before(kwargs)`
+    first, then any hook installed earlier (whose result is returned); False without Triton's knobs (< 3.4)."""
     try:
         from triton import knobs
 
-        previous = knobs.runtime.jit_cache_hook
+        previous = getattr(knobs.runtime, knob)
     except (ImportError, AttributeError):
         return False
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        info = kwargs.get("fn")
-        if info is not None and hasattr(info, "jit_function"):
-            prime(info.jit_function)
+        before(kwargs)
         return previous(*args, **kwargs) if previous is not None else None
 
-    knobs.runtime.jit_cache_hook = hook
-    _installed = True
+    setattr(knobs.runtime, knob, hook)
     return True
 
 

@@ -70,7 +70,7 @@ def _split_range(slot_ptr, row_base, sp, n_keys, BLOCK_K: tl.constexpr, SPLIT: t
         k0 = sp * per
         k1 = tl.minimum(k0 + per, kend)
     else:
-        k0 = sp * 0
+        k0 = sp * 0  # 0, typed as sp (int64) so both branches give the loop the same bounds' types
         k1 = kend
     return k0, k1
 
@@ -190,7 +190,8 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
     for start in range(k0, k1, BLOCK_K):
         row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
-        if PREFETCH:
+        if PREFETCH:  # the next tile's rows travel HBM -> L2 while this one computes (not `_slots`: its
+            # opaque 64-bit rows cost ~30 more instructions a tile here, offline sm_90)
             nxt = tl.load(slot_ptr + t * stride_st + start + BLOCK_K + tl.arange(0, BLOCK_K),
                           mask=start + BLOCK_K + tl.arange(0, BLOCK_K) < k1, other=-1)
             prefetch_rows(c_ptr, tl.where(nxt >= 0, nxt, 0).to(tl.int64), stride_c, 1, ROW_BYTES,
@@ -342,8 +343,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     bh, bk = cfg["block_h"], cfg["block_k"]
     head_blocks = triton.cdiv(h, bh)
     splits = cfg["splits"] or pick_splits(t, head_blocks, n_keys, bk, _sm_count(q_nope))
-    per_split = triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk
-    splits = max(1, triton.cdiv(n_keys, per_split))
+    # no more splits than whole key tiles of a full row (the kernel divides each token's valid slots itself)
+    splits = max(1, triton.cdiv(n_keys, triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk))
     c, cs, r, stride_c, stride_cs, cs_off, stride_r, r_off = _cache_views(kv_cache, layout, dc, dr)
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
     if splits > 1:

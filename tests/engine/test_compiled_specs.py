@@ -55,6 +55,19 @@ def test_another_stamp_forgets_everything(store, tmp_path, monkeypatch):
     assert len(store.read()) == 1
 
 
+def test_a_damaged_file_counts_as_empty_or_loses_only_its_bad_lines(store, tmp_path):
+    a, b = _spec("a"), _spec("b")
+    store.mark({a: HASH_A})
+    _dir(tmp_path / "triton", HASH_A).mkdir(parents=True)
+    good = store.path.read_bytes()
+    store.path.write_bytes(good + json.dumps({"d": cs.digest(b), "e": 7}).encode() + b"\n")  # not an entry
+    assert store.read() == {cs.digest(a): HASH_A} and store.pending([a, b]) == [b]
+    store.path.write_bytes(b"\xff\xfe not utf-8\n")
+    assert store.read() == {}
+    store.path.write_bytes(b"{not json\n" + good.split(b"\n", 1)[1])  # the stamp line lost: nothing trusted
+    assert store.read() == {} and store.pending([a]) == [a]
+
+
 def test_stamp_reads_tritons_version_without_importing_it():
     import sys
 
