@@ -32,12 +32,14 @@ def test_manifest_splits_load_weights_into_its_parts():
     assert m["early_cuda_context"]["status"]  # what the scheduler process's early context did (here: nothing)
 
 
-@pytest.mark.parametrize(("status", "loads_after_capture", "prefill_ran"),
-                         [("hit", 5, False), ("hit", 6, True), ("miss", 5, True), ("partial", 5, True)])
+@pytest.mark.parametrize(("status", "loads_after_capture", "prefill_ran", "ranks"),
+                         [("hit", 5, False, 1), ("hit", 6, True, 1), ("miss", 5, True, 1), ("partial", 5, True, 1),
+                          ("hit", 5, True, 2)])
 def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp_path, status, loads_after_capture,
-                                                              prefill_ran):
+                                                              prefill_ran, ranks):
     """A preload hit defers the eager prefill warmup; a kernel loaded after the preload (the capture found one
-    the record lacked) runs it after all, as does a start without a full preload (run first, as before)."""
+    the record lacked) runs it after all, as does a start without a full preload (run first, as before), and a
+    start of several ranks (each rank's record hits or misses alone; the forward holds collectives)."""
     from types import SimpleNamespace
 
     from dsaserve.engine import model_runner as mr
@@ -50,6 +52,7 @@ def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp
     warm.preload_report, warm.loads_after_preload = {"status": status}, 5
     r = ModelRunner.__new__(ModelRunner)
     r.warm_start, r.startup_time, r.graphs, r.piecewise, r.warmed_prefill = warm, {}, None, None, []
+    r.parallel = SimpleNamespace(world_size=ranks)
     r.args = SimpleNamespace(piecewise_tokens=[256, 512], disable_cuda_graph=True)
     r.cfg = SimpleNamespace(index_topk=64, vocab_size=128, eos_token_ids=[1])
     r.max_model_len, r.chunked_prefill_size, r.dp_world, r.model, r.kv_pool, r.device = 1024, 512, 1, None, None, "cpu"
