@@ -47,19 +47,22 @@ SCENARIOS = {
     "warm_off": ("cold_parallel", {"DSASERVE_WARM_START": "0"}),
     "warm_noprecompile": ("cold_parallel", {"DSASERVE_PRECOMPILE": "0"}),
     "warm_cores": ("cold_parallel", {"DSASERVE_WARMUP_CORES_ONLY": "1"}),
+    # the warm start under cProfile (common/startup_profile.py): which Python a warm start spends (slower itself)
+    "warm_profiled": ("cold_parallel", {"DSASERVE_STARTUP_PROFILE": "{out}/profile"}),
 }
 AFTER_UP = ("kernel_compiles_after_up", "kernel_loads_after_up", "eager_fallback")
 
 
-def scenario_env(name: str, caches: dict[str, Path], root: Path, specs: Path) -> dict[str, str]:
+def scenario_env(name: str, caches: dict[str, Path], root: Path, specs: Path, out: Path) -> dict[str, str]:
     """The server's environment for one scenario: its cache root (a new one, or an earlier scenario's) and
     its switches; the caller's own TRITON_CACHE_DIR is dropped (the cache must be the scenario's)."""
     where, extra = SCENARIOS[name]
     caches[name] = caches.get(where) or root / name  # an earlier scenario's caches, when it ran
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "DSASERVE_KERNEL_SPECS",
                                                             "DSASERVE_PRECOMPILE", "DSASERVE_WARMUP_CORES_ONLY",
-                                                            "DSASERVE_WARM_START", "DSASERVE_EARLY_CUDA")}
-    env.update({k: v.format(specs=specs) for k, v in extra.items()}, DSASERVE_CACHE_DIR=str(caches[name]))
+                                                            "DSASERVE_WARM_START", "DSASERVE_EARLY_CUDA",
+                                                            "DSASERVE_STARTUP_PROFILE")}
+    env.update({k: v.format(specs=specs, out=out) for k, v in extra.items()}, DSASERVE_CACHE_DIR=str(caches[name]))
     return env
 
 
@@ -123,7 +126,7 @@ def main() -> None:
     specs, caches, rows = out / "triton_specs.jsonl", {}, []
     try:
         for name in args.scenarios.split(","):
-            env = scenario_env(name, caches, root, specs)
+            env = scenario_env(name, caches, root, specs, out)
             res = run_one(name, env, args, out)
             recorded = caches[name] / "triton_specs.jsonl"
             if recorded.is_file():  # each start's list (a new kernel's specs, to ship in engine/kernel_specs)

@@ -30,6 +30,9 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsaserve.common import bytecode_cache
+
+    bytecode_cache.enable()  # before the heavy imports: where their bytecode is read and written
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="dsaserve", description="DSA-MoE inference engine and cost ledger")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

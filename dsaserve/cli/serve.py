@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     from dsaserve.cli import FIRST_LINE
+    from dsaserve.common import bytecode_cache
     from dsaserve.common.wire import free_port
     from dsaserve.config import load_config
     from dsaserve.engine.engine_args import EngineArgs
@@ -40,6 +41,7 @@ def main(ns: argparse.Namespace) -> int:
 
     clock = StartupClock(FIRST_LINE)
     clock.lap("cli_imports")
+    clock.cache("bytecode", **bytecode_cache.report())  # common/bytecode_cache.py: where the .pyc files live
     try:
         engine = EngineArgs.from_cli_args(ns)
         cache: dict = {}

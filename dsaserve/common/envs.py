@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
@@ -76,6 +77,15 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_EARLY_CUDA": Switch(
         True, _on_unless_zero, "'0': a rank creates its CUDA context when torch first needs it, not on a thread "
         "while torch imports (engine/early_cuda.py; the A/B for issue 16's warm start)"),
+    "DSASERVE_PREFILL_STAGING": Switch(
+        True, _on_unless_zero, "'0': prefill sparse MLA reads the fp8_ds_mla cache itself, not its rows dequantised "
+        "once a layer to bf16 (model/layers/prefill_staging.py; the A/B for issue 17's prefill)"),
+    "DSASERVE_STARTUP_PROFILE": Switch(
+        None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
+        "startup-<rank>.prof and a text summary (finding a slow start's Python)"),
+    "DSASERVE_PYCACHE": Switch(
+        True, _on_unless_zero, "'0': Python's bytecode where Python's defaults put it, even when the packages cannot "
+        "be written (common/bytecode_cache.py: else under the dsaserve cache)"),
     "DSASERVE_KERNEL_SPECS": Switch(None, _text, "more Triton kernel spec lists to precompile (os.pathsep-separated)"),
     "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
@@ -98,6 +108,9 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_SPARSE_MLA_CONFIG: str | None
     DSASERVE_PRECOMPILE: bool
     DSASERVE_WARM_START: bool
+    DSASERVE_PREFILL_STAGING: bool
+    DSASERVE_STARTUP_PROFILE: str | None
+    DSASERVE_PYCACHE: bool
     DSASERVE_KERNEL_SPECS: str | None
     DSASERVE_CACHE_DIR: str | None
     DSASERVE_MAX_CHECKPOINT_GB: str | None
@@ -136,6 +149,12 @@ def override(**switches: str) -> Iterator[None]:
 def set_switches() -> dict[str, str]:
     """The switches the environment set (as written), for the startup manifest."""
     return {k: "<set>" if SWITCHES[k].secret else v for k, v in _raw.items()}
+
+
+def cache_root() -> Path:
+    """dsaserve's cache root: DSASERVE_CACHE_DIR, else ~/.cache/dsaserve (built-in checkpoints, compiled kernels,
+    warm-start records, bytecode)."""
+    return Path(__getattr__("DSASERVE_CACHE_DIR") or "~/.cache/dsaserve").expanduser()
 
 
 def __getattr__(name: str) -> Any:

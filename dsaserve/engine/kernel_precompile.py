@@ -46,7 +46,7 @@ WAIT_LIMIT_S = 300.0  # a stuck precompile must not hang start-up: the JIT then 
 
 
 def cache_root() -> Path:
-    return Path(envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
+    return envs.cache_root()
 
 
 def triton_cache_dir() -> Path:

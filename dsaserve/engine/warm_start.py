@@ -42,7 +42,8 @@ SPECS = "specs.jsonl"
 PROFILE = "memory_profile.json"
 # switches that change where caches are or how a start runs, not which kernels it loads or what it measures
 START_ONLY_SWITCHES = frozenset({"DSASERVE_CACHE_DIR", "DSASERVE_KERNEL_SPECS", "DSASERVE_PRECOMPILE",
-                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S", "DSASERVE_EARLY_CUDA"})
+                                 "DSASERVE_WARM_START", "DSASERVE_TEST_READY_DELAY_S", "DSASERVE_EARLY_CUDA",
+                                 "DSASERVE_STARTUP_PROFILE"})
 # engine arguments of the rendezvous only (a free port chosen per start would make every start a miss)
 START_ONLY_ARGS = frozenset({"dist_init_addr", "dist_timeout", "grammar_compile_timeout"})
 

@@ -155,6 +155,23 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     return res if out is None else out.copy_(res)
 
 
+def stage_latent(kv_cache: torch.Tensor, layout: KVLayout, pages: torch.Tensor, page_size: int, kv_lora_rank: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """The rows of `pages` (in order) of one layer's latent cache, dequantised into `out` [pages * page_size, 576]
+    as bf16 rows of the bf16 layout (the FP32 value rounded once; model/layers/prefill_staging.py)."""
+    rows = (pages.long()[:, None] * page_size + torch.arange(page_size, device=pages.device)).reshape(-1)
+    out[: rows.numel()] = decode_latent(kv_cache.index_select(0, rows), layout, kv_lora_rank).to(out.dtype)
+    return out
+
+
+def remap_slots(slots: torch.Tensor, page_map: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[T, K] physical slots -> rows of a staging (`stage_latent`): page_map[page] * page_size + offset; -1, and a
+    slot whose page has no staged copy (page_map -1), stay -1."""
+    s = slots.long()
+    page = page_map[s.clamp(min=0) // page_size].long()
+    return torch.where((s >= 0) & (page >= 0), page * page_size + s % page_size, -1).to(slots.dtype)
+
+
 def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
     """The MoE router's logits as HF computes them: fp32 x [T, H] @ weight [E, H]^T -> [T, E] fp32."""
     return F.linear(x.float(), weight_f32.float())

@@ -34,7 +34,7 @@ SPARSE_MLA_SWAP_AB = False
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe",
-       "count_distinct", "head_bmm", "router_logits")
+       "count_distinct", "head_bmm", "router_logits", "stage_latent", "remap_slots")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -66,6 +66,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_head_gemm,
         triton_indexer,
         triton_indexer_dispatch,
+        triton_kv_stage,
         triton_kv_write,
         triton_moe,
         triton_moe_route,
@@ -103,6 +104,8 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "sparse_mla_attention": _sparse_mla(triton_sparse_mla, triton_sparse_mla_swap),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
+        "stage_latent": (triton_kv_stage.stage_latent, "triton fp8_ds_mla -> bf16 rows of a prefill's pages"),
+        "remap_slots": (triton_kv_stage.remap_slots, "triton page-map gather"),
     })
     return ops
 

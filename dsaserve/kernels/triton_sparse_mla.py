@@ -135,15 +135,23 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
 
 
 @triton.jit
-def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.constexpr, SCALE_FIRST: tl.constexpr):
+def _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, G: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                PLAIN: tl.constexpr):
     """Group G of the gathered rows [BK, 128] as bf16 and its scale [BK]: with SCALE_FIRST the dequantised
-    values (the FP32 product rounded once, as the generic kernel's tile), else the e4m3 values (exact)."""
+    values (the FP32 product rounded once, as the generic kernel's tile), else the e4m3 values (exact).
+    PLAIN: bf16 rows (the bf16 layout, or a prefill's rows staged by `triton_kv_stage`), read as they are."""
     d = tl.arange(0, 128)
     c = tl.load(c_ptr + row[:, None] * stride_c + G * 128 + d[None, :], mask=valid[:, None], other=0)
-    sc = tl.load(cs_ptr + row * stride_cs + cs_off + G, mask=valid, other=0.0)
-    if SCALE_FIRST:
-        return (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(tl.bfloat16), sc
-    return c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), sc
+    if PLAIN:  # (one return at the end: Triton 3.6 compiles the code after a constexpr branch's return)
+        v = c
+        sc = valid.to(tl.float32)  # unused: no scale
+    else:
+        sc = tl.load(cs_ptr + row * stride_cs + cs_off + G, mask=valid, other=0.0)
+        if SCALE_FIRST:
+            v = (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(tl.bfloat16)
+        else:
+            v = c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    return v, sc
 
 
 @triton.jit
@@ -153,8 +161,8 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
                            r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                            SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, SCALE_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
-                           ROW_BYTES: tl.constexpr, PDL: tl.constexpr = False):
-    """fp8_ds_mla with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups kept apart.
+                           ROW_BYTES: tl.constexpr, PLAIN: tl.constexpr = False, PDL: tl.constexpr = False):
+    """fp8_ds_mla (PLAIN: bf16 rows) with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups apart.
 
     SCALE_FIRST: each group dequantised on its own (the generic kernel's numbers), S one chained dot over the
     groups and the rope, out_g = p @ c_g into four accumulators. The generic kernel's whole [BK, 512] tile in
@@ -194,14 +202,14 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
             # opaque 64-bit rows cost ~30 more instructions a tile here, offline sm_90)
             nxt = tl.load(slot_ptr + t * stride_st + start + BLOCK_K + tl.arange(0, BLOCK_K),
                           mask=start + BLOCK_K + tl.arange(0, BLOCK_K) < k1, other=-1)
-            prefetch_rows(c_ptr, tl.where(nxt >= 0, nxt, 0).to(tl.int64), stride_c, 1, ROW_BYTES,
+            prefetch_rows(c_ptr, tl.where(nxt >= 0, nxt, 0).to(tl.int64), stride_c, 2 if PLAIN else 1, ROW_BYTES,
                           triton.next_power_of_2(triton.cdiv(ROW_BYTES, 128)))
         kr = tl.load(r_ptr + row[:, None] * stride_r + r_off + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
                      other=0.0).to(tl.bfloat16)
-        c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0, SCALE_FIRST)
-        c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1, SCALE_FIRST)
-        c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2, SCALE_FIRST)
-        c3, s3 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 3, SCALE_FIRST)
+        c0, s0 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 0, SCALE_FIRST, PLAIN)
+        c1, s1 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 1, SCALE_FIRST, PLAIN)
+        c2, s2 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 2, SCALE_FIRST, PLAIN)
+        c3, s3 = _nope_group(c_ptr, cs_ptr, row, valid, stride_c, stride_cs, cs_off, 3, SCALE_FIRST, PLAIN)
         s = tl.dot(qr, tl.trans(kr))
         if SCALE_FIRST:
             s = tl.dot(q0, tl.trans(c0), s)
@@ -275,8 +283,8 @@ def _cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int):
         return kv_cache, f32, b16, kv_cache.stride(0), f32.stride(0), dc // 4, b16.stride(0), rope_col
     if layout == FP8_E4M3:
         return kv_cache, kv_cache, kv_cache, kv_cache.stride(0), 0, 0, 0, 0
-    typed = kv_cache.view(getattr(torch, layout.plain_dtype))
-    return typed, typed, typed, typed.stride(0), 0, 0, 0, 0
+    typed = kv_cache.view(getattr(torch, layout.plain_dtype))  # the rope: each row's last dr values
+    return typed, typed, typed, typed.stride(0), 0, 0, typed.stride(0), dc
 
 
 @functools.lru_cache(maxsize=4)
@@ -333,10 +341,13 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     # with a wait and a scale each); (2026-12-01, later) each 128-group dequantised apart (no spills) and no
     # cp.async staging (1 stage) is 1.26 / 1.20 / 1.16 / 1.13x that (174 TFLOP/s at T = 4096, 138 at T = 128);
     # asking L2 for the next tile's rows is 1.07 / 1.03x more at T = 128 / 4096 but 0.85x at T = 16 (from 64 on)
-    big = layout == FP8_DS_MLA and dc == 512 and t > 2
+    # bf16 rows (a prefill's rows staged by model/layers/prefill_staging.py) from 512 tokens: 2 stages, so the
+    # gathers go straight to shared memory (cp.async) a tile ahead: 1.09x the 1-stage tile at T = 4096-16384
+    big = layout in (FP8_DS_MLA, BF16) and dc == 512 and t > 2
+    staged = big and layout == BF16 and t >= 512
     cfg = {"block_h": 64 if big else 16, "block_k": 64 if big else 32, "num_warps": 8 if big else 4,
-           "num_stages": 1 if big else 2, "splits": None, "grouped": "dequant" if big else False,
-           "prefetch": big and t >= 64}
+           "num_stages": 1 if big and not staged else 2, "splits": None, "grouped": "dequant" if big else False,
+           "prefetch": big and t >= 64 and not staged}
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
@@ -359,11 +370,14 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     common = {"SPLIT": splits > 1, "BLOCK_H": bh, "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk,
               "NG": max(1, block_c // 128), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     grid = (t, head_blocks, splits)
-    if cfg["grouped"] and layout == FP8_DS_MLA and dc == 512:
+    plain = layout == BF16
+    if cfg["grouped"] and layout in (FP8_DS_MLA, BF16) and dc == 512:
         common.pop("NG")
+        if plain:  # no scales: each group read as it is, S one chained dot
+            cfg["grouped"] = "dequant"
         _sparse_mla_ds4_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys,
                                      softmax_scale * LOG2E, dr, *strides, SCALE_FIRST=cfg["grouped"] == "dequant",
-                                     PREFETCH=cfg["prefetch"], ROW_BYTES=kv_cache.shape[1], **common,
+                                     PREFETCH=cfg["prefetch"], ROW_BYTES=kv_cache.shape[1], PLAIN=plain, **common,
                                      **pdl_args(q_nope.device))
     else:
         _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys,

@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from dsaserve.common import envs
+from dsaserve.common.startup_profile import profiled
 from dsaserve.common.wire import plain
 from dsaserve.engine.lifetime import start_child
 from dsaserve.errors import CheckpointError
@@ -209,6 +210,24 @@ def _fatal(to_main: zmq.Socket | None, who: str, message: str, kind: str | None 
     sys.exit(1)
 
 
+def _start_up(cfg: dict[str, Any], rank: int, t_start: float) -> tuple[Any, dict[str, Any]]:
+    """This rank's engine, built: (its RankGroup, the scheduler info sent with READY)."""
+    from dsaserve.engine import early_cuda, kernel_precompile
+
+    # first thing: the GPU's context is made, and the recorded kernels not yet compiled compile, while torch
+    # imports and weights load (a CPU rank runs no Triton kernel: neither)
+    early_cuda.start(cfg["engine_args"])
+    if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
+        kernel_precompile.start()
+    t_imports = time.time()
+    from dsaserve.engine.rank_group import RankGroup
+
+    process = {**child_phases("scheduler", cfg.get("spawn_time"), FIRST_LINE, t_start),
+               "engine_imports": round(time.time() - t_imports, 4)}
+    group = RankGroup.build(cfg["engine_args"], rank)
+    return group, scheduler_info(group, process)
+
+
 def run(cfg: dict[str, Any]) -> None:
     t_start = time.time()
     rank = int(cfg.get("rank", 0))
@@ -218,20 +237,8 @@ def run(cfg: dict[str, Any]) -> None:
     ends = ipc.Endpoints(**cfg["endpoints"]) if cfg.get("endpoints") else None
     to_main = ipc.push_socket(ctx, ends.main_in) if ends else None
     try:
-        from dsaserve.engine import early_cuda, kernel_precompile
-
-        # first thing: the GPU's context is made, and the recorded kernels not yet compiled compile, while torch
-        # imports and weights load (a CPU rank runs no Triton kernel: neither)
-        early_cuda.start(cfg["engine_args"])
-        if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
-            kernel_precompile.start()
-        t_imports = time.time()
-        from dsaserve.engine.rank_group import RankGroup
-
-        process = {**child_phases("scheduler", cfg.get("spawn_time"), FIRST_LINE, t_start),
-                   "engine_imports": round(time.time() - t_imports, 4)}
-        group = RankGroup.build(cfg["engine_args"], rank)
-        info = scheduler_info(group, process)
+        with profiled(f"startup-rank{rank}"):  # DSASERVE_STARTUP_PROFILE (common/startup_profile.py)
+            group, info = _start_up(cfg, rank, t_start)
         delay = float(envs.DSASERVE_TEST_READY_DELAY_S or 0)
         if delay > 0 and rank == 0:
             log.warning("DSASERVE_TEST_READY_DELAY_S=%s: delaying readiness (tests only)", delay)

@@ -54,7 +54,7 @@ def write_checkpoint(*args: Any, **kwargs: Any) -> Any:
 
 
 def cache_root() -> Path:
-    return Path(envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
+    return envs.cache_root()
 
 
 def _max_bytes() -> float:

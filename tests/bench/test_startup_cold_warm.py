@@ -11,7 +11,7 @@ def test_scenarios_share_caches_as_described(tmp_path, monkeypatch):
     monkeypatch.setenv("DSASERVE_WARM_START", "0")
     monkeypatch.setenv("DSASERVE_EARLY_CUDA", "0")
     caches: dict = {}
-    envs = {name: scenario_env(name, caches, tmp_path, tmp_path / "specs.jsonl") for name in SCENARIOS}
+    envs = {name: scenario_env(name, caches, tmp_path, tmp_path / "specs.jsonl", tmp_path) for name in SCENARIOS}
     assert envs["cold_serial"]["DSASERVE_CACHE_DIR"] != envs["cold_parallel"]["DSASERVE_CACHE_DIR"]
     assert envs["warm"]["DSASERVE_CACHE_DIR"] == envs["warm_cores"]["DSASERVE_CACHE_DIR"] \
         == envs["cold_parallel"]["DSASERVE_CACHE_DIR"]
@@ -23,6 +23,9 @@ def test_scenarios_share_caches_as_described(tmp_path, monkeypatch):
     assert envs["warm_off"]["DSASERVE_WARM_START"] == "0" and "DSASERVE_WARM_START" not in envs["warm"]
     assert envs["warm_again"] == envs["warm"]  # the same start once more, on the same caches
     assert envs["warm_noearly"]["DSASERVE_EARLY_CUDA"] == "0" and "DSASERVE_EARLY_CUDA" not in envs["warm"]
+    assert envs["warm_profiled"]["DSASERVE_STARTUP_PROFILE"] == str(tmp_path / "profile")
+    assert envs["warm_profiled"]["DSASERVE_CACHE_DIR"] == envs["warm"]["DSASERVE_CACHE_DIR"]
+    assert "DSASERVE_STARTUP_PROFILE" not in envs["warm"]
 
 
 def test_the_table_reads_a_skipped_precompile_and_the_load_parts(capsys):
@@ -45,5 +48,5 @@ def test_the_table_reads_a_skipped_precompile_and_the_load_parts(capsys):
 
 def test_a_scenario_whose_source_did_not_run_gets_its_own_caches(tmp_path):
     caches: dict = {}
-    env = scenario_env("warm", caches, tmp_path, tmp_path / "s")
+    env = scenario_env("warm", caches, tmp_path, tmp_path / "s", tmp_path)
     assert env["DSASERVE_CACHE_DIR"] == str(tmp_path / "warm")

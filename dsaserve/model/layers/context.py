@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,3 +38,4 @@ class StepContext:
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
     side_stream: torch.cuda.Stream | None = None  # full layers' indexer selection overlaps the q path here
+    staging: Any = None  # prefill_staging.for_step's decision for this step (None: not made yet, False: none)

@@ -16,6 +16,7 @@ from torch import nn
 from dsaserve.config import ModelConfig, is_not_converted
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.kernels.registry import get_ops
+from dsaserve.model.layers import prefill_staging
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear, MergedLinear
@@ -133,8 +134,12 @@ class MLAAttention(nn.Module):
             ctx.topk_slots = self.indexer.select(a.q_idx, a.w_idx, ctx)
         elif ctx.topk_slots is None:
             raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
-        ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, ctx.pool.kv_cache(self.layer_id), ctx.pool.layout,
-                                     ctx.topk_slots, self.softmax_scale, self.kv_lora, out=a.latent)
+        cache, layout, slots = ctx.pool.kv_cache(self.layer_id), ctx.pool.layout, ctx.topk_slots
+        staging = prefill_staging.for_step(ctx, self.kv_lora)  # a prefill's rows dequantised once a layer
+        if staging is not None:
+            cache, layout, slots = staging.stage(ctx.ops, cache, layout, slots, self.kv_lora)
+        ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, cache, layout, slots, self.softmax_scale, self.kv_lora,
+                                     out=a.latent)
 
     def post_attention(self, latent: torch.Tensor) -> torch.Tensor:
         """The attended latent through W_uv, then o_proj: [T, hidden] (TP: all-reduced by o_proj)."""

@@ -1,0 +1,76 @@
+"""Prefill staging: a prefill step's sparse MLA reads its context's latent rows dequantised once a layer (issue 17).
+
+Owns: `for_step(ctx, kv_lora_rank)`, the step's `PrefillStaging` or None, decided once per step (StepContext) and
+used by every layer's attention core: the pages the step's requests attend to (each request's pages in order), a
+map from a physical page to its place among them, and one bf16 buffer of their rows that each layer rewrites
+(`stage_latent`) before its sparse MLA; the top-k slots are remapped to rows of that buffer once per selection
+(full layers select, shared layers reuse theirs).
+
+When (bench/RESULTS.md, tenth session, one H200): fp8_ds_mla at kv_lora 512 on the GPU kernels, a step of at least
+MIN_TOKENS tokens, and a context of at most ROWS_PER_TOKEN rows per token. Sparse MLA over staged bf16 rows
+(2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel at T = 4096-16384 with the staging counted (its ~30 us a
+layer), 1.12x at T = 512 over an 8K context, but 0.91x at T = 128 (too few tokens share each staged row).
+Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone).
+Numbers: the same as the fp8 kernel's (the FP32 product of e4m3 and scale, rounded to bf16 once).
+DSASERVE_PREFILL_STAGING=0 is the A/B switch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsaserve.common import envs
+from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout
+
+MIN_TOKENS = 512  # 1.12x at T=512 (8K context), 0.91x at T=128
+ROWS_PER_TOKEN = 8  # 1.12x at 4096 tokens over 32768 rows; bounds the buffer a step allocates
+
+
+@dataclass
+class PrefillStaging:
+    pages: torch.Tensor  # [P] physical pages, each request's in order (a page shared by two requests twice)
+    page_map: torch.Tensor  # [pool pages] int32: page -> its index in `pages` (-1: not staged)
+    rows: torch.Tensor  # [P * page_size, kv_lora + rope] bf16: one layer's rows, rewritten by each layer
+    page_size: int
+    _selection: torch.Tensor | None = field(default=None, repr=False)  # the top-k the remap below is of
+    _remapped: torch.Tensor | None = field(default=None, repr=False)
+
+    def stage(self, ops, kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor,
+              kv_lora_rank: int) -> tuple[torch.Tensor, KVLayout, torch.Tensor]:
+        """(this layer's rows as a bf16-layout cache, its layout, the top-k as rows of it) for sparse MLA."""
+        ops.stage_latent(kv_cache, layout, self.pages, self.page_size, kv_lora_rank, self.rows)
+        if slots is not self._selection:  # a full layer selected anew; shared layers reuse its remap
+            self._selection, self._remapped = slots, ops.remap_slots(slots, self.page_map, self.page_size)
+        return self.rows.view(torch.uint8), BF16, self._remapped
+
+
+def for_step(ctx, kv_lora_rank: int) -> PrefillStaging | None:
+    """The step's staging (built by its first attention core), or None when this step reads the cache itself."""
+    if ctx.staging is None:
+        ctx.staging = _plan(ctx, kv_lora_rank) or False
+    return ctx.staging or None
+
+
+def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
+    batch, pool, ops = ctx.batch, ctx.pool, ctx.ops
+    if (not envs.DSASERVE_PREFILL_STAGING or ops.impls.get("stage_latent", "reference") == "reference"
+            or pool.layout != FP8_DS_MLA or kv_lora_rank != 512 or batch.num_tokens < MIN_TOKENS):
+        return None
+    ps = batch.page_size
+    seq_lens, _ = batch.host_lens()
+    n_pages = np.array([-(-s // ps) for s in seq_lens], dtype=np.int64)
+    total = int(n_pages.sum())
+    if total == 0 or total * ps > ROWS_PER_TOKEN * batch.num_tokens:
+        return None
+    dev = batch.page_table.device
+    req = np.repeat(np.arange(len(seq_lens)), n_pages)
+    local = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
+    pages = batch.page_table[torch.from_numpy(req).to(dev), torch.from_numpy(local).to(dev)].to(torch.int32)
+    cache = pool.kv_cache(0)
+    page_map = torch.full((cache.shape[0] // ps,), -1, dtype=torch.int32, device=dev)
+    page_map[pages.long()] = torch.arange(total, dtype=torch.int32, device=dev)
+    rows = torch.empty(total * ps, kv_lora_rank + pool.cfg.qk_rope_head_dim, dtype=torch.bfloat16, device=dev)
+    return PrefillStaging(pages, page_map, rows, ps)
