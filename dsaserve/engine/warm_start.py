@@ -78,17 +78,30 @@ def device_parts(device: Any) -> dict[str, Any]:
     return parts
 
 
+_key_thread: threading.Thread | None = None
+
+
 def prewarm_triton_key() -> threading.Thread | None:
     """Triton's own version hash (`triton_key`: sha256 of its sources and the ~400 MB libtriton.so, ~1 s of one
-    core here, once per process, before the first kernel of any start compiles or loads) computed on a thread
-    while this rank loads weights; hashlib lets go of the GIL on each 1 MB chunk. None: no Triton."""
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        return None
-    thread = threading.Thread(target=triton_key, name="triton-key", daemon=True)
-    thread.start()
-    return thread
+    core here, once per process, before the first kernel of any start compiles or loads) computed on a thread;
+    hashlib lets go of the GIL on each 1 MB chunk. A scheduler process starts it first thing, beside torch's
+    import; later calls return the same thread. None: no Triton."""
+    global _key_thread
+    if _key_thread is None:
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:
+            return None
+        _key_thread = threading.Thread(target=triton_key, name="triton-key", daemon=True)
+        _key_thread.start()
+    return _key_thread
+
+
+def _await_triton_key() -> None:
+    """The preload's first cache key needs the hash: wait for the thread rather than compute it a second time
+    beside it (Triton's lru_cache does not hold concurrent callers back)."""
+    if _key_thread is not None:
+        _key_thread.join()
 
 
 def preload_spec(spec: str) -> str | None:
@@ -141,6 +154,7 @@ class WarmStart:
         if not specs:
             self.preload_report = {"status": "miss", "key": self.key}
             return self.preload_report
+        _await_triton_key()
         errors = [e for e in map(preload_spec, specs) if e]
         self.preload_report = {"status": "partial" if errors else "hit", "key": self.key, "specs": len(specs),
                                "failed": len(errors), "errors": errors[:5],

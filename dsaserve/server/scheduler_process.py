@@ -212,12 +212,13 @@ def _fatal(to_main: zmq.Socket | None, who: str, message: str, kind: str | None 
 
 def _start_up(cfg: dict[str, Any], rank: int, t_start: float) -> tuple[Any, dict[str, Any]]:
     """This rank's engine, built: (its RankGroup, the scheduler info sent with READY)."""
-    from dsaserve.engine import early_cuda, kernel_precompile
+    from dsaserve.engine import early_cuda, kernel_precompile, warm_start
 
-    # first thing: the GPU's context is made, and the recorded kernels not yet compiled compile, while torch
-    # imports and weights load (a CPU rank runs no Triton kernel: neither)
+    # first thing: the GPU's context is made, Triton's own hash computed, and the recorded kernels not yet compiled
+    # compile, while torch imports and weights load (a CPU rank runs no Triton kernel: none of them)
     early_cuda.start(cfg["engine_args"])
     if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
+        warm_start.prewarm_triton_key()
         kernel_precompile.start()
     t_imports = time.time()
     from dsaserve.engine.rank_group import RankGroup

@@ -229,3 +229,13 @@ def test_triton_key_is_computed_on_a_thread():
     thread.join()
     hits = triton_key.cache_info().hits
     assert triton_key() and triton_key.cache_info().hits == hits + 1  # the caller's first use: already there
+
+
+def test_triton_key_thread_is_started_once_and_the_preload_waits_for_it(monkeypatch):
+    pytest.importorskip("triton")
+    first = ws.prewarm_triton_key()
+    assert ws.prewarm_triton_key() is first  # the scheduler's early start and ModelRunner's call share it
+    joined = []
+    monkeypatch.setattr(first, "join", lambda: joined.append(True))
+    ws._await_triton_key()
+    assert joined == [True]
