@@ -331,6 +331,8 @@ class ModelRunner:
             return make()
         except RuntimeError as e:
             self.graph_errors[kind] = f"{type(e).__name__}: {e}"[:500]
+            logging.getLogger(__name__).warning("%s CUDA graphs not captured, those steps run eagerly: %s", kind,
+                                                self.graph_errors[kind])
             COUNTERS.add(f"eager_fallbacks.{kind}_capture_failed", 0)
             torch.cuda.synchronize()
             return None

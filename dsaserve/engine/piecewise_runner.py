@@ -136,7 +136,8 @@ class PiecewiseRunner:
                 self.static_counts[bucket], warmed = self._warm(bucket), True
                 self.graphs[bucket] = self._capture(bucket)
             if not warmed:  # its buffers as an eager run leaves them (finite): the core warmup reads them
-                self._run(bucket, 0, None, eager=False)
+                with torch.inference_mode():  # as every step's (the buffers are inference tensors)
+                    self._run(bucket, 0, None, eager=False)
         if self.capture_graphs:
             torch.cuda.synchronize()
             self.capture_bytes = torch.cuda.memory_reserved() - before
