@@ -269,8 +269,7 @@ class ModelRunner:
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
         # every recorded kernel preloaded: the large eager steps' kernels are in the JITs already, and the
-        # largest bucket's eager run before its capture does the first-use work (a capture that fails without
-        # one is retried after one); the prefill warmup runs only if something loads after the preload (below)
+        # capture's eager runs do the first-use work; run only if something loads after the preload (below)
         deferred = self._preload_hit()
         if not deferred:
             self._warmup_prefill()
@@ -318,9 +317,8 @@ class ModelRunner:
         return True
 
     def _preload_hit(self) -> bool:
-        """One rank whose preload loaded every recorded kernel: the eager warm runs before its captures and
-        its prefill warmup can be left out (each rank's record hits or misses on its own, and those forwards
-        hold collectives: several ranks run them all)."""
+        """One rank whose preload loaded every recorded kernel: its prefill warmup can be left out (each rank's
+        record hits or misses on its own, and that forward holds collectives: several ranks run it)."""
         return (self.parallel.world_size == 1 and self.warm_start is not None
                 and self.warm_start.preload_report.get("status") == "hit")
 
@@ -342,7 +340,7 @@ class ModelRunner:
             return None
         runner = PiecewiseRunner(self.model, self.kv_pool, self.args.piecewise_tokens, self.args.max_running_requests,
                                  -(-self.max_model_len // PAGE_SIZE), self.future_token_ids)
-        runner.capture(warm_each=not self._preload_hit())
+        runner.capture()
         return runner
 
     def _capture_decode(self) -> CudaGraphRunner:
@@ -350,7 +348,7 @@ class ModelRunner:
         runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
                                  self.future_token_ids, moe_gather=self._dp_gather_graphs)
         # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
-        runner.capture(warm_each=not self._preload_hit())
+        runner.capture()
         return runner
 
     def _load_tokenizer(self):
@@ -473,14 +471,12 @@ class ModelRunner:
                                "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
-                               "capture_retries": self.graphs.capture_retries if self.graphs else 0,
                                "error": self.graph_errors.get("decode")},
                 "piecewise_cuda_graph": {
                     "buckets": sorted(self.piecewise.graphs) if self.piecewise else [],
                     "segments_per_bucket": self.model.num_segments if self.piecewise else 0,
                     "capture_seconds": round(self.piecewise.capture_seconds, 3) if self.piecewise else 0,
                     "pool_bytes": self.piecewise.capture_bytes if self.piecewise else 0,
-                    "capture_retries": self.piecewise.capture_retries if self.piecewise else 0,
                     "error": self.graph_errors.get("piecewise")},
                 "warmed_prefill_chunks": self.warmed_prefill,
                 "warmed_shapes": self.warmed,
