@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.distributed.layout import Layout, check_divisions, check_sizes
+from dsaserve.distributed.rank_gpu import gpu_ordinal
 
 DEFAULT_TIMEOUT_S = 600  # first NCCL collectives can wait on slow peers (weights still loading elsewhere)
 
@@ -147,20 +148,23 @@ def init_distributed(world_size: int | None = None, rank: int | None = None, dev
         init_method = "env://"
     backend = backend or backend_for(device)
     if backend == "nccl":
-        torch.cuda.set_device(local_device(device, rank))
+        torch.cuda.set_device(local_device(device, rank, world_size))
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def local_device(device: torch.device | str, rank: int | None = None) -> torch.device:
-    """`cuda` without an index becomes this rank's GPU ($LOCAL_RANK, else rank mod GPUs on the host)."""
+def local_device(device: torch.device | str, rank: int | None = None, world_size: int | None = None) -> torch.device:
+    """`cuda` without an index becomes this rank's GPU, by the rule its early CUDA context followed before torch
+    (distributed/rank_gpu.py: one rank -> 0; several -> $LOCAL_RANK, else rank mod the host's GPUs).
+    rank / world_size: the process group's, else $RANK / $WORLD_SIZE."""
     device = torch.device(device)
     if device.type != "cuda" or device.index is not None:
         return device
-    if "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
-    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return torch.device("cuda", gpu_ordinal(None, world_size, rank, torch.cuda.device_count))
 
 
 def initialize_model_parallel(tp_size: int = 1, ep_size: int = 1, moe_a2a: bool = False,

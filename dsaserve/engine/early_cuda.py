@@ -11,42 +11,63 @@ torch later finds the context made (the runtime retains the same primary context
 reference is never released: the context lives as long as the process, as it would anyway. Correctness does
 not depend on it: when the thread is still creating the context, torch's first call waits for the driver;
 when it fails (no libcuda: a CPU machine), torch creates the context itself as before. The GPU is the one
-`local_device` gives the rank: `cuda:N` as given, else LOCAL_RANK under several ranks, else device 0 (device
-ordinals within CUDA_VISIBLE_DEVICES, as torch's). `DSASERVE_EARLY_CUDA=0` is the A/B switch. Module scope:
-standard library only.
+`parallel_state.local_device` will give the rank, by the same rule (distributed/rank_gpu.py); where that rule
+needs torch's GPU count, no early context is made. `start` also says whether the rank is a CUDA rank (the
+scheduler process precompiles kernels only for one). `DSASERVE_EARLY_CUDA=0` is the A/B switch. Module scope:
+standard library only (it runs before `import torch`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 import time
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.distributed.rank_gpu import gpu_ordinal
 
 _report: dict[str, Any] = {"status": "not started"}
 
 
-def device_ordinal(engine_args: dict[str, Any]) -> int | None:
-    """The GPU ordinal this rank's forward will run on, or None: not a CUDA rank (or not known before torch)."""
+def _device(engine_args: dict[str, Any]) -> str:
+    """The device string the engine will resolve to, short of torch."""
     device = engine_args.get("device")
     if device is None:
         from dsaserve.engine.engine_args import no_gpu_present
 
         device = "cpu" if no_gpu_present() else "cuda"  # what resolved_device decides, short of torch
-    device = str(device)
-    if not device.startswith("cuda"):
-        return None
+    return str(device)
+
+
+def _ordinal_of(device: str) -> int | None:
+    """`gpu_ordinal` for a CUDA device string, with the world from $WORLD_SIZE / $RANK (None: a malformed
+    index, or not known before torch)."""
+    index = None
     if ":" in device:
         try:
-            return int(device.split(":", 1)[1])
+            index = int(device.split(":", 1)[1])
         except ValueError:
             return None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return int(os.environ.get("LOCAL_RANK", "0"))
-    return 0
+    return gpu_ordinal(index, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+
+
+def device_ordinal(engine_args: dict[str, Any]) -> int | None:
+    """The GPU ordinal this rank's forward will run on, or None: not a CUDA rank (or not known before torch)."""
+    device = _device(engine_args)
+    return _ordinal_of(device) if device.startswith("cuda") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """What `start` found: a CUDA rank or not, its GPU (None: not a CUDA rank, or not known before torch),
+    and the thread making the context (None: none started)."""
+
+    cuda: bool
+    device: int | None = None
+    thread: threading.Thread | None = None
 
 
 def _create(ordinal: int) -> None:
@@ -65,24 +86,31 @@ def _create(ordinal: int) -> None:
     _report["seconds"] = round(time.perf_counter() - t0, 4)
 
 
-def start(engine_args: dict[str, Any]) -> threading.Thread | None:
-    """The context of this rank's GPU created on a daemon thread (None: switched off, or not a CUDA rank)."""
+def start(engine_args: dict[str, Any]) -> Started:
+    """The context of this rank's GPU created on a daemon thread (none: switched off, not a CUDA rank, or its GPU
+    not known before torch); what it found, so the caller need not work the rank's device out again."""
     _report.clear()
+    device = _device(engine_args)
+    cuda = device.startswith("cuda")
+    ordinal = _ordinal_of(device) if cuda else None
     if not envs.DSASERVE_EARLY_CUDA:
         _report.update(status="off")
-        return None
-    ordinal = device_ordinal(engine_args)
-    if ordinal is None:
+        return Started(cuda, ordinal)
+    if not cuda:
         _report.update(status="not a CUDA rank")
-        return None
+        return Started(False)
+    if ordinal is None:  # several ranks, no LOCAL_RANK: rank mod the GPU count, which torch counts later
+        _report.update(status="device not known before torch")
+        return Started(True)
     _report.update(status="running", device=ordinal)
     # the driver reads this at cuInit; torch sets the same default in its own CUDA init, which now comes later
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     thread = threading.Thread(target=_create, args=(ordinal,), name="early-cuda-context", daemon=True)
     thread.start()
-    return thread
+    return Started(True, ordinal, thread)
 
 
 def report() -> dict[str, Any]:
-    """What `start` did: status (created / failed / off / running / not started), device, seconds."""
+    """What `start` did: status (created / failed / off / running / not a CUDA rank / device not known before
+    torch / not started), device, seconds."""
     return dict(_report)

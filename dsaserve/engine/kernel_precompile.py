@@ -21,6 +21,7 @@ only the standard library: the scheduler process starts this before torch.
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import contextlib
 import importlib
@@ -64,6 +65,13 @@ def compiled_specs() -> CompiledSpecs:
     return CompiledSpecs(cache_root() / COMPILED_FILE, triton_cache_dir())
 
 
+def first_local_rank() -> bool:
+    """This process is its host's first rank ($LOCAL_RANK 0, or unset: one process). The ranks of one host share
+    the cache directory; only this one writes the files all of them would write alike (the precompile, the
+    compiled marks), so no rank's rename of a restamped file drops another's lines."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def spec_files() -> list[Path]:
     """The lists to replay: this cache's own, DSASERVE_KERNEL_SPECS (os.pathsep-separated), then the packaged
     ones; those present."""
@@ -105,12 +113,17 @@ class SpecRecorder:
     """Collects the serialised specialisation of every kernel the JIT compiles or loads (chained after any
     hook installed before), with the Triton cache entry it is in. `save()` merges them into the spec list and
     marks them compiled (engine/compiled_specs.py: the next start replays none of them); after it, each new one
-    is appended and marked at once (a kernel compiled after Up is on the next start's list)."""
+    is appended and marked at once (a kernel compiled after Up is on the next start's list). Only the host's first
+    rank marks (`first_local_rank`): the others' lists are saved, and a kernel only they loaded is replayed once by
+    the next start's precompile, which marks it then."""
 
     def __init__(self, path: Path | None = None, compiled: CompiledSpecs | None = None) -> None:
         self.path = path or cache_root() / SPECS_FILE
-        # the cache's own mark file by default; a recorder of another list (tests) marks only where told
-        self.compiled = compiled if compiled is not None or path is not None else compiled_specs()
+        # the cache's own mark file by default (the host's first rank only); a recorder of another list (tests)
+        # marks only where told
+        if compiled is None and path is None and first_local_rank():
+            compiled = compiled_specs()
+        self.compiled = compiled
         self.specs: dict[str, str | None] = {}  # spec line -> its Triton cache entry (None: not known)
         self.mirrors: list[Path] = []  # more lists a spec seen after save() is appended to (engine/warm_start.py)
         self.saved = False
@@ -274,12 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("specs", nargs="+", type=Path)
     ap.add_argument("--jobs", type=int, default=default_jobs())
     ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--todo", action="store_true", help="the lists are the parent's todo list: removed once read")
     a = ap.parse_args(argv)
     if a.parent_pid is not None:
         from dsaserve.engine.lifetime import die_with_parent
 
         die_with_parent(a.parent_pid)
-    print(json.dumps(precompile(read_specs(a.specs), a.jobs, compiled_specs())), flush=True)
+    specs = read_specs(a.specs)
+    if a.todo:  # read: nothing else needs it, whatever happens to the parent from here on
+        for path in a.specs:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    print(json.dumps(precompile(specs, a.jobs, compiled_specs())), flush=True)
     return 0
 
 
@@ -291,6 +310,16 @@ class Precompile:
         self.proc, self.files, self.todo, self.t0 = proc, files, todo, time.perf_counter()
         self.report: dict[str, Any] | None = None
         self.known = 0  # the lists' specs left out: known compiled already (engine/compiled_specs.py)
+        if todo is not None:  # a start that fails before its wait: removed at exit (the process may never read it)
+            atexit.register(self.remove_todo)
+
+    def remove_todo(self) -> None:
+        """The todo list handed to the process removed (the process removes it once read; this covers a process
+        that never got so far): after the wait, or at this process's exit when no wait came."""
+        if self.todo is not None:
+            with contextlib.suppress(OSError):
+                self.todo.unlink()
+            atexit.unregister(self.remove_todo)
 
     def wait(self, limit_s: float = WAIT_LIMIT_S) -> dict[str, Any]:
         """Blocks until it is done (at most `limit_s`: then it is stopped); its report, with `wall_s` (its
@@ -308,9 +337,7 @@ class Precompile:
             self.report = {"error": f"not done in {limit_s:g} s: stopped"}
         self.report.update(wall_s=round(time.perf_counter() - self.t0, 3), known_compiled=self.known,
                            waited_s=round(time.perf_counter() - t, 3), lists=[str(p) for p in self.files])
-        if self.todo is not None:
-            with contextlib.suppress(OSError):
-                self.todo.unlink()
+        self.remove_todo()
         return self.report
 
 
@@ -326,7 +353,7 @@ def start() -> Precompile | None:
     if _pending is not None:
         return _pending
     files = spec_files()
-    if not envs.DSASERVE_PRECOMPILE or not files or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    if not envs.DSASERVE_PRECOMPILE or not files or not first_local_rank():
         return None
     t0 = time.perf_counter()
     specs = read_specs(files)
@@ -342,9 +369,14 @@ def start() -> Precompile | None:
         todo_file, todo = None, specs
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache_dir())}
     cmd = [sys.executable, "-m", "dsaserve.engine.kernel_precompile", "--parent-pid", str(os.getpid()),
-           *map(str, [todo_file] if todo_file is not None else files)]
-    _pending = Precompile(subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                           env=env), files, todo_file)
+           *(["--todo", str(todo_file)] if todo_file is not None else map(str, files))]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+    except OSError:
+        if todo_file is not None:
+            todo_file.unlink(missing_ok=True)
+        raise
+    _pending = Precompile(proc, files, todo_file)
     _pending.known = len(specs) - len(todo)
     return _pending
 

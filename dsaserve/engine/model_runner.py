@@ -4,41 +4,39 @@ and the forward of every step.
 Owns (startup chain, in order): init distributed (TP / EP ranks; no-op for one rank) -> resolve the
 checkpoint -> build the model on the device (this rank's shard) -> load weights with
 the coverage check (or `--load-format dummy`) -> finalize (dequantise for the reference path / keep FP8 for
-the GPU kernels; absorb kv_b) -> size and allocate the KV pool once -> tokenizer. Each phase is timed into
-`startup_time`; `manifest()` is what `/startup` and `dsaserve serve` print. The scheduler never touches
-torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
+the GPU kernels; absorb kv_b) -> size and allocate the KV pool once -> warmup and CUDA-graph capture ->
+tokenizer. Each phase is timed into `startup_time`. What only looks back at a start — the kernel precompile's
+wait, the warm-start record, the memory profile's budget, the spec list saved at Up, `manifest()` (what
+`/startup` and `dsaserve serve` print) — is the `RunnerStartup` mixin's (engine/runner_startup.py). The
+scheduler never touches torch devices: it hands a ForwardBatch to `forward()` and gets logits back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine import early_cuda, kernel_precompile
+from dsaserve.engine import kernel_precompile
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
-from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, profile_memory, warmup_prefill
+from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, warmup_prefill
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
-from dsaserve.engine.warm_start import WarmStart, config_parts, device_parts, prewarm_triton_key
+from dsaserve.engine.runner_startup import PhaseTimer, RunnerStartup
 from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_sampler
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
-from dsaserve.kernels.registry import describe as describe_kernels
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
@@ -49,18 +47,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_BYTES = 64 << 20  # CPU reference path: enough for ~12K tokens of the tiny configs
 
 
-class _Timer:
-    def __init__(self, sink: dict[str, float], phase: str):
-        self.sink, self.phase = sink, phase
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.sink[self.phase] = round(self.sink.get(self.phase, 0.0) + time.perf_counter() - self.t0, 4)
-
-
-class ModelRunner:
+class ModelRunner(RunnerStartup):
     """One rank's device side, built from the EngineArgs (validated there, once). `rank` / `dist_init_method`
     place this process in a multi-rank layout: default $RANK and `tcp://<--dist-init-addr>` (or env://)."""
 
@@ -69,41 +56,34 @@ class ModelRunner:
         self.args = args
         device = args.resolved_device()
         self.startup_time: dict[str, float] = {}
-        # the recorded kernels compile in parallel while this rank initialises and loads weights (a server's
-        # scheduler process started it before its imports); waited for before the first forward
-        self.precompile = (kernel_precompile.take_pending() or kernel_precompile.start()
-                           if str(device).startswith("cuda") else None)
-        if str(device).startswith("cuda"):
-            prewarm_triton_key()  # Triton's per-process hash, on a thread while this rank initialises and loads
+        self._start_precompile(device)  # the recorded kernels compile in parallel; waited for before the first forward
         self._init_parallel(args, device, rank, dist_init_method)
         self._init_state(args, graph_reserve_bytes)
         torch.manual_seed(args.seed)
-        with _Timer(self.startup_time, "resolve_checkpoint"):
+        with PhaseTimer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
         args.check_layout(self.cfg)  # heads / experts / 128-blocks against the ranks: before any weight is read
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
-        with _Timer(self.startup_time, "load_weights"):
+        with PhaseTimer(self.startup_time, "load_weights"):
             self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
-        if self.precompile is not None:
-            with _Timer(self.startup_time, "kernel_precompile_wait"):
-                self.precompile.wait()
+        self._wait_precompile()
         # warm start: the kernels a start of this configuration loaded, into the JITs before any forward needs them
         self.warm_start = self._preload() if self.device.type == "cuda" else None
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
-        with _Timer(self.startup_time, "kv_pool"):
+        with PhaseTimer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
         # overlap scheduling (engine/overlap.py): the last step's samples, which the next step's placeholder input
         # ids read on the device; allocated before the capture (the graphs hold its address)
         self.future_token_ids = (torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
                                  if args.overlap_schedule else None)
-        with _Timer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
+        with PhaseTimer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
             self._warmup_and_capture()
-        with _Timer(self.startup_time, "tokenizer"):
+        with PhaseTimer(self.startup_time, "tokenizer"):
             self.tokenizer = self._load_tokenizer()
         self.page_size, self.num_pages = PAGE_SIZE, self.kv_pool.num_pages
         self.eos_token_ids = self.cfg.eos_token_ids
@@ -112,7 +92,7 @@ class ModelRunner:
 
     def _init_parallel(self, args: EngineArgs, device: str, rank: int | None, dist_init_method: str | None) -> None:
         """The process groups, this rank's device and, under DP-attention, the step agreement."""
-        with _Timer(self.startup_time, "init_distributed"):
+        with PhaseTimer(self.startup_time, "init_distributed"):
             self.parallel = initialize_model_parallel(
                 args.tensor_parallel_size, args.expert_parallel_size, args.moe_a2a or args.enable_dp_attention,
                 device, dist_init_method or _init_method(args), rank=rank, timeout_s=args.dist_timeout,
@@ -142,59 +122,6 @@ class ModelRunner:
         self.kernel_loads = KernelLoads() if cuda else None  # before any kernel compiles
         self.spec_recorder = kernel_precompile.SpecRecorder() if cuda else None
 
-    def _mark_up(self) -> None:
-        """Up: from here a compile or a kernel load counts as after Up; the start's kernel specs are saved."""
-        if self.compile_cache is None:
-            return
-        self.compile_cache.mark_up()
-        self.kernel_loads.mark_up()
-        self._save_specs()
-        self._save_warm_start()
-        COUNTERS.add_source(self.compile_cache.compiles_after_up)
-        COUNTERS.add_source(self.kernel_loads.read)
-
-    def _save_specs(self) -> None:
-        """This start's kernel specs onto the list the next start precompiles (an unwritable cache: logged)."""
-        if not self.spec_recorder.installed:
-            return
-        try:
-            self.spec_recorder.save()
-        except OSError as e:
-            logging.getLogger(__name__).warning("kernel specs not saved to %s: %s", self.spec_recorder.path, e)
-
-    def _jit_loads(self) -> int | None:
-        """Triton kernels the JITs compiled or loaded in this process so far (None: not counted)."""
-        return self.kernel_loads.count if self.kernel_loads is not None and self.kernel_loads.installed else None
-
-    def _cached_profile(self) -> MemoryProfile | None:
-        """The warm-start record's profile, when this start may use it (engine/warm_start.py says when)."""
-        if self.warm_start is None:
-            return None
-        live = {"total_bytes": torch.cuda.mem_get_info(self.device)[1],
-                "weights_bytes": torch.cuda.memory_allocated(self.device),
-                "mem_fraction_static": self.args.mem_fraction_static, "graph_reserve_bytes": self.graph_reserve_bytes}
-        cached = self.warm_start.cached_profile(live)
-        return MemoryProfile(**{f.name: cached[f.name] for f in dataclasses.fields(MemoryProfile)}) if cached else None
-
-    def _preload(self) -> WarmStart:
-        with _Timer(self.startup_time, "kernel_preload"):
-            extra = {"graph_reserve_bytes": self.graph_reserve_bytes, **device_parts(self.device)}
-            warm = WarmStart(config_parts(self.args, self.cfg, self.parallel.to_dict(), extra))
-            warm.preload(self._jit_loads)
-        return warm
-
-    def _save_warm_start(self) -> None:
-        """This start's record for the next (only with every graph captured: a start that fell back to eager
-        warmed other shapes); kernels loaded after Up are appended to it as they load."""
-        if self.warm_start is None or self.graph_errors or not self.spec_recorder.installed:
-            return
-        profile = dataclasses.asdict(self.profile) if self.profile is not None else None
-        try:
-            self.warm_start.save(self.spec_recorder.specs, profile)
-            self.spec_recorder.mirrors.append(self.warm_start.specs_path)
-        except OSError as e:
-            logging.getLogger(__name__).warning("warm-start record not saved to %s: %s", self.warm_start.dir, e)
-
     @classmethod
     def from_kwargs(cls, model: str, *, rank: int | None = None, dist_init_method: str | None = None,
                     graph_reserve_bytes: int = 1 << 30, **engine_args: Any) -> ModelRunner:
@@ -203,23 +130,6 @@ class ModelRunner:
         engine_args.setdefault("device", "cpu")
         return cls(EngineArgs.from_kwargs(model=model, **engine_args), rank=rank, dist_init_method=dist_init_method,
                    graph_reserve_bytes=graph_reserve_bytes)
-
-    def _profile_memory(self) -> int:
-        """The KV budget the memory profile leaves; over ranks the smallest wins (every rank holds the same
-        pages, and under DP-attention every rank's pool must take the same requests)."""
-        a = self.args
-        with _Timer(self.startup_time, "memory_profile"):
-            self.profile = self._cached_profile() or profile_memory(
-                self.model, self.cfg, get_kv_layout(a.kv_layout), self.dtype, self.device,
-                self.model.kv_layer_ids, max(a.chunk_size, a.max_num_batched_tokens),
-                # the largest step the scheduler may form: a full token budget, and every running row eager
-                max(a.graph_max_bs, a.max_running_requests), a.mem_fraction_static, self.graph_reserve_bytes,
-                activation_copies=2 if a.piecewise_tokens and self.dp_sync is None else 1, dp_world=self.dp_world)
-        budget = self.profile.kv_budget_bytes
-        if self.parallel.world_size > 1:
-            t = torch.tensor([budget], dtype=torch.int64, device=self.device)
-            budget = int(collectives.all_reduce(t, self.parallel.world, op="min").item())
-        return budget
 
     # ---- startup phases --------------------------------------------------------------------
     def _resolve(self, model: str, load_format: str) -> tuple[Path | None, ModelConfig]:
@@ -235,17 +145,17 @@ class ModelRunner:
         (`cuda_context`: the first device allocation, where torch creates the context if nothing did before)."""
         parts: dict[str, float] = {}
         cuda = self.device.type == "cuda"
-        with _Timer(parts, "cuda_context"):
+        with PhaseTimer(parts, "cuda_context"):
             if cuda:
                 torch.empty(1, device=self.device)
-        with _Timer(parts, "build"), torch.device(self.device):
+        with PhaseTimer(parts, "build"), torch.device(self.device):
             model = DsaForCausalLM(self.cfg, with_mtp=enable_mtp)
         if cuda:  # the reference path computes on dequantised weights
             require_fp8_aligned(model)  # before reading any tensor: TP/EP parts must be whole FP8 blocks
-        with _Timer(parts, "fill"):
+        with PhaseTimer(parts, "fill"):
             report = (load_dummy(model, self.args.seed) if load_format == "dummy"
                       else load_checkpoint(model, self.checkpoint))
-        with _Timer(parts, "finalize"):
+        with PhaseTimer(parts, "finalize"):
             model.finalize(self.dtype, self.device, cuda)
             if cuda:
                 torch.cuda.synchronize(self.device)  # the fill's and finalize's kernels, not the next phase's
@@ -274,10 +184,10 @@ class ModelRunner:
         if not deferred:
             self._warmup_prefill()
         if not self.args.disable_cuda_graph and self._graphs_possible():
-            with _Timer(self.startup_time, "cuda_graph_capture"):
+            with PhaseTimer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
                 self.graphs = self._capture("decode", self._capture_decode)
-        with _Timer(self.startup_time, "warmup_shapes"):
+        with PhaseTimer(self.startup_time, "warmup_shapes"):
             max_pages = -(-self.max_model_len // PAGE_SIZE)
             plan = WarmupPlan.build(self.graphs.max_bs if self.graphs else 0,
                                     self.piecewise.buckets if self.piecewise else [], max_pages, PAGE_SIZE,
@@ -286,7 +196,7 @@ class ModelRunner:
             preloaded = self.warm_start is not None and self.warm_start.covers(self._jit_loads())
         if deferred and not preloaded:  # the preload missed a kernel: the large eager steps warm as cold
             self._warmup_prefill()
-        with _Timer(self.startup_time, "warmup_shapes"):
+        with PhaseTimer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids))
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
@@ -297,7 +207,7 @@ class ModelRunner:
     def _warmup_prefill(self) -> None:
         """The chunk size, and one step just over the piecewise buckets: large eager steps of either alignment
         class (Triton specialises integer arguments divisible by 16) compile before Up."""
-        with _Timer(self.startup_time, "warmup"):
+        with PhaseTimer(self.startup_time, "warmup"):
             large = [max(self.args.piecewise_tokens) + 1] if self.args.piecewise_tokens else []
             self.warmed_prefill = warmup_prefill(self.model, self.kv_pool, [self.chunked_prefill_size, *large],
                                                  self.cfg.vocab_size, self.dp_world)
@@ -443,63 +353,6 @@ class ModelRunner:
         else:
             self.model.forward_idle(dp_rows=step.rows, dp_tokens=step.tokens if gather else ())
         return None
-
-    def _ledger_pool_prediction(self) -> dict:
-        """The ledger's arithmetic for this pool, shown beside what was allocated (they must agree)."""
-        from dsaserve.ledger.kv import indexer_bytes_per_token_layer, kv_bytes_per_token_layer
-
-        layers = self.model.kv_layer_ids
-        n_full = sum(self.cfg.is_full_indexer(i) for i in layers)
-        per_token = (kv_bytes_per_token_layer(self.cfg, self.kv_pool.layout) * len(layers)
-                     + indexer_bytes_per_token_layer(self.cfg, self.kv_pool.layout) * n_full)
-        budget = self.profile.kv_budget_bytes if self.profile else None
-        pages = budget // (per_token * PAGE_SIZE) if budget else self.kv_pool.num_pages
-        return {"bytes_per_token": per_token, "pages": pages, "tokens": pages * PAGE_SIZE,
-                "matches_pool": per_token == self.kv_pool.info().bytes_per_token and pages == self.kv_pool.num_pages}
-
-    def manifest(self) -> dict:
-        info = self.kv_pool.info()
-        return {"model": self.cfg.name, "model_type": self.cfg.model_type, "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."), "startup_time": dict(self.startup_time),
-                "parallel": self.parallel.to_dict() | {"warmed_collectives": self.warmed_collectives}
-                | ({"dp_moe": self.args.dp_moe} if self.dp_sync is not None else {}),
-                "weights": self.load_report.to_dict(), "kv_pool": info.__dict__,
-                "memory_profile": self.profile.to_dict() if self.profile else None,
-                "kv_pool_ledger": self._ledger_pool_prediction(),
-                "kernels": describe_kernels(self.device),
-                "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
-                               "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
-                               "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
-                               "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
-                               "error": self.graph_errors.get("decode")},
-                "piecewise_cuda_graph": {
-                    "buckets": sorted(self.piecewise.graphs) if self.piecewise else [],
-                    "segments_per_bucket": self.model.num_segments if self.piecewise else 0,
-                    "capture_seconds": round(self.piecewise.capture_seconds, 3) if self.piecewise else 0,
-                    "pool_bytes": self.piecewise.capture_bytes if self.piecewise else 0,
-                    "error": self.graph_errors.get("piecewise")},
-                "warmed_prefill_chunks": self.warmed_prefill,
-                "warmed_shapes": self.warmed,
-                "compile_cache": self.compile_cache.report() if self.compile_cache else None,
-                "kernel_precompile": self._precompile_report(),
-                "warm_start": self.warm_start.report() if self.warm_start is not None else None,
-                "early_cuda_context": early_cuda.report(),
-                "env": envs.set_switches()}
-
-
-    def _precompile_report(self) -> dict:
-        """What the parallel precompile did: its report (wall_s ran beside init / load_weights; only
-        `kernel_precompile_wait` is on this rank's path), and the spec list this start recorded."""
-        rec = self.spec_recorder
-        out: dict[str, Any] = {"status": "off" if not envs.DSASERVE_PRECOMPILE else "no spec list yet"}
-        if kernel_precompile.skipped() is not None:  # every listed spec compiled by an earlier start
-            out = dict(kernel_precompile.skipped())
-        if self.precompile is not None:
-            out = {"status": "ran", **(self.precompile.report or {})}
-        if rec is not None:
-            out["recorded_specs"], out["spec_list"] = len(rec.specs), str(rec.path)
-        return out
-
 
 def _init_method(args: EngineArgs) -> str | None:
     """--dist-init-addr host:port -> tcp://host:port (None: $MASTER_ADDR / $MASTER_PORT, env://)."""

@@ -216,8 +216,7 @@ def _start_up(cfg: dict[str, Any], rank: int, t_start: float) -> tuple[Any, dict
 
     # first thing: the GPU's context is made, Triton's own hash computed, and the recorded kernels not yet compiled
     # compile, while torch imports and weights load (a CPU rank runs no Triton kernel: none of them)
-    early_cuda.start(cfg["engine_args"])
-    if early_cuda.device_ordinal(cfg["engine_args"]) is not None:
+    if early_cuda.start(cfg["engine_args"]).cuda:
         warm_start.prewarm_triton_key()
         kernel_precompile.start()
     t_imports = time.time()

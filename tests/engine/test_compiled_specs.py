@@ -149,3 +149,24 @@ def test_an_unwritable_cache_replays_the_whole_lists(caches, monkeypatch):
     monkeypatch.setattr(kp, "write_atomic", unwritable)
     handle = kp.start()
     assert handle is not None and handle.todo is None and started == [str(own)]
+
+
+@pytest.mark.parametrize(("local_rank", "marks"), [("0", True), ("1", False), (None, True)])
+def test_only_the_hosts_first_rank_marks_at_up(caches, monkeypatch, local_rank, marks):
+    """The ranks of one host share the cache: were each to mark at Up, a stale stamp's file would be rewritten
+    by each and the last rename would drop the others' lines. Only LOCAL_RANK 0 (or one process) marks; every
+    rank still saves its spec list."""
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    a, b = _spec("a"), _spec("b")
+    rec = kp.SpecRecorder()
+    rec.add(a, HASH_A)
+    rec.save()
+    rec.add(b, HASH_B)  # after Up
+    marks_file = caches / "dsaserve" / cs.FILE
+    assert kp.read_specs([rec.path]) == [a, b]
+    assert marks_file.exists() == marks and (rec.compiled is not None) == marks
+    if marks:
+        assert kp.compiled_specs().read() == {cs.digest(a): HASH_A, cs.digest(b): HASH_B}

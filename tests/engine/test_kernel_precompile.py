@@ -198,3 +198,63 @@ def test_a_failed_append_after_up_is_logged_once_not_raised(caches, caplog):
         assert len(warnings) == 1 and "not appended" in warnings[0].getMessage()
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_a_start_that_never_waits_leaves_no_todo_list(caches):
+    """A process that started the precompile and then failed before its wait (its start-up raised, sys.exit)
+    leaves no `precompile_todo.<pid>.jsonl` behind: removed at its exit. The precompile process here never reads
+    the list (a stand-in that does nothing), so the exit hook alone removes it."""
+    import subprocess
+    import sys
+
+    own = caches / "dsaserve" / kp.SPECS_FILE
+    kp.write_atomic(own, _spec(16) + "\n")
+    code = (
+        "import sys, subprocess\n"
+        "from dsaserve.engine import kernel_precompile as kp\n"
+        "class Idle:\n"
+        "    def __init__(self, cmd, **kw): pass\n"
+        "kp.subprocess.Popen = Idle\n"
+        "h = kp.start()\n"
+        "print(h.todo, h.todo.exists(), flush=True)\n"
+        "raise SystemExit('start-up failed before the wait')\n")
+    env = {**os.environ, "DSASERVE_CACHE_DIR": str(caches / "dsaserve"), "TRITON_CACHE_DIR": str(caches / "triton")}
+    env.pop("LOCAL_RANK", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and "start-up failed" in out.stderr
+    todo, existed = out.stdout.split()
+    assert existed == "True" and Path(todo).parent == caches / "dsaserve"
+    assert not Path(todo).exists() and not list((caches / "dsaserve").glob("precompile_todo.*"))
+
+
+def test_the_precompile_process_removes_its_todo_list_once_read(caches):
+    """The process removes the list once read (a parent killed past the exit hook leaves none either); a list
+    that is not a todo list (the cache's own, a shipped one) is left alone."""
+    todo = caches / "dsaserve" / "precompile_todo.1.jsonl"
+    kept = caches / "shipped.jsonl"
+    gone = json.dumps({**json.loads(_spec(16)), "name": f"{__name__}._no_such_kernel"})
+    kp.write_atomic(todo, gone + "\n")
+    kp.write_atomic(kept, gone + "\n")
+    assert kp.main([str(kept), "--jobs", "1"]) == 0 and kept.exists()
+    assert kp.main(["--todo", str(todo), "--jobs", "1"]) == 0 and not todo.exists()
+
+
+def test_the_wait_removes_the_todo_list_and_its_exit_hook(caches, monkeypatch):
+    import atexit
+
+    registered, unregistered = [], []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)
+    todo = caches / "todo.jsonl"
+    todo.write_text("{}\n")
+
+    class Done:
+        returncode = 0
+
+        def communicate(self, timeout=None):
+            return '{"specs": 1}\n', None
+
+    handle = kp.Precompile(Done(), [], todo)
+    assert registered == [handle.remove_todo] and todo.exists()
+    assert handle.wait()["specs"] == 1
+    assert not todo.exists() and unregistered == [handle.remove_todo]

@@ -186,13 +186,14 @@ def test_the_runner_records_at_up_and_the_next_start_preloads_and_reuses_its_pro
     """The ModelRunner's wiring (CUDA-only at start-up) driven on a CPU runner: a first start misses, records
     its specs and profile at Up; the next start of the same configuration preloads them and takes the profile."""
     from dsaserve.engine import model_runner as mr
+    from dsaserve.engine import runner_startup
     from dsaserve.engine.memory_profile import MemoryProfile
 
     triton = pytest.importorskip("triton")
     knobs = triton.knobs
     monkeypatch.setenv("DSASERVE_CACHE_DIR", str(root / "cache"))
     envs.reload()
-    monkeypatch.setattr(mr, "device_parts", lambda device: {"gpu": "fake", "total_memory": 100})
+    monkeypatch.setattr(runner_startup, "device_parts", lambda device: {"gpu": "fake", "total_memory": 100})
     monkeypatch.setattr(mr.torch.cuda, "mem_get_info", lambda device=None: (60, 100))
     monkeypatch.setattr(mr.torch.cuda, "memory_allocated", lambda device=None: 40)
     previous = knobs.runtime.jit_post_compile_hook
