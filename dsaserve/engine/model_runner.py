@@ -14,6 +14,7 @@ scheduler never touches torch devices: it hands a ForwardBatch to `forward()` an
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
