@@ -94,6 +94,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, _Graph] = {}
         self.pool_handle = None
         self.capture_seconds = 0.0
+        self.capture_retries = 0  # buckets captured again after an eager run (capture(warm_each=False))
 
     def _views(self, buf):
         """(input_ids, positions, req_index, seq_lens, out_cache_loc, page_table) inside buf (a tensor or
@@ -124,36 +125,57 @@ class CudaGraphRunner:
         table[start:end] = self.sink_page
         out[start:end] = self.sink_page * self.page_size
 
-    def capture(self) -> list[int]:
-        """Warm each bucket eagerly (compiles kernels, records its weight bytes), then capture; largest first
-        so smaller graphs reuse the largest one's memory pool."""
+    def capture(self, warm_each: bool = True) -> list[int]:
+        """Warm each bucket eagerly (compiles kernels, records its collectives), then capture; largest first
+        so smaller graphs reuse the largest one's memory pool. warm_each=False (a warm start whose preload
+        loaded every recorded kernel): only the largest bucket runs eagerly first, the rest are captured
+        straight away; a bucket whose capture fails so, or a run that makes collectives, is warmed as before."""
         t0 = time.perf_counter()
         self._reset_padding(0)
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
-        for bs in sorted(self.buckets, reverse=True):
-            before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
-            self.model(self._static_batch(bs), self.pool)  # warmup: the same shapes the graph will see
-            static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items()
-                      if k.startswith("collective_")}
-            COUNTERS.restore(before)  # startup work is not traffic
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
+        self.capture_retries = 0
+        for i, bs in enumerate(sorted(self.buckets, reverse=True)):
+            static = self._warm(bs) if warm_each or i == 0 else {}
+            warm_each = warm_each or bool(static)  # collectives: their counts are each bucket's own
             try:
-                with lean_capture(graph, self.pool_handle, stream):
-                    if self.copy_in_graph:
-                        self._copy_staged(bs)
-                    if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
-                        resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-                    logits, _ = self.model(self._static_batch(bs), self.pool)
-            finally:
-                COUNTERS.enabled = enabled
+                graph, logits = self._capture_one(bs, stream)
+            except RuntimeError:
+                if warm_each or i == 0:
+                    raise
+                self.capture_retries += 1  # something first used in capture: warm it eagerly, capture again
+                torch.cuda.synchronize()
+                static = self._warm(bs)
+                graph, logits = self._capture_one(bs, stream)
             if self.pool_handle is None:
                 self.pool_handle = graph.pool()
             self.graphs[bs] = _Graph(graph, logits, static)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         return sorted(self.graphs)
+
+    def _warm(self, bs: int) -> dict[str, float]:
+        """One eager run of the bucket's shapes (first-use work outside the capture); the collectives it made."""
+        before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
+        self.model(self._static_batch(bs), self.pool)
+        static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items()
+                  if k.startswith("collective_")}
+        COUNTERS.restore(before)  # startup work is not traffic
+        return static
+
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
+        try:
+            with lean_capture(graph, self.pool_handle, stream):
+                if self.copy_in_graph:
+                    self._copy_staged(bs)
+                if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
+                    resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
+                logits, _ = self.model(self._static_batch(bs), self.pool)
+        finally:
+            COUNTERS.enabled = enabled
+        return graph, logits
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it

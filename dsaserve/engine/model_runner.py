@@ -180,7 +180,8 @@ class ModelRunner(RunnerStartup):
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
         # every recorded kernel preloaded: the large eager steps' kernels are in the JITs already, and the
-        # capture's eager runs do the first-use work; run only if something loads after the preload (below)
+        # largest bucket's eager run before its capture does the first-use work (a capture that fails without
+        # one is retried after one); the prefill warmup runs only if something loads after the preload (below)
         deferred = self._preload_hit()
         if not deferred:
             self._warmup_prefill()
@@ -228,8 +229,9 @@ class ModelRunner(RunnerStartup):
         return True
 
     def _preload_hit(self) -> bool:
-        """One rank whose preload loaded every recorded kernel: its prefill warmup can be left out (each rank's
-        record hits or misses on its own, and that forward holds collectives: several ranks run it)."""
+        """One rank whose preload loaded every recorded kernel: the eager warm runs before its captures and
+        its prefill warmup can be left out (each rank's record hits or misses on its own, and those forwards
+        hold collectives: several ranks run them all)."""
         return (self.parallel.world_size == 1 and self.warm_start is not None
                 and self.warm_start.preload_report.get("status") == "hit")
 
@@ -251,7 +253,7 @@ class ModelRunner(RunnerStartup):
             return None
         runner = PiecewiseRunner(self.model, self.kv_pool, self.args.piecewise_tokens, self.args.max_running_requests,
                                  -(-self.max_model_len // PAGE_SIZE), self.future_token_ids)
-        runner.capture()
+        runner.capture(warm_each=not self._preload_hit())
         return runner
 
     def _capture_decode(self) -> CudaGraphRunner:
@@ -259,7 +261,7 @@ class ModelRunner(RunnerStartup):
         runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
                                  self.future_token_ids, moe_gather=self._dp_gather_graphs)
         # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
-        runner.capture()
+        runner.capture(warm_each=not self._preload_hit())
         return runner
 
     def _load_tokenizer(self):

@@ -95,6 +95,7 @@ class PiecewiseRunner:
         self.stream = torch.cuda.Stream(dev) if self.capture_graphs else None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        self.capture_retries = 0  # buckets captured again after an eager run (capture(warm_each=False))
         self.future_token_ids = future_token_ids  # overlap scheduling: placeholder ids resolve after the copy
 
     # ---- routing ----------------------------------------------------------------------------
@@ -109,17 +110,34 @@ class PiecewiseRunner:
         return None
 
     # ---- capture ----------------------------------------------------------------------------
-    def capture(self, pool_handle=None) -> list[int]:
+    def capture(self, pool_handle=None, warm_each: bool = True) -> list[int]:
         """Per bucket, largest first: one eager run (compiles the segments' kernels; measures their
         collectives), then on CUDA one graph per segment into the buckets' shared pool (`pool_handle`: one
-        to join, or None for a new one). Off CUDA the capture is a no-op: the segments stay eager."""
+        to join, or None for a new one). Off CUDA the capture is a no-op: the segments stay eager.
+        warm_each=False (a warm start whose preload loaded every recorded kernel): only the largest bucket
+        runs eagerly first; a bucket whose capture fails so, or a run with collectives, is warmed as before."""
         t0 = time.perf_counter()
         self.pool_handle = pool_handle
         before = torch.cuda.memory_reserved() if self.capture_graphs else 0
-        for bucket in sorted(self.buckets, reverse=True):
-            self.static_counts[bucket] = self._warm(bucket)
-            if self.capture_graphs:
+        self.capture_retries = 0
+        for i, bucket in enumerate(sorted(self.buckets, reverse=True)):
+            warmed = warm_each or i == 0 or not self.capture_graphs
+            self.static_counts[bucket] = self._warm(bucket) if warmed else {}
+            warm_each = warm_each or bool(self.static_counts[bucket])
+            if not self.capture_graphs:
+                continue
+            try:
                 self.graphs[bucket] = self._capture(bucket)
+            except RuntimeError:
+                if warmed:
+                    raise
+                self.capture_retries += 1  # something first used in capture: warm it eagerly, capture again
+                torch.cuda.synchronize()
+                self.static_counts[bucket], warmed = self._warm(bucket), True
+                self.graphs[bucket] = self._capture(bucket)
+            if not warmed:  # its buffers as an eager run leaves them (finite): the core warmup reads them
+                with torch.inference_mode():  # as every step's (the buffers are inference tensors)
+                    self._run(bucket, 0, None, eager=False)
         if self.capture_graphs:
             torch.cuda.synchronize()
             self.capture_bytes = torch.cuda.memory_reserved() - before

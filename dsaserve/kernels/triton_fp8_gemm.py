@@ -244,10 +244,15 @@ _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 def split_counters(device: torch.device) -> torch.Tensor:
     """One int32 arrival counter per output tile, zero between launches (the last program resets its own).
-    Made once per device, at the first (eager) call: warmup runs before any graph is captured. Shared by
-    every split GEMM, which is safe because they run one after another on the compute stream."""
+    Made once per device, when the registry binds the GPU ops (kernels/registry.py), never inside a CUDA-graph
+    capture: there its memory would come from the graph's pool and its zeros from a memset node that runs only
+    on that graph's replay, while every split GEMM of every graph shares it (a warm start that captured a small
+    bucket first got non-finite logits so). Shared by every split GEMM, which is safe because they run one
+    after another on the compute stream."""
     key = device.index
     if key not in _SPLIT_COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split_counters: first made inside a CUDA-graph capture (make them before it)")
         _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return _SPLIT_COUNTERS[key]
 

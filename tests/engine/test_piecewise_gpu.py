@@ -89,3 +89,37 @@ def test_no_kernel_compiles_after_up_under_mixed_lengths_and_concurrency(tmp_pat
     if runner.kernel_loads.installed:  # Triton >= 3.4: the JIT's own count, whatever the disk cache held
         assert runner.kernel_loads.read()["kernel_loads_after_up"] == 0
     eng.core.check_no_leak()
+
+
+def test_graphs_captured_without_their_own_eager_run_replay_the_eager_logits():
+    """capture(warm_each=False), a warm start's: only the largest bucket runs eagerly before its capture. A smaller
+    bucket's piecewise graphs (32 of 64) and decode graph (4 of 8) must still give the eager logits, and the
+    piecewise buffers a core warmup reads must be finite (replayed once after the capture)."""
+    from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.engine.piecewise_runner import PiecewiseRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=64,
+                                     max_num_batched_tokens=512, max_running_requests=8, cuda_graph_max_bs=8)
+    pool, bases = runner.kv_pool, [0, 8 * 64, 16 * 64]
+    for p, base in zip([[3, 4] * 75, [9] * 400], bases, strict=False):
+        runner.forward(contiguous_batch([p], [0], [base], runner.page_size))
+    pw = PiecewiseRunner(runner.model, pool, [32, 64], 8, 16)
+    pw.capture(warm_each=False)
+    assert pw.capture_retries == 0 and sorted(pw.graphs) == [32, 64]
+    assert all(torch.isfinite(s.carry.attn.q_abs).all() for s in pw.graphs[32] if s.carry.attn is not None)
+    mixed = contiguous_batch([[21], [22], list(range(5, 35))], [150, 400, 0], bases, runner.page_size)
+    replayed = pw.forward(mixed).float()
+    graphs = pw.graphs.pop(32)
+    eager = pw.forward(mixed).float()
+    pw.graphs[32] = graphs
+    assert _rel(replayed, eager) < 1e-3 and torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+    dec = CudaGraphRunner(runner.model, pool, 8, 16, pool.sink_page)
+    dec.capture(warm_each=False)
+    assert dec.capture_retries == 0 and sorted(dec.graphs) == [1, 2, 4, 8]
+    step = contiguous_batch([[31], [32], [33]], [151, 401, 30], bases, runner.page_size)
+    graph_logits = dec.replay(step).float().clone()
+    plain = runner.model(step.to("cuda"), pool)[0].float()
+    assert _rel(graph_logits, plain) < 2e-2 and torch.equal(graph_logits.argmax(-1), plain.argmax(-1))
