@@ -82,12 +82,13 @@ SWITCHES: dict[str, Switch] = {
         "once a layer to bf16 (model/layers/prefill_staging.py; the A/B for issue 17's prefill)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
-        "startup-<rank>.prof and a text summary (finding a slow start's Python)"),
+        "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),
     "DSASERVE_PYCACHE": Switch(
         True, _on_unless_zero, "'0': Python's bytecode where Python's defaults put it, even when the packages cannot "
         "be written (common/bytecode_cache.py: else under the dsaserve cache)"),
     "DSASERVE_KERNEL_SPECS": Switch(None, _text, "more Triton kernel spec lists to precompile (os.pathsep-separated)"),
-    "DSASERVE_CACHE_DIR": Switch(None, _text, "checkpoint and compile cache root (~/.cache/dsaserve)"),
+    "DSASERVE_CACHE_DIR": Switch(None, _text, "cache root (~/.cache/dsaserve): built-in checkpoints, compiled "
+                                 "kernels, warm-start records, bytecode (`cache_root()`)"),
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
     "DSASERVE_TEST_READY_DELAY_S": Switch(None, _text, "test hook: the scheduler waits this long before ready"),

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.common.envs import cache_root
 from dsaserve.engine.compiled_specs import FILE as COMPILED_FILE
 from dsaserve.engine.compiled_specs import CompiledSpecs, entry_of_hook, write_atomic
 
@@ -44,10 +45,6 @@ log = logging.getLogger(__name__)
 
 SPECS_FILE = "triton_specs.jsonl"
 WAIT_LIMIT_S = 300.0  # a stuck precompile must not hang start-up: the JIT then compiles what is left itself
-
-
-def cache_root() -> Path:
-    return envs.cache_root()
 
 
 def triton_cache_dir() -> Path:

@@ -140,7 +140,7 @@ class CompileCache:
     present before startup and entries created during it (misses: kernels compiled by this start)."""
 
     def __init__(self, cache_dir: str | Path | None):
-        root = Path(cache_dir or envs.DSASERVE_CACHE_DIR or "~/.cache/dsaserve").expanduser()
+        root = Path(cache_dir).expanduser() if cache_dir else envs.cache_root()
         self.dir = root / "triton"
         self.dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TRITON_CACHE_DIR", str(self.dir))

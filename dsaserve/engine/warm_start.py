@@ -33,7 +33,7 @@ from typing import Any
 
 from dsaserve.common import envs
 from dsaserve.engine.compiled_specs import code_version
-from dsaserve.engine.kernel_precompile import cache_root, read_specs, resolve_jit, spec_name, write_atomic
+from dsaserve.engine.kernel_precompile import read_specs, resolve_jit, spec_name, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class WarmStart:
 
     def __init__(self, parts: dict[str, Any], root: Path | None = None) -> None:
         self.key = fingerprint(parts)
-        self.dir = (root or cache_root()) / RECORD_DIR / self.key
+        self.dir = (root or envs.cache_root()) / RECORD_DIR / self.key
         self.enabled = envs.DSASERVE_WARM_START
         self.preload_report: dict[str, Any] = {"status": "off" if not self.enabled else "not run"}
         self.profile_status = "off" if not self.enabled else "miss"

@@ -69,6 +69,9 @@ def stage_latent(kv_cache: torch.Tensor, layout: KVLayout, pages: torch.Tensor, 
     ng = dc // QUANT_GROUP
     if out.shape[0] < n or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"stage_latent: out must hold {n} bf16 rows of {dc + dr}, got {tuple(out.shape)} {out.dtype}")
+    if dc % QUANT_GROUP or kv_cache.shape[1] != dc + 4 * ng + 2 * dr:  # out's width says the rope's: they must agree
+        raise ValueError(f"stage_latent: kv_cache rows are {kv_cache.shape[1]} B, expected {dc + 4 * ng + 2 * dr} "
+                         f"for kv_lora_rank {dc} and out's {dr} rope values")
     if n == 0:
         return out
     f32, b16 = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
@@ -83,8 +86,9 @@ def remap_slots(slots: torch.Tensor, page_map: torch.Tensor, page_size: int) -> 
     """GPU `reference.remap_slots`: [T, K] physical slots -> rows of the staging (page_map[page] * page_size +
     offset; -1, and a slot whose page is not staged, -> -1)."""
     t, k = slots.shape
+    slots = slots if slots.stride(1) == 1 else slots.contiguous()  # the kernel reads a row's slots as one run
     out = torch.empty_like(slots)
-    if t == 0:
+    if t == 0 or k == 0:
         return out
     block = 1024
     _remap_slots_kernel[(t, triton.cdiv(k, block))](slots, page_map, out, k, page_size, slots.stride(0),

@@ -318,7 +318,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
 
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
     (fp8_ds_mla at kv_lora 512, `_sparse_mla_ds4_kernel`: True scales after the dots, "dequant" each 128-group
-    dequantised apart; False: the whole tile dequantised first, `_sparse_mla_kernel`).
+    dequantised apart; False: the whole tile dequantised first, `_sparse_mla_kernel`; bf16 rows at kv_lora 512,
+    the pool's or a prefill's staged ones, have no scales: any true `grouped` reads them as they are, PLAIN).
     """
     layout = get_kv_layout(layout, "sparse_mla_attention: layout")
     t, h, dc = q_nope.shape

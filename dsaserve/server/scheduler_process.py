@@ -16,7 +16,8 @@ Down, fails every pending request and exits.
 
 Every rank reports its own start-up before the engine's phases: `scheduler_spawn` (the launcher's Popen ->
 this module's first line), `scheduler_imports` (this module's imports) and `engine_imports` (torch and the
-engine, imported in run()).
+engine, imported in `_start_up`, after the early CUDA context, Triton's hash and the kernel precompile have
+started). DSASERVE_STARTUP_PROFILE runs `_start_up` under cProfile (common/startup_profile.py).
 
 Test hook: `DSASERVE_TEST_READY_DELAY_S` sleeps before reporting ready, so tests can observe Starting.
 """

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.common import envs
+from dsaserve.common.envs import cache_root
 from dsaserve.config import builtin_config_names, load_config
 from dsaserve.errors import CheckpointError
 from dsaserve.weights.checkpoint_check import INDEX_FILE
@@ -51,10 +52,6 @@ def write_checkpoint(*args: Any, **kwargs: Any) -> Any:
     from dsaserve.weights.checkpoint_writer import write_checkpoint as write
 
     return write(*args, **kwargs)
-
-
-def cache_root() -> Path:
-    return envs.cache_root()
 
 
 def _max_bytes() -> float:

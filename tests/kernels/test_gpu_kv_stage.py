@@ -37,6 +37,8 @@ def test_stage_latent_writes_the_references_bf16_rows(gen):
     assert bool((got[-5:] == 7.0).all())
     with pytest.raises(ValueError, match="only fp8_ds_mla"):
         triton_kv_stage.stage_latent(cache, BF16_LAYOUT, pages, PS, 512, got)
+    with pytest.raises(ValueError, match="kv_cache rows are 656 B, expected 592"):  # out's width: 32 rope values
+        triton_kv_stage.stage_latent(cache, FP8, pages, PS, 512, got[:, :544])
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -54,6 +56,8 @@ def test_remap_slots_maps_staged_pages_and_keeps_minus_one(gen, dtype):
     assert got.dtype == dtype and torch.equal(got, want)
     assert bool((got[0, :10] == -1).all()) and bool((got[1, 2000:] == -1).all())
     assert torch.equal(got[2].long(), page_map[phys[2] // PS].long() * PS + phys[2] % PS)
+    columns = phys.to(dtype).t().contiguous().t()  # a view whose slots of one token are not one run
+    assert torch.equal(triton_kv_stage.remap_slots(columns, page_map, PS), want)
 
 
 @pytest.mark.parametrize("t", [600, 1100] if BIG else [3])

@@ -1,9 +1,11 @@
-"""model/layers/prefill_staging.py: which steps stage their rows, what is staged, and that sparse MLA over the
-staged rows reads what it reads from the cache itself (reference ops standing in for the GPU's, so it runs on
-the CPU; the Triton kernels' own test is tests/kernels/test_gpu_kv_stage.py)."""
+"""model/layers/prefill_staging.py: which steps stage their rows, what is staged, that sparse MLA over the
+staged rows reads what it reads from the cache itself, and that each forward (eager, piecewise, MTP) stages its
+own pages (reference ops standing in for the GPU's, so it runs on the CPU; the Triton kernels' own test is
+tests/kernels/test_gpu_kv_stage.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -13,10 +15,14 @@ from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, encode_latent
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.piecewise_runner import PiecewiseRunner
 from dsaserve.kernels import reference as R
-from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.kernels.registry import get_ops
+from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
+from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers import prefill_staging
 from dsaserve.model.layers.context import StepContext
+from dsaserve.weights.loader import load_dummy
 
 PS = 64
 CFG = load_config("glm-5.3-slice")  # kv_lora 512 + rope 64: the staged rows' width
@@ -67,6 +73,15 @@ def test_steps_that_read_the_cache_themselves(why):
     assert ctx.staging is False  # decided: no staging for any layer of this step
 
 
+def test_a_forward_being_captured_into_a_cuda_graph_never_stages(monkeypatch):
+    """A decode graph's capture may reach MIN_TOKENS rows: its page list would be frozen into the graph and its
+    host copies cannot be captured. (The CPU captures nothing: a page table that says it is on CUDA stands in.)"""
+    ctx = _step([130, 70], [[9, 2, 14], [5, 11]], new_tokens=200)
+    ctx.batch.page_table = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert prefill_staging.for_step(ctx, 512) is None and ctx.staging is False
+
+
 def test_sparse_mla_over_staged_rows_reads_what_it_reads_from_the_cache():
     ctx = _step([130, 70], [[9, 2, 14], [5, 11]], new_tokens=40)  # 320 rows staged: 8 a token
     gen = torch.Generator().manual_seed(1)
@@ -86,3 +101,59 @@ def test_sparse_mla_over_staged_rows_reads_what_it_reads_from_the_cache():
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
     assert staging.stage(OPS, cache, ctx.pool.layout, slots, 512)[2] is staged  # a shared layer reuses the remap
     assert staging.stage(OPS, cache, ctx.pool.layout, slots.clone(), 512)[2] is not staged  # a new selection
+
+
+@pytest.fixture(scope="module")
+def model_512() -> DsaForCausalLM:
+    """glm-5.3-tiny at the real latent width (kv_lora 512, which staging needs): dummy weights, fp32, CPU."""
+    cfg = dataclasses.replace(load_config("glm-5.3-tiny"), kv_lora_rank=512)
+    model = DsaForCausalLM(cfg)
+    load_dummy(model, 0)
+    model.finalize(torch.float32, torch.device("cpu"), keep_fp8=False)
+    return model
+
+
+def test_every_forward_stages_its_own_pages(model_512, monkeypatch):
+    """Two chunks of two prompts, the second attending to pages the first had not written: each forward (the
+    eager one; the piecewise runner's, whose cores run between segments; the MTP layer's) plans its staging
+    once, of its own pages, and every slot a layer selects has a staged row (a staging carried over from the
+    step before would drop the new pages' keys). Piecewise == eager to the bit; MTP's one layer ~ unstaged."""
+    monkeypatch.setitem(get_ops("cpu").impls, "stage_latent", "gpu stand-in")  # reference ops stage on the CPU
+    plans, lost = [], []
+    plan, stage = prefill_staging._plan, prefill_staging.PrefillStaging.stage
+
+    def planned(ctx, kv_lora_rank):
+        staging = plan(ctx, kv_lora_rank)
+        plans.append(None if staging is None else staging.pages.tolist())
+        return staging
+
+    def staged(self, ops, cache, layout, slots, kv_lora_rank):
+        out = stage(self, ops, cache, layout, slots, kv_lora_rank)
+        lost.append(int(((slots >= 0) & (out[2] < 0)).sum()))
+        return out
+
+    monkeypatch.setattr(prefill_staging, "_plan", planned)
+    monkeypatch.setattr(prefill_staging.PrefillStaging, "stage", staged)
+    model, cfg = model_512, model_512.cfg
+    gen = torch.Generator().manual_seed(0)
+    toks = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (140, 90)]
+    steps = [contiguous_batch([toks[0][:100], toks[1][:60]], [0, 0], [0, 10 * PS]),
+             contiguous_batch([toks[0][100:], toks[1][60:]], [100, 60], [0, 10 * PS])]
+    pool = lambda: KVPool(cfg, 16, "fp8_ds_mla", model.kv_layer_ids, PS, torch.float32, sink_pages=1)  # noqa: E731
+    eager_pool = pool()
+    eager = [model(b, eager_pool)[0] for b in steps]
+    pw = PiecewiseRunner(model, pool(), sorted(b.num_tokens for b in steps), 8, 16)  # no padding rows: same bits
+    pw.capture()  # off CUDA: the segments' warm runs, no core
+    piecewise = [pw.forward(b) for b in steps]
+    assert plans == [[0, 1, 10], [0, 1, 2, 10, 11]] * 2  # 2 + 1 pages, then 3 + 2: once a forward, its own
+    assert len(lost) == 2 * 2 * cfg.num_hidden_layers and not any(lost)
+    assert all(torch.equal(a, b) for a, b in zip(eager, piecewise, strict=True))
+
+    plans.clear()
+    nxt = contiguous_batch([toks[0][1:101], toks[1][1:61]], [0, 0], [0, 10 * PS])  # MTP over the first chunk
+    hidden = model(steps[0], eager_pool)[1]
+    mtp = model.forward_mtp(nxt, eager_pool, hidden)
+    with envs.override(DSASERVE_PREFILL_STAGING="0"):
+        unstaged = model.forward_mtp(nxt, eager_pool, hidden)
+    assert plans == [[0, 1, 10], [0, 1, 10], None]  # the main forward's, the MTP layer's own, switched off: none
+    assert float((mtp - unstaged).norm() / unstaged.norm()) < 1e-2  # bf16 rows: the FP32 value rounded once

@@ -1,9 +1,10 @@
 """MLA attention with DSA sparse selection, over the paged latent cache (stage 6).
 
 Owns: q = q_b(norm(q_a(h))) split into nope/rope; latent = kv_a(h) -> RMSNorm(512 nope) | RoPE(64 rope)
-written to the pool; the indexer (full layers) or the reused top-k slots (shared layers); and weight
-absorption: q_nope is folded through W_uk so attention runs on the 576-dim latent, and the attended latent
-goes through W_uv before o_proj. Absorbed and expanded forms are the same math (HF expands K/V).
+written to the pool; the indexer (full layers) or the reused top-k slots (shared layers); sparse MLA over the
+cache (a large prefill's pages staged first, `prefill_staging`); and weight absorption: q_nope is folded through
+W_uk so attention runs on the 576-dim latent, and the attended latent goes through W_uv before o_proj. Absorbed
+and expanded forms are the same math (HF expands K/V).
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ class MLAAttention(nn.Module):
 
     def attention_core(self, a: AttentionInputs, ctx: StepContext) -> None:
         """What depends on the requests' lengths and page tables: the indexer's scores + top-k (full layers;
-        shared layers reuse ctx.topk_slots) and sparse MLA over the paged latent cache, into a.latent. Runs
-        eagerly between the segments of a piecewise graph, on the batch's own rows and page-table width."""
+        shared layers reuse ctx.topk_slots) and sparse MLA over the paged latent cache, into a.latent (a large
+        prefill step: over its pages' rows staged as bf16, model/layers/prefill_staging.py). Runs eagerly between
+        the segments of a piecewise graph, on the batch's own rows and page-table width."""
         if a.selecting:  # a holds the side stream's inputs (allocated on this stream) past the join, so their
             torch.cuda.current_stream().wait_stream(ctx.side_stream)  # memory is not reused while it reads them
         elif a.q_idx is not None:

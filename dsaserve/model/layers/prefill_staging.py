@@ -7,9 +7,11 @@ map from a physical page to its place among them, and one bf16 buffer of their r
 (full layers select, shared layers reuse theirs).
 
 When (bench/RESULTS.md, tenth session, one H200): fp8_ds_mla at kv_lora 512 on the GPU kernels, a step of at least
-MIN_TOKENS tokens, and a context of at most ROWS_PER_TOKEN rows per token. Sparse MLA over staged bf16 rows
-(2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel at T = 4096-16384 with the staging counted (its ~30 us a
-layer), 1.12x at T = 512 over an 8K context, but 0.91x at T = 128 (too few tokens share each staged row).
+MIN_TOKENS tokens, and a context of at most ROWS_PER_TOKEN rows per token; so never a decode step (a page a
+token), nor a forward captured into a CUDA graph (a piecewise graph's attention cores run eagerly, each step with
+its own StepContext). Sparse MLA over staged bf16 rows (2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel
+at T = 4096-16384 with the staging counted (its ~30 us a layer), 1.12x at T = 512 over an 8K context, but 0.91x at
+T = 128 (too few tokens share each staged row).
 Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone).
 Numbers: the same as the fp8 kernel's (the FP32 product of e4m3 and scale, rounded to bf16 once).
 DSASERVE_PREFILL_STAGING=0 is the A/B switch.
@@ -58,6 +60,10 @@ def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     batch, pool, ops = ctx.batch, ctx.pool, ctx.ops
     if (not envs.DSASERVE_PREFILL_STAGING or ops.impls.get("stage_latent", "reference") == "reference"
             or pool.layout != FP8_DS_MLA or kv_lora_rank != 512 or batch.num_tokens < MIN_TOKENS):
+        return None
+    if batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a decode graph's capture (its buckets may reach MIN_TOKENS rows): the page list would be the capture's,
+        # and its host copies cannot be captured. A page a token is past ROWS_PER_TOKEN anyway (64 > 8)
         return None
     ps = batch.page_size
     seq_lens, _ = batch.host_lens()
