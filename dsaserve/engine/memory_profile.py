@@ -23,7 +23,9 @@ from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout
 from dsaserve.engine.dp_step import as_gather_step
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
+from dsaserve.model.layers import prefill_staging
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +99,15 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
-    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget
-    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + indexer_score_budget()
+    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget and a
+    # prefill stages up to 8x more context rows (model/layers/prefill_staging.py)
+    eager_only = indexer_score_budget() + prefill_staging.reserve_bytes(
+        get_ops(device), layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_prefill_tokens)
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only
     del scratch
     torch.cuda.empty_cache()
-    # the graphs' pool holds no indexer scores: the attention core allocates them eagerly
-    graph_pool = max(peak - indexer_score_budget(), 0) * (activation_copies - 1)
+    # the graphs' pool holds neither: the attention core allocates them eagerly
+    graph_pool = max(peak - eager_only, 0) * (activation_copies - 1)
     budget = int(total * mem_fraction_static - weights - peak - graph_pool - graph_reserve_bytes)
     if budget <= 0:
         raise RuntimeError(f"mem_fraction_static: {mem_fraction_static} leaves no room for the KV pool "

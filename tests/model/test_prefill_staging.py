@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsaserve.common import envs
-from dsaserve.common.kv_layout import BF16, encode_latent
+from dsaserve.common.kv_layout import BF16, encode_latent, get_kv_layout
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
@@ -157,3 +157,17 @@ def test_every_forward_stages_its_own_pages(model_512, monkeypatch):
         unstaged = model.forward_mtp(nxt, eager_pool, hidden)
     assert plans == [[0, 1, 10], [0, 1, 10], None]  # the main forward's, the MTP layer's own, switched off: none
     assert float((mtp - unstaged).norm() / unstaged.norm()) < 1e-2  # bf16 rows: the FP32 value rounded once
+
+
+def test_the_memory_profile_reserves_what_its_dummy_prefill_did_not_stage():
+    """The profile's prefill stages a context of its own length; a chunk deep into a long prompt stages up to
+    ROWS_PER_TOKEN times as many bf16 rows. Steps that never stage reserve nothing."""
+    fp8, bf16 = get_kv_layout("fp8_ds_mla"), get_kv_layout("bf16")
+    rows = prefill_staging.ROWS_PER_TOKEN - 1
+    assert prefill_staging.reserve_bytes(OPS, fp8, 512, 64, 8192) == rows * 8192 * 576 * 2
+    assert prefill_staging.reserve_bytes(OPS, bf16, 512, 64, 8192) == 0
+    assert prefill_staging.reserve_bytes(OPS, fp8, 256, 64, 8192) == 0
+    assert prefill_staging.reserve_bytes(OPS, fp8, 512, 64, prefill_staging.MIN_TOKENS - 1) == 0
+    assert prefill_staging.reserve_bytes(SimpleNamespace(impls={"stage_latent": "reference"}), fp8, 512, 64, 8192) == 0
+    with envs.override(DSASERVE_PREFILL_STAGING="0"):
+        assert prefill_staging.reserve_bytes(OPS, fp8, 512, 64, 8192) == 0

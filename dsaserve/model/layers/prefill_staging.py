@@ -12,7 +12,8 @@ token), nor a forward captured into a CUDA graph (a piecewise graph's attention 
 its own StepContext). Sparse MLA over staged bf16 rows (2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel
 at T = 4096-16384 with the staging counted (its ~30 us a layer), 1.12x at T = 512 over an 8K context, but 0.91x at
 T = 128 (too few tokens share each staged row).
-Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone).
+Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone); the memory
+profile adds what its dummy prefill did not stage (`reserve_bytes`).
 Numbers: the same as the fp8 kernel's (the FP32 product of e4m3 and scale, rounded to bf16 once).
 DSASERVE_PREFILL_STAGING=0 is the A/B switch.
 """
@@ -56,10 +57,22 @@ def for_step(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     return ctx.staging or None
 
 
+def _may_stage(ops, layout: KVLayout, kv_lora_rank: int, tokens: int) -> bool:
+    return (envs.DSASERVE_PREFILL_STAGING and ops.impls.get("stage_latent", "reference") != "reference"
+            and layout == FP8_DS_MLA and kv_lora_rank == 512 and tokens >= MIN_TOKENS)
+
+
+def reserve_bytes(ops, layout: KVLayout, kv_lora_rank: int, rope_dim: int, tokens: int) -> int:
+    """What a step of `tokens` may stage beyond a context of its own length (the memory profile's dummy prefill
+    stages about `tokens` rows; a chunk deep into a long prompt stages up to ROWS_PER_TOKEN times as many)."""
+    if not _may_stage(ops, layout, kv_lora_rank, tokens):
+        return 0
+    return (ROWS_PER_TOKEN - 1) * tokens * (kv_lora_rank + rope_dim) * 2  # bf16 rows
+
+
 def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     batch, pool, ops = ctx.batch, ctx.pool, ctx.ops
-    if (not envs.DSASERVE_PREFILL_STAGING or ops.impls.get("stage_latent", "reference") == "reference"
-            or pool.layout != FP8_DS_MLA or kv_lora_rank != 512 or batch.num_tokens < MIN_TOKENS):
+    if not _may_stage(ops, pool.layout, kv_lora_rank, batch.num_tokens):
         return None
     if batch.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
         # a decode graph's capture (its buckets may reach MIN_TOKENS rows): the page list would be the capture's,
