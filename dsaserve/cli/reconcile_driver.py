@@ -29,6 +29,14 @@ def _pool_info(eng: Any) -> dict[str, Any]:
     return dataclasses.asdict(eng.kv_pool_info())
 
 
+def _stages_prefills(device: str) -> bool:
+    """Whether this run's kernels stage large prefills (model/layers/prefill_staging.py): the GPU ops, switch on."""
+    from dsaserve.common import envs
+    from dsaserve.kernels.registry import get_ops
+
+    return bool(envs.DSASERVE_PREFILL_STAGING) and get_ops(device).impls.get("stage_latent") != "reference"
+
+
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,
                max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = DEFAULT_KV_LAYOUT, dtype: str = "float32",
                device: str = "cpu", **engine_args: Any) -> RunRecord:
@@ -51,6 +59,7 @@ def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAU
     sink = int(pool.get("sink_pages", 1 if device == "cuda" else 0))
     shape = RunShape(tuple(prompt_lens), max_tokens, kv_layout, dtype, page_size=int(pool["page_size"]),
                      max_num_batched_tokens=a.max_num_batched_tokens, chunked_prefill_size=a.chunked_prefill_size,
-                     max_running_requests=a.max_running_requests, sink_pages=sink)
+                     max_running_requests=a.max_running_requests, sink_pages=sink,
+                     prefill_staging=_stages_prefills(device))
     stats = eng.core.stats() if hasattr(eng.core, "stats") else {}
     return RunRecord(model, shape, counters, pool, {"engine_stats": stats, "device": device})

@@ -1,6 +1,6 @@
-"""Causal attention counts of a chunk: keys the indexer scores and slots sparse MLA reads.
+"""Causal attention counts of a chunk: keys the indexer scores and slots sparse MLA reads; rows a prefill stages.
 
-Owns: the two closed forms both sides of the ledger use — its predictions (`ledger/prefill.py`,
+Owns: the closed forms both sides of the ledger use — its predictions (`ledger/prefill.py`,
 `ledger/reconcile.py`) and the engine's measured counters (`model/step_counts.py`, eager steps and graph
 replays alike), so prediction and measurement cannot drift apart by construction of the arithmetic. Pure Python.
 """
@@ -21,3 +21,16 @@ def topk_selected(prefix: int, tokens: int, topk: int) -> int:
     last = lo + below - 1
     s = (first + last) * below // 2 if below else 0
     return s + (tokens - below) * topk
+
+
+STAGING_MIN_TOKENS = 512  # model/layers/prefill_staging.py: a step of fewer tokens reads the fp8 cache itself
+STAGING_ROWS_PER_TOKEN = 8  # ... and one whose requests' pages hold more rows than this per new token
+
+
+def staged_rows(seq_lens: list[int], tokens: int, page_size: int, min_tokens: int = STAGING_MIN_TOKENS,
+                rows_per_token: int = STAGING_ROWS_PER_TOKEN) -> int:
+    """Rows a step of `tokens` new tokens stages to bf16 in each layer (every request's pages up to its seq_len,
+    whole pages), or 0 when the step reads the cache itself (too few tokens, or too many rows per token)."""
+    rows = sum(-(-s // page_size) for s in seq_lens) * page_size
+    return rows if tokens >= min_tokens and 0 < rows <= rows_per_token * tokens else 0
+

@@ -7,7 +7,10 @@ README's JSON keys use them):
 
   weight_bytes_read        bytes of weights the forward read (FP8 bytes + scales, or dequantised bytes)
   kv_bytes_written         main-KV bytes written to the pool (layout bytes per token x layers)
-  kv_bytes_read            main-KV bytes gathered by attention (only the selected top-k slots)
+  kv_bytes_read            main-KV bytes gathered by attention (only the selected top-k slots, at the cache's row
+                           size: a staged prefill gathers the same slots from their bf16 copies)
+  kv_bytes_staged          a prefill's main-KV rows read once a layer and written as bf16 for sparse MLA
+                           (model/layers/prefill_staging.py): rows x (layout row bytes + bf16 row bytes)
   indexer_bytes_written    indexer-K bytes written
   indexer_bytes_read       indexer-K bytes scored
   moe_experts_touched      distinct routed experts read, summed over MoE layers and forwards

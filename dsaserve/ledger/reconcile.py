@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsaserve.common.causal import keys_scored, topk_selected
+from dsaserve.common.causal import (
+    STAGING_MIN_TOKENS,
+    STAGING_ROWS_PER_TOKEN,
+    keys_scored,
+    staged_rows,
+    topk_selected,
+)
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.ledger.collective_plan import step_plan
@@ -47,6 +53,7 @@ class RunShape:
     chunked_prefill_size: int | None = None
     max_running_requests: int = 128
     sink_pages: int = 0  # pool pages no request owns (CUDA: one page the graph's padding rows write to)
+    prefill_staging: bool = False  # the run's kernels stage large prefills' rows as bf16 (GPU ops, switch on)
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or any(not isinstance(p, int) or p < 1 for p in self.prompt_lens):
@@ -172,8 +179,22 @@ def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None
                                        f"x {expert:,} B x {n_moe} layers: expected under uniform routing; range "
                                        f"{k} .. min({e}, tokens x {k}) experts"),
     }
+    out.update(_staging(cfg, shape, steps, kv_bpt))
     out.update(_collectives(cfg, shape, steps))
     return out
+
+
+def _staging(cfg: ModelConfig, shape: RunShape, steps: list[list[Row]], kv_bpt: int) -> dict[str, Predicted]:
+    """`kv_bytes_staged` (model/layers/prefill_staging.py): per main-KV layer, each staged row read at the layout's
+    size and written as bf16, in the steps whose size and context the engine stages (common/causal.py's rule)."""
+    if not shape.prefill_staging or shape.kv_layout != "fp8_ds_mla" or cfg.kv_lora_rank != 512:
+        return {}
+    rows = sum(staged_rows([r.prefix + r.new for r in s], sum(r.new for r in s), shape.page_size) for s in steps)
+    row_bytes = kv_bpt + 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    n_kv = cfg.num_hidden_layers
+    return {"kv_bytes_staged": _exact(rows * row_bytes * n_kv, f"{rows} rows staged (steps of >= "
+                                      f"{STAGING_MIN_TOKENS} tokens, <= {STAGING_ROWS_PER_TOKEN} rows a token) x "
+                                      f"{row_bytes} B (read + bf16 write) x {n_kv} layers")}
 
 
 def _collectives(cfg: ModelConfig, shape: RunShape, steps: list[list[Row]]) -> dict[str, Predicted]:
@@ -289,7 +310,8 @@ class RunRecord:
                              "kv_layout": s.kv_layout, "dtype": s.dtype, "page_size": s.page_size,
                              "max_num_batched_tokens": s.max_num_batched_tokens,
                              "chunked_prefill_size": s.chunked_prefill_size,
-                             "max_running_requests": s.max_running_requests, "sink_pages": s.sink_pages},
+                             "max_running_requests": s.max_running_requests, "sink_pages": s.sink_pages,
+                             "prefill_staging": s.prefill_staging},
                 "counters": dict(self.counters), "kv_pool": dict(self.kv_pool), **self.extra}
 
 

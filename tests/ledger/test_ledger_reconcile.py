@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -156,3 +157,29 @@ def test_all_to_all_bytes_are_rank_zeros_own_chunk_of_the_tokens():
     assert a2a(5) == a2a(6)  # ceil(5/2) = ceil(6/2) = 3 tokens
     assert a2a(7) == pytest.approx(a2a(6) * 4 / 3)  # ceil(7/2) = 4
     assert a2a(6) == 4 * 3 * 2 * 256 * (1 + 2)  # 4 MoE layers x 3 tokens x top-2 x hidden 256 x (FP8 + BF16)
+
+
+def test_prefill_staging_bytes_follow_the_engines_rule():
+    """A GPU run stages steps of >= 512 tokens whose requests' pages hold <= 8 rows a token (common/causal.py's rule,
+    the engine's too): per main-KV layer each staged row is read (656 B, fp8_ds_mla) and written as bf16 (1152 B)."""
+    slice_cfg = load_config("glm-5.3-slice")  # kv_lora 512 + rope 64
+    shape = RunShape((600, 20), 3, "fp8_ds_mla", "bfloat16", max_num_batched_tokens=4096, prefill_staging=True)
+    p = predict_run(slice_cfg, shape)
+    rows = 10 * 64 + 1 * 64  # the prefill step: 600 tokens on 10 pages, 20 on 1 (620 tokens >= 512); decodes stage none
+    assert p["kv_bytes_staged"].value == rows * (656 + 1152) * slice_cfg.num_hidden_layers
+    assert "kv_bytes_staged" not in predict_run(slice_cfg, dataclasses.replace(shape, prefill_staging=False))
+    assert "kv_bytes_staged" not in predict_run(slice_cfg, dataclasses.replace(shape, kv_layout="bf16"))
+    small = predict_run(slice_cfg, dataclasses.replace(shape, prompt_lens=(300, 20)))
+    assert small["kv_bytes_staged"].value == 0  # 320 tokens: under 512
+    record = RunRecord("glm-5.3-slice", shape, {"kv_bytes_staged": p["kv_bytes_staged"].value}, {}, {})
+    assert run_from_dict(json.loads(json.dumps(record.to_dict()))).shape.prefill_staging is True
+
+
+def test_staged_rows_is_whole_pages_within_the_size_and_context_bounds():
+    from dsaserve.common.causal import staged_rows
+
+    assert staged_rows([600, 20], 620, 64) == 11 * 64
+    assert staged_rows([600, 20], 511, 64) == 0  # too few tokens
+    assert staged_rows([8000], 512, 64) == 0  # 8000 rows > 8 a token
+    assert staged_rows([4096], 512, 64) == 4096  # exactly 8 a token
+    assert staged_rows([], 600, 64) == 0 and staged_rows([0], 600, 64) == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsaserve.common import envs
+from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import BF16, encode_latent, get_kv_layout
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
@@ -99,7 +100,13 @@ def test_sparse_mla_over_staged_rows_reads_what_it_reads_from_the_cache():
     want = R.sparse_mla_attention(qn, qr, cache, ctx.pool.layout, slots, 0.04, 512)
     # bf16 rows: the FP32 dequantised value rounded once (the GPU kernels round it the same way)
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
-    assert staging.stage(OPS, cache, ctx.pool.layout, slots, 512)[2] is staged  # a shared layer reuses the remap
+    enabled, COUNTERS.enabled = COUNTERS.enabled, True
+    try:
+        before = COUNTERS.get("kv_bytes_staged")
+        assert staging.stage(OPS, cache, ctx.pool.layout, slots, 512)[2] is staged  # a shared layer reuses the remap
+        assert COUNTERS.get("kv_bytes_staged") - before == 5 * PS * (656 + 1152)  # 5 pages read, written as bf16
+    finally:
+        COUNTERS.enabled = enabled
     assert staging.stage(OPS, cache, ctx.pool.layout, slots.clone(), 512)[2] is not staged  # a new selection
 
 

@@ -26,10 +26,12 @@ import numpy as np
 import torch
 
 from dsaserve.common import envs
+from dsaserve.common.causal import STAGING_MIN_TOKENS, STAGING_ROWS_PER_TOKEN, staged_rows
+from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout
 
-MIN_TOKENS = 512  # 1.12x at T=512 (8K context), 0.91x at T=128
-ROWS_PER_TOKEN = 8  # 1.12x at 4096 tokens over 32768 rows; bounds the buffer a step allocates
+MIN_TOKENS = STAGING_MIN_TOKENS  # 512: 1.12x at T=512 (8K context), 0.91x at T=128
+ROWS_PER_TOKEN = STAGING_ROWS_PER_TOKEN  # 8: 1.12x at 4096 tokens over 32768 rows; bounds the buffer a step allocates
 
 
 @dataclass
@@ -45,6 +47,8 @@ class PrefillStaging:
               kv_lora_rank: int) -> tuple[torch.Tensor, KVLayout, torch.Tensor]:
         """(this layer's rows as a bf16-layout cache, its layout, the top-k as rows of it) for sparse MLA."""
         ops.stage_latent(kv_cache, layout, self.pages, self.page_size, kv_lora_rank, self.rows)
+        # what the staging moves (the ledger's `kv_bytes_staged`): each row read from the cache, written as bf16
+        COUNTERS.add("kv_bytes_staged", self.rows.shape[0] * (kv_cache.shape[1] + self.rows[0].nbytes))
         if slots is not self._selection:  # a full layer selected anew; shared layers reuse its remap
             self._selection, self._remapped = slots, ops.remap_slots(slots, self.page_map, self.page_size)
         return self.rows.view(torch.uint8), BF16, self._remapped
@@ -80,10 +84,10 @@ def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
         return None
     ps = batch.page_size
     seq_lens, _ = batch.host_lens()
+    if not staged_rows(seq_lens, batch.num_tokens, ps, MIN_TOKENS, ROWS_PER_TOKEN):  # the ledger's rule, shared
+        return None
     n_pages = np.array([-(-s // ps) for s in seq_lens], dtype=np.int64)
     total = int(n_pages.sum())
-    if total == 0 or total * ps > ROWS_PER_TOKEN * batch.num_tokens:
-        return None
     dev = batch.page_table.device
     req = np.repeat(np.arange(len(seq_lens)), n_pages)
     local = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
