@@ -1,7 +1,8 @@
 """Start-up, cold and warm (issue 16: "cold start (empty caches) to the first 200 of /health in <= 30 s for the
 slice, and <= 5 s warm"): `dsaserve serve` started once per scenario, each timed by a stopwatch (Popen -> the
-first 200 of /health) beside the manifest's `total_s` and phases (`GET /startup`), then a short mixed-length load whose
-`kernel_compiles_after_up` / `kernel_loads_after_up` must stay 0.
+first 200 of /health) beside the manifest's `total_s` and phases (`GET /startup`), then one greedy completion with
+its logprobs (every warm scenario must answer as the cold one did: `same_answer_as_cold`), then a short
+mixed-length load whose `kernel_compiles_after_up` / `kernel_loads_after_up` must stay 0.
 
   cold_serial    empty caches, DSASERVE_PRECOMPILE=0: every Triton kernel compiles in the JIT, one at a time
                  (the start records its kernel specs: written to OUT/triton_specs.jsonl)
@@ -75,6 +76,29 @@ def _load(url: str, args: argparse.Namespace, out: Path) -> None:
         subprocess.run(cmd, check=True, timeout=args.load_timeout, stdout=subprocess.DEVNULL)
 
 
+PROBE_PROMPT = "def fibonacci(n):"  # the same greedy completion asked of every start (warm must answer as cold)
+
+
+def _probe(url: str, model: str) -> dict:
+    """One greedy completion with its token logprobs: a warm start reuses kernels, a memory profile and graphs
+    captured without their own eager runs, so it must give what the cold start gave."""
+    body = json.dumps({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 8, "temperature": 0,
+                       "logprobs": 1}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        choice = json.loads(r.read())["choices"][0]
+    return {"text": choice["text"], "token_logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def same_answer(a: dict | None, b: dict | None, tol: float = 1e-3) -> bool | None:
+    """Whether two starts' probes agree: the same text, each token's logprob within tol (None: one is missing)."""
+    if not a or not b:
+        return None
+    la, lb = a["token_logprobs"], b["token_logprobs"]
+    return a["text"] == b["text"] and len(la) == len(lb) and all(
+        x is not None and y is not None and abs(x - y) <= tol for x, y in zip(la, lb, strict=True))
+
+
 def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "dsaserve", "serve", "--model", args.model, "--load-format", "dummy",
@@ -96,6 +120,7 @@ def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path)
         res["warm_start"] = (manifest.get("engine") or {}).get("warm_start")
         res["early_cuda"] = (manifest.get("engine") or {}).get("early_cuda_context")
         res["load_weights_parts"] = (manifest.get("weights") or {}).get("phases")
+        res["probe"] = _probe(url, args.model)
         if not args.no_load:
             _load(url, args, out)
         res["after_up"] = {k: v for k, v in _metrics(url).items() if any(m in k for m in AFTER_UP)}
@@ -133,9 +158,13 @@ def main() -> None:
                 shutil.copy(recorded, out / f"triton_specs_{name}.jsonl")
                 if name == "cold_serial":
                     shutil.copy(recorded, specs)
+            cold = next((r.get("probe") for r in rows if r["scenario"].startswith("cold")), None)
+            if not name.startswith("cold"):
+                res["same_answer_as_cold"] = same_answer(res.get("probe"), cold)
             rows.append(res)
             (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
             print(f"{name}: healthy {res.get('healthy_after_s')} s, manifest {res.get('manifest_total_s')} s"
+                  + (f", answer as cold: {res['same_answer_as_cold']}" if "same_answer_as_cold" in res else "")
                   + (f", error {res['error']}" if "error" in res else ""), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -153,8 +182,12 @@ def _warm(r: dict) -> str:
     return f"{pre.get('status')} {pre.get('specs', 0)}/{pre.get('seconds', 0)}s prof {w.get('memory_profile')} {core}"
 
 
+ANSWER = {True: "as cold", False: "DIFFERS", None: "-"}  # a warm start's probe against the cold start's
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'scenario':>14} {'healthy s':>9} {'manifest s':>10} {'precompile':>28} {'warm start':>26}  after Up")
+    print(f"\n{'scenario':>14} {'healthy s':>9} {'manifest s':>10} {'precompile':>28} {'warm start':>26} "
+          f"{'answer':>7}  after Up")
     for r in rows:
         pc = r.get("precompile") or {}
         pre = (f"{pc.get('compiled', '-')}/{pc.get('specs', '-')} in {pc.get('wall_s', '-')}s w{pc.get('waited_s')}"
@@ -162,8 +195,8 @@ def print_table(rows: list[dict]) -> None:
         if str(pc.get("status", "")).startswith("skipped"):
             pre = f"skipped ({pc.get('specs')} known)"
         print(f"{r['scenario']:>14} {r.get('healthy_after_s', float('nan')):>9} "
-              f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28} {_warm(r):>26}  "
-              f"{r.get('after_up', r.get('error'))}")
+              f"{r.get('manifest_total_s') or float('nan'):>10} {pre:>28} {_warm(r):>26} "
+              f"{ANSWER[r.get('same_answer_as_cold')]:>7}  {r.get('after_up', r.get('error'))}")
     for r in rows:
         top = sorted(((v, k) for k, v in (r.get("phases") or {}).items() if isinstance(v, (int, float))
                       and k not in ("total_s", "up", "scheduler_ready", "detokenizer_ready")), reverse=True)[:12]

@@ -50,3 +50,17 @@ def test_a_scenario_whose_source_did_not_run_gets_its_own_caches(tmp_path):
     caches: dict = {}
     env = scenario_env("warm", caches, tmp_path, tmp_path / "s", tmp_path)
     assert env["DSASERVE_CACHE_DIR"] == str(tmp_path / "warm")
+
+
+def test_a_warm_start_must_answer_as_the_cold_one(capsys):
+    from bench.startup_cold_warm import print_table, same_answer
+
+    cold = {"text": " return", "token_logprobs": [-0.51, -1.25]}
+    assert same_answer({"text": " return", "token_logprobs": [-0.5104, -1.25]}, cold) is True
+    assert same_answer({"text": " return", "token_logprobs": [-0.52, -1.25]}, cold) is False  # a logprob moved
+    assert same_answer({"text": " yield", "token_logprobs": [-0.51, -1.25]}, cold) is False
+    assert same_answer({"text": " return", "token_logprobs": [float("nan"), -1.25]}, cold) is False  # non-finite
+    assert same_answer(None, cold) is None
+    print_table([{"scenario": "warm", "same_answer_as_cold": False}, {"scenario": "warm_again"}])
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out
