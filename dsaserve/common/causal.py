@@ -23,8 +23,14 @@ def topk_selected(prefix: int, tokens: int, topk: int) -> int:
     return s + (tokens - below) * topk
 
 
+STAGED_LAYOUT, STAGED_KV_LORA = "fp8_ds_mla", 512  # the only cache the staging reads (its GPU kernels' shape)
 STAGING_MIN_TOKENS = 512  # model/layers/prefill_staging.py: a step of fewer tokens reads the fp8 cache itself
 STAGING_ROWS_PER_TOKEN = 8  # ... and one whose requests' pages hold more rows than this per new token
+
+
+def stages_latent(layout: str, kv_lora_rank: int) -> bool:
+    """Whether prefills of this cache layout and latent width may be staged at all (`staged_rows` says which)."""
+    return layout == STAGED_LAYOUT and kv_lora_rank == STAGED_KV_LORA
 
 
 def staged_rows(seq_lens: list[int], tokens: int, page_size: int, min_tokens: int = STAGING_MIN_TOKENS,

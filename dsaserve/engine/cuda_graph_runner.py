@@ -25,7 +25,7 @@ import torch
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
-from dsaserve.engine.graph_capture import lean_capture
+from dsaserve.engine.graph_capture import capture_bucket, lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.model.forward_batch import ForwardBatch
@@ -135,17 +135,10 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         self.capture_retries = 0
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
-            static = self._warm(bs) if warm_each or i == 0 else {}
+            static, (graph, logits), _, retried = capture_bucket(
+                lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream), warm_each or i == 0)
             warm_each = warm_each or bool(static)  # collectives: their counts are each bucket's own
-            try:
-                graph, logits = self._capture_one(bs, stream)
-            except RuntimeError:
-                if warm_each or i == 0:
-                    raise
-                self.capture_retries += 1  # something first used in capture: warm it eagerly, capture again
-                torch.cuda.synchronize()
-                static = self._warm(bs)
-                graph, logits = self._capture_one(bs, stream)
+            self.capture_retries += retried
             if self.pool_handle is None:
                 self.pool_handle = graph.pool()
             self.graphs[bs] = _Graph(graph, logits, static)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dsaserve.common.counters import COUNTERS, Counters
-from dsaserve.engine.graph_capture import lean_capture
+from dsaserve.engine.graph_capture import capture_bucket, lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import bucket_for
 from dsaserve.kernels.registry import get_ops
@@ -121,20 +121,13 @@ class PiecewiseRunner:
         before = torch.cuda.memory_reserved() if self.capture_graphs else 0
         self.capture_retries = 0
         for i, bucket in enumerate(sorted(self.buckets, reverse=True)):
-            warmed = warm_each or i == 0 or not self.capture_graphs
-            self.static_counts[bucket] = self._warm(bucket) if warmed else {}
-            warm_each = warm_each or bool(self.static_counts[bucket])
             if not self.capture_graphs:
+                self.static_counts[bucket] = self._warm(bucket)
                 continue
-            try:
-                self.graphs[bucket] = self._capture(bucket)
-            except RuntimeError:
-                if warmed:
-                    raise
-                self.capture_retries += 1  # something first used in capture: warm it eagerly, capture again
-                torch.cuda.synchronize()
-                self.static_counts[bucket], warmed = self._warm(bucket), True
-                self.graphs[bucket] = self._capture(bucket)
+            self.static_counts[bucket], self.graphs[bucket], warmed, retried = capture_bucket(
+                lambda b=bucket: self._warm(b), lambda b=bucket: self._capture(b), warm_each or i == 0)
+            warm_each = warm_each or bool(self.static_counts[bucket])
+            self.capture_retries += retried
             if not warmed:  # its buffers as an eager run leaves them (finite): the core warmup reads them
                 with torch.inference_mode():  # as every step's (the buffers are inference tensors)
                     self._run(bucket, 0, None, eager=False)

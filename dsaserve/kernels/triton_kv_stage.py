@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.common.kv_layout import FP8_DS_MLA, QUANT_GROUP, KVLayout
+from dsaserve.common.kv_layout import FP8_DS_MLA, KVLayout
+from dsaserve.kernels.triton_sparse_mla import cache_views
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 STAGE_ROWS = 16  # rows a program: 16 x 656 B in, 16 x 1152 B out
@@ -66,19 +67,14 @@ def stage_latent(kv_cache: torch.Tensor, layout: KVLayout, pages: torch.Tensor, 
         raise ValueError(f"stage_latent: only fp8_ds_mla rows are staged, not {layout}")
     dc, n = kv_lora_rank, pages.numel() * page_size
     dr = out.shape[1] - dc
-    ng = dc // QUANT_GROUP
     if out.shape[0] < n or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"stage_latent: out must hold {n} bf16 rows of {dc + dr}, got {tuple(out.shape)} {out.dtype}")
-    if dc % QUANT_GROUP or kv_cache.shape[1] != dc + 4 * ng + 2 * dr:  # out's width says the rope's: they must agree
-        raise ValueError(f"stage_latent: kv_cache rows are {kv_cache.shape[1]} B, expected {dc + 4 * ng + 2 * dr} "
-                         f"for kv_lora_rank {dc} and out's {dr} rope values")
+    c, cs, r, stride_c, stride_cs, cs_off, stride_r, r_off = cache_views(kv_cache, layout, dc, dr, "stage_latent")
     if n == 0:
         return out
-    f32, b16 = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
     _stage_latent_kernel[(triton.cdiv(n, STAGE_ROWS),)](
-        kv_cache, f32, b16, pages, out, n, page_size, kv_cache.stride(0), f32.stride(0), dc // 4, b16.stride(0),
-        (dc + 4 * ng) // 2, out.stride(0), DC=dc, DR=dr, BLOCK_R=triton.next_power_of_2(dr), ROWS=STAGE_ROWS,
-        num_warps=4, **pdl_args(kv_cache.device))
+        c, cs, r, pages, out, n, page_size, stride_c, stride_cs, cs_off, stride_r, r_off, out.stride(0), DC=dc,
+        DR=dr, BLOCK_R=triton.next_power_of_2(dr), ROWS=STAGE_ROWS, num_warps=4, **pdl_args(kv_cache.device))
     return out
 
 

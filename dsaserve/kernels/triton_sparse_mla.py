@@ -272,12 +272,13 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, s
     tl.store(out_ptr + t * stride_xt + h * stride_xh + offs_c, res.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-def _cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int):
-    """(nope view, scale view, rope view, stride of each, scale/rope column offsets) for one layout."""
+def cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int, who: str = "sparse_mla_attention"):
+    """(nope view, scale view, rope view, stride of each, scale/rope column offsets) for one layout (a row width
+    that does not fit kv_lora_rank and the rope: an error; `triton_kv_stage` reads the cache through it too)."""
     if layout == FP8_DS_MLA:
         if dc % 128 or kv_cache.shape[1] != dc + 4 * (dc // 128) + 2 * dr:
-            raise ValueError(f"sparse_mla_attention: fp8_ds_mla rows are {kv_cache.shape[1]} B, "
-                             f"expected {dc + 4 * (dc // 128) + 2 * dr} for kv_lora_rank {dc}, rope {dr}")
+            raise ValueError(f"{who}: kv_cache rows are {kv_cache.shape[1]} B, expected "
+                             f"{dc + 4 * (dc // 128) + 2 * dr} for fp8_ds_mla at kv_lora_rank {dc}, rope {dr}")
         f32, b16 = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
         rope_col = (dc + 4 * (dc // 128)) // 2  # in bf16 units, after nope bytes and the scales
         return kv_cache, f32, b16, kv_cache.stride(0), f32.stride(0), dc // 4, b16.stride(0), rope_col
@@ -357,7 +358,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     splits = cfg["splits"] or pick_splits(t, head_blocks, n_keys, bk, _sm_count(q_nope))
     # no more splits than whole key tiles of a full row (the kernel divides each token's valid slots itself)
     splits = max(1, triton.cdiv(n_keys, triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk))
-    c, cs, r, stride_c, stride_cs, cs_off, stride_r, r_off = _cache_views(kv_cache, layout, dc, dr)
+    c, cs, r, stride_c, stride_cs, cs_off, stride_r, r_off = cache_views(kv_cache, layout, dc, dr)
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
     if splits > 1:
         part = torch.empty(splits, t, h, dc, dtype=torch.float32, device=q_nope.device)

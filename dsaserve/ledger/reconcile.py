@@ -23,6 +23,7 @@ from dsaserve.common.causal import (
     STAGING_ROWS_PER_TOKEN,
     keys_scored,
     staged_rows,
+    stages_latent,
     topk_selected,
 )
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
@@ -187,7 +188,7 @@ def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None
 def _staging(cfg: ModelConfig, shape: RunShape, steps: list[list[Row]], kv_bpt: int) -> dict[str, Predicted]:
     """`kv_bytes_staged` (model/layers/prefill_staging.py): per main-KV layer, each staged row read at the layout's
     size and written as bf16, in the steps whose size and context the engine stages (common/causal.py's rule)."""
-    if not shape.prefill_staging or shape.kv_layout != "fp8_ds_mla" or cfg.kv_lora_rank != 512:
+    if not shape.prefill_staging or not stages_latent(shape.kv_layout, cfg.kv_lora_rank):
         return {}
     rows = sum(staged_rows([r.prefix + r.new for r in s], sum(r.new for r in s), shape.page_size) for s in steps)
     row_bytes = kv_bpt + 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from dsaserve.common import envs
-from dsaserve.common.causal import STAGING_MIN_TOKENS, STAGING_ROWS_PER_TOKEN, staged_rows
+from dsaserve.common.causal import STAGING_MIN_TOKENS, STAGING_ROWS_PER_TOKEN, staged_rows, stages_latent
 from dsaserve.common.counters import COUNTERS
-from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout
+from dsaserve.common.kv_layout import BF16, KVLayout
 
 MIN_TOKENS = STAGING_MIN_TOKENS  # 512: 1.12x at T=512 (8K context), 0.91x at T=128
 ROWS_PER_TOKEN = STAGING_ROWS_PER_TOKEN  # 8: 1.12x at 4096 tokens over 32768 rows; bounds the buffer a step allocates
@@ -63,7 +63,7 @@ def for_step(ctx, kv_lora_rank: int) -> PrefillStaging | None:
 
 def _may_stage(ops, layout: KVLayout, kv_lora_rank: int, tokens: int) -> bool:
     return (envs.DSASERVE_PREFILL_STAGING and ops.impls.get("stage_latent", "reference") != "reference"
-            and layout == FP8_DS_MLA and kv_lora_rank == 512 and tokens >= MIN_TOKENS)
+            and stages_latent(layout.name, kv_lora_rank) and tokens >= MIN_TOKENS)
 
 
 def reserve_bytes(ops, layout: KVLayout, kv_lora_rank: int, rope_dim: int, tokens: int) -> int:
