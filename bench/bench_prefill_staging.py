@@ -7,7 +7,8 @@ Each case places one request's context on scattered pages of a larger pool, give
 its context (the indexer's shape: a token at position p sees min(2048, p + 1) keys, -1 after), checks that the
 staging is bit-exact against the reference ops and that sparse MLA over it matches the fp8 kernel, and times
 (triton.testing.do_bench) the fp8 kernel, the staging and the remap, and sparse MLA over the staged rows in
-several tilings: TFLOP/s over the valid keys and the ratio to the fp8 kernel, with the staging counted and not.
+several kernels and tilings (the Gluon kernel, the default on sm_90, and the Triton one): TFLOP/s over the valid
+keys and the ratio to the fp8 kernel, with the staging counted and not.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ import torch
 from triton.testing import do_bench
 
 from dsaserve.common.kv_layout import encode_latent, get_kv_layout
+from dsaserve.kernels import gluon_sparse_mla as G
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import triton_kv_stage as K
 from dsaserve.kernels import triton_sparse_mla as S
 
 H, DC, DR, TOPK, PS = 64, 512, 64, 2048, 64
 FP8, BF16 = get_kv_layout("fp8_ds_mla"), get_kv_layout("bf16")
-CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default for the case's token count
+CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the Gluon kernel on sm_90)
     "default": {},
-    "1stage-bk64": {"num_stages": 1, "block_k": 64, "prefetch": True},
-    "2stage-bk64": {"num_stages": 2, "block_k": 64, "prefetch": False},
-    "2stage-bk32": {"num_stages": 2, "block_k": 32, "prefetch": False},
-    "3stage-bk32": {"num_stages": 3, "block_k": 32, "prefetch": False},
+    "triton": {"num_stages": 2, "block_k": 64, "prefetch": False},  # the Triton kernel the dispatcher ran before
+    "triton-1stage": {"num_stages": 1, "block_k": 64, "prefetch": True},
+    "gluon-lazy": {"gluon": {"lazy": True}},
+    "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3}},
+    "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1}},
 }
 CASES = ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 32768), (1024, 1024), (512, 8192), (256, 256),
-         (128, 8192))
+         (128, 8192), (32, 8192), (16, 8192))
 
 
 def make_case(t: int, ctx: int, pool_pages: int, dev: str = "cuda"):
@@ -74,9 +77,12 @@ def run_case(t: int, ctx: int) -> dict:
                remap_ms=round(do_bench(lambda: K.remap_slots(slots, page_map, PS), rep=40), 4))
     rows = staged.view(torch.uint8)
     for name, cfg in CONFIGS.items():
-        out = S.sparse_mla_attention(qn, qr, rows, BF16, remapped, 0.04, DC, config=dict(cfg))
-        ms = do_bench(lambda cfg=cfg: S.sparse_mla_attention(qn, qr, rows, BF16, remapped, 0.04, DC, config=dict(cfg)),
-                      warmup=10, rep=60)
+        def call(cfg=cfg):
+            if "gluon" in cfg:
+                return G.sparse_mla_attention_gluon(qn, qr, staged, remapped, 0.04, torch.empty_like(qn), cfg["gluon"])
+            return S.sparse_mla_attention(qn, qr, rows, BF16, remapped, 0.04, DC, config=dict(cfg) or None)
+        out = call()
+        ms = do_bench(call, warmup=10, rep=60)
         res[name] = {"ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1), "x_fp8": round(fp8_ms / ms, 3),
                      "x_fp8_with_staging": round(fp8_ms / (ms + res["stage_ms"] + res["remap_ms"]), 3),
                      "max_rel_diff": float((out.float() - ref.float()).abs().max() / ref.float().abs().max())}
@@ -88,6 +94,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for t, ctx in CASES:
         rows.append(run_case(t, ctx))
         r = rows[-1]
@@ -95,10 +102,9 @@ def main() -> None:
               f"{r['stage_ms'] * 1e3:.0f}+{r['remap_ms'] * 1e3:.0f} us | default bf16 {r['default']['tflops']:6.1f} "
               f"TFLOP/s = {r['default']['x_fp8']:.3f}x ({r['default']['x_fp8_with_staging']:.3f}x with the staging)",
               flush=True)
+        print("   ", " ".join(f"{n} {r[n]['tflops']} (rel {r[n]['max_rel_diff']:.1e})" for n in CONFIGS), flush=True)
+        (Path(args.out) / "prefill_staging.json").write_text(json.dumps(rows, indent=1))  # each case, in case of a kill
         torch.cuda.empty_cache()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "prefill_staging.json").write_text(json.dumps(rows, indent=1))
-
 
 if __name__ == "__main__":
     main()

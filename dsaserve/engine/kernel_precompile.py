@@ -218,7 +218,8 @@ def replay_spec(spec: str) -> tuple[str | None, str | None]:
         signature = {k: _tuples(v) for k, v in d["signature"].items()}
         # extern library paths are the recording machine's; left out, the backend puts this install's default
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_target(d, GPUTarget),
+        source = getattr(fn, "ASTSource", ASTSource)  # a Gluon kernel (kernels/gluon_*.py) has its own
+        kernel = triton.compile(source(fn, signature, constexprs, attrs), target=_target(d, GPUTarget),
                                 options=options)
         return str(kernel.hash), None
     except Exception as e:  # one bad spec must not stop the others

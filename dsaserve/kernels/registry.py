@@ -118,7 +118,8 @@ def _sparse_mla(split_k, swap) -> tuple[object, str]:
     if SPARSE_MLA_SWAP_AB:
         return swap.sparse_mla_attention, (f"triton swap-AB tensor cores (T>={swap.SWAP_MIN_TOKENS}), else sparse "
                                            "flash-decoding")
-    return split_k.sparse_mla_attention, "triton sparse flash-decoding"
+    return split_k.sparse_mla_attention, ("triton sparse flash-decoding; bf16 rows (a prefill's staged rows) from "
+                                          f"{split_k.GLUON_MIN_TOKENS} tokens: gluon wgmma on sm_90")
 
 
 def _indexer_impl(triton_indexer, fp8_flag: str) -> str:

@@ -1,0 +1,234 @@
+"""Hopper sparse MLA in Gluon over bf16 rows: a prefill's staged rows, or the bf16 cache (issue 17; request path
+stage 6, attention).
+
+Owns: `sparse_mla_attention_gluon`, the same op as `reference.sparse_mla_attention` for bf16 rows at kv_lora 512
+(weight-absorbed: scores on the latent = nope + rope, output the attention-weighted nope latent), and `available`.
+Why Gluon and not Triton: Triton gives a dot whose result feeds another dot all warps along M, so with 64 heads
+as M both warpgroups of an 8-warp program computed the same S (53 % of the FLOPs run twice; offline sm_90 compile
+of `triton_sparse_mla`'s kernel). Gluon takes the layouts as written, after FlashMLA's sparse kernels:
+  S [64 heads, BLOCK_K keys] = Q C^T + Q_rope R^T   (wgmma; each warpgroup computes half of the keys, once),
+  softmax statistics across both warpgroups (fp32, exp2), P to shared memory (bf16),
+  O [64 heads, 512] += P C                           (wgmma; each warpgroup owns 256 output columns),
+with Q, Q_rope, the gathered rows and P in shared memory, read by both MMAs as they are (the rows' tile serves
+S as C^T through a transposed view and O as C). The next tile's rows are gathered by cp.async into the other
+stage while this tile computes. One program takes one token, 64 heads and one split of its top-k (flash-decoding
+splits merged by `triton_sparse_mla`'s combine kernel, as the Triton kernels do). Row and program offsets are
+64-bit. Shared memory: Q 72 KB + STAGES x BLOCK_K x 1152 B + P; 64-key tiles at 2 stages take ~224 KB.
+Gluon is Triton's lower-level language (triton.experimental.gluon, in Triton >= 3.5): no interpreter, so CPU
+runs never reach this file's kernel (`available` says no); its device test compares it with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_fp8_gemm import _sm_count
+
+try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU runs) take the Triton kernels
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+# kv_lora, rope, heads a program (wgmma's M is 64 a warpgroup); constexpr so the kernels read them
+DC, DR, BLOCK_H = tl.constexpr(512), tl.constexpr(64), tl.constexpr(64)
+RESCALE_LOG2 = tl.constexpr(8.0)
+DEFAULT = {"block_k": 64, "num_stages": 2, "lazy": False, "splits": None}
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel can run here: Gluon importable, a CUDA device of compute capability 9.x (wgmma)."""
+    return (HAVE_GLUON and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _valid_end(slot_ptr, row_base, n_keys, num_warps: gl.constexpr):
+        """One past the token's last valid (>= 0) slot (`triton_sparse_mla._valid_end`: slots come first)."""
+        scan_l: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+        SCAN: gl.constexpr = 4 * 32 * num_warps
+        last = n_keys * 0 - 1
+        for s0 in range(0, n_keys, SCAN):
+            o = s0 + gl.arange(0, SCAN, layout=scan_l)
+            sl = gl.load(slot_ptr + row_base + o, mask=o < n_keys, other=-1)
+            last = gl.maximum(last, gl.max(gl.where(sl >= 0, o, -1), axis=0))
+        return last + 1
+
+    @gluon.jit
+    def _gather_tile(c_ptr, slot_ptr, slot_base, start, k1, stride_c, r_off, k_dst, r_dst,
+                     BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+        """cp.async of the rows of slots [start, start + BLOCK_K) (-1 and past k1: zero rows, nothing read) into
+        k_dst [BLOCK_K, DC] and r_dst [BLOCK_K, DR]; 16 bytes a copy."""
+        nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        offs = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, nope_l))
+        sl = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1)
+        row = gl.where(sl >= 0, sl, 0).to(gl.int64) * stride_c
+        cols = gl.arange(0, DC, layout=gl.SliceLayout(0, nope_l))
+        async_copy.async_copy_global_to_shared(k_dst, c_ptr + row[:, None] + cols[None, :], mask=(sl >= 0)[:, None])
+        offs_r = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rope_l))
+        sl_r = gl.load(slot_ptr + slot_base + offs_r, mask=offs_r < k1, other=-1)
+        row_r = gl.where(sl_r >= 0, sl_r, 0).to(gl.int64) * stride_c + r_off
+        cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, rope_l))
+        async_copy.async_copy_global_to_shared(r_dst, c_ptr + row_r[:, None] + cols_r[None, :],
+                                               mask=(sl_r >= 0)[:, None])
+
+    @gluon.jit
+    def _load_q(q_smem, ptr, t, hb, n_heads, stride_t, stride_h, D: gl.constexpr, num_warps: gl.constexpr):
+        """Q rows of this program's heads (zeros past n_heads) as bf16 into shared memory."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld)).to(gl.int64)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        q = gl.load(ptr + t * stride_t + h[:, None] * stride_h + cols[None, :], mask=(h < n_heads)[:, None],
+                    other=0.0)
+        q_smem.store(q.to(gl.bfloat16))
+
+    @gluon.jit
+    def _sparse_mla_gluon_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
+                                 stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
+                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                                 SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                 LAZY: gl.constexpr, num_warps: gl.constexpr):
+        t = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1).to(gl.int64)
+        sp = gl.program_id(2).to(gl.int64)
+        # each warpgroup: S over half the keys, O over half the columns (warps [4, 2]: M = 64 heads once)
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BLOCK_K // 2, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, DC // 2, 16])
+        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], sw)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], sw)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, DC], sw)
+        r_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, DR], sw)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
+        _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, DC, num_warps)
+        _load_q(qr_s, qr_ptr, t, hb, n_heads, stride_qrt, stride_qrh, DR, num_warps)
+
+        slot_base = t * stride_st
+        kend = _valid_end(slot_ptr, slot_base, n_keys, num_warps)
+        if SPLIT:  # this split's share of the valid slots, whole tiles (`triton_sparse_mla._split_range`)
+            per = gl.cdiv(gl.cdiv(kend, gl.num_programs(2)), BLOCK_K) * BLOCK_K
+            k0 = sp * per
+            k1 = gl.minimum(k0 + per, kend)
+        else:
+            k0 = sp * 0
+            k1 = kend + sp * 0
+        n_tiles = gl.maximum(gl.cdiv(k1 - k0, BLOCK_K), 0).to(gl.int32)
+
+        m_i = gl.full([BLOCK_H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l))  # an async token in the loop
+        s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_l)
+        for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 tiles in flight
+            _gather_tile(c_ptr, slot_ptr, slot_base, k0 + i * BLOCK_K, k1, stride_c, r_off, k_s.index(i),
+                         r_s.index(i), BLOCK_K, num_warps)
+            async_copy.commit_group()
+        for it in range(n_tiles):
+            start = k0 + it * BLOCK_K
+            # the stage refilled below was read by the previous tile's O MMA (both warpgroups): done first
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            nxt = (it + STAGES - 1) % STAGES
+            _gather_tile(c_ptr, slot_ptr, slot_base, start + (STAGES - 1) * BLOCK_K, k1, stride_c, r_off,
+                         k_s.index(nxt), r_s.index(nxt), BLOCK_K, num_warps)
+            async_copy.commit_group()  # (past the last tile: an empty group, the count stays one a tile)
+            async_copy.wait_group(STAGES - 1)  # this tile's copies (the next ones stay in flight)
+            gl.thread_barrier()
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            kt = k_s.index(it % STAGES)
+            s = warpgroup_mma(q_s, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qr_s, r_s.index(it % STAGES).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+            offs = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+            valid = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1) >= 0
+            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units: qk_scale carries log2(e)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            # LAZY (FlashAttention-4): keep a stale maximum unless a head's grew by 2^RESCALE_LOG2, so P <= 2^8
+            # and the accumulator's rescale (128 multiplies a thread) runs on few tiles
+            if not LAZY or gl.max(m_new - m_i, axis=0) > RESCALE_LOG2:
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            p = gl.exp2(s - m_i[:, None])
+            l_i = l_i + gl.sum(p, axis=1)
+            p_s.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups read all of P
+            acc = warpgroup_mma(p_s, kt, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        async_copy.wait_group(0)
+
+        inv = gl.convert_layout(gl.where(l_i > 0, 1.0 / gl.maximum(l_i, 1e-30), 0.0), gl.SliceLayout(1, o_l))
+        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+        cols = gl.arange(0, DC, layout=gl.SliceLayout(0, o_l))
+        o_ptrs = o_ptr + sp * stride_os + t * stride_ot + h[:, None] * stride_oh + cols[None, :]
+        gl.store(o_ptrs, (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=(h < n_heads)[:, None])
+        if SPLIT:
+            lse = gl.where(l_i > 0, m_i + gl.log2(gl.maximum(l_i, 1e-30)), float("-inf"))
+            hs = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l)).to(gl.int64)
+            gl.store(lse_ptr + sp * stride_ls + t * stride_lt + hs, lse, mask=hs < n_heads)
+
+
+def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, topk_slots: torch.Tensor,
+                softmax_scale: float, out: torch.Tensor, cfg: dict, sms: int):
+    """(partials [splits, T, H, DC], lse, grid, kernel args, constexprs) of one call, nothing launched
+    (bench/offline_sm90.py compiles from it). Unsplit, the partials are `out` itself. `rows`: [slots, DC + DR]
+    bf16 (nope then rope)."""
+    from dsaserve.kernels import triton_sparse_mla as tsm
+
+    t, h, _ = q_nope.shape
+    n_keys, bk = topk_slots.shape[1], cfg["block_k"]
+    head_blocks = triton.cdiv(h, BLOCK_H.value)
+    splits = cfg["splits"] or tsm.pick_splits(t, head_blocks, n_keys, bk, sms)
+    splits = max(1, triton.cdiv(n_keys, triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk))
+    slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
+    if splits > 1:
+        part = torch.empty(splits, t, h, DC.value, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
+    else:
+        part, lse = out.unsqueeze(0), out.new_empty(1, 1, 1, dtype=torch.float32)  # lse unused unsplit
+    args = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
+            q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0), DC.value, slots.stride(0),
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "STAGES": cfg["num_stages"], "LAZY": cfg["lazy"], "num_warps": 8}
+    return part, lse, (t, head_blocks, splits), args, meta
+
+
+def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
+                               topk_slots: torch.Tensor, softmax_scale: float, out: torch.Tensor,
+                               config: dict | None = None) -> torch.Tensor:
+    """`reference.sparse_mla_attention` over bf16 rows [slots, 576] (kv_lora 512 + rope 64) into `out` [T, H, 512]
+    (the caller has checked shapes: `triton_sparse_mla.sparse_mla_attention` dispatches here). `config`
+    (bench/tuning only) overrides DEFAULT: block_k, num_stages, splits."""
+    from dsaserve.kernels.triton_sparse_mla import _combine_kernel
+
+    if rows.dtype != torch.bfloat16 or rows.shape[-1] != DC.value + DR.value or q_nope.shape[-1] != DC.value:
+        raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} and q_nope of {DC.value} "
+                         f"channels, got {rows.dtype} rows of {rows.shape[-1]}, q_nope {q_nope.shape[-1]}")
+    cfg = {**DEFAULT, **(config or {})}
+    part, lse, grid, args, meta = launch_plan(q_nope, q_rope, rows, topk_slots, softmax_scale, out, cfg,
+                                              _sm_count(q_nope))
+    _sparse_mla_gluon_kernel[grid](*args, **meta)
+    if grid[2] > 1:
+        t, h, _ = out.shape
+        _combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1), part.stride(2),
+                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                BLOCK_S=triton.next_power_of_2(grid[2]), BLOCK_C=DC.value, num_warps=4)
+    return out
