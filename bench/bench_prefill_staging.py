@@ -32,12 +32,12 @@ CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the Gl
     "default": {},
     "triton": {"num_stages": 2, "block_k": 64, "prefetch": False},  # the Triton kernel the dispatcher ran before
     "triton-1stage": {"num_stages": 1, "block_k": 64, "prefetch": True},
-    "gluon-lazy": {"gluon": {"lazy": True}},
+    "fp8-gluon": {"gluon": {}, "fp8": True},  # the cache itself, no staging
     "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3}},
     "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1}},
 }
 CASES = ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 32768), (1024, 1024), (512, 8192), (256, 256),
-         (128, 8192), (32, 8192), (16, 8192))
+         (128, 8192), (128, 1024), (64, 8192), (32, 8192), (16, 8192))
 
 
 def make_case(t: int, ctx: int, pool_pages: int, dev: str = "cuda"):
@@ -67,17 +67,21 @@ def run_case(t: int, ctx: int) -> dict:
     staged = torch.empty(pages.numel() * PS, DC + DR, dtype=torch.bfloat16, device="cuda")
     K.stage_latent(cache, FP8, pages, PS, DC, staged)
     remapped = K.remap_slots(slots, page_map, PS)
-    ref = S.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, DC)
+    fp8_triton = {"grouped": "dequant"}  # the Triton fp8 kernel as the dispatcher ran it before the Gluon one
+    ref = S.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, DC, config=fp8_triton)
     res = {"tokens": t, "context": ctx,
            "stage_exact": torch.equal(staged, R.stage_latent(cache, FP8, pages, PS, DC, torch.empty_like(staged))),
            "remap_exact": torch.equal(remapped, R.remap_slots(slots, page_map, PS))}
-    fp8_ms = do_bench(lambda: S.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, DC), warmup=10, rep=60)
+    fp8_ms = do_bench(lambda: S.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, DC, config=fp8_triton),
+                      warmup=10, rep=60)
     res.update(fp8_ms=round(fp8_ms, 4), fp8_tflops=round(flop / fp8_ms / 1e9, 1),
                stage_ms=round(do_bench(lambda: K.stage_latent(cache, FP8, pages, PS, DC, staged), rep=40), 4),
                remap_ms=round(do_bench(lambda: K.remap_slots(slots, page_map, PS), rep=40), 4))
     rows = staged.view(torch.uint8)
     for name, cfg in CONFIGS.items():
         def call(cfg=cfg):
+            if "fp8" in cfg:
+                return G.sparse_mla_attention_gluon(qn, qr, cache, slots, 0.04, torch.empty_like(qn), cfg["gluon"])
             if "gluon" in cfg:
                 return G.sparse_mla_attention_gluon(qn, qr, staged, remapped, 0.04, torch.empty_like(qn), cfg["gluon"])
             return S.sparse_mla_attention(qn, qr, rows, BF16, remapped, 0.04, DC, config=dict(cfg) or None)

@@ -1,21 +1,24 @@
-"""Hopper sparse MLA in Gluon over bf16 rows: a prefill's staged rows, or the bf16 cache (issue 17; request path
-stage 6, attention).
+"""Hopper sparse MLA in Gluon for many tokens (prefill, decode batches >= 16) at kv_lora 512, rope 64 (issue 17;
+request path stage 6, attention).
 
-Owns: `sparse_mla_attention_gluon`, the same op as `reference.sparse_mla_attention` for bf16 rows at kv_lora 512
-(weight-absorbed: scores on the latent = nope + rope, output the attention-weighted nope latent), and `available`.
+Owns: `sparse_mla_attention_gluon`, the same op as `reference.sparse_mla_attention` (weight-absorbed: scores on the
+latent = nope + rope, output the attention-weighted nope latent) over bf16 rows (a prefill's staged rows, the
+bf16 cache) or the fp8_ds_mla cache, and `available`.
 Why Gluon and not Triton: Triton gives a dot whose result feeds another dot all warps along M, so with 64 heads
 as M both warpgroups of an 8-warp program computed the same S (53 % of the FLOPs run twice; offline sm_90 compile
 of `triton_sparse_mla`'s kernel). Gluon takes the layouts as written, after FlashMLA's sparse kernels:
   S [64 heads, BLOCK_K keys] = Q C^T + Q_rope R^T   (wgmma; each warpgroup computes half of the keys, once),
   softmax statistics across both warpgroups (fp32, exp2), P to shared memory (bf16),
   O [64 heads, 512] += P C                           (wgmma; each warpgroup owns 256 output columns),
-with Q, Q_rope, the gathered rows and P in shared memory, read by both MMAs as they are (the rows' tile serves
-S as C^T through a transposed view and O as C). The next tile's rows are gathered by cp.async into the other
-stage while this tile computes. One program takes one token, 64 heads and one split of its top-k (flash-decoding
-splits merged by `triton_sparse_mla`'s combine kernel, as the Triton kernels do). Row and program offsets are
-64-bit. Shared memory: Q 72 KB + STAGES x BLOCK_K x 1152 B + P; 64-key tiles at 2 stages take ~224 KB.
-Gluon is Triton's lower-level language (triton.experimental.gluon, in Triton >= 3.5): no interpreter, so CPU
-runs never reach this file's kernel (`available` says no); its device test compares it with the reference.
+with Q, Q_rope, the key tile and P in shared memory, read by both MMAs as they are (the tile serves S as C^T
+through a transposed view and O as C). bf16 rows: the next tile is gathered by cp.async into the other stage
+while this one computes. fp8_ds_mla rows (656 B): the next tile's bytes are loaded into registers while this
+tile's S and softmax run and dequantised (the FP32 product rounded once to bf16, as the Triton kernels) into
+the other stage while its O MMA runs. One program takes one token, 64 heads and one split of its top-k
+(flash-decoding splits merged by `triton_sparse_mla`'s combine kernel). Row and program offsets are 64-bit.
+Shared memory: Q 72 KB + 2 x BLOCK_K x 1152 B + P; 64-key tiles take ~224 KB: one program an SM.
+Gluon is Triton's lower-level language (triton.experimental.gluon, Triton >= 3.5): no interpreter, so CPU runs
+never reach these kernels (`available` says no); their device test compares them with the reference.
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 LOG2E = 1.4426950408889634
 # kv_lora, rope, heads a program (wgmma's M is 64 a warpgroup); constexpr so the kernels read them
 DC, DR, BLOCK_H = tl.constexpr(512), tl.constexpr(64), tl.constexpr(64)
-RESCALE_LOG2 = tl.constexpr(8.0)
-DEFAULT = {"block_k": 64, "num_stages": 2, "lazy": False, "splits": None}
+DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None}
 
 
 def available(device: torch.device) -> bool:
@@ -97,11 +99,62 @@ if HAVE_GLUON:
         q_smem.store(q.to(gl.bfloat16))
 
     @gluon.jit
+    def _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT: gl.constexpr, BLOCK_K: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """(k0, k1, tiles) of this program: its split's share of the token's valid slots in whole tiles
+        (`triton_sparse_mla._split_range`), or all of them."""
+        kend = _valid_end(slot_ptr, slot_base, n_keys, num_warps)
+        if SPLIT:
+            per = gl.cdiv(gl.cdiv(kend, gl.num_programs(2)), BLOCK_K) * BLOCK_K
+            k0 = sp * per
+            k1 = gl.minimum(k0 + per, kend)
+        else:
+            k0 = sp * 0
+            k1 = kend + sp * 0
+        return k0, k1, gl.maximum(gl.cdiv(k1 - k0, BLOCK_K), 0).to(gl.int32)
+
+    @gluon.jit
+    def _scores(q_s, qr_s, kt, rt, s_zero, slot_ptr, slot_base, start, k1, qk_scale):
+        """S of one tile in log2 units (qk_scale carries log2(e)), -inf on skipped slots: nope and rope wgmmas."""
+        s = warpgroup_mma(q_s, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_s, rt.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        offs = start + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        valid = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1) >= 0
+        return gl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _online_softmax(s, m_i, l_i, acc, o_l: gl.constexpr):
+        """(P, m, l, the rescaled accumulator) after one tile. (FlashAttention-4's lazy rescale, a branch on the
+        block's largest growth of a maximum, was 0.92-0.95x on the H200 here: bench/RESULTS.md.)"""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p = gl.exp2(s - m_new[:, None])
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), acc
+
+    @gluon.jit
+    def _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
+                   stride_lt, SPLIT: gl.constexpr):
+        """O / l into this program's rows (a split's partial in fp32), and its log-sum-exp when split."""
+        o_l: gl.constexpr = acc.type.layout
+        inv = gl.convert_layout(gl.where(l_i > 0, 1.0 / gl.maximum(l_i, 1e-30), 0.0), gl.SliceLayout(1, o_l))
+        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+        cols = gl.arange(0, DC, layout=gl.SliceLayout(0, o_l))
+        o_ptrs = o_ptr + sp * stride_os + t * stride_ot + h[:, None] * stride_oh + cols[None, :]
+        gl.store(o_ptrs, (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=(h < n_heads)[:, None])
+        if SPLIT:
+            lse = gl.where(l_i > 0, m_i + gl.log2(gl.maximum(l_i, 1e-30)), float("-inf"))
+            hs = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=l_i.type.layout).to(gl.int64)
+            gl.store(lse_ptr + sp * stride_ls + t * stride_lt + hs, lse, mask=hs < n_heads)
+
+    @gluon.jit
     def _sparse_mla_gluon_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
                                  stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
                                  stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                                  SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                 LAZY: gl.constexpr, num_warps: gl.constexpr):
+                                 num_warps: gl.constexpr):
+        """bf16 rows: each tile gathered by cp.async STAGES - 1 tiles ahead."""
         t = gl.program_id(0).to(gl.int64)
         hb = gl.program_id(1).to(gl.int64)
         sp = gl.program_id(2).to(gl.int64)
@@ -119,18 +172,8 @@ if HAVE_GLUON:
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
         _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, DC, num_warps)
         _load_q(qr_s, qr_ptr, t, hb, n_heads, stride_qrt, stride_qrh, DR, num_warps)
-
         slot_base = t * stride_st
-        kend = _valid_end(slot_ptr, slot_base, n_keys, num_warps)
-        if SPLIT:  # this split's share of the valid slots, whole tiles (`triton_sparse_mla._split_range`)
-            per = gl.cdiv(gl.cdiv(kend, gl.num_programs(2)), BLOCK_K) * BLOCK_K
-            k0 = sp * per
-            k1 = gl.minimum(k0 + per, kend)
-        else:
-            k0 = sp * 0
-            k1 = kend + sp * 0
-        n_tiles = gl.maximum(gl.cdiv(k1 - k0, BLOCK_K), 0).to(gl.int32)
-
+        k0, k1, n_tiles = _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT, BLOCK_K, num_warps)
         m_i = gl.full([BLOCK_H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
         acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l))  # an async token in the loop
@@ -152,45 +195,127 @@ if HAVE_GLUON:
             gl.thread_barrier()
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
             kt = k_s.index(it % STAGES)
-            s = warpgroup_mma(q_s, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(qr_s, r_s.index(it % STAGES).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-            offs = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
-            valid = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1) >= 0
-            s = gl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units: qk_scale carries log2(e)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            # LAZY (FlashAttention-4): keep a stale maximum unless a head's grew by 2^RESCALE_LOG2, so P <= 2^8
-            # and the accumulator's rescale (128 multiplies a thread) runs on few tiles
-            if not LAZY or gl.max(m_new - m_i, axis=0) > RESCALE_LOG2:
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                m_i = m_new
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            p = gl.exp2(s - m_i[:, None])
-            l_i = l_i + gl.sum(p, axis=1)
+            s = _scores(q_s, qr_s, kt, r_s.index(it % STAGES), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc, o_l)
             p_s.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()  # both warpgroups read all of P
             acc = warpgroup_mma(p_s, kt, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
+        _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
+                   stride_lt, SPLIT)
 
-        inv = gl.convert_layout(gl.where(l_i > 0, 1.0 / gl.maximum(l_i, 1e-30), 0.0), gl.SliceLayout(1, o_l))
-        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
-        cols = gl.arange(0, DC, layout=gl.SliceLayout(0, o_l))
-        o_ptrs = o_ptr + sp * stride_os + t * stride_ot + h[:, None] * stride_oh + cols[None, :]
-        gl.store(o_ptrs, (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=(h < n_heads)[:, None])
-        if SPLIT:
-            lse = gl.where(l_i > 0, m_i + gl.log2(gl.maximum(l_i, 1e-30)), float("-inf"))
-            hs = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l)).to(gl.int64)
-            gl.store(lse_ptr + sp * stride_ls + t * stride_lt + hs, lse, mask=hs < n_heads)
+    @gluon.jit
+    def _fp8_rows(slot_ptr, slot_base, start, k1, stride_c, lay: gl.constexpr, BLOCK_K: gl.constexpr):
+        """(byte offsets, valid) of the rows of slots [start, start + BLOCK_K) along `lay`'s rows."""
+        offs = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+        sl = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1)
+        return gl.where(sl >= 0, sl, 0).to(gl.int64) * stride_c, sl >= 0
+
+    @gluon.jit
+    def _fp8_group(c_ptr, row, valid, G: gl.constexpr, lay: gl.constexpr):
+        """Group G's e4m3 bytes [BLOCK_K, 128] and FP32 scale [BLOCK_K] of the gathered fp8_ds_mla rows."""
+        cols = G * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+        raw = gl.load(c_ptr + row[:, None] + cols[None, :], mask=valid[:, None], other=0)
+        sc = gl.load((c_ptr + row + DC + 4 * G).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
+        return raw, sc
+
+    @gluon.jit
+    def _dequant_store(k_dst, raw, sc, G: gl.constexpr):
+        """Group G dequantised (the FP32 product rounded once to bf16, as the Triton kernels) into its columns."""
+        v = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+        k_dst.slice(G * 128, 128, dim=1).store(v)
+
+    @gluon.jit
+    def _fp8_rope_copy(c_ptr, slot_ptr, slot_base, start, k1, stride_c, r_dst, BLOCK_K: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """cp.async of the rows' BF16 rope (after the nope bytes and the scales) into r_dst [BLOCK_K, DR]."""
+        rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        row, valid = _fp8_rows(slot_ptr, slot_base, start, k1, stride_c, rope_l, BLOCK_K)
+        ptr = (c_ptr + row + DC + 4 * (DC // 128)).to(gl.pointer_type(gl.bfloat16))
+        cols = gl.arange(0, DR, layout=gl.SliceLayout(0, rope_l))
+        async_copy.async_copy_global_to_shared(r_dst, ptr[:, None] + cols[None, :], mask=valid[:, None])
+
+    @gluon.jit
+    def _sparse_mla_fp8_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
+                               stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_st,
+                               stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                               SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+        """fp8_ds_mla rows (656 B: e4m3 nope, 4 FP32 scales, BF16 rope): the next tile's bytes are loaded while
+        this tile's S and softmax run, dequantised into the other bf16 stage while its O MMA runs."""
+        t = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1).to(gl.int64)
+        sp = gl.program_id(2).to(gl.int64)
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BLOCK_K // 2, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, DC // 2, 16])
+        grp_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])  # 16 B a load
+        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], sw)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], sw)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, DC], sw)
+        r_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, DR], sw)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
+        _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, DC, num_warps)
+        _load_q(qr_s, qr_ptr, t, hb, n_heads, stride_qrt, stride_qrh, DR, num_warps)
+        slot_base = t * stride_st
+        k0, k1, n_tiles = _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT, BLOCK_K, num_warps)
+        m_i = gl.full([BLOCK_H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l))
+        s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_l)
+        row, valid = _fp8_rows(slot_ptr, slot_base, k0, k1, stride_c, grp_l, BLOCK_K)  # the first tile
+        for g in gl.static_range(4):
+            raw, sc = _fp8_group(c_ptr, row, valid, g, grp_l)
+            _dequant_store(k_s.index(0), raw, sc, g)
+        _fp8_rope_copy(c_ptr, slot_ptr, slot_base, k0, k1, stride_c, r_s.index(0), BLOCK_K, num_warps)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        for it in range(n_tiles):
+            start = k0 + it * BLOCK_K
+            cur = it % 2
+            nxt = 1 - cur
+            # the previous O MMA read P and the stage refilled below (both warpgroups): done first
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            row, valid = _fp8_rows(slot_ptr, slot_base, start + BLOCK_K, k1, stride_c, grp_l, BLOCK_K)
+            raw0, sc0 = _fp8_group(c_ptr, row, valid, 0, grp_l)  # in flight during S and the softmax
+            raw1, sc1 = _fp8_group(c_ptr, row, valid, 1, grp_l)
+            raw2, sc2 = _fp8_group(c_ptr, row, valid, 2, grp_l)
+            raw3, sc3 = _fp8_group(c_ptr, row, valid, 3, grp_l)
+            _fp8_rope_copy(c_ptr, slot_ptr, slot_base, start + BLOCK_K, k1, stride_c, r_s.index(nxt), BLOCK_K,
+                           num_warps)
+            async_copy.commit_group()
+            kt = k_s.index(cur)
+            s = _scores(q_s, qr_s, kt, r_s.index(cur), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc, o_l)
+            p_s.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups read all of P
+            acc = warpgroup_mma(p_s, kt, acc, is_async=True)
+            _dequant_store(k_s.index(nxt), raw0, sc0, 0)  # while the O MMA runs
+            _dequant_store(k_s.index(nxt), raw1, sc1, 1)
+            _dequant_store(k_s.index(nxt), raw2, sc2, 2)
+            _dequant_store(k_s.index(nxt), raw3, sc3, 3)
+            async_copy.wait_group(0)
+            fence_async_shared()
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
+                   stride_lt, SPLIT)
+
+
+FP8_ROW = 512 + 4 * 4 + 2 * 64  # fp8_ds_mla bytes a row at kv_lora 512, rope 64
 
 
 def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, topk_slots: torch.Tensor,
                 softmax_scale: float, out: torch.Tensor, cfg: dict, sms: int):
-    """(partials [splits, T, H, DC], lse, grid, kernel args, constexprs) of one call, nothing launched
-    (bench/offline_sm90.py compiles from it). Unsplit, the partials are `out` itself. `rows`: [slots, DC + DR]
-    bf16 (nope then rope)."""
+    """(kernel, partials [splits, T, H, DC], lse, grid, kernel args, constexprs) of one call, nothing launched
+    (bench/offline_sm90.py compiles from it). Unsplit, the partials are `out` itself. `rows`: bf16 [slots, 576]
+    (nope then rope), or the fp8_ds_mla cache as bytes [slots, 656]."""
     from dsaserve.kernels import triton_sparse_mla as tsm
 
     t, h, _ = q_nope.shape
@@ -204,31 +329,39 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
         lse = torch.empty(splits, t, h, dtype=torch.float32, device=q_nope.device)
     else:
         part, lse = out.unsqueeze(0), out.new_empty(1, 1, 1, dtype=torch.float32)  # lse unused unsplit
-    args = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
-            q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0), DC.value, slots.stride(0),
-            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
-    meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "STAGES": cfg["num_stages"], "LAZY": cfg["lazy"], "num_warps": 8}
-    return part, lse, (t, head_blocks, splits), args, meta
+    strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    head = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
+            q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0))
+    meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
+    if rows.dtype == torch.uint8:
+        kernel, args = _sparse_mla_fp8_kernel, (*head, slots.stride(0), *strides)
+    else:
+        kernel, args = _sparse_mla_gluon_kernel, (*head, DC.value, slots.stride(0), *strides)
+        meta["STAGES"] = cfg["num_stages"]
+    return kernel, part, lse, (t, head_blocks, splits), args, meta
 
 
 def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
                                topk_slots: torch.Tensor, softmax_scale: float, out: torch.Tensor,
                                config: dict | None = None) -> torch.Tensor:
-    """`reference.sparse_mla_attention` over bf16 rows [slots, 576] (kv_lora 512 + rope 64) into `out` [T, H, 512]
-    (the caller has checked shapes: `triton_sparse_mla.sparse_mla_attention` dispatches here). `config`
-    (bench/tuning only) overrides DEFAULT: block_k, num_stages, splits."""
+    """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
+    (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
+    checked the rest: `triton_sparse_mla.sparse_mla_attention` dispatches here). `config` (bench/tuning only)
+    overrides DEFAULT: block_k, num_stages (bf16 rows), splits."""
     from dsaserve.kernels.triton_sparse_mla import _combine_kernel
 
-    if rows.dtype != torch.bfloat16 or rows.shape[-1] != DC.value + DR.value or q_nope.shape[-1] != DC.value:
-        raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} and q_nope of {DC.value} "
-                         f"channels, got {rows.dtype} rows of {rows.shape[-1]}, q_nope {q_nope.shape[-1]}")
+    width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
+    if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
+        raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "
+                         f"{FP8_ROW}, and q_nope of {DC.value} channels; got {rows.dtype} rows of {rows.shape[-1]}, "
+                         f"q_nope {q_nope.shape[-1]}")
     cfg = {**DEFAULT, **(config or {})}
-    part, lse, grid, args, meta = launch_plan(q_nope, q_rope, rows, topk_slots, softmax_scale, out, cfg,
-                                              _sm_count(q_nope))
-    _sparse_mla_gluon_kernel[grid](*args, **meta)
+    kernel, part, lse, grid, args, meta = launch_plan(q_nope, q_rope, rows, topk_slots, softmax_scale, out, cfg,
+                                                      _sm_count(q_nope))
+    kernel[grid](*args, **meta)
     if grid[2] > 1:
         t, h, _ = out.shape
-        _combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1), part.stride(2),
-                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        _combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1),
+                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                                 BLOCK_S=triton.next_power_of_2(grid[2]), BLOCK_C=DC.value, num_warps=4)
     return out

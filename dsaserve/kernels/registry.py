@@ -118,8 +118,8 @@ def _sparse_mla(split_k, swap) -> tuple[object, str]:
     if SPARSE_MLA_SWAP_AB:
         return swap.sparse_mla_attention, (f"triton swap-AB tensor cores (T>={swap.SWAP_MIN_TOKENS}), else sparse "
                                            "flash-decoding")
-    return split_k.sparse_mla_attention, ("triton sparse flash-decoding; bf16 rows (a prefill's staged rows) from "
-                                          f"{split_k.GLUON_MIN_TOKENS} tokens: gluon wgmma on sm_90")
+    return split_k.sparse_mla_attention, (f"gluon wgmma from {split_k.GLUON_MIN_TOKENS} tokens on sm_90 (bf16 / "
+                                          "fp8_ds_mla at kv_lora 512), else triton sparse flash-decoding")
 
 
 def _indexer_impl(triton_indexer, fp8_flag: str) -> str:

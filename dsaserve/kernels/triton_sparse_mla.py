@@ -306,10 +306,10 @@ def _env_config(raw: str) -> dict:
 
 
 def _takes_gluon(layout: KVLayout, dc: int, dr: int, t: int, device: torch.device, config: dict | None) -> bool:
-    """Whether `gluon_sparse_mla` runs this call: bf16 rows (a prefill's staged rows, the bf16 cache) at kv_lora 512
-    and rope 64, from GLUON_MIN_TOKENS tokens, on sm_90 with Gluon, unless a bench's `config` asks for the
-    Triton kernels or DSASERVE_SPARSE_MLA_GLUON is 0."""
-    return (layout == BF16 and dc == 512 and dr == 64 and t >= GLUON_MIN_TOKENS and not config
+    """Whether `gluon_sparse_mla` runs this call: bf16 rows (a prefill's staged rows, the bf16 cache) or the
+    fp8_ds_mla cache at kv_lora 512 and rope 64, from GLUON_MIN_TOKENS tokens, on sm_90 with Gluon, unless a
+    bench's `config` asks for the Triton kernels or DSASERVE_SPARSE_MLA_GLUON is 0."""
+    return (layout in (BF16, FP8_DS_MLA) and dc == 512 and dr == 64 and t >= GLUON_MIN_TOKENS and not config
             and envs.DSASERVE_SPARSE_MLA_GLUON and gluon_sparse_mla.available(device))
 
 

@@ -1,21 +1,21 @@
-"""The Gluon sparse MLA (`kernels/gluon_sparse_mla.py`) against the reference and against the Triton kernel on the
-same bf16 rows: prefill (one program a token), decode batches (top-k splits merged by the combine kernel),
-masked heads, -1 tails and a token with no valid slot, a head-major q as cuBLAS's bmm leaves it. Needs sm_90 and
-Gluon (no interpreter runs Gluon: skipped elsewhere). Set-up: tests/kernels/gpu_common.py."""
+"""The Gluon sparse MLA (`kernels/gluon_sparse_mla.py`) against the reference and against the Triton kernels on the
+same bf16 rows and fp8_ds_mla cache: prefill (one program a token), decode batches (top-k splits merged by the
+combine kernel), masked heads, -1 tails and a token with no valid slot, a head-major q as cuBLAS's bmm leaves
+it. Needs sm_90 and Gluon (no interpreter runs Gluon: skipped elsewhere). Set-up: tests/kernels/gpu_common.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsaserve.common.kv_layout import get_kv_layout
+from dsaserve.common.kv_layout import encode_latent, get_kv_layout
 from dsaserve.kernels import gluon_sparse_mla
 from dsaserve.kernels import reference as R
 from tests.kernels.gpu_common import BF16, DEVICE, poison_free_memory, randn, rel
 
 pytestmark = pytest.mark.skipif(DEVICE != "cuda" or not gluon_sparse_mla.available(torch.device(DEVICE)),
                                 reason="the Gluon kernel needs an sm_90 GPU and Gluon")
-BF16_LAYOUT = get_kv_layout("bf16")
+BF16_LAYOUT, FP8 = get_kv_layout("bf16"), get_kv_layout("fp8_ds_mla")
 
 
 def _case(gen, t: int, h: int, k: int, n_rows: int, head_major: bool = False):
@@ -63,5 +63,28 @@ def test_gluon_sparse_mla_equals_the_triton_kernel_and_is_dispatched(gen):
 
 def test_gluon_sparse_mla_rejects_rows_it_does_not_take(gen):
     rows, slots, qn, qr = _case(gen, 16, 64, 256, 300)
-    with pytest.raises(ValueError, match="bf16 rows of 576"):
+    with pytest.raises(ValueError, match="bf16 rows of 576 or fp8_ds_mla bytes of 656"):
         gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, rows[:, :544], slots, 0.04, torch.empty_like(qn))
+
+
+@pytest.mark.parametrize("t,h,k", [(128, 64, 2048), (16, 64, 1024), (40, 40, 1000), (700, 64, 2048)])
+def test_gluon_sparse_mla_over_the_fp8_cache(gen, t, h, k):
+    """The fp8_ds_mla kernel (each tile dequantised into shared memory as the Triton kernels round it) against
+    the reference and, through the dispatcher, against the Triton fp8 kernel."""
+    from dsaserve.kernels import triton_sparse_mla
+
+    rows, slots, qn, qr = _case(gen, t, h, k, 6000)
+    cache = encode_latent(rows.float(), FP8, 512)
+    poison_free_memory()
+    got = triton_sparse_mla.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
+    direct = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, cache, slots, 0.04, torch.empty_like(got))
+    assert torch.equal(got, direct), "the dispatcher takes the Gluon kernel for the fp8 cache"
+    want = R.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
+    triton_out = triton_sparse_mla.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512,
+                                                        config={"grouped": "dequant"})
+    keep = torch.ones(t, dtype=torch.bool, device=DEVICE)
+    if t > 2:
+        keep[1] = False
+        assert bool((got[1] == 0).all()), "a token without slots gets zeros"
+    assert rel(got[keep], want[keep]) < BF16, f"seed {gen.initial_seed()}"
+    assert rel(got[keep], triton_out[keep]) < BF16 / 10, f"seed {gen.initial_seed()}"
