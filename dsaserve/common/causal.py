@@ -2,7 +2,8 @@
 
 Owns: the closed forms both sides of the ledger use — its predictions (`ledger/prefill.py`,
 `ledger/reconcile.py`) and the engine's measured counters (`model/step_counts.py`, eager steps and graph
-replays alike), so prediction and measurement cannot drift apart by construction of the arithmetic. Pure Python.
+replays alike), so prediction and measurement cannot drift apart by construction of the arithmetic; and the prefill
+staging's rule, by which the engine (`model/layers/prefill_staging.py`) decides and both ledgers predict. Pure Python.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ def stages_latent(layout: str, kv_lora_rank: int) -> bool:
 def staged_rows(seq_lens: list[int], tokens: int, page_size: int, min_tokens: int = STAGING_MIN_TOKENS,
                 rows_per_token: int = STAGING_ROWS_PER_TOKEN) -> int:
     """Rows a step of `tokens` new tokens stages to bf16 in each layer (every request's pages up to its seq_len,
-    whole pages), or 0 when the step reads the cache itself (too few tokens, or too many rows per token)."""
+    whole pages), or 0 when the step reads the cache itself (too few tokens, or too many rows per token).
+
+    Lengths only: what the ledger's planning model, its reconcile replay and the engine all know. The engine
+    stages each distinct page once, so where requests share pages (prefix-cache hits) it stages fewer rows than
+    this, never more: the decision is the same, and this count bounds the buffer (`reserve_bytes`)."""
     rows = sum(-(-s // page_size) for s in seq_lens) * page_size
     return rows if tokens >= min_tokens and 0 < rows <= rows_per_token * tokens else 0
 
+
+def staged_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """One staged row: the latent (nope + rope) as bf16, what sparse MLA gathers from the staging (1152 B at
+    512 + 64; the cache's fp8_ds_mla row is 656 B)."""
+    return 2 * (kv_lora_rank + rope_dim)

@@ -129,6 +129,14 @@ class Assumptions:
     compute_efficiency: float = _a(1.0, "fraction of dense peak FLOP/s; 1.0 makes times lower bounds")
     indexer_split: bool = _a(True, "prefill indexer work and reads spread evenly over all GPUs (the notes); "
                              "False = every TP rank scores every query")
+    prefill_staging: bool = _a(True, "prefill steps the engine's rule stages (common/causal.py: >= 512 tokens, <= 8 "
+                               "context rows a token, fp8_ds_mla at kv_lora 512) dequantise their pages once a layer "
+                               "to bf16 and sparse MLA gathers bf16 rows (GPU kernels); False = "
+                               "DSASERVE_PREFILL_STAGING=0, sparse MLA reads the cache")
+    prefill_kv_gather: str = _a("rows", "prefill sparse MLA's top-k gather in the HBM time: 'rows' = each context row "
+                                "once a layer (a chunk's queries share most of their rows, L2 serves the repeats); "
+                                "'slots' = every selected slot from HBM (what kv_bytes_read counts, an upper "
+                                "estimate)", ("rows", "slots"))
     kernels_per_op: float = _a(1.0, "GPU kernels per operator of the operator list")
     launch_overhead_s: float = _a(4e-6, "one eager kernel launch (note 000/001: 3-5 us)")
     cuda_graph_max_bs: int = _a(256, "largest captured decode batch; bigger batches run eager")

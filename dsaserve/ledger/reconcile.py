@@ -22,6 +22,7 @@ from dsaserve.common.causal import (
     STAGING_MIN_TOKENS,
     STAGING_ROWS_PER_TOKEN,
     keys_scored,
+    staged_row_bytes,
     staged_rows,
     stages_latent,
     topk_selected,
@@ -191,7 +192,7 @@ def _staging(cfg: ModelConfig, shape: RunShape, steps: list[list[Row]], kv_bpt: 
     if not shape.prefill_staging or not stages_latent(shape.kv_layout, cfg.kv_lora_rank):
         return {}
     rows = sum(staged_rows([r.prefix + r.new for r in s], sum(r.new for r in s), shape.page_size) for s in steps)
-    row_bytes = kv_bpt + 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    row_bytes = kv_bpt + staged_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     n_kv = cfg.num_hidden_layers
     return {"kv_bytes_staged": _exact(rows * row_bytes * n_kv, f"{rows} rows staged (steps of >= "
                                       f"{STAGING_MIN_TOKENS} tokens, <= {STAGING_ROWS_PER_TOKEN} rows a token) x "

@@ -8,6 +8,14 @@ coverage (first request). Pure Python.
 
 from __future__ import annotations
 
+from dsaserve.common.causal import (
+    STAGED_KV_LORA,
+    STAGED_LAYOUT,
+    STAGING_MIN_TOKENS,
+    STAGING_ROWS_PER_TOKEN,
+    staged_row_bytes,
+    stages_latent,
+)
 from dsaserve.ledger.collective_plan import pd_transfer_bytes, transfer_time
 from dsaserve.ledger.first_request import first_request as first_request_model
 from dsaserve.ledger.inputs import LedgerInputs
@@ -30,19 +38,23 @@ def _bound(c) -> str:
 def prefill_chunks(li: LedgerInputs, p: Prefill) -> Section:
     rows = [{"chunk": c.index, "prefix": c.prefix, "tokens": c.tokens, "gemm_flops": c.gemm_flops + c.attn_flops,
              "indexer_flops": c.indexer_flops, "indexer_read": c.indexer_read, "kv_write": c.kv_write + c.indexer_write,
-             "collective_calls": c.collective_calls, "collective_bytes": c.collective_bytes,
+             "kv_read": c.kv_read, "kv_staged": c.kv_staged, "collective_calls": c.collective_calls,
+             "collective_bytes": c.collective_bytes,
              "compute_s": c.compute_s, "memory_s": c.memory_s, "comm_s": c.comm_s, "lower_bound_s": c.lower_bound_s,
              "why": _bound(c)} for c in p.chunks]
     cols = [Column("chunk", "#"), Column("prefix", "prefix", "tokens"), Column("tokens", "tokens", "tokens"),
             Column("gemm_flops", "GEMM + attention", "FLOP"), Column("indexer_flops", "indexer", "FLOP"),
             Column("indexer_read", "indexer K read", "B"), Column("kv_write", "KV write", "B"),
+            Column("kv_read", "KV gathered", "B"), Column("kv_staged", "staged", "B"),
             Column("collective_calls", "collectives"), Column("collective_bytes", "sent per rank", "B"),
             Column("compute_s", "compute", "s"), Column("memory_s", "HBM", "s"), Column("comm_s", "comm", "s"),
             Column("lower_bound_s", "lower bound", "s"), Column("why", "why")]
     return Section("prefill_chunks", f"Chunked prefill of {p.context:,} tokens in chunks of {p.chunk:,}",
                    "only the indexer terms grow with the prefix: later chunks cost more", cols, rows,
                    [f"indexer q-tile {li.asm.indexer_q_tile}: one key read serves that many queries; "
-                    f"{'spread over all GPUs' if li.asm.indexer_split else 'every rank scores every query'}"])
+                    f"{'spread over all GPUs' if li.asm.indexer_split else 'every rank scores every query'}",
+                    "KV gathered: sparse MLA's top-k rows (bf16 in a staged chunk); staged: the prefill staging's "
+                    "read + bf16 write of the request's pages (0: the chunk reads the cache)"])
 
 
 def prefill_totals(li: LedgerInputs, p: Prefill) -> Section:
@@ -60,17 +72,44 @@ def prefill_totals(li: LedgerInputs, p: Prefill) -> Section:
            f"causal pairs x indexer bytes / q-tile {a.indexer_q_tile}"),
         _q("main KV written", p.total("kv_write"), "B", "tokens x main bytes/token"),
         _q("indexer K written", p.total("indexer_write"), "B", "tokens x indexer bytes/token"),
+        *_kv_rows(li, p),
         _q("collective calls", sum(c.collective_calls for c in p.chunks), "", "every chunk is one forward"),
         _q("collective bytes per rank", p.total("collective_bytes"), "B", "ring wire bytes"),
         _q("indexer pairs across chunks", p.cross_chunk_share, "%", "keys from earlier chunks: the quadratic part"),
         _q("compute time (dense peak)", p.total("compute_s"), "s",
            f"{n} GPUs x {hw.fp8_flops / 1e15:g} PFLOP/s FP8 x efficiency {a.compute_efficiency}"),
-        _q("HBM time", p.total("memory_s"), "s", f"{n} GPUs x {hw.hbm_bw / 1e12:g} TB/s"),
+        _q("HBM time", p.total("memory_s"), "s", f"{n} GPUs x {hw.hbm_bw / 1e12:g} TB/s: indexer K read, KV + "
+           "indexer written, the gather's HBM bytes, the staging, the weights once a chunk"),
         _q("collective time", p.total("comm_s"), "s", "NVLink"),
         _q("TTFT lower bound", p.total("lower_bound_s"), "s", "per chunk the largest of the three, summed"),
     ]
     return Section("prefill_totals", f"Chunked prefill totals ({p.context:,} tokens)",
                    "lower bounds: perfect overlap at datasheet peaks", QTY, rows)
+
+
+def _kv_rows(li: LedgerInputs, p: Prefill) -> list[dict[str, object]]:
+    """Sparse MLA's KV gather and the prefill staging (model/layers/prefill_staging.py), each its own line."""
+    cfg, kv, layout = li.cfg, li.kv, li.work.kv_layout
+    bf16, cache = staged_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim), kv.main_per_layer
+    staged = sum(c.staged for c in p.chunks)
+    hbm = ("each context row once a layer" if li.asm.prefill_kv_gather == "rows" else "every slot") + \
+        " (--assume prefill_kv_gather)"
+    if not li.asm.prefill_staging:
+        why = "none: --assume prefill_staging=false (DSASERVE_PREFILL_STAGING=0)"
+    elif not stages_latent(layout, cfg.kv_lora_rank):
+        why = f"none: the engine stages {STAGED_LAYOUT} at kv_lora {STAGED_KV_LORA} only, not {layout} at " \
+              f"{cfg.kv_lora_rank}"
+    else:
+        why = (f"{staged} of {len(p.chunks)} chunks (>= {STAGING_MIN_TOKENS} tokens, <= {STAGING_ROWS_PER_TOKEN} "
+               f"context rows a token): their whole pages x ({cache} B read + {bf16} B bf16 written) x "
+               f"{kv.kv_layers} layers, once a chunk; in the HBM time")
+    rows = {0: f"{cache} B {layout} rows", len(p.chunks): f"{bf16} B bf16 rows (every chunk staged)"}.get(
+        staged, f"({bf16} B bf16 rows in staged chunks, {cache} B {layout} rows in the others)")
+    return [
+        _q("sparse-MLA KV gathered", p.total("kv_read"), "B",
+           f"top-k slots x {rows} x {kv.kv_layers} layers; in the HBM time: {hbm}"),
+        _q("prefill staging", p.total("kv_staged"), "B", why),
+    ]
 
 
 def pd_transfer(li: LedgerInputs) -> Section:

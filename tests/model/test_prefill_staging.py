@@ -1,6 +1,7 @@
-"""model/layers/prefill_staging.py: which steps stage their rows, what is staged, that sparse MLA over the
-staged rows reads what it reads from the cache itself, and that each forward (eager, piecewise, MTP) stages its
-own pages (reference ops standing in for the GPU's, so it runs on the CPU; the Triton kernels' own test is
+"""model/layers/prefill_staging.py: which steps stage their rows (the planning ledger's rule too), what is staged
+(each distinct page once), that sparse MLA over the staged rows reads what it reads from the cache itself, that
+each forward (eager, piecewise, MTP) stages its own pages, and what the memory profile reserves for it (reference
+ops standing in for the GPU's, so it runs on the CPU; the Triton kernels' own test is
 tests/kernels/test_gpu_kv_stage.py)."""
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import pytest
 import torch
 
 from dsaserve.common import envs
+from dsaserve.common.causal import STAGING_MIN_TOKENS, topk_selected
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import BF16, encode_latent, get_kv_layout
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.memory_profile import dummy_prefill
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
+from dsaserve.ledger.deployment import Assumptions, Workload
+from dsaserve.ledger.kv import kv_per_token
+from dsaserve.ledger.prefill import kv_traffic
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers import prefill_staging
@@ -31,10 +37,10 @@ OPS = SimpleNamespace(stage_latent=R.stage_latent, remap_slots=R.remap_slots, im
 
 
 def _step(seq_lens: list[int], tables: list[list[int]], new_tokens: int, layout: str = "fp8_ds_mla",
-          ops=OPS) -> StepContext:
-    pool = KVPool(CFG, 16, layout, [0], PS)
+          ops=OPS, pool_pages: int = 16) -> StepContext:
+    pool = KVPool(CFG, pool_pages, layout, [0], PS)
     gen = torch.Generator().manual_seed(0)
-    pool.kv_cache(0).copy_(encode_latent(torch.randn(16 * PS, 576, generator=gen), layout, 512))
+    pool.kv_cache(0).copy_(encode_latent(torch.randn(pool_pages * PS, 576, generator=gen), layout, 512))
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     ext = [new_tokens // len(seq_lens)] * len(seq_lens)
@@ -50,10 +56,10 @@ def small_steps(monkeypatch):
     monkeypatch.setattr(prefill_staging, "MIN_TOKENS", 4)
 
 
-def test_each_requests_pages_are_staged_in_order_and_mapped_back():
+def test_each_page_the_requests_attend_to_is_staged_and_mapped_back():
     ctx = _step([130, 70], [[9, 2, 14], [5, 11, 0]], new_tokens=200)
     s = prefill_staging.for_step(ctx, 512)
-    assert s.pages.tolist() == [9, 2, 14, 5, 11]  # 3 pages for 130 tokens, 2 for 70; the padding page is not
+    assert s.pages.tolist() == [2, 5, 9, 11, 14]  # 3 pages for 130 tokens, 2 for 70; the padding page is not
     assert {p: i for i, p in enumerate(s.pages.tolist())} == {p: int(s.page_map[p]) for p in (9, 2, 14, 5, 11)}
     assert int((s.page_map >= 0).sum()) == 5 and tuple(s.rows.shape) == (5 * PS, 576)
     assert prefill_staging.for_step(ctx, 512) is s  # decided once a step
@@ -108,6 +114,47 @@ def test_sparse_mla_over_staged_rows_reads_what_it_reads_from_the_cache():
     finally:
         COUNTERS.enabled = enabled
     assert staging.stage(OPS, cache, ctx.pool.layout, slots.clone(), 512)[2] is not staged  # a new selection
+
+
+def test_a_page_two_requests_share_is_staged_once():
+    """A prefix-cache hit: both requests attend to pages 9 and 2. Staged once per request, they were read, written
+    and counted twice, and held two copies in the buffer (6 pages staged for 4)."""
+    ctx = _step([150, 140], [[9, 2, 14], [9, 2, 11]], new_tokens=48)  # the rule: 6 pages = 384 rows <= 8 x 48
+    staging = prefill_staging.for_step(ctx, 512)
+    pages = staging.pages.tolist()
+    assert sorted(pages) == [2, 9, 11, 14] and tuple(staging.rows.shape) == (4 * PS, 576)
+    assert [int(staging.page_map[p]) for p in pages] == [0, 1, 2, 3]
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.stack([ctx.batch.slots_of(r, n)[torch.randperm(n, generator=gen)[:40]]
+                         for r, n in ((0, 150), (0, 150), (1, 140), (1, 140))])
+    qn, qr = torch.randn(4, 4, 512, generator=gen), torch.randn(4, 4, 64, generator=gen)
+    cache = ctx.pool.kv_cache(0)
+    enabled, COUNTERS.enabled = COUNTERS.enabled, True
+    try:
+        before = COUNTERS.get("kv_bytes_staged")
+        rows, layout, staged = staging.stage(OPS, cache, ctx.pool.layout, slots, 512)
+        assert COUNTERS.get("kv_bytes_staged") - before == 4 * PS * (656 + 1152)
+    finally:
+        COUNTERS.enabled = enabled
+    got = R.sparse_mla_attention(qn, qr, rows, layout, staged, 0.04, 512)
+    want = R.sparse_mla_attention(qn, qr, cache, ctx.pool.layout, slots, 0.04, 512)
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("prefix, tokens", [(0, 512), (0, STAGING_MIN_TOKENS - 1), (3584, 512), (3585, 512),
+                                            (1000, 700)])
+def test_the_engine_stages_what_the_planning_ledger_counts(monkeypatch, prefix: int, tokens: int):
+    """One request's chunk, as the planning ledger models a prefill (ledger/prefill.py): the engine stages the
+    rows the ledger counts, and none where the ledger says the chunk reads the cache (under 512 tokens; 3585 +
+    512 tokens fill 65 pages, past 8 rows a token)."""
+    monkeypatch.setattr(prefill_staging, "MIN_TOKENS", STAGING_MIN_TOKENS)
+    seq, pages = prefix + tokens, -(-(prefix + tokens) // PS)
+    staging = prefill_staging.for_step(_step([seq], [list(range(pages))], tokens, pool_pages=pages), 512)
+    asm = Assumptions()
+    per_tok = kv_per_token(CFG, "fp8_ds_mla", asm)
+    _, staged, _ = kv_traffic(CFG, Workload(), asm, per_tok, prefix, tokens, topk_selected(prefix, tokens, 2048))
+    assert staged == (0 if staging is None else staging.rows.shape[0]) * (656 + 1152) * CFG.num_hidden_layers
+    assert (staging is not None) == ((prefix, tokens) in ((0, 512), (3584, 512), (1000, 700)))
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +225,16 @@ def test_the_memory_profile_reserves_what_its_dummy_prefill_did_not_stage():
     assert prefill_staging.reserve_bytes(SimpleNamespace(impls={"stage_latent": "reference"}), fp8, 512, 64, 8192) == 0
     with envs.override(DSASERVE_PREFILL_STAGING="0"):
         assert prefill_staging.reserve_bytes(OPS, fp8, 512, 64, 8192) == 0
+
+
+def test_the_reserve_and_the_dummy_prefills_own_staging_cover_the_largest_step():
+    """The profile measures its dummy prefill, which stages its own pages; the reserve adds the rest, up to the
+    ROWS_PER_TOKEN rows a token the rule lets a step stage (whole pages, each distinct page once)."""
+    tokens = 1000
+    ctx = _step([tokens], [list(range(16))], tokens)
+    ctx.batch = dummy_prefill(tokens, PS, CFG.vocab_size, "cpu")
+    own = prefill_staging.for_step(ctx, 512).rows.shape[0]
+    assert own == 16 * PS  # 1000 tokens: 16 whole pages
+    largest = prefill_staging.ROWS_PER_TOKEN * tokens  # the rule's bound on a step's rows
+    reserve = prefill_staging.reserve_bytes(OPS, get_kv_layout("fp8_ds_mla"), 512, 64, tokens)
+    assert own * 1152 + reserve >= largest * 1152 > (own - PS) * 1152 + reserve  # covered, and by under a page

@@ -1,17 +1,19 @@
 """Prefill staging: a prefill step's sparse MLA reads its context's latent rows dequantised once a layer (issue 17).
 
 Owns: `for_step(ctx, kv_lora_rank)`, the step's `PrefillStaging` or None, decided once per step (StepContext) and
-used by every layer's attention core: the pages the step's requests attend to (each request's pages in order), a
-map from a physical page to its place among them, and one bf16 buffer of their rows that each layer rewrites
-(`stage_latent`) before its sparse MLA; the top-k slots are remapped to rows of that buffer once per selection
-(full layers select, shared layers reuse theirs).
+used by every layer's attention core: the pages the step's requests attend to (each distinct page once: a page
+two requests share, a prefix-cache hit, is staged once), a map from a physical page to its place among them, and
+one bf16 buffer of their rows that each layer rewrites (`stage_latent`) before its sparse MLA; the top-k slots are
+remapped to rows of that buffer once per selection (full layers select, shared layers reuse theirs).
 
 When (bench/RESULTS.md, tenth session, one H200): fp8_ds_mla at kv_lora 512 on the GPU kernels, a step of at least
 MIN_TOKENS tokens, and a context of at most ROWS_PER_TOKEN rows per token; so never a decode step (a page a
 token), nor a forward captured into a CUDA graph (a piecewise graph's attention cores run eagerly, each step with
-its own StepContext). Sparse MLA over staged bf16 rows (2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel
-at T = 4096-16384 with the staging counted (its ~30 us a layer), 1.12x at T = 512 over an 8K context, but 0.91x at
-T = 128 (too few tokens share each staged row).
+its own StepContext). The decision counts each request's pages from the lengths (common/causal.py's rule, the
+ledger's too), so a step whose requests share pages decides as if they did not, and stages fewer rows.
+Sparse MLA over staged bf16 rows (2-stage cp.async gathers) ran 1.17-1.18x the fp8 kernel at T = 4096-16384 with
+the staging counted (its ~30 us a layer), 1.12x at T = 512 over an 8K context, but 0.91x at T = 128 (too few
+tokens share each staged row).
 Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone); the memory
 profile adds what its dummy prefill did not stage (`reserve_bytes`).
 Numbers: the same as the fp8 kernel's (the FP32 product of e4m3 and scale, rounded to bf16 once).
@@ -26,7 +28,13 @@ import numpy as np
 import torch
 
 from dsaserve.common import envs
-from dsaserve.common.causal import STAGING_MIN_TOKENS, STAGING_ROWS_PER_TOKEN, staged_rows, stages_latent
+from dsaserve.common.causal import (
+    STAGING_MIN_TOKENS,
+    STAGING_ROWS_PER_TOKEN,
+    staged_row_bytes,
+    staged_rows,
+    stages_latent,
+)
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import BF16, KVLayout
 
@@ -36,7 +44,7 @@ ROWS_PER_TOKEN = STAGING_ROWS_PER_TOKEN  # 8: 1.12x at 4096 tokens over 32768 ro
 
 @dataclass
 class PrefillStaging:
-    pages: torch.Tensor  # [P] physical pages, each request's in order (a page shared by two requests twice)
+    pages: torch.Tensor  # [P] int32: the distinct physical pages the step's requests attend to, sorted
     page_map: torch.Tensor  # [pool pages] int32: page -> its index in `pages` (-1: not staged)
     rows: torch.Tensor  # [P * page_size, kv_lora + rope] bf16: one layer's rows, rewritten by each layer
     page_size: int
@@ -68,10 +76,11 @@ def _may_stage(ops, layout: KVLayout, kv_lora_rank: int, tokens: int) -> bool:
 
 def reserve_bytes(ops, layout: KVLayout, kv_lora_rank: int, rope_dim: int, tokens: int) -> int:
     """What a step of `tokens` may stage beyond a context of its own length (the memory profile's dummy prefill
-    stages about `tokens` rows; a chunk deep into a long prompt stages up to ROWS_PER_TOKEN times as many)."""
+    stages its own pages, at least `tokens` rows; a chunk deep into a long prompt stages up to ROWS_PER_TOKEN times
+    as many: the rule's rows bound the distinct pages a step stages)."""
     if not _may_stage(ops, layout, kv_lora_rank, tokens):
         return 0
-    return (ROWS_PER_TOKEN - 1) * tokens * (kv_lora_rank + rope_dim) * 2  # bf16 rows
+    return (ROWS_PER_TOKEN - 1) * tokens * staged_row_bytes(kv_lora_rank, rope_dim)
 
 
 def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
@@ -86,14 +95,22 @@ def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     seq_lens, _ = batch.host_lens()
     if not staged_rows(seq_lens, batch.num_tokens, ps, MIN_TOKENS, ROWS_PER_TOKEN):  # the ledger's rule, shared
         return None
-    n_pages = np.array([-(-s // ps) for s in seq_lens], dtype=np.int64)
-    total = int(n_pages.sum())
-    dev = batch.page_table.device
-    req = np.repeat(np.arange(len(seq_lens)), n_pages)
-    local = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
-    pages = batch.page_table[torch.from_numpy(req).to(dev), torch.from_numpy(local).to(dev)].to(torch.int32)
-    cache = pool.kv_cache(0)
-    page_map = torch.full((cache.shape[0] // ps,), -1, dtype=torch.int32, device=dev)
+    pages = _distinct_pages(batch.page_table, seq_lens, ps)
+    total, dev = pages.numel(), pages.device
+    page_map = torch.full((pool.kv_cache(0).shape[0] // ps,), -1, dtype=torch.int32, device=dev)
     page_map[pages.long()] = torch.arange(total, dtype=torch.int32, device=dev)
     rows = torch.empty(total * ps, kv_lora_rank + pool.cfg.qk_rope_head_dim, dtype=torch.bfloat16, device=dev)
     return PrefillStaging(pages, page_map, rows, ps)
+
+
+def _distinct_pages(page_table: torch.Tensor, seq_lens: list[int], page_size: int) -> torch.Tensor:
+    """Every request's pages up to its seq_len, each physical page once (sorted, int32). Requests that share a
+    prefix share its pages: staged once per request, such a page was read and written, and counted, as often,
+    and held that many rows of the buffer (the remap used one copy; a warmup batch of sink pages staged its one
+    page once a column)."""
+    n_pages = np.array([-(-s // page_size) for s in seq_lens], dtype=np.int64)
+    total = int(n_pages.sum())
+    dev = page_table.device
+    req = np.repeat(np.arange(len(seq_lens)), n_pages)
+    local = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
+    return torch.unique(page_table[torch.from_numpy(req).to(dev), torch.from_numpy(local).to(dev)]).to(torch.int32)
