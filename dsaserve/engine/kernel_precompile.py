@@ -218,7 +218,9 @@ def replay_spec(spec: str) -> tuple[str | None, str | None]:
         signature = {k: _tuples(v) for k, v in d["signature"].items()}
         # extern library paths are the recording machine's; left out, the backend puts this install's default
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
-        source = getattr(fn, "ASTSource", ASTSource)  # a Gluon kernel (kernels/gluon_*.py) has its own
+        source = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():  # kernels/gluon_*.py (its JIT sets its source at first launch)
+            from triton.experimental.gluon._runtime import GluonASTSource as source
         kernel = triton.compile(source(fn, signature, constexprs, attrs), target=_target(d, GPUTarget),
                                 options=options)
         return str(kernel.hash), None
