@@ -124,12 +124,12 @@ if HAVE_GLUON:
         return gl.where(valid[None, :], s * qk_scale, float("-inf"))
 
     @gluon.jit
-    def _online_softmax(s, m_i, l_i, acc, o_l: gl.constexpr):
+    def _online_softmax(s, m_i, l_i, acc):
         """(P, m, l, the rescaled accumulator) after one tile. (FlashAttention-4's lazy rescale, a branch on the
         block's largest growth of a maximum, was 0.92-0.95x on the H200 here: bench/RESULTS.md.)"""
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         p = gl.exp2(s - m_new[:, None])
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), acc
 
@@ -149,16 +149,15 @@ if HAVE_GLUON:
             gl.store(lse_ptr + sp * stride_ls + t * stride_lt + hs, lse, mask=hs < n_heads)
 
     @gluon.jit
-    def _sparse_mla_gluon_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
-                                 stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
-                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                                 SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                 num_warps: gl.constexpr):
-        """bf16 rows: each tile gathered by cp.async STAGES - 1 tiles ahead."""
+    def _prologue(qn_ptr, qr_ptr, slot_ptr, n_heads, n_keys, stride_qnt, stride_qnh, stride_qrt, stride_qrh,
+                  stride_st, SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """A program's ids, shared memory (Q and Q_rope loaded; STAGES key tiles; P), key range and softmax state.
+        Each warpgroup computes S over half the keys and O over half the columns (warps [4, 2]: M = 64 heads,
+        once)."""
         t = gl.program_id(0).to(gl.int64)
         hb = gl.program_id(1).to(gl.int64)
         sp = gl.program_id(2).to(gl.int64)
-        # each warpgroup: S over half the keys, O over half the columns (warps [4, 2]: M = 64 heads once)
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_K // 2, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -176,8 +175,21 @@ if HAVE_GLUON:
         k0, k1, n_tiles = _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT, BLOCK_K, num_warps)
         m_i = gl.full([BLOCK_H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
-        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l))  # an async token in the loop
+        acc = gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l)
         s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_l)
+        return t, hb, sp, q_s, qr_s, k_s, r_s, p_s, slot_base, k0, k1, n_tiles, m_i, l_i, acc, s_zero
+
+    @gluon.jit
+    def _sparse_mla_gluon_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
+                                 stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
+                                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                                 SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                 num_warps: gl.constexpr):
+        """bf16 rows: each tile gathered by cp.async STAGES - 1 tiles ahead."""
+        t, hb, sp, q_s, qr_s, k_s, r_s, p_s, slot_base, k0, k1, n_tiles, m_i, l_i, acc0, s_zero = _prologue(
+            qn_ptr, qr_ptr, slot_ptr, n_heads, n_keys, stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_st,
+            SPLIT, BLOCK_K, STAGES, num_warps)
+        acc = warpgroup_mma_init(acc0)  # an async token in the loop
         for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 tiles in flight
             _gather_tile(c_ptr, slot_ptr, slot_base, k0 + i * BLOCK_K, k1, stride_c, r_off, k_s.index(i),
                          r_s.index(i), BLOCK_K, num_warps)
@@ -196,7 +208,7 @@ if HAVE_GLUON:
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
             kt = k_s.index(it % STAGES)
             s = _scores(q_s, qr_s, kt, r_s.index(it % STAGES), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
-            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc, o_l)
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p_s.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()  # both warpgroups read all of P
@@ -244,29 +256,11 @@ if HAVE_GLUON:
                                SPLIT: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
         """fp8_ds_mla rows (656 B: e4m3 nope, 4 FP32 scales, BF16 rope): the next tile's bytes are loaded while
         this tile's S and softmax run, dequantised into the other bf16 stage while its O MMA runs."""
-        t = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1).to(gl.int64)
-        sp = gl.program_id(2).to(gl.int64)
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_K // 2, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, DC // 2, 16])
+        t, hb, sp, q_s, qr_s, k_s, r_s, p_s, slot_base, k0, k1, n_tiles, m_i, l_i, acc0, s_zero = _prologue(
+            qn_ptr, qr_ptr, slot_ptr, n_heads, n_keys, stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_st,
+            SPLIT, BLOCK_K, 2, num_warps)
+        acc = warpgroup_mma_init(acc0)
         grp_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])  # 16 B a load
-        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], sw)
-        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], sw)
-        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, DC], sw)
-        r_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, DR], sw)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16))
-        _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, DC, num_warps)
-        _load_q(qr_s, qr_ptr, t, hb, n_heads, stride_qrt, stride_qrh, DR, num_warps)
-        slot_base = t * stride_st
-        k0, k1, n_tiles = _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT, BLOCK_K, num_warps)
-        m_i = gl.full([BLOCK_H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
-        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DC], gl.float32, layout=o_l))
-        s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_l)
         row, valid = _fp8_rows(slot_ptr, slot_base, k0, k1, stride_c, grp_l, BLOCK_K)  # the first tile
         for g in gl.static_range(4):
             raw, sc = _fp8_group(c_ptr, row, valid, g, grp_l)
@@ -292,7 +286,7 @@ if HAVE_GLUON:
             async_copy.commit_group()
             kt = k_s.index(cur)
             s = _scores(q_s, qr_s, kt, r_s.index(cur), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
-            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc, o_l)
+            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p_s.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()  # both warpgroups read all of P
