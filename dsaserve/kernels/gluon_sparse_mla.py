@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common import envs
+from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout, get_kv_layout
+from dsaserve.kernels import triton_sparse_mla as tsm
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 
 try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU runs) take the Triton kernels
@@ -44,8 +47,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 LOG2E = 1.4426950408889634
+GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora, rope, heads a program (wgmma's M is 64 a warpgroup); constexpr so the kernels read them
 DC, DR, BLOCK_H = tl.constexpr(512), tl.constexpr(64), tl.constexpr(64)
+# (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
+# prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
 DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None}
 
 
@@ -114,10 +120,14 @@ if HAVE_GLUON:
         return k0, k1, gl.maximum(gl.cdiv(k1 - k0, BLOCK_K), 0).to(gl.int32)
 
     @gluon.jit
-    def _scores(q_s, qr_s, kt, rt, s_zero, slot_ptr, slot_base, start, k1, qk_scale):
-        """S of one tile in log2 units (qk_scale carries log2(e)), -inf on skipped slots: nope and rope wgmmas."""
+    def _score_mmas(q_s, qr_s, kt, rt, s_zero):
+        """S of one tile issued, not waited for: the nope and the rope wgmma (two wgmma groups)."""
         s = warpgroup_mma(q_s, kt.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_s, rt.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(qr_s, rt.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _scores(s, slot_ptr, slot_base, start, k1, qk_scale):
+        """S waited for, in log2 units (qk_scale carries log2(e)), -inf on skipped slots."""
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         offs = start + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         valid = gl.load(slot_ptr + slot_base + offs, mask=offs < k1, other=-1) >= 0
@@ -196,18 +206,19 @@ if HAVE_GLUON:
             async_copy.commit_group()
         for it in range(n_tiles):
             start = k0 + it * BLOCK_K
-            # the stage refilled below was read by the previous tile's O MMA (both warpgroups): done first
+            kt = k_s.index(it % STAGES)
+            rt = r_s.index(it % STAGES)
+            nxt = (it + STAGES - 1) % STAGES  # the stage the previous tile's O MMA read
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             gl.thread_barrier()
-            nxt = (it + STAGES - 1) % STAGES
             _gather_tile(c_ptr, slot_ptr, slot_base, start + (STAGES - 1) * BLOCK_K, k1, stride_c, r_off,
                          k_s.index(nxt), r_s.index(nxt), BLOCK_K, num_warps)
-            async_copy.commit_group()  # (past the last tile: an empty group, the count stays one a tile)
-            async_copy.wait_group(STAGES - 1)  # this tile's copies (the next ones stay in flight)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-            kt = k_s.index(it % STAGES)
-            s = _scores(q_s, qr_s, kt, r_s.index(it % STAGES), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
+            fence_async_shared()
+            s = _score_mmas(q_s, qr_s, kt, rt, s_zero)
+            s = _scores(s, slot_ptr, slot_base, start, k1, qk_scale)
             p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p_s.store(p.to(gl.bfloat16))
             fence_async_shared()
@@ -269,13 +280,14 @@ if HAVE_GLUON:
         async_copy.commit_group()
         async_copy.wait_group(0)
         fence_async_shared()
+        gl.thread_barrier()
         for it in range(n_tiles):
             start = k0 + it * BLOCK_K
             cur = it % 2
             nxt = 1 - cur
-            # the previous O MMA read P and the stage refilled below (both warpgroups): done first
+            kt = k_s.index(cur)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
+            gl.thread_barrier()  # the previous O MMA (both warpgroups) read P and stage `nxt`: done
             row, valid = _fp8_rows(slot_ptr, slot_base, start + BLOCK_K, k1, stride_c, grp_l, BLOCK_K)
             raw0, sc0 = _fp8_group(c_ptr, row, valid, 0, grp_l)  # in flight during S and the softmax
             raw1, sc1 = _fp8_group(c_ptr, row, valid, 1, grp_l)
@@ -284,8 +296,8 @@ if HAVE_GLUON:
             _fp8_rope_copy(c_ptr, slot_ptr, slot_base, start + BLOCK_K, k1, stride_c, r_s.index(nxt), BLOCK_K,
                            num_warps)
             async_copy.commit_group()
-            kt = k_s.index(cur)
-            s = _scores(q_s, qr_s, kt, r_s.index(cur), s_zero, slot_ptr, slot_base, start, k1, qk_scale)
+            s = _score_mmas(q_s, qr_s, kt, r_s.index(cur), s_zero)
+            s = _scores(s, slot_ptr, slot_base, start, k1, qk_scale)
             p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
             p_s.store(p.to(gl.bfloat16))
             fence_async_shared()
@@ -297,6 +309,7 @@ if HAVE_GLUON:
             _dequant_store(k_s.index(nxt), raw3, sc3, 3)
             async_copy.wait_group(0)
             fence_async_shared()
+            gl.thread_barrier()  # the next tile's stage written by every thread before its S
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
                    stride_lt, SPLIT)
@@ -310,8 +323,6 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     """(kernel, partials [splits, T, H, DC], lse, grid, kernel args, constexprs) of one call, nothing launched
     (bench/offline_sm90.py compiles from it). Unsplit, the partials are `out` itself. `rows`: bf16 [slots, 576]
     (nope then rope), or the fp8_ds_mla cache as bytes [slots, 656]."""
-    from dsaserve.kernels import triton_sparse_mla as tsm
-
     t, h, _ = q_nope.shape
     n_keys, bk = topk_slots.shape[1], cfg["block_k"]
     head_blocks = triton.cdiv(h, BLOCK_H.value)
@@ -340,10 +351,8 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
                                config: dict | None = None) -> torch.Tensor:
     """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
     (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
-    checked the rest: `triton_sparse_mla.sparse_mla_attention` dispatches here). `config` (bench/tuning only)
+    checked the rest: `sparse_mla_attention` dispatches here). `config` (bench/tuning only)
     overrides DEFAULT: block_k, num_stages (bf16 rows), splits."""
-    from dsaserve.kernels.triton_sparse_mla import _combine_kernel
-
     width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
     if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
         raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "
@@ -355,7 +364,35 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     kernel[grid](*args, **meta)
     if grid[2] > 1:
         t, h, _ = out.shape
-        _combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1),
+        tsm._combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1),
                                 part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                                 BLOCK_S=triton.next_power_of_2(grid[2]), BLOCK_C=DC.value, num_warps=4)
     return out
+
+
+def takes(layout: KVLayout, dc: int, dr: int, t: int, device: torch.device) -> bool:
+    """Whether these kernels run a call: bf16 rows (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla
+    cache at kv_lora 512 and rope 64, from GLUON_MIN_TOKENS tokens, on sm_90 with Gluon, unless
+    DSASERVE_SPARSE_MLA_GLUON is 0."""
+    return (layout in (BF16, FP8_DS_MLA) and dc == DC.value and dr == DR.value and t >= GLUON_MIN_TOKENS
+            and envs.DSASERVE_SPARSE_MLA_GLUON and available(device))
+
+
+def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
+                         topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The registry's sparse MLA: these kernels where `takes` says so (a step's token count is static under CUDA
+    graphs, so each captured bucket keeps one kernel), else `triton_sparse_mla`'s (split-K flash-decoding for a
+    few tokens, its tensor-core tiles for other latents and layouts)."""
+    layout = get_kv_layout(layout, "sparse_mla_attention: layout")
+    t, h, dc = q_nope.shape
+    if dc != kv_lora_rank or t == 0 or not takes(layout, dc, q_rope.shape[-1], t, q_nope.device):
+        return tsm.sparse_mla_attention(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank,
+                                        out=out)
+    if out is None:
+        out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
+    elif out.shape != (t, h, dc) or out.dtype != q_nope.dtype or not out.is_contiguous():
+        raise ValueError(f"sparse_mla_attention: out must be a contiguous {(t, h, dc)} {q_nope.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    rows = tsm.cache_views(kv_cache, layout, dc, DR.value)[0]
+    return sparse_mla_attention_gluon(q_nope, q_rope, rows, topk_slots, softmax_scale, out)

@@ -61,6 +61,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
 
     install_compile_hook()  # before any launch: the disk-cache entries the precompile and the preload name
     from dsaserve.kernels import (
+        gluon_sparse_mla,
         triton_elementwise,
         triton_fp8_gemm,
         triton_head_gemm,
@@ -70,7 +71,6 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_kv_write,
         triton_moe,
         triton_moe_route,
-        triton_sparse_mla,
         triton_sparse_mla_swap,
     )
 
@@ -103,7 +103,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
-        "sparse_mla_attention": _sparse_mla(triton_sparse_mla, triton_sparse_mla_swap),
+        "sparse_mla_attention": _sparse_mla(gluon_sparse_mla, triton_sparse_mla_swap),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
         "stage_latent": (triton_kv_stage.stage_latent, "triton fp8_ds_mla -> bf16 rows of a prefill's pages"),
@@ -112,14 +112,14 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     return ops
 
 
-def _sparse_mla(split_k, swap) -> tuple[object, str]:
-    """Sparse MLA's kernel: split-K flash-decoding, or under SPARSE_MLA_SWAP_AB the swap-AB kernel from
-    `swap.SWAP_MIN_TOKENS` tokens on (split-K below)."""
+def _sparse_mla(gluon, swap) -> tuple[object, str]:
+    """Sparse MLA's kernel: the Gluon kernels' dispatcher (Gluon where it takes the call, else the Triton kernels),
+    or under SPARSE_MLA_SWAP_AB the swap-AB kernel from `swap.SWAP_MIN_TOKENS` tokens on (split-K below)."""
     if SPARSE_MLA_SWAP_AB:
         return swap.sparse_mla_attention, (f"triton swap-AB tensor cores (T>={swap.SWAP_MIN_TOKENS}), else sparse "
                                            "flash-decoding")
-    return split_k.sparse_mla_attention, (f"gluon wgmma from {split_k.GLUON_MIN_TOKENS} tokens on sm_90 (bf16 / "
-                                          "fp8_ds_mla at kv_lora 512), else triton sparse flash-decoding")
+    return gluon.sparse_mla_attention, (f"gluon wgmma from {gluon.GLUON_MIN_TOKENS} tokens on sm_90 (bf16 / "
+                                        "fp8_ds_mla at kv_lora 512), else triton sparse flash-decoding")
 
 
 def _indexer_impl(triton_indexer, fp8_flag: str) -> str:

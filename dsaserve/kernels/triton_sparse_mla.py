@@ -29,13 +29,11 @@ import triton.language as tl
 
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP32, KVLayout, get_kv_layout
-from dsaserve.kernels import gluon_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 1, FP8_E4M3: 2}  # the kernel's LAYOUT constexpr
 LOG2E = 1.4426950408889634
-GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 
 
 @triton.jit
@@ -305,14 +303,6 @@ def _env_config(raw: str) -> dict:
     return conf
 
 
-def _takes_gluon(layout: KVLayout, dc: int, dr: int, t: int, device: torch.device, config: dict | None) -> bool:
-    """Whether `gluon_sparse_mla` runs this call: bf16 rows (a prefill's staged rows, the bf16 cache) or the
-    fp8_ds_mla cache at kv_lora 512 and rope 64, from GLUON_MIN_TOKENS tokens, on sm_90 with Gluon, unless a
-    bench's `config` asks for the Triton kernels or DSASERVE_SPARSE_MLA_GLUON is 0."""
-    return (layout in (BF16, FP8_DS_MLA) and dc == 512 and dr == 64 and t >= GLUON_MIN_TOKENS and not config
-            and envs.DSASERVE_SPARSE_MLA_GLUON and gluon_sparse_mla.available(device))
-
-
 def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
     """Flash-decoding splits: enough programs for ~2 waves, each split at least 2 key blocks."""
     progs = t * head_blocks
@@ -363,9 +353,6 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
-    if _takes_gluon(layout, dc, dr, t, q_nope.device, config):
-        rows = cache_views(kv_cache, layout, dc, dr)[0]
-        return gluon_sparse_mla.sparse_mla_attention_gluon(q_nope, q_rope, rows, topk_slots, softmax_scale, out)
     bh, bk = cfg["block_h"], cfg["block_k"]
     head_blocks = triton.cdiv(h, bh)
     splits = cfg["splits"] or pick_splits(t, head_blocks, n_keys, bk, _sm_count(q_nope))

@@ -48,12 +48,12 @@ def test_gluon_sparse_mla_matches_the_reference(gen, t, h, k, head_major):
 
 
 def test_gluon_sparse_mla_equals_the_triton_kernel_and_is_dispatched(gen):
-    """The registry path (`triton_sparse_mla.sparse_mla_attention`) takes this kernel for bf16 rows; a bench
-    config takes the Triton kernel: the two agree but for fp32 summation order."""
+    """The registry's op (`gluon_sparse_mla.sparse_mla_attention`) takes this kernel for bf16 rows; the Triton
+    kernel agrees but for fp32 summation order."""
     from dsaserve.kernels import triton_sparse_mla
 
     rows, slots, qn, qr = _case(gen, 700, 64, 2048, 20000)
-    got = triton_sparse_mla.sparse_mla_attention(qn, qr, rows.view(torch.uint8), BF16_LAYOUT, slots, 0.04, 512)
+    got = gluon_sparse_mla.sparse_mla_attention(qn, qr, rows.view(torch.uint8), BF16_LAYOUT, slots, 0.04, 512)
     direct = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, rows, slots, 0.04, torch.empty_like(got))
     assert torch.equal(got, direct)
     triton_out = triton_sparse_mla.sparse_mla_attention(qn, qr, rows.view(torch.uint8), BF16_LAYOUT, slots, 0.04,
@@ -70,13 +70,13 @@ def test_gluon_sparse_mla_rejects_rows_it_does_not_take(gen):
 @pytest.mark.parametrize("t,h,k", [(128, 64, 2048), (16, 64, 1024), (40, 40, 1000), (700, 64, 2048)])
 def test_gluon_sparse_mla_over_the_fp8_cache(gen, t, h, k):
     """The fp8_ds_mla kernel (each tile dequantised into shared memory as the Triton kernels round it) against
-    the reference and, through the dispatcher, against the Triton fp8 kernel."""
+    the reference and against the Triton fp8 kernel; the registry's op takes it."""
     from dsaserve.kernels import triton_sparse_mla
 
     rows, slots, qn, qr = _case(gen, t, h, k, 6000)
     cache = encode_latent(rows.float(), FP8, 512)
     poison_free_memory()
-    got = triton_sparse_mla.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
+    got = gluon_sparse_mla.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
     direct = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, cache, slots, 0.04, torch.empty_like(got))
     assert torch.equal(got, direct), "the dispatcher takes the Gluon kernel for the fp8 cache"
     want = R.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
