@@ -144,6 +144,16 @@ if HAVE_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), acc
 
     @gluon.jit
+    def _attend(q_s, qr_s, kt, rt, s_zero, p_s, slot_ptr, slot_base, start, k1, qk_scale, m_i, l_i, acc):
+        """One tile: S, the online softmax, P to shared memory and the O wgmma issued (returned as its token)."""
+        s = _scores(_score_mmas(q_s, qr_s, kt, rt, s_zero), slot_ptr, slot_base, start, k1, qk_scale)
+        p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups read all of P
+        return m_i, l_i, warpgroup_mma(p_s, kt, acc, is_async=True)
+
+    @gluon.jit
     def _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
                    stride_lt, SPLIT: gl.constexpr):
         """O / l into this program's rows (a split's partial in fp32), and its log-sum-exp when split."""
@@ -214,16 +224,11 @@ if HAVE_GLUON:
             _gather_tile(c_ptr, slot_ptr, slot_base, start + (STAGES - 1) * BLOCK_K, k1, stride_c, r_off,
                          k_s.index(nxt), r_s.index(nxt), BLOCK_K, num_warps)
             async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
+            async_copy.wait_group(STAGES - 1)  # this tile's copies (the later ones stay in flight)
             gl.thread_barrier()
-            fence_async_shared()
-            s = _score_mmas(q_s, qr_s, kt, rt, s_zero)
-            s = _scores(s, slot_ptr, slot_base, start, k1, qk_scale)
-            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
-            p_s.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()  # both warpgroups read all of P
-            acc = warpgroup_mma(p_s, kt, acc, is_async=True)
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            m_i, l_i, acc = _attend(q_s, qr_s, kt, rt, s_zero, p_s, slot_ptr, slot_base, start, k1, qk_scale, m_i,
+                                    l_i, acc)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
         _write_out(acc, m_i, l_i, o_ptr, lse_ptr, t, hb, sp, n_heads, stride_os, stride_ot, stride_oh, stride_ls,
@@ -296,13 +301,8 @@ if HAVE_GLUON:
             _fp8_rope_copy(c_ptr, slot_ptr, slot_base, start + BLOCK_K, k1, stride_c, r_s.index(nxt), BLOCK_K,
                            num_warps)
             async_copy.commit_group()
-            s = _score_mmas(q_s, qr_s, kt, r_s.index(cur), s_zero)
-            s = _scores(s, slot_ptr, slot_base, start, k1, qk_scale)
-            p, m_i, l_i, acc = _online_softmax(s, m_i, l_i, acc)
-            p_s.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()  # both warpgroups read all of P
-            acc = warpgroup_mma(p_s, kt, acc, is_async=True)
+            m_i, l_i, acc = _attend(q_s, qr_s, kt, r_s.index(cur), s_zero, p_s, slot_ptr, slot_base, start, k1,
+                                    qk_scale, m_i, l_i, acc)
             _dequant_store(k_s.index(nxt), raw0, sc0, 0)  # while the O MMA runs
             _dequant_store(k_s.index(nxt), raw1, sc1, 1)
             _dequant_store(k_s.index(nxt), raw2, sc2, 2)
