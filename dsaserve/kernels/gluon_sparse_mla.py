@@ -31,6 +31,7 @@ from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla as tsm
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
+from dsaserve.kernels.triton_sparse_mla_tc import _out_buffer
 
 try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU runs) take the Triton kernels
     from triton.experimental import gluon
@@ -385,14 +386,9 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     graphs, so each captured bucket keeps one kernel), else `triton_sparse_mla`'s (split-K flash-decoding for a
     few tokens, its tensor-core tiles for other latents and layouts)."""
     layout = get_kv_layout(layout, "sparse_mla_attention: layout")
-    t, h, dc = q_nope.shape
+    t, _, dc = q_nope.shape
     if dc != kv_lora_rank or t == 0 or not takes(layout, dc, q_rope.shape[-1], t, q_nope.device):
         return tsm.sparse_mla_attention(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank,
                                         out=out)
-    if out is None:
-        out = torch.empty(t, h, dc, dtype=q_nope.dtype, device=q_nope.device)
-    elif out.shape != (t, h, dc) or out.dtype != q_nope.dtype or not out.is_contiguous():
-        raise ValueError(f"sparse_mla_attention: out must be a contiguous {(t, h, dc)} {q_nope.dtype} tensor, got "
-                         f"{tuple(out.shape)} {out.dtype}")
     rows = tsm.cache_views(kv_cache, layout, dc, DR.value)[0]
-    return sparse_mla_attention_gluon(q_nope, q_rope, rows, topk_slots, softmax_scale, out)
+    return sparse_mla_attention_gluon(q_nope, q_rope, rows, topk_slots, softmax_scale, _out_buffer(q_nope, out))
