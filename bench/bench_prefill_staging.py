@@ -28,10 +28,11 @@ from dsaserve.kernels import triton_sparse_mla as S
 
 H, DC, DR, TOPK, PS = 64, 512, 64, 2048, 64
 FP8, BF16 = get_kv_layout("fp8_ds_mla"), get_kv_layout("bf16")
-CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the Gluon kernel on sm_90)
+CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the warp-specialised Gluon kernel on sm_90)
     "default": {},
     "triton": {"num_stages": 2, "block_k": 64, "prefetch": False},  # the Triton kernel the dispatcher ran before
     "triton-1stage": {"num_stages": 1, "block_k": 64, "prefetch": True},
+    "gluon-single": {"gluon": {"ws": False}},  # the single-partition Gluon kernel (the default before the ws one)
     "fp8-gluon": {"gluon": {}, "fp8": True},  # the cache itself, no staging
     "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3}},
     "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1}},

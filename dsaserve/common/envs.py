@@ -83,6 +83,9 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_SPARSE_MLA_GLUON": Switch(
         True, _on_unless_zero, "'0': sparse MLA over bf16 rows (a prefill's staged rows, the bf16 cache) runs the "
         "Triton kernel, not the Gluon one (kernels/gluon_sparse_mla.py; the A/B for issue 17)"),
+    "DSASERVE_SPARSE_MLA_WS": Switch(
+        True, _on_unless_zero, "'0': the Gluon sparse MLA over bf16 rows runs its single-partition kernel, not the "
+        "warp-specialised one (kernels/gluon_sparse_mla_ws.py; the A/B for issue 17)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
         "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),
@@ -114,6 +117,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_WARM_START: bool
     DSASERVE_PREFILL_STAGING: bool
     DSASERVE_SPARSE_MLA_GLUON: bool
+    DSASERVE_SPARSE_MLA_WS: bool
     DSASERVE_STARTUP_PROFILE: str | None
     DSASERVE_PYCACHE: bool
     DSASERVE_KERNEL_SPECS: str | None

@@ -48,12 +48,15 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 LOG2E = 1.4426950408889634
+# the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
+# blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
+WS_MIN_TOKENS = 512
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora, rope, heads a program (wgmma's M is 64 a warpgroup); constexpr so the kernels read them
 DC, DR, BLOCK_H = tl.constexpr(512), tl.constexpr(64), tl.constexpr(64)
 # (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
 # prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
-DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None}
+DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None}  # ws None: launch_plan's rule
 
 
 def available(device: torch.device) -> bool:
@@ -341,6 +344,12 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
     if rows.dtype == torch.uint8:
         kernel, args = _sparse_mla_fp8_kernel, (*head, slots.stride(0), *strides)
+    elif bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
+                       envs.DSASERVE_SPARSE_MLA_WS and splits == 1 and t >= WS_MIN_TOKENS):
+        # the warp-specialised kernel (gluon_sparse_mla_ws.py), by default for unsplit prefill-sized calls only
+        from dsaserve.kernels import gluon_sparse_mla_ws as ws  # it imports this module's helpers
+        kernel, args = ws._sparse_mla_ws_kernel, (*head, DC.value, slots.stride(0), *strides)
+        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG}
     else:
         kernel, args = _sparse_mla_gluon_kernel, (*head, DC.value, slots.stride(0), *strides)
         meta["STAGES"] = cfg["num_stages"]
@@ -353,7 +362,8 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
     (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
     checked the rest: `sparse_mla_attention` dispatches here). `config` (bench/tuning only)
-    overrides DEFAULT: block_k, num_stages (bf16 rows), splits."""
+    overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (bf16 rows: the
+    warp-specialised kernel)."""
     width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
     if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
         raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "
