@@ -261,4 +261,5 @@ class PiecewiseRunner:
         seq, ext, logit_rows = d[o:o + b], d[o + b:o + 2 * b], d[o + 2 * b:o + 2 * b + nl]
         seq_cpu, ext_cpu = batch.host_lens()
         return ForwardBatch(d[:n], d[t:t + n], d[3 * t:3 * t + n], seq, ext, d[self.table_at:end].view(b, w),
-                            d[2 * t:2 * t + n], logit_rows, self.page_size, seq_cpu, ext_cpu)
+                            d[2 * t:2 * t + n], logit_rows, self.page_size, seq_cpu, ext_cpu,
+                            page_table_cpu=batch.page_table)

@@ -260,7 +260,9 @@ def _write_selection(row, pt_ptr, out_row, pt_off, pos, n_cols, k, page_size, lo
         ties += tl.sum(tl.sum(eq, axis=1), axis=0)
 
 
-@triton.jit
+# stride_pt not specialised: an eager prefill's page table is as wide as its longest request (engine/batch.py), so
+# its divisibility by 16 is the context's, and no warmup shape can stand for every context
+@triton.jit(do_not_specialize=["stride_pt"])
 def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k, page_size, stride_s, stride_pt,
                         stride_o, BLOCK: tl.constexpr, ROW_IN_REGS: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program: the k largest scores' positions -> physical slots, in position order.
@@ -348,6 +350,15 @@ def _select_config(max_seq: int, rows: int) -> dict:
     return {"BLOCK": 4096, "ROW_IN_REGS": False, "num_warps": 16 if rows <= 2 else 8}
 
 
+def row_select_launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
+                      positions: torch.Tensor, out: torch.Tensor, n_cols: int, k: int, page_size: int) -> tuple:
+    """`_topk_select_kernel`'s (grid, arguments, keywords) over the rows of `scores` (one program a row; tests
+    compile it offline: one variant per block class, whatever the page-table width)."""
+    rows = scores.shape[0]
+    return ((rows,), (scores, page_table, req_index, positions, out, n_cols, k, page_size, scores.stride(0),
+                      page_table.stride(0), out.stride(0)), {**_select_config(n_cols, rows), **pdl_args(scores.device)})
+
+
 def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int] | None = None,
@@ -373,11 +384,9 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
         scores = index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
                               positions[sl], page_size, skip_below=k if select else 0)
         if select:
-            o = out[sl]
-            _topk_select_kernel[(o.shape[0],)](scores, page_table, req_index[sl], positions[sl], o, max_seq, k,
-                                               page_size,
-                                               scores.stride(0), page_table.stride(0), o.stride(0),
-                                               **_select_config(max_seq, o.shape[0]), **pdl_args(scores.device))
+            grid, args, kwargs = row_select_launch(scores, page_table, req_index[sl], positions[sl], out[sl],
+                                                   max_seq, k, page_size)
+            _topk_select_kernel[grid](*args, **kwargs)
             continue
         vals, idx = scores.topk(k, dim=1, sorted=False)
         slots = page_table[req_index[sl, None], idx // page_size] * page_size + idx % page_size

@@ -180,10 +180,9 @@ def _select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Ten
                                             chunk=radix_chunk)
         return
     # one program a row: in registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that
-    triton_indexer._topk_select_kernel[(scores.shape[0],)](
-        scores, page_table, req_index, positions, out, n_cols, topk, page_size, scores.stride(0),
-        page_table.stride(0), out.stride(0), **triton_indexer._select_config(n_cols, scores.shape[0]),
-        **pdl_args(scores.device))
+    grid, args, kwargs = triton_indexer.row_select_launch(scores, page_table, req_index, positions, out, n_cols,
+                                                          topk, page_size)
+    triton_indexer._topk_select_kernel[grid](*args, **kwargs)
 
 
 def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,

@@ -1,8 +1,9 @@
 """Long-row decode selection of the DSA indexer (request path stage 6, full indexer layers).
 
-Owns: `long_row_select`, the top-k of score rows too long for one program. `triton_indexer_dispatch` sends
-a decode batch here when its static row bound (page_table.shape[1] * page_size) exceeds
-`triton_indexer.ROW_IN_REGS_MAX` (16K keys); shorter bounds keep the one-program-per-row kernel there.
+Owns: `long_row_select`, the top-k of score rows too long for one program, and `launches`, its kernel launches.
+`triton_indexer_dispatch` sends a decode batch here when its static row bound (page_table.shape[1] * page_size)
+exceeds `triton_indexer.ROW_IN_REGS_MAX` (16K keys); shorter bounds keep the one-program-per-row kernel there;
+`triton_indexer_gemm` sends prefill rows past that bound.
 
 Why: one program per row searches a 32K-key row over L2 with a single SM (~150 µs per row on the H200),
 and the model's context goes to 202752 keys. Here every row is split into CHUNK-key chunks, one program
@@ -25,6 +26,11 @@ Six launches (+ one memset), each a pass over the row's causal prefix in L2 (fiv
 skipped); a round costs the same whatever the data (the 256-bin radix dropped in `triton_indexer`
 serialised on shared-memory atomics when all keys share their top byte; a ballot histogram does not).
 Chunks past a token's position return at once.
+One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
+as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
+stride are not specialised and the write kernel sums the earlier chunks' counts PREFIX_BLOCK at a time (a block
+sized by the chunk count compiled a variant per power of two of it: the H200's bench compiled one after Up for a
+131072-token chunk). tests/kernels/test_select_variants.py compiles them offline to check.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 CHUNK = 4096  # keys per program: 16 per thread at 8 warps
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
 BINS = 256
+# chunks whose counts the write kernel sums per step: the model's 202752-key rows in 2048-key chunks (the prefill
+# select's) are 99, one step
+PREFIX_BLOCK = tl.constexpr(128)
 
 
 @triton.jit
@@ -96,7 +105,7 @@ def _radix_round_kernel(score_ptr, pos_ptr, hist_ptr, n_cols, k, stride_s, ROUND
     tl.atomic_add(hist_row + ROUND * 256 + tl.arange(0, 256), h, mask=h > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _chunk_count_kernel(score_ptr, pos_ptr, hist_ptr, cnt_ptr, n_cols, k, stride_s, n_chunks,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """cnt[row, c] = (keys above the k-th key T, keys equal to T) in chunk c."""
@@ -122,10 +131,9 @@ def _write_all_visible(pt_row, out_row, c, pos, k, page_size, CHUNK: tl.constexp
     tl.store(out_row + j, tl.where(j <= pos, page * page_size + j % page_size, -1), mask=j < k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, N_CHUNKS_P2: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Chunk c's selected keys -> physical slots at their rank among the row's selection (position order):
     every key above T, then the ties at T in position order until `need` are taken."""
     grid_dependency_sync(PDL)
@@ -141,10 +149,15 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, 
     if c * CHUNK > pos:
         return
     key, need, shift, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
-    q = tl.arange(0, N_CHUNKS_P2)
-    before = cnt_ptr + (row * n_chunks + q) * 2
-    above_before = tl.sum(tl.load(before, mask=q < c, other=0), axis=0)
-    ties_before = tl.sum(tl.load(before + 1, mask=q < c, other=0), axis=0)
+    # the earlier chunks' counts, PREFIX_BLOCK at a time (a fixed block, not one sized by the row's chunk count:
+    # that made a variant per power of two of it, and a prefill's row length is its context's)
+    above_before = tl.zeros([], dtype=tl.int32)
+    ties_before = tl.zeros([], dtype=tl.int32)
+    for q0 in range(0, c, PREFIX_BLOCK):
+        q = q0 + tl.arange(0, PREFIX_BLOCK)
+        before = cnt_ptr + (row * n_chunks + q) * 2
+        above_before += tl.sum(tl.load(before, mask=q < c, other=0), axis=0)
+        ties_before += tl.sum(tl.load(before + 1, mask=q < c, other=0), axis=0)
     base = above_before + tl.minimum(need, ties_before).to(tl.int32)
     C: tl.constexpr = 128
     j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
@@ -163,9 +176,17 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph."""
+    for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk):
+        kernel[grid](*args, **kwargs)
+
+
+def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+             out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK) -> list[tuple]:
+    """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated
+    (tests compile them offline: one variant per chunk size, whatever the row length or page-table width)."""
     rows, n_cols = scores.shape
     if rows == 0:
-        return
+        return []
     if chunk % 128:
         raise ValueError(f"long_row_select: chunk {chunk} is not a multiple of 128")
     n_chunks = triton.cdiv(n_cols, chunk)
@@ -174,9 +195,10 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
     grid = (rows, n_chunks)
     # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
-    for r in range(ROUNDS):
-        _radix_round_kernel[grid](scores, positions, hist, n_cols, k, scores.stride(0), ROUND=r, **launch)
-    _chunk_count_kernel[grid](scores, positions, hist, counts, n_cols, k, scores.stride(0), n_chunks, **launch)
-    _chunk_write_kernel[grid](scores, page_table, req_index, positions, hist, counts, out, n_cols, k, page_size,
-                              scores.stride(0), page_table.stride(0), out.stride(0), n_chunks,
-                              N_CHUNKS_P2=triton.next_power_of_2(n_chunks), **launch)
+    return [*((_radix_round_kernel, grid, (scores, positions, hist, n_cols, k, scores.stride(0)),
+               {"ROUND": r, **launch}) for r in range(ROUNDS)),
+            (_chunk_count_kernel, grid, (scores, positions, hist, counts, n_cols, k, scores.stride(0), n_chunks),
+             launch),
+            (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, hist, counts, out, n_cols, k,
+                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), n_chunks),
+             launch)]

@@ -5,7 +5,9 @@ classes of (rows, page-table width) the eager attention core can launch, so that
 (`engine/warmup_plan.py`) runs each class once before Up and a step never compiles a kernel after it
 (note 000: "warmup 覆盖哪些形状"). Triton compiles one variant per set of constexprs and per integer
 argument that is 1 or a multiple of 16; the core's page-table width is padded to `CORE_WIDTH_ALIGN` pages,
-so every width-derived argument is a multiple of 16 and only the classes below remain:
+so every width-derived argument is a multiple of 16 and only the classes below remain. An eager prefill's page
+table is not padded (as wide as its longest request): the selection kernels take its stride, and the radix
+select its chunk count, unspecialised (tests/kernels/test_select_variants.py), so its classes are the same:
 - indexer selection (`indexer_topk`): no kernel while the keys fit top-k; else the Triton selection for
   up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers up to
   ROW_IN_REGS_MAX keys, 4096-key chunks beyond, whose warp count changes at 2 rows); above, the prefill

@@ -33,6 +33,9 @@ class ForwardBatch:
     # padding rows route to no expert)
     dp_rows: int = 0
     dp_tokens: tuple[int, ...] = ()
+    # the host's page table, kept when a host batch goes to the device (`to`; the piecewise runner's core batch):
+    # the prefill staging builds its page list there instead of syncing on the device's (prefill_staging.py)
+    page_table_cpu: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +53,10 @@ class ForwardBatch:
         return self.seq_lens_cpu, self.extend_lens_cpu
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k != "page_table_cpu" else v)
                  for k, v in self.__dict__.items()}
+        if moved["page_table_cpu"] is None and self.page_table.device.type == "cpu":
+            moved["page_table_cpu"] = self.page_table
         return ForwardBatch(**moved)
 
     def slots_of(self, r: int, n: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""engine/warm_start.py's preload on the real Triton JIT, without a GPU: a driver stand-in gives the JIT an sm_90
-target, so a launch with `warmup=True` compiles offline (no kernel runs) and the module load is stubbed. What it
-checks is what the warm start rests on: the spec the JIT's hook recorded, preloaded into a fresh JIT (a new
-process's), is found by the next launch of the same specialisation (no compile, no load: the hook is not
-called again), while another specialisation still goes through the JIT; a stale spec is an error, not a
+"""engine/warm_start.py's preload on the real Triton JIT, without a GPU: a driver stand-in (tests/offline_triton.py)
+gives the JIT an sm_90 target, so a launch with `warmup=True` compiles offline (no kernel runs) and the module load
+is stubbed. What it checks is what the warm start rests on: the spec the JIT's hook recorded, preloaded into a
+fresh JIT (a new process's), is found by the next launch of the same specialisation (no compile, no load: the hook
+is not called again), while another specialisation still goes through the JIT; a stale spec is an error, not a
 raise. Also runs under the H200's Triton 3.6: `PYTHONPATH=/work/t36:. python -m pytest <this file>`."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
@@ -23,22 +22,7 @@ from dsaserve.engine import warm_start as ws  # noqa: E402
 from dsaserve.engine.compiled_specs import CompiledSpecs, entry_dirs  # noqa: E402
 from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
 from dsaserve.engine.warmup import KernelLoads  # noqa: E402
-
-
-class _Sm90Driver:
-    """What the JIT asks of its driver before any launch: device, stream, target."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
+from tests.offline_triton import Sm90Driver  # noqa: E402
 
 
 @triton.jit
@@ -53,7 +37,7 @@ def jit(tmp_path, monkeypatch):
     handles = []
     monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: handles.append(self.name))
     previous = triton.knobs.runtime.jit_post_compile_hook
-    monkeypatch.setattr(driver, "_active", _Sm90Driver())
+    monkeypatch.setattr(driver, "_active", Sm90Driver())
     _copy_kernel.device_caches.clear()
     try:
         yield handles

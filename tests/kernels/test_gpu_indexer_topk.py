@@ -37,11 +37,28 @@ def test_long_row_select_takes_the_kth_key_exactly(gen, kind):
     then ties in position order, as slots, in position order; rows shorter than k take all, -1 padded.
     "separated" (exactly k keys in the k-th key's top-byte bucket) ends the search after round 0; on
     "normal" rows the 24-bit bucket usually holds the k-th key alone (round 3 skipped)."""
+    _check_long_row_select(gen, kind, *((6, 202752, 2048, 4096, 64) if BIG else (4, 1400, 64, 256, 16)))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_long_row_select_sums_the_earlier_chunks_past_one_prefix_block(gen, kind):
+    """More chunks than the write kernel sums a step (PREFIX_BLOCK): a chunk's slots start after every earlier
+    chunk's, over several steps (128-key chunks: 1584 over the model's context, 140 under the interpreter)."""
+    from dsaserve.kernels.triton_indexer_long import PREFIX_BLOCK
+
+    n, width, k, chunk, ps = (3, 202752, 2048, 128, 64) if BIG else (2, 128 * 140, 64, 128, 16)
+    assert width // chunk > PREFIX_BLOCK
+    _check_long_row_select(gen, kind, n, width, k, chunk, ps, pos_from=(PREFIX_BLOCK + 1) * chunk)
+
+
+def _check_long_row_select(gen, kind: str, n: int, width: int, k: int, chunk: int, ps: int,
+                           pos_from: int | None = None) -> None:
+    """long_row_select over `n` rows of a kind, the tokens at positions from `pos_from` (width // 3) on but the last
+    (below k), against the position-ordered top-k."""
     from dsaserve.kernels.triton_indexer_long import long_row_select
 
-    n, width, k, chunk, ps = (6, 202752, 2048, 4096, 64) if BIG else (4, 1400, 64, 256, 16)
     s = _rows(gen, kind, n, width, separated=k)
-    pos = torch.randint(width // 3, width, (n,), generator=gen, device=DEVICE)
+    pos = torch.randint(width // 3 if pos_from is None else pos_from, width, (n,), generator=gen, device=DEVICE)
     pos[-1] = k // 2  # a token that sees fewer than k keys
     table = torch.randperm(n * (width // ps), generator=gen, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)

@@ -65,6 +65,35 @@ def test_each_page_the_requests_attend_to_is_staged_and_mapped_back():
     assert prefill_staging.for_step(ctx, 512) is s  # decided once a step
 
 
+def test_the_page_list_built_on_the_host_is_the_device_tables():
+    """The host's copy of the page table gives the list `torch.unique` of the device's did, to the bit: sorted,
+    int32, each page once (requests sharing pages, padding columns, a page table wider than every request)."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        b = int(torch.randint(1, 5, (1,), generator=gen))
+        seq_lens = torch.randint(1, 600, (b,), generator=gen).tolist()
+        width = -(-max(seq_lens) // PS) + int(torch.randint(0, 3, (1,), generator=gen))
+        table = torch.randint(0, 24, (b, width), generator=gen)  # shared and repeated pages
+        host = prefill_staging._distinct_pages(table, seq_lens, PS, host_table=table.clone())
+        device = prefill_staging._distinct_pages(table, seq_lens, PS)
+        assert host.dtype == device.dtype == torch.int32 and torch.equal(host, device)
+
+
+def test_a_device_batch_plans_from_the_hosts_page_table_without_reading_the_devices():
+    """A host batch moved to the device keeps its page table on the host (ForwardBatch.to), and the plan reads
+    that one: here the device is `meta`, whose tensors have no values, so any read of the device's table (the
+    `torch.unique` that synced the host once a staged step) would raise; the plan's own tensors are the device's."""
+    ctx = _step([130, 70], [[9, 2, 14], [5, 11, 0]], new_tokens=200)
+    host_table = ctx.batch.page_table
+    ctx.batch = ctx.batch.to("meta")
+    assert ctx.batch.page_table.is_meta and ctx.batch.page_table_cpu is host_table
+    with pytest.raises(NotImplementedError):  # the device's table alone: unreadable here
+        prefill_staging._distinct_pages(ctx.batch.page_table, [130, 70], PS)
+    s = prefill_staging.for_step(ctx, 512)
+    assert s.pages.is_meta and s.page_map.is_meta and s.rows.is_meta
+    assert s.pages.numel() == 5 and tuple(s.rows.shape) == (5 * PS, 576)  # as from the table itself (above)
+
+
 @pytest.mark.parametrize("why", ["few tokens", "long context", "bf16 cache", "reference ops", "switched off",
                                  "other latent width"])
 def test_steps_that_read_the_cache_themselves(why):
@@ -211,6 +240,16 @@ def test_every_forward_stages_its_own_pages(model_512, monkeypatch):
         unstaged = model.forward_mtp(nxt, eager_pool, hidden)
     assert plans == [[0, 1, 10], [0, 1, 10], None]  # the main forward's, the MTP layer's own, switched off: none
     assert float((mtp - unstaged).norm() / unstaged.norm()) < 1e-2  # bf16 rows: the FP32 value rounded once
+
+
+def test_the_piecewise_core_batch_keeps_the_hosts_page_table(model_512):
+    """The piecewise runner's core batch is views of its device buffer; the staging plans from the host batch's
+    page table, which it carries (the padding columns it adds on the device are the sink page: never staged)."""
+    pool = KVPool(model_512.cfg, 16, "fp8_ds_mla", model_512.kv_layer_ids, PS, torch.float32, sink_pages=1)
+    batch = contiguous_batch([[3] * 100, [4] * 60], [0, 0], [0, 10 * PS])
+    core = PiecewiseRunner(model_512, pool, [160], 8, 16)._stage(batch, 160)
+    assert core.page_table_cpu is batch.page_table
+    assert torch.equal(core.page_table[:, :batch.page_table.shape[1]], batch.page_table)
 
 
 def test_the_memory_profile_reserves_what_its_dummy_prefill_did_not_stage():

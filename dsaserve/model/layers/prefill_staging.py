@@ -17,6 +17,9 @@ tokens share each staged row).
 Memory: ROWS_PER_TOKEN x 1152 B a token at most (9 KB, against 64 KB of the same step's q_abs alone); the memory
 profile adds what its dummy prefill did not stage (`reserve_bytes`).
 Numbers: the same as the fp8 kernel's (the FP32 product of e4m3 and scale, rounded to bf16 once).
+Host sync: none where the batch carries the host's page table (`ForwardBatch.page_table_cpu`: the engine's eager
+and piecewise steps): the page list is built on the host and copied once, pinned and non-blocking, and the page
+map is scattered on the device; a batch made on the device alone syncs once (`torch.unique`).
 DSASERVE_PREFILL_STAGING=0 is the A/B switch.
 """
 
@@ -95,7 +98,9 @@ def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     seq_lens, _ = batch.host_lens()
     if not staged_rows(seq_lens, batch.num_tokens, ps, MIN_TOKENS, ROWS_PER_TOKEN):  # the ledger's rule, shared
         return None
-    pages = _distinct_pages(batch.page_table, seq_lens, ps)
+    host = batch.page_table_cpu if batch.page_table_cpu is not None else (
+        batch.page_table if batch.page_table.device.type == "cpu" else None)
+    pages = _distinct_pages(batch.page_table, seq_lens, ps, host)
     total, dev = pages.numel(), pages.device
     page_map = torch.full((pool.kv_cache(0).shape[0] // ps,), -1, dtype=torch.int32, device=dev)
     page_map[pages.long()] = torch.arange(total, dtype=torch.int32, device=dev)
@@ -103,14 +108,23 @@ def _plan(ctx, kv_lora_rank: int) -> PrefillStaging | None:
     return PrefillStaging(pages, page_map, rows, ps)
 
 
-def _distinct_pages(page_table: torch.Tensor, seq_lens: list[int], page_size: int) -> torch.Tensor:
-    """Every request's pages up to its seq_len, each physical page once (sorted, int32). Requests that share a
-    prefix share its pages: staged once per request, such a page was read and written, and counted, as often,
-    and held that many rows of the buffer (the remap used one copy; a warmup batch of sink pages staged its one
-    page once a column)."""
+def _distinct_pages(page_table: torch.Tensor, seq_lens: list[int], page_size: int,
+                    host_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Every request's pages up to its seq_len, each physical page once (sorted, int32, on the page table's device).
+    Requests that share a prefix share its pages: staged once per request, such a page was read and written, and
+    counted, as often, and held that many rows of the buffer (the remap used one copy; a warmup batch of sink pages
+    staged its one page once a column). `host_table`: the host's copy of the page table (the engine's batches keep
+    it): the list is built there and goes to the device in one non-blocking copy from pinned memory, so the step's
+    host never waits for the device here (the device's table alone needs `torch.unique`'s sync on its size)."""
     n_pages = np.array([-(-s // page_size) for s in seq_lens], dtype=np.int64)
     total = int(n_pages.sum())
     dev = page_table.device
     req = np.repeat(np.arange(len(seq_lens)), n_pages)
     local = np.arange(total) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
+    if host_table is not None:
+        pages = torch.from_numpy(np.unique(host_table.numpy()[req, local]).astype(np.int32))
+        if dev.type == "cpu":
+            return pages
+        # pinned: the copy is asynchronous, and the caching host allocator keeps the block until it is done
+        return (pages.pin_memory() if dev.type == "cuda" else pages).to(dev, non_blocking=True)
     return torch.unique(page_table[torch.from_numpy(req).to(dev), torch.from_numpy(local).to(dev)]).to(torch.int32)

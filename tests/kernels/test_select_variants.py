@@ -1,0 +1,74 @@
+"""The indexer selection kernels' compiled variants (kernels/triton_indexer_long.py's split radix select,
+kernels/triton_indexer.py's row select), compiled offline for sm_90 on the CPU (tests/offline_triton.py).
+
+An eager prefill's score rows are as long as its context and its page table as wide as its longest request
+(engine/batch.py), so a specialisation on either is a variant the warmup's shapes do not cover (the H200's
+bench_gpu: `_chunk_write_kernel` compiled after Up for a 131072-token chunk): a variant per power of two of
+the chunk count, and Triton's divisibility-by-16 classes of the chunk count and of the page-table width. One
+chunk size (radix) or row block (rows) must give one variant of each kernel, whatever the row and the width.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
+from dsaserve.kernels import triton_indexer, triton_indexer_gemm, triton_indexer_long  # noqa: E402
+from tests.offline_triton import offline_jit  # noqa: E402
+
+PS, TOPK = 64, 2048
+LONG_KERNELS = (triton_indexer_long._radix_round_kernel, triton_indexer_long._chunk_count_kernel,
+                triton_indexer_long._chunk_write_kernel)
+
+
+def _operands(width: int, rows: int = 2) -> tuple[torch.Tensor, ...]:
+    """What the prefill select gets for one request `width` pages long (triton_indexer_gemm.gemm_topk: its
+    workspace rows are the context rounded up to the 64-key score tile, the page table the batch's)."""
+    return (torch.empty(rows, width * PS), torch.zeros(1, width, dtype=torch.int64),
+            torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),
+            torch.empty(rows, TOPK, dtype=torch.int64))
+
+
+def _kernel_counts(recorder: SpecRecorder) -> Counter:
+    return Counter(json.loads(spec)["name"].rsplit(".", 1)[1] for spec in recorder.specs)
+
+
+# page-table widths: the prefill warmup's 131072-token chunk with no context (2048 pages) and the core shapes'
+# first width past the row-in-registers bound (272), then steps no warmup runs: a full chunk deep into the
+# model's 202752-token context (3168), and contexts whose pages are not a multiple of 16 (chunk counts of every
+# power-of-two class from 8 to 128)
+RADIX_WIDTHS = (2048, 272, 3168, 3125, 513, 1025, 2047, 385)
+
+
+def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(monkeypatch, tmp_path):
+    offline_jit(monkeypatch, tmp_path / "triton", LONG_KERNELS)
+    recorder = SpecRecorder(tmp_path / "specs.jsonl")
+    chunks = (triton_indexer_gemm.DEFAULT_CONFIG["radix_chunk"], triton_indexer_long.CHUNK)  # prefill's, decode's
+    for chunk in chunks:
+        for width in RADIX_WIDTHS:
+            for kernel, grid, args, kwargs in triton_indexer_long.launches(*_operands(width), TOPK, PS, chunk):
+                kernel.warmup(*args, grid=grid, **kwargs)
+    rounds = triton_indexer_long.ROUNDS
+    assert _kernel_counts(recorder) == {"_radix_round_kernel": rounds * len(chunks),
+                                        "_chunk_count_kernel": len(chunks), "_chunk_write_kernel": len(chunks)}
+
+
+def test_the_row_select_compiles_one_variant_per_row_block_whatever_the_page_table_width(monkeypatch, tmp_path):
+    """Rows up to ROW_IN_REGS_MAX keys (the prefill select's "auto" below the radix): the block is the row rounded up
+    to a power of two (the warmup's core shapes run one width of each); the width's alignment must not matter."""
+    offline_jit(monkeypatch, tmp_path / "triton", (triton_indexer._topk_select_kernel,))
+    recorder = SpecRecorder(tmp_path / "specs.jsonl")
+    blocks = {}
+    for width in (48, 33, 64, 100, 128, 200, 255, 256):  # keys 2112 .. 16384: blocks 4096, 8192, 16384
+        scores, table, req, pos, out = _operands(width)
+        grid, args, kwargs = triton_indexer.row_select_launch(scores, table, req, pos, out, width * PS, TOPK, PS)
+        triton_indexer._topk_select_kernel.warmup(*args, grid=grid, **kwargs)
+        blocks[width] = kwargs["BLOCK"]
+    assert sorted(set(blocks.values())) == [4096, 8192, 16384]
+    assert _kernel_counts(recorder) == {"_topk_select_kernel": 3}
