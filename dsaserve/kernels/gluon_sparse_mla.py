@@ -29,11 +29,13 @@ import triton.language as tl
 
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout, get_kv_layout
+from dsaserve.kernels import gluon_sparse_mla_ws as ws
 from dsaserve.kernels import triton_sparse_mla as tsm
+from dsaserve.kernels.gluon_common import BLOCK_H, HAVE_GLUON, available
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_sparse_mla_tc import _out_buffer
 
-try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU runs) take the Triton kernels
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,41 +45,22 @@ try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU runs) take the Tr
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+
+    from dsaserve.kernels.gluon_common import _key_range, _load_q
 
 LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
-# kv_lora, rope, heads a program (wgmma's M is 64 a warpgroup); constexpr so the kernels read them
-DC, DR, BLOCK_H = tl.constexpr(512), tl.constexpr(64), tl.constexpr(64)
+# kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
+DC, DR = tl.constexpr(512), tl.constexpr(64)
 # (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
 # prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
 DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None}  # ws None: launch_plan's rule
 
 
-def available(device: torch.device) -> bool:
-    """Whether this kernel can run here: Gluon importable, a CUDA device of compute capability 9.x (wgmma)."""
-    return (HAVE_GLUON and device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device)[0] == 9)
-
-
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _valid_end(slot_ptr, row_base, n_keys, num_warps: gl.constexpr):
-        """One past the token's last valid (>= 0) slot (`triton_sparse_mla._valid_end`: slots come first)."""
-        scan_l: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-        SCAN: gl.constexpr = 4 * 32 * num_warps
-        last = n_keys * 0 - 1
-        for s0 in range(0, n_keys, SCAN):
-            o = s0 + gl.arange(0, SCAN, layout=scan_l)
-            sl = gl.load(slot_ptr + row_base + o, mask=o < n_keys, other=-1)
-            last = gl.maximum(last, gl.max(gl.where(sl >= 0, o, -1), axis=0))
-        return last + 1
 
     @gluon.jit
     def _gather_tile(c_ptr, slot_ptr, slot_base, start, k1, stride_c, r_off, k_dst, r_dst,
@@ -97,31 +80,6 @@ if HAVE_GLUON:
         cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, rope_l))
         async_copy.async_copy_global_to_shared(r_dst, c_ptr + row_r[:, None] + cols_r[None, :],
                                                mask=(sl_r >= 0)[:, None])
-
-    @gluon.jit
-    def _load_q(q_smem, ptr, t, hb, n_heads, stride_t, stride_h, D: gl.constexpr, num_warps: gl.constexpr):
-        """Q rows of this program's heads (zeros past n_heads) as bf16 into shared memory."""
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld)).to(gl.int64)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        q = gl.load(ptr + t * stride_t + h[:, None] * stride_h + cols[None, :], mask=(h < n_heads)[:, None],
-                    other=0.0)
-        q_smem.store(q.to(gl.bfloat16))
-
-    @gluon.jit
-    def _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT: gl.constexpr, BLOCK_K: gl.constexpr,
-                   num_warps: gl.constexpr):
-        """(k0, k1, tiles) of this program: its split's share of the token's valid slots in whole tiles
-        (`triton_sparse_mla._split_range`), or all of them."""
-        kend = _valid_end(slot_ptr, slot_base, n_keys, num_warps)
-        if SPLIT:
-            per = gl.cdiv(gl.cdiv(kend, gl.num_programs(2)), BLOCK_K) * BLOCK_K
-            k0 = sp * per
-            k1 = gl.minimum(k0 + per, kend)
-        else:
-            k0 = sp * 0
-            k1 = kend + sp * 0
-        return k0, k1, gl.maximum(gl.cdiv(k1 - k0, BLOCK_K), 0).to(gl.int32)
 
     @gluon.jit
     def _score_mmas(q_s, qr_s, kt, rt, s_zero):
@@ -347,7 +305,6 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     elif bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
                        envs.DSASERVE_SPARSE_MLA_WS and splits == 1 and t >= WS_MIN_TOKENS):
         # the warp-specialised kernel (gluon_sparse_mla_ws.py), by default for unsplit prefill-sized calls only
-        from dsaserve.kernels import gluon_sparse_mla_ws as ws  # it imports this module's helpers
         kernel, args = ws._sparse_mla_ws_kernel, (*head, DC.value, slots.stride(0), *strides)
         meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG}
     else:

@@ -1,7 +1,8 @@
 """Hopper sparse MLA over bf16 rows, warp-specialised (issue 17; request path stage 6, attention): a prefill's
 staged rows and the bf16 cache at kv_lora 512, rope 64, for many tokens.
 
-Owns: `_sparse_mla_ws_kernel` (launched through `gluon_sparse_mla.launch_plan`), `WS_MAXNREG`.
+Owns: `_sparse_mla_ws_kernel` (launched through `gluon_sparse_mla.launch_plan`), `WS_MAXNREG`; its prologue
+helpers are gluon_common's.
 The schedule is FlashMLA's sm90 sparse prefill (DeepSeek's; the same per-program problem as ours: one token, 64
 heads, top-k key rows of 576), written in Gluon's warp specialisation. A program runs three warpgroups:
   WG0 and WG1 (worker partitions) each own half of the output columns (O [64, 256] fp32 in registers) and,
@@ -28,7 +29,7 @@ with the reference and the single-partition kernel.
 # (no `from __future__ import annotations`: the aggregate's field annotations must stay types)
 import triton.language as tl
 
-from dsaserve.kernels.gluon_sparse_mla import HAVE_GLUON
+from dsaserve.kernels.gluon_common import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -42,7 +43,7 @@ if HAVE_GLUON:
     )
     from triton.language.core import _aggregate as aggregate
 
-    from dsaserve.kernels.gluon_sparse_mla import _key_range, _load_q
+    from dsaserve.kernels.gluon_common import _key_range, _load_q
 
 # 12 warps x 32 threads x 168 registers fill the register file (65,536); the partitions then take 216 (WG0), 216
 # (WG1: warp_specialize's list) and 72 (the producer, the default partition: the leftover) by setmaxnreg,
