@@ -41,7 +41,9 @@ SCORE_CONFIGS = [(8, 128, 8, 8, 3), (4, 64, 16, 4, 4), (4, 128, 16, 4, 4)]
 SELECTS = [("rows", {"select": "rows"}), ("radix c4096", {"select": "radix", "radix_chunk": 4096}),
            ("radix c2048", {"select": "radix", "radix_chunk": 2048}),
            ("radix c8192", {"select": "radix", "radix_chunk": 8192}),
-           ("auto ws64M", {"select": "auto", "ws_budget": 64 << 20})]
+           ("auto ws64M", {"select": "auto", "ws_budget": 64 << 20}),
+           ("auto ws32M", {"select": "auto", "ws_budget": 32 << 20}),  # fits one L2 partition's share more often
+           ("auto ws16M", {"select": "auto", "ws_budget": 16 << 20})]
 SAMPLES = 16  # rows a case checks against float64 (evenly spaced over its tokens)
 TIME_LIMIT_S = 120  # stop starting new variants past this (the whole run must stay under 2.5 min)
 ROWS: list[dict] = []
@@ -256,7 +258,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--interpret", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cases", default=None, help="TxCTX,... (default: every case)")
+    ap.add_argument("--selects", default=None, help="select names to run, comma-separated (default: all)")
+    ap.add_argument("--score-configs", type=int, default=None, help="only the first N score configs")
     args = ap.parse_args(argv)
+    if args.cases:
+        CASES = tuple(tuple(int(x) for x in c.split("x")) for c in args.cases.split(","))
+    if args.selects:
+        keep = set(args.selects.split(","))
+        SELECTS = [s for s in SELECTS if s[0] in keep]
+    if args.score_configs:
+        SCORE_CONFIGS = SCORE_CONFIGS[:args.score_configs]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.interpret:
         if os.environ.get("TRITON_INTERPRET") != "1":
