@@ -21,7 +21,8 @@ BF16_LAYOUT = get_kv_layout("bf16")
 
 
 @pytest.mark.parametrize("t,h,k,splits", [(600, 64, 2048, 1), (300, 64, 1984, 1), (16, 64, 2048, None),
-                                          (40, 40, 1000, None), (128, 64, 2048, 4), (1000, 64, 64, 1)])
+                                          (40, 40, 1000, None), (128, 64, 2048, 4), (1000, 64, 64, 1),
+                                          (520, 128, 2048, 1)])  # DeepSeek-V3.2's 128 heads: two head blocks
 def test_warp_specialised_kernel_matches_the_reference_and_the_single_partition_kernel(gen, t, h, k, splits):
     rows, slots, qn, qr = _case(gen, t, h, k, 6000)
     poison_free_memory()
