@@ -1,0 +1,55 @@
+"""Which Gluon sparse MLA kernel a call launches (`gluon_sparse_mla.launch_plan`, no GPU needed: the plan is built on
+CPU tensors, nothing launched): the warp-specialised kernel for unsplit calls from WS_MIN_TOKENS tokens over bf16
+rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0, and the fp8 kernel
+for the fp8_ds_mla cache; the launch's registers and warps as the warp-specialised schedule needs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.common import envs
+from dsaserve.kernels import gluon_sparse_mla as G
+
+pytestmark = pytest.mark.skipif(not G.HAVE_GLUON, reason="needs a Triton with Gluon (>= 3.5)")
+
+
+def _plan(t: int, rows_dtype=torch.bfloat16, keys: int = 2048, **cfg):
+    qn, qr = torch.zeros(t, 64, 512, dtype=torch.bfloat16), torch.zeros(t, 64, 64, dtype=torch.bfloat16)
+    rows = torch.zeros(4096, 576 if rows_dtype == torch.bfloat16 else G.FP8_ROW, dtype=rows_dtype)
+    slots = torch.zeros(t, keys, dtype=torch.int32)
+    return G.launch_plan(qn, qr, rows, slots, 0.06, torch.empty_like(qn), {**G.DEFAULT, **cfg}, sms=132)
+
+
+def _name(plan) -> str:
+    return plan[0].fn.__name__ if hasattr(plan[0], "fn") else plan[0].__name__
+
+
+def test_prefill_sized_unsplit_calls_take_the_warp_specialised_kernel():
+    kernel, part, lse, grid, args, meta = _plan(G.WS_MIN_TOKENS)
+    assert _name((kernel,)) == "_sparse_mla_ws_kernel" and grid == (G.WS_MIN_TOKENS, 1, 1)
+    assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168}  # 12 warps x 168 registers: the whole file
+    assert part.shape[0] == 1  # unsplit: the output itself
+
+
+@pytest.mark.parametrize("t,cfg", [(G.WS_MIN_TOKENS - 1, {}), (G.WS_MIN_TOKENS, {"splits": 4}),
+                                   (4096, {"ws": False})])
+def test_small_split_or_switched_off_calls_take_the_single_partition_kernel(t, cfg):
+    plan = _plan(t, **cfg)
+    assert _name(plan) == "_sparse_mla_gluon_kernel" and plan[5]["num_warps"] == 8
+
+
+def test_the_switch_turns_the_warp_specialised_kernel_off(monkeypatch):
+    monkeypatch.setenv("DSASERVE_SPARSE_MLA_WS", "0")
+    envs.reload()
+    try:
+        assert _name(_plan(4096)) == "_sparse_mla_gluon_kernel"
+    finally:
+        monkeypatch.delenv("DSASERVE_SPARSE_MLA_WS")
+        envs.reload()
+
+
+def test_forcing_it_takes_split_calls_too_and_the_fp8_cache_keeps_its_kernel():
+    kernel, part, lse, grid, args, meta = _plan(64, ws=True, splits=4)
+    assert _name((kernel,)) == "_sparse_mla_ws_kernel" and meta["SPLIT"] and grid[2] == part.shape[0] == 4
+    assert _name(_plan(4096, torch.uint8)) == "_sparse_mla_fp8_kernel"
