@@ -39,6 +39,23 @@ def test_sparse_mla_takes_a_131072_token_prefill_with_head_major_queries(gen):
     assert rel(got[rows], ref) < BF16, f"seed {gen.initial_seed()}"
 
 
+def test_sparse_mla_over_staged_bf16_rows_takes_a_131072_token_prefill(gen):
+    """A prefill's staged rows are bf16: on sm_90 the warp-specialised Gluon kernel takes this call (unsplit, from
+    512 tokens); head-major queries as above, and an output whose offsets pass 2^31 too."""
+    mla = gpu_modules()[4]
+    t, h, dc, dr, k, n_slots = 131072, 64, 512, 64, 64, 4096
+    q_nope = torch.empty(h, t, dc, dtype=torch.bfloat16, device=DEVICE).normal_(generator=gen).transpose(0, 1)
+    q_rope = randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+    rows_bf16 = randn(n_slots, dc + dr, gen=gen, dtype=torch.bfloat16)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    got = mla.sparse_mla_attention(q_nope, q_rope, rows_bf16.view(torch.uint8), "bf16", slots, 0.04, dc)
+    assert got.numel() > INT32_LIMIT
+    rows = _rows(t)
+    ref = R.sparse_mla_attention(q_nope[rows], q_rope[rows], rows_bf16.view(torch.uint8), "bf16", slots[rows], 0.04,
+                                 dc)
+    assert rel(got[rows], ref) < BF16, f"seed {gen.initial_seed()}"
+
+
 def test_activation_quantiser_takes_more_than_2_31_values(gen):
     """The prefill MoE's down-projection input [T*k, I] (131072 x 8 x 2048 = 2^31) and beyond."""
     gemm = gpu_modules()[0]
