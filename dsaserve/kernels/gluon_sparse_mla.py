@@ -3,7 +3,9 @@ request path stage 6, attention).
 
 Owns: `sparse_mla_attention_gluon`, the same op as `reference.sparse_mla_attention` (weight-absorbed: scores on the
 latent = nope + rope, output the attention-weighted nope latent) over bf16 rows (a prefill's staged rows, the
-bf16 cache) or the fp8_ds_mla cache, and `available`.
+bf16 cache) or the fp8_ds_mla cache, `launch_plan` (which kernel a call launches: for unsplit bf16-row calls from
+WS_MIN_TOKENS the warp-specialised one of `gluon_sparse_mla_ws`, else this module's) and the dispatcher
+`sparse_mla_attention`; the kernels' shared prologue is `gluon_common`'s.
 Why Gluon and not Triton: Triton gives a dot whose result feeds another dot all warps along M, so with 64 heads
 as M both warpgroups of an 8-warp program computed the same S (53 % of the FLOPs run twice; offline sm_90 compile
 of `triton_sparse_mla`'s kernel). Gluon takes the layouts as written, after FlashMLA's sparse kernels:
@@ -18,7 +20,7 @@ the other stage while its O MMA runs. One program takes one token, 64 heads and 
 (flash-decoding splits merged by `triton_sparse_mla`'s combine kernel). Row and program offsets are 64-bit.
 Shared memory: Q 72 KB + 2 x BLOCK_K x 1152 B + P; 64-key tiles take ~224 KB: one program an SM.
 Gluon is Triton's lower-level language (triton.experimental.gluon, Triton >= 3.5): no interpreter, so CPU runs
-never reach these kernels (`available` says no); their device test compares them with the reference.
+never reach these kernels (`gluon_common.available` says no); their device test compares them with the reference.
 """
 
 from __future__ import annotations
