@@ -34,8 +34,8 @@ CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the wa
     "triton-1stage": {"num_stages": 1, "block_k": 64, "prefetch": True},
     "gluon-single": {"gluon": {"ws": False}},  # the single-partition Gluon kernel (the default before the ws one)
     "fp8-gluon": {"gluon": {}, "fp8": True},  # the cache itself, no staging
-    "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3}},
-    "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1}},
+    "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3, "ws": False}},  # single-partition tilings
+    "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1, "ws": False}},
 }
 CASES = ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 32768), (1024, 1024), (512, 8192), (256, 256),
          (128, 8192), (128, 1024), (64, 8192), (32, 8192), (16, 8192))

@@ -61,11 +61,6 @@ N_BARS = tl.constexpr(16)
 
 if HAVE_GLUON:
 
-    _ARG_FIELDS = ("q_s", "qr_s", "k_s", "r_s", "p1_s", "m_s", "l_s", "bias_s", "bars", "c_ptr", "slots", "out",
-                   "lse", "k0", "k1", "n_rounds", "qk_scale", "stride_c", "r_off", "h0", "n_heads", "stride_oh",
-                   "SPLIT")
-
-    @aggregate
     class _Args:
         """What every partition reads: shared memory, barriers, the program's token / split and its key range."""
         q_s: gl.shared_memory_descriptor
@@ -93,9 +88,12 @@ if HAVE_GLUON:
         SPLIT: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, *values):
+        def __init__(self, *values):  # the fields in their annotations' order
             for name, value in zip(_ARG_FIELDS, values, strict=True):
                 setattr(self, name, gl.constexpr(value) if name == "SPLIT" else value)
+
+    _ARG_FIELDS = tuple(_Args.__annotations__)
+    _Args = aggregate(_Args)
 
     # one warpgroup's layouts: S [64 heads, 64 keys] and O [64 heads, 256 columns] of wgmma, P as its register A
     S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
