@@ -60,6 +60,19 @@ DC, DR = tl.constexpr(512), tl.constexpr(64)
 # (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
 # prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
 DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None}  # ws None: launch_plan's rule
+WAVE_FILL = 0.7  # the share of a wave of programs the fewest splits must reach (`pick_splits`)
+
+
+def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
+    """Flash-decoding splits for these kernels: the fewest that give WAVE_FILL of a wave of programs, each split
+    at least 2 key blocks. One program runs an SM (~224 KB of shared memory), so a split past one wave only adds
+    waves, and each program pays a fixed ~15 us (Q in, the valid-slot scan, O or the partials out: about three
+    64-key blocks of the fp8 kernel's ~5 us each). H200 sweep over the fp8 cache at decode shapes
+    (bench/sweep_decode_splits.py, bench/RESULTS.md): best 1 / 2 / 3 splits at 128 / 64 / 32 tokens (128 tokens:
+    112 us at 1 split against 148 us at the 3 of `triton_sparse_mla.pick_splits`' two-wave rule)."""
+    progs = t * head_blocks
+    want = -(-int(WAVE_FILL * sms) // max(progs, 1))
+    return max(1, min(want, n_keys // (2 * block_k)))
 
 
 if HAVE_GLUON:
@@ -290,7 +303,7 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     t, h, _ = q_nope.shape
     n_keys, bk = topk_slots.shape[1], cfg["block_k"]
     head_blocks = triton.cdiv(h, BLOCK_H.value)
-    splits = cfg["splits"] or tsm.pick_splits(t, head_blocks, n_keys, bk, sms)
+    splits = cfg["splits"] or pick_splits(t, head_blocks, n_keys, bk, sms)
     splits = max(1, triton.cdiv(n_keys, triton.cdiv(triton.cdiv(n_keys, splits), bk) * bk))
     slots = topk_slots if topk_slots.stride(-1) == 1 else topk_slots.contiguous()
     if splits > 1:

@@ -53,3 +53,10 @@ def test_forcing_it_takes_split_calls_too_and_the_fp8_cache_keeps_its_kernel():
     kernel, part, lse, grid, args, meta = _plan(64, ws=True, splits=4)
     assert _name((kernel,)) == "_sparse_mla_ws_kernel" and meta["SPLIT"] and grid[2] == part.shape[0] == 4
     assert _name(_plan(4096, torch.uint8)) == "_sparse_mla_fp8_kernel"
+
+
+@pytest.mark.parametrize("t,splits", [(256, 1), (128, 1), (96, 1), (64, 2), (32, 3), (16, 6), (1, 16)])
+def test_decode_batches_split_to_fill_one_wave_of_programs(t, splits):
+    """One program an SM: the fewest splits reaching 0.7 of a wave (132 SMs), at most top-k / 2 blocks."""
+    kernel, part, lse, grid, args, meta = _plan(t, torch.uint8)
+    assert grid == (t, 1, splits) and part.shape[0] == splits and meta["SPLIT"] == (splits > 1)
