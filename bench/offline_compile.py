@@ -40,13 +40,15 @@ def specialise(fn, args: tuple, meta: dict, type_of: Callable[[object], str]) ->
 
 
 def compile_sm90(fn, args: tuple, meta: dict, type_of: Callable[[object], str]):
-    """The compiled kernel of `fn` launched with `args` and constexprs / num_warps / num_stages `meta`, for sm_90."""
+    """The compiled kernel of `fn` launched with `args` and constexprs / num_warps / num_stages / maxnreg `meta`, for
+    sm_90."""
     sig, consts, attrs = specialise(fn, args, meta, type_of)
     source = ASTSource
     if getattr(fn, "is_gluon", lambda: False)():  # Gluon kernels (kernels/gluon_*.py) compile from their own source
         from triton.experimental.gluon._runtime import GluonASTSource as source
     return triton.compile(source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": meta["num_warps"], "num_stages": meta.get("num_stages", 1)})
+                          options={"num_warps": meta["num_warps"], "num_stages": meta.get("num_stages", 1),
+                                   **({"maxnreg": meta["maxnreg"]} if "maxnreg" in meta else {})})
 
 
 def ptxas(compiled, out_dir: Path) -> tuple[str, tuple[str, str], Path]:

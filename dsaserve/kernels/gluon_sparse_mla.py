@@ -59,7 +59,8 @@ GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: th
 DC, DR = tl.constexpr(512), tl.constexpr(64)
 # (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
 # prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
-DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None}  # ws None: launch_plan's rule
+# ws None: launch_plan's rule; ws_variant: the warp-specialised kernel's switches (gluon_sparse_mla_ws.VARIANTS)
+DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None, "ws_variant": None}
 WAVE_FILL = 0.7  # the share of a wave of programs the fewest splits must reach (`pick_splits`)
 
 
@@ -321,7 +322,7 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
                        envs.DSASERVE_SPARSE_MLA_WS and splits == 1 and t >= WS_MIN_TOKENS):
         # the warp-specialised kernel (gluon_sparse_mla_ws.py), by default for unsplit prefill-sized calls only
         kernel, args = ws._sparse_mla_ws_kernel, (*head, DC.value, slots.stride(0), *strides)
-        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG}
+        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **ws.variant(cfg["ws_variant"])}
     else:
         kernel, args = _sparse_mla_gluon_kernel, (*head, DC.value, slots.stride(0), *strides)
         meta["STAGES"] = cfg["num_stages"]

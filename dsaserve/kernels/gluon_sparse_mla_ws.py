@@ -1,8 +1,8 @@
 """Hopper sparse MLA over bf16 rows, warp-specialised (issue 17; request path stage 6, attention): a prefill's
 staged rows and the bf16 cache at kv_lora 512, rope 64, for many tokens.
 
-Owns: `_sparse_mla_ws_kernel` (launched through `gluon_sparse_mla.launch_plan`), `WS_MAXNREG`; its prologue
-helpers are gluon_common's.
+Owns: `_sparse_mla_ws_kernel` (launched through `gluon_sparse_mla.launch_plan`), `WS_MAXNREG`, its A/B switches
+(`VARIANTS`, `variant`, the combinations the device runs: `CANDIDATES`); its prologue helpers are gluon_common's.
 The schedule is FlashMLA's sm90 sparse prefill (DeepSeek's; the same per-program problem as ours: one token, 64
 heads, top-k key rows of 576), written in Gluon's warp specialisation. A program runs three warpgroups:
   WG0 and WG1 (worker partitions) each own half of the output columns (O [64, 256] fp32 in registers) and,
@@ -22,6 +22,10 @@ shared memory at 224 KB: Q 72 + two blocks 2 x 72 + WG1's P 8). Every wgmma is w
 accumulator left in flight across the loop's back edge made ptxas serialise every wgmma of the kernel (C7514).
 Numerics are the single-partition kernel's: bf16 operands, fp32 accumulation, P rounded to bf16 once (WG0's P
 for WG1 rounded after its rescale to the round's maximum).
+The switches (constexprs, launch_plan's cfg["ws_variant"]; each default is the schedule above, whose sm_90 SASS
+they leave byte-identical offline) try what a review left open: P1 stored before its wgmma, fixed buffer roles,
+descriptors kept from being hoisted and spilled (PIN: none spilled), the producer's slots read a round ahead and
+L2 prefetch of later rounds' rows (the gather-bound long contexts); shared memory has no room for a third block.
 Row offsets are 64-bit. No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it
 with the reference and the single-partition kernel.
 """
@@ -50,6 +54,43 @@ if HAVE_GLUON:
 # FlashMLA's split: O (128) + S (32) + P fit in 216. (A consumer as the default partition spilled its wgmma
 # descriptors: offline sm_90 compile.)
 WS_MAXNREG = 168
+# the kernel's A/B switches (constexprs; the defaults are the schedule above) and what each tests on the device:
+#   P1_MODE: 0 WG1 stores its P to shared memory from the registers its in-flight P1 V1R wgmma reads as A (PTX
+#     leaves reading them undefined; ptxas takes it), 1 stores it before issuing that wgmma from registers, 2 stores
+#     it first and issues the wgmma from shared memory (A never in registers while in flight)
+#   FIXED_ROLES: WG0 always takes buffer 0, WG1 buffer 1 (not swapped every round): each warpgroup's first half of
+#     a round is then freed mid-round before, not at its end (no full gather latency at a round's start)
+#   EARLY_ROWS: the producer reads a round's slots a round ahead (off the FREE wait -> cp.async path)
+#   L2_AHEAD: the producer prefetches the rows of the round that many ahead into L2 (0: none)
+#   PIN: Q's, Q_rope's and WG1's P buffer's descriptors through an opaque per-round index (not hoisted, not spilled)
+VARIANTS = {"P1_MODE": 0, "FIXED_ROLES": False, "EARLY_ROWS": False, "L2_AHEAD": 0, "PIN": False}
+# the combinations the device A/B runs (bench/bench_prefill_staging.py --ws-variants, the device test); "ws" is
+# today's schedule. Offline sm_90 spills (WG0 / WG1 local bytes) in the comments
+_PIN_FIXED = {"PIN": True, "FIXED_ROLES": True}
+CANDIDATES = {
+    "ws": {},  # 16 / 172 B
+    "p1-first": {"P1_MODE": 1},  # 16 / 176
+    "fixed": {"FIXED_ROLES": True},  # 0 / 144
+    "pin": {"PIN": True},  # 0 / 0 (so every pin-* below)
+    "pin-p1-first": {"PIN": True, "P1_MODE": 1},
+    "pin-p1-smem": {"PIN": True, "P1_MODE": 2},
+    "pin-fixed": _PIN_FIXED,
+    "pin-fixed-p1-first": {**_PIN_FIXED, "P1_MODE": 1},
+    "early-rows": {"EARLY_ROWS": True},  # the producer's changes alone: the consumers' code is the default's
+    "l2-ahead1": {"L2_AHEAD": 1},
+    "l2-ahead2": {"L2_AHEAD": 2},
+    "pin-early-l2": {"PIN": True, "EARLY_ROWS": True, "L2_AHEAD": 1},
+    "all": {**_PIN_FIXED, "P1_MODE": 1, "EARLY_ROWS": True, "L2_AHEAD": 1},
+}
+
+
+def variant(switches: dict | None) -> dict:
+    """The launch's constexprs for these switches: only the ones given (a default launch passes none)."""
+    switches = dict(switches or {})
+    unknown = set(switches) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"gluon_sparse_mla_ws: unknown switches {sorted(unknown)}; known: {sorted(VARIANTS)}")
+    return switches
 BK = tl.constexpr(64)  # keys a block; a round is two blocks, one a warpgroup
 # mbarrier indices: ready (producer -> consumers; 128 cp.async arrivals) and free (consumers -> producer) of each
 # block's halves, at READY + 2 * half + block (half 0 = L, 1 = R), and the exchange between the two warpgroups
@@ -86,11 +127,16 @@ if HAVE_GLUON:
         n_heads: gl.tensor
         stride_oh: gl.tensor
         SPLIT: gl.constexpr
+        P1_MODE: gl.constexpr
+        FIXED_ROLES: gl.constexpr
+        EARLY_ROWS: gl.constexpr
+        L2_AHEAD: gl.constexpr
+        PIN: gl.constexpr
 
         @gluon.constexpr_function
         def __init__(self, *values):  # the fields in their annotations' order
             for name, value in zip(_ARG_FIELDS, values, strict=True):
-                setattr(self, name, gl.constexpr(value) if name == "SPLIT" else value)
+                setattr(self, name, gl.constexpr(value) if name.isupper() else value)
 
     _ARG_FIELDS = tuple(_Args.__annotations__)
     _Args = aggregate(_Args)
@@ -108,19 +154,19 @@ if HAVE_GLUON:
         return s * a.qk_scale + bias[None, :]
 
     @gluon.jit
-    def _s_left(a, b, s, use_acc: gl.constexpr):
+    def _s_left(a, b, s, use_acc: gl.constexpr, q_s):
         """S += Q[:, 0:256] K_b[:, 0:256]^T, issued."""
         kt = a.k_s.index(b)
-        return warpgroup_mma(a.q_s.slice(0, 256, dim=1), kt.slice(0, 256, dim=1).permute((1, 0)), s,
+        return warpgroup_mma(q_s.slice(0, 256, dim=1), kt.slice(0, 256, dim=1).permute((1, 0)), s,
                              use_acc=use_acc, is_async=True)
 
     @gluon.jit
-    def _s_right(a, b, s, use_acc: gl.constexpr):
+    def _s_right(a, b, s, use_acc: gl.constexpr, q_s, qr_s):
         """S += Q[:, 256:512] K_b[:, 256:512]^T + Q_rope R_b^T, issued."""
         kt = a.k_s.index(b)
-        s = warpgroup_mma(a.q_s.slice(256, 256, dim=1), kt.slice(256, 256, dim=1).permute((1, 0)), s,
+        s = warpgroup_mma(q_s.slice(256, 256, dim=1), kt.slice(256, 256, dim=1).permute((1, 0)), s,
                           use_acc=use_acc, is_async=True)
-        return warpgroup_mma(a.qr_s, a.r_s.index(b).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(qr_s, a.r_s.index(b).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _publish(a, smem, value, bar: gl.constexpr, to_async: gl.constexpr):
@@ -149,21 +195,57 @@ if HAVE_GLUON:
             gl.store(a.lse + hs, lse, mask=hs < a.n_heads)
 
     @gluon.jit
+    def _buffers(a, r):
+        """(WG0's buffer, WG1's buffer) of round r: swapped every round (r & 1), or fixed (0, 1) through an opaque
+        per-round zero (FIXED_ROLES; as constants the wgmma descriptors were hoisted out of the loop and spilled:
+        376 B, offline sm_90 compile)."""
+        if a.FIXED_ROLES:
+            b0 = _opaque_zero(r)
+        else:
+            b0 = r & 1
+        return b0, 1 - b0
+
+    @gluon.jit
+    def _opaque_zero(r):
+        """0, computed from r in a way the compilers cannot fold: what is indexed by it is not loop invariant."""
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [r], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pin(a, smem, r):
+        """`smem` itself, through an opaque per-round index when PIN (its wgmma descriptors then are not hoisted out
+        of the round loop, where ptxas spills them)."""
+        if a.PIN:
+            smem = smem._reinterpret(smem.dtype, [1, smem.shape[0], smem.shape[1]], smem.layout).index(
+                _opaque_zero(r))
+        return smem
+
+    @gluon.jit
+    def _free(a, bar):
+        """One arrival on a FREE barrier once this warpgroup's reads of the half are done (its wgmma waited for).
+        The arrival is one thread's, so every thread's wgmma wait must be passed first: the partition barrier is
+        explicit. (Triton 3.6's membar pass inserts the same bar.sync before an mbarrier.arrive that follows
+        unsynchronised shared-memory accesses, and none after this one: sm_90 SASS identical offline.)"""
+        gl.thread_barrier()
+        mbarrier.arrive(a.bars.index(bar), count=1)
+
+    @gluon.jit
     def _wg0(a):
-        """Block 2r of each round (in buffer r & 1); owns output columns 0:256 (V's "L" half of both blocks)."""
+        """Block 2r of each round (in buffer r & 1, or 0 with FIXED_ROLES); owns output columns 0:256 (V's "L"
+        half of both blocks)."""
         m_i = gl.full([64], -1e30, gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, S_L))
         acc = gl.zeros([64, 256], gl.float32, layout=O_L)
         s_zero = gl.zeros([64, BK], gl.float32, layout=S_L)
         for r in range(a.n_rounds):
             ph = r & 1
-            b0 = r & 1  # this round's buffer; WG1's is the other (last round's WG1 buffer is this one)
+            b0, b1 = _buffers(a, r)  # this round's buffer and WG1's (swapped: last round's WG1 buffer is this one)
             mbarrier.wait(a.bars.index(READY + b0), ph)
             fence_async_shared()
-            s = _s_left(a, b0, s_zero, False)
+            s = _s_left(a, b0, s_zero, False, _pin(a, a.q_s, r))
             mbarrier.wait(a.bars.index(READY + 2 + b0), ph)
             fence_async_shared()
-            s = _scaled_scores(a, warpgroup_mma_wait(num_outstanding=0, deps=[_s_right(a, b0, s, True)]), 0, ph)
+            s = _s_right(a, b0, s, True, _pin(a, a.q_s, r), _pin(a, a.qr_s, r))
+            s = _scaled_scores(a, warpgroup_mma_wait(num_outstanding=0, deps=[s]), 0, ph)
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             alpha = gl.exp2(m_i - m_new)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
@@ -173,7 +255,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_L), a.k_s.index(b0).slice(0, 256, dim=1),
                                 acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(a.bars.index(FREE + b0), count=1)
+            _free(a, FREE + b0)
             mbarrier.wait(a.bars.index(MAX1), ph)
             m_i = a.m_s.load(m_new.type.layout)  # WG1's maximum: the round's
             sf = gl.exp2(m_new - m_i)
@@ -182,11 +264,11 @@ if HAVE_GLUON:
             mbarrier.wait(a.bars.index(P1), ph)
             acc = acc * gl.convert_layout(sf, gl.SliceLayout(1, O_L))[:, None]
             l_i = l_i * sf
-            acc = warpgroup_mma(a.p1_s, a.k_s.index(1 - b0).slice(0, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(_pin(a, a.p1_s, r), a.k_s.index(b1).slice(0, 256, dim=1), acc, is_async=True)
             # waited here, not under the next S: an accumulator in flight across the loop's back edge makes ptxas
             # serialise every wgmma of the kernel (C7514)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(a.bars.index(FREE + 1 - b0), count=1)  # WG1's L half: read by both warpgroups
+            _free(a, FREE + b1)  # WG1's L half: read by both warpgroups
         _epilogue(a, acc, m_i, l_i, 0)
 
     @gluon.jit
@@ -198,14 +280,14 @@ if HAVE_GLUON:
         s_zero = gl.zeros([64, BK], gl.float32, layout=S_L)
         for r in range(a.n_rounds):
             ph = r & 1
-            b0 = r & 1  # WG0's buffer this round
-            b1 = 1 - b0
+            b0, b1 = _buffers(a, r)  # WG0's buffer this round, this warpgroup's
             mbarrier.wait(a.bars.index(READY + 2 + b1), ph)
             fence_async_shared()
-            s = _s_right(a, b1, s_zero, False)
+            s = _s_right(a, b1, s_zero, False, _pin(a, a.q_s, r), _pin(a, a.qr_s, r))
             mbarrier.wait(a.bars.index(READY + b1), ph)
             fence_async_shared()
-            s = _scaled_scores(a, warpgroup_mma_wait(num_outstanding=0, deps=[_s_left(a, b1, s, True)]), 1, ph)
+            s = _s_left(a, b1, s, True, _pin(a, a.q_s, r))
+            s = _scaled_scores(a, warpgroup_mma_wait(num_outstanding=0, deps=[s]), 1, ph)
             mbarrier.wait(a.bars.index(MAX0), ph)
             m_new = gl.maximum(a.m_s.load(m_i.type.layout), gl.max(s, axis=1))  # >= WG0's, >= this WG's last
             gl.thread_barrier()  # every thread has read WG0's maximum before it is overwritten
@@ -216,18 +298,26 @@ if HAVE_GLUON:
             m_i = m_new
             _publish(a, a.m_s, m_new, MAX1, False)
             pb = p.to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(pb, P_L), a.k_s.index(b1).slice(256, 256, dim=1), acc,
-                                is_async=True)
-            a.p1_s.store(pb)  # WG0's P1 V1L of the last round is done: WG0 published MAX0 after it
+            if a.P1_MODE == 0:  # P1 V1R issued from registers, then P1 stored from them while it is in flight
+                acc = warpgroup_mma(gl.convert_layout(pb, P_L), a.k_s.index(b1).slice(256, 256, dim=1), acc,
+                                    is_async=True)
+            # WG0's P1 V1L of the last round is done: WG0 published MAX0 after it
+            a.p1_s.store(pb)
             fence_async_shared()
             gl.thread_barrier()
+            if a.P1_MODE == 1:  # stored first, then issued from registers
+                acc = warpgroup_mma(gl.convert_layout(pb, P_L), a.k_s.index(b1).slice(256, 256, dim=1), acc,
+                                    is_async=True)
+            elif a.P1_MODE == 2:  # stored first, issued from shared memory (no register A in flight)
+                acc = warpgroup_mma(_pin(a, a.p1_s, r), a.k_s.index(b1).slice(256, 256, dim=1), acc,
+                                    is_async=True)
             mbarrier.wait(a.bars.index(P0), ph)
             acc = warpgroup_mma(a.r_s.index(b0), a.k_s.index(b0).slice(256, 256, dim=1), acc, is_async=True)
             mbarrier.arrive(a.bars.index(P1), count=1)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            mbarrier.arrive(a.bars.index(FREE + 2 + b1), count=1)
+            _free(a, FREE + 2 + b1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(a.bars.index(FREE + 2 + b0), count=1)  # also frees WG0's rope rows (P0)
+            _free(a, FREE + 2 + b0)  # also frees WG0's rope rows (P0)
         _epilogue(a, acc, m_i, l_i, 1)
 
     @gluon.jit
@@ -237,19 +327,20 @@ if HAVE_GLUON:
         async_copy.async_copy_global_to_shared(dst, a.c_ptr + rows[:, None] + cols[None, :], mask=ok[:, None])
 
     @gluon.jit
+    def _slots(a, start, lay: gl.constexpr):
+        """The slots [start, start + 64) along `lay`'s rows (-1 past k1)."""
+        offs = start + gl.arange(0, BK, layout=gl.SliceLayout(1, lay))
+        return gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
+
+    @gluon.jit
     def _rows(a, start, lay: gl.constexpr):
         """(element offsets, valid) of the rows of slots [start, start + 64) along `lay`'s rows."""
-        offs = start + gl.arange(0, BK, layout=gl.SliceLayout(1, lay))
-        sl = gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
+        sl = _slots(a, start, lay)
         return gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c, sl >= 0
 
     @gluon.jit
-    def _fill(a, b, w: gl.constexpr, start, half: gl.constexpr, ph):
-        """Wait for block b's half (0: L, 1: R) to be free, gather it, arrive on its ready barrier when the copies
-        land. Eight threads copy a row's 128 bytes (16 B each), a thread 4 rows: 4 row offsets a thread."""
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        mbarrier.wait(a.bars.index(FREE + 2 * half + b), ph)
-        rows, ok = _rows(a, start, lay)
+    def _fill_rows(a, b, w: gl.constexpr, rows, ok, half: gl.constexpr, lay: gl.constexpr):
+        """Gather block b's half (0: L, 1: R) of these rows, arrive on its ready barrier when the copies land."""
         _gather(a, rows, ok, a.k_s.index(b).slice(256 * half, 256, dim=1), 256 * half, lay)
         if half == 1:
             _gather(a, rows + a.r_off, ok, a.r_s.index(b), 0, lay)
@@ -261,24 +352,75 @@ if HAVE_GLUON:
             mbarrier.arrive(a.bars.index(VALID + w), count=1)
 
     @gluon.jit
+    def _fill(a, b, w: gl.constexpr, start, half: gl.constexpr, ph, lay: gl.constexpr):
+        """Wait for block b's half to be free, then read its slots and gather it."""
+        mbarrier.wait(a.bars.index(FREE + 2 * half + b), ph)
+        rows, ok = _rows(a, start, lay)
+        _fill_rows(a, b, w, rows, ok, half, lay)
+
+    @gluon.jit
+    def _fill_early(a, b, w: gl.constexpr, sl, half: gl.constexpr, ph, lay: gl.constexpr):
+        """Wait for block b's half to be free and gather it from slots read a round earlier (EARLY_ROWS)."""
+        mbarrier.wait(a.bars.index(FREE + 2 * half + b), ph)
+        _fill_rows(a, b, w, gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c, sl >= 0, half, lay)
+
+    @gluon.jit
+    def _prefetch_l2(a, start):
+        """L2 prefetch (cp.async.bulk.prefetch, 1152 B: a whole row, nope then rope) of the 128 rows of the round
+        from slot `start`: a producer thread a row, no shared memory, nothing waited for (L2_AHEAD)."""
+        pl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = start + gl.arange(0, 2 * BK, layout=pl)
+        sl = gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
+        ptr = a.c_ptr + gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ge.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.b32 $0, 0; }",
+            "=r,l,r", [ptr, sl], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _producer(a):
         """Each round's two blocks, in the order the warpgroups start on them: WG0 begins S on its block's L half,
-        WG1 on its block's R half."""
+        WG1 on its block's R half. Eight threads copy a row's 128 bytes (16 B each), a thread 4 rows: 4 row
+        offsets a thread. EARLY_ROWS: each round's slots are read a round ahead (their load is off the path
+        from a FREE wait to its copies) and once a block, not once a half. L2_AHEAD: the rows of the round that
+        far ahead are prefetched into L2 at the start of each round."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        if a.EARLY_ROWS:
+            s0 = _slots(a, a.k0, lay)
+            s1 = _slots(a, a.k0 + BK, lay)
+        if a.L2_AHEAD > 0:
+            for d in gl.static_range(1, a.L2_AHEAD):  # the first rounds past round 0
+                _prefetch_l2(a, a.k0 + 2 * d * BK)
         for r in range(a.n_rounds):
             ph = (r & 1) ^ 1  # a fresh mbarrier passes a wait on phase 1
             start = a.k0 + 2 * r * BK
-            b0 = r & 1  # WG0's buffer this round, WG1's the other
-            _fill(a, b0, 0, start, 0, ph)
-            _fill(a, 1 - b0, 1, start + BK, 1, ph)
-            _fill(a, b0, 0, start, 1, ph)
-            _fill(a, 1 - b0, 1, start + BK, 0, ph)
+            b0, b1 = _buffers(a, r)  # WG0's buffer this round, WG1's
+            if a.L2_AHEAD > 0:
+                _prefetch_l2(a, start + 2 * a.L2_AHEAD * BK)
+            if a.EARLY_ROWS:
+                n0 = _slots(a, start + 2 * BK, lay)  # the next round's, in flight through this round's waits
+                n1 = _slots(a, start + 3 * BK, lay)
+                _fill_early(a, b0, 0, s0, 0, ph, lay)
+                _fill_early(a, b1, 1, s1, 1, ph, lay)
+                _fill_early(a, b0, 0, s0, 1, ph, lay)
+                _fill_early(a, b1, 1, s1, 0, ph, lay)
+                s0 = n0
+                s1 = n1
+            else:
+                _fill(a, b0, 0, start, 0, ph, lay)
+                _fill(a, b1, 1, start + BK, 1, ph, lay)
+                _fill(a, b0, 0, start, 1, ph, lay)
+                _fill(a, b1, 1, start + BK, 0, ph, lay)
 
     @gluon.jit
     def _sparse_mla_ws_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
                               stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
-                              stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT: gl.constexpr):
+                              stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT: gl.constexpr,
+                              P1_MODE: gl.constexpr = 0, FIXED_ROLES: gl.constexpr = False,
+                              EARLY_ROWS: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0,
+                              PIN: gl.constexpr = False):
         """One token, 64 heads, one split of its top-k (grid: tokens, head blocks, splits); launched with 4 warps
-        (WG0) and WS_MAXNREG, the two worker warpgroups added by warp_specialize."""
+        (the producer) and WS_MAXNREG, the two worker warpgroups added by warp_specialize; the switches after SPLIT
+        are VARIANTS'."""
         t = gl.program_id(0).to(gl.int64)
         hb = gl.program_id(1).to(gl.int64)
         sp = gl.program_id(2).to(gl.int64)
@@ -305,5 +447,6 @@ if HAVE_GLUON:
         gl.thread_barrier()
         a = _Args(q_s, qr_s, k_s, r_s, p1_s, m_s, l_s, bias_s, bars, c_ptr, slot_ptr + slot_base,
                   o_ptr + sp * stride_os + t * stride_ot, lse_ptr + sp * stride_ls + t * stride_lt, k0, k1,
-                  (n_tiles + 1) // 2, qk_scale, stride_c, r_off, hb * 64, n_heads, stride_oh, SPLIT)
+                  (n_tiles + 1) // 2, qk_scale, stride_c, r_off, hb * 64, n_heads, stride_oh, SPLIT, P1_MODE,
+                  FIXED_ROLES, EARLY_ROWS, L2_AHEAD, PIN)
         gl.warp_specialize([(_producer, (a,)), (_wg0, (a,)), (_wg1, (a,))], [4, 4], [216, 216])

@@ -1,7 +1,8 @@
 """Which Gluon sparse MLA kernel a call launches (`gluon_sparse_mla.launch_plan`, no GPU needed: the plan is built on
 CPU tensors, nothing launched): the warp-specialised kernel for unsplit calls from WS_MIN_TOKENS tokens over bf16
 rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0, and the fp8 kernel
-for the fp8_ds_mla cache; the launch's registers and warps as the warp-specialised schedule needs them."""
+for the fp8_ds_mla cache; the launch's registers and warps as the warp-specialised schedule needs them, and its A/B
+switches (cfg["ws_variant"]) passed as constexprs, none by default."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def test_decode_batches_split_to_fill_one_wave_of_programs(t, splits):
     """One program an SM: the fewest splits reaching 0.7 of a wave (132 SMs), at most top-k / 2 blocks."""
     kernel, part, lse, grid, args, meta = _plan(t, torch.uint8)
     assert grid == (t, 1, splits) and part.shape[0] == splits and meta["SPLIT"] == (splits > 1)
+
+
+def test_the_warp_specialised_kernels_switches_reach_the_launch_and_unknown_ones_are_refused():
+    meta = _plan(4096, ws_variant={"PIN": True, "P1_MODE": 1})[5]
+    assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168, "PIN": True, "P1_MODE": 1}
+    assert _plan(4096, ws_variant={})[5] == _plan(4096)[5]  # no switch given: the default launch, as before
+    for switches in G.ws.CANDIDATES.values():
+        assert set(switches) <= set(G.ws.VARIANTS)
+        assert set(_plan(4096, ws_variant=switches)[5]) - {"SPLIT", "num_warps", "maxnreg"} == set(switches)
+    with pytest.raises(ValueError, match="unknown switches"):
+        _plan(4096, ws_variant={"FIXED": True})
+    kernel_args = G.ws._sparse_mla_ws_kernel.arg_names
+    assert all(name in kernel_args for name in G.ws.VARIANTS)  # every switch is a constexpr of the kernel
