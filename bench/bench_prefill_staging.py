@@ -37,7 +37,8 @@ CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the wa
     "triton": {"num_stages": 2, "block_k": 64, "prefetch": False},  # the Triton kernel the dispatcher ran before
     "triton-1stage": {"num_stages": 1, "block_k": 64, "prefetch": True},
     "gluon-single": {"gluon": {"ws": False}},  # the single-partition Gluon kernel (the default before the ws one)
-    "fp8-gluon": {"gluon": {}, "fp8": True},  # the cache itself, no staging
+    "fp8-gluon": {"gluon": {"ws": False}, "fp8": True},  # the cache itself, no staging: single partition
+    "fp8-ws": {"gluon": {"ws": True, "ws_variant": {"PIN": True}}, "fp8": True},  # warp-specialised (PIN)
     "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3, "ws": False}},  # single-partition tilings
     "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1, "ws": False}},
 }

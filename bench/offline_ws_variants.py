@@ -2,7 +2,7 @@
 without a GPU: spills and main-loop instructions of each partition, which ptxas -v only gives for the kernel whole.
 
 Run with the device's Triton (3.6):  PYTHONPATH=<triton 3.6 site-packages>:. python bench/offline_ws_variants.py
-  [--only a,b] [--splits 4] [--sass DIR]
+  [--only a,b] [--splits 4] [--sass DIR] [--fp8: the fp8_ds_mla kernel, gluon_sparse_mla_ws_fp8]
 Each variant's launch comes from `gluon_sparse_mla.launch_plan` on CPU tensors (4096 tokens, top-2048), compiled for
 GPUTarget("cuda", 90, 32) (bench/offline_compile.py); the SASS is cut into partitions at each USETMAXREG
 (setmaxnreg): the two 216-register consumers (WG0, then WG1: warp_specialize's order) and the 72-register producer.
@@ -66,10 +66,11 @@ def partitions(sass: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def report(name: str, splits: int | None, sass_dir: Path | None) -> str:
+def report(name: str, splits: int | None, sass_dir: Path | None, fp8: bool = False) -> str:
     t = 4096
     qn, qr = torch.zeros(t, 64, 512, dtype=torch.bfloat16), torch.zeros(t, 64, 64, dtype=torch.bfloat16)
-    rows, slots = torch.zeros(8192, 576, dtype=torch.bfloat16), torch.zeros(t, 2048, dtype=torch.int32)
+    rows = torch.zeros(8192, G.FP8_ROW, dtype=torch.uint8) if fp8 else torch.zeros(8192, 576, dtype=torch.bfloat16)
+    slots = torch.zeros(t, 2048, dtype=torch.int32)
     cfg = {**G.DEFAULT, "ws": True, "splits": splits, "ws_variant": W.CANDIDATES[name]}
     kernel, _, _, _, args, meta = G.launch_plan(qn, qr, rows, slots, 0.06, torch.empty_like(qn), cfg, 132)
     compiled = compile_sm90(kernel, args, meta, type_of)
@@ -90,10 +91,11 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="variants (default: all of CANDIDATES)")
     ap.add_argument("--splits", type=int, default=None, help="top-k splits (default: unsplit, as prefill)")
     ap.add_argument("--sass", type=Path, default=None, help="a folder for each variant's SASS")
+    ap.add_argument("--fp8", action="store_true", help="the fp8_ds_mla kernel (gluon_sparse_mla_ws_fp8: PIN only)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for name in (args.only or ",".join(W.CANDIDATES)).split(","):
-        print(report(name, args.splits, args.sass), flush=True)
+    for name in (args.only or ("ws,pin" if args.fp8 else ",".join(W.CANDIDATES))).split(","):
+        print(report(name, args.splits, args.sass, args.fp8), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import triton.language as tl
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout, get_kv_layout
 from dsaserve.kernels import gluon_sparse_mla_ws as ws
+from dsaserve.kernels import gluon_sparse_mla_ws_fp8 as ws_fp8
 from dsaserve.kernels import triton_sparse_mla as tsm
 from dsaserve.kernels.gluon_common import BLOCK_H, HAVE_GLUON, available
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
@@ -54,6 +55,7 @@ LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
+WS_FP8_MIN_TOKENS = 1 << 30  # the warp-specialised fp8 kernel: off by default until measured (cfg "ws" forces it)
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
 DC, DR = tl.constexpr(512), tl.constexpr(64)
@@ -316,7 +318,13 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     head = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
             q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0))
     meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
-    if rows.dtype == torch.uint8:
+    if rows.dtype == torch.uint8 and bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
+                                                   envs.DSASERVE_SPARSE_MLA_WS and t >= WS_FP8_MIN_TOKENS):
+        # the warp-specialised fp8 kernel (gluon_sparse_mla_ws_fp8.py): of the switches, PIN and L2_AHEAD
+        switches = {k: v for k, v in ws.variant(cfg["ws_variant"]).items() if k in ("PIN", "L2_AHEAD")}
+        kernel, args = ws_fp8._sparse_mla_ws_fp8_kernel, (*head, ws_fp8.ROPE.value, slots.stride(0), *strides)
+        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
+    elif rows.dtype == torch.uint8:
         kernel, args = _sparse_mla_fp8_kernel, (*head, slots.stride(0), *strides)
     elif bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
                        envs.DSASERVE_SPARSE_MLA_WS and splits == 1 and t >= WS_MIN_TOKENS):

@@ -70,3 +70,38 @@ def test_warp_specialised_kernel_is_the_default_for_unsplit_bf16_rows(gen):
     got = gluon_sparse_mla.sparse_mla_attention(qn, qr, rows.view(torch.uint8), BF16_LAYOUT, slots, 0.04, 512)
     ws = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, rows, slots, 0.04, torch.empty_like(got), {"ws": True})
     assert torch.equal(got, ws)
+
+
+FP8_CASES = [(128, 64, 2048, 1), (300, 64, 1984, 1), (16, 64, 2048, None), (40, 40, 1000, None), (520, 128, 2048, 1),
+             (128, 64, 2048, 4), (1000, 64, 64, 1)]
+
+
+@pytest.mark.parametrize("switches", [None, {"PIN": True}, {"PIN": True, "L2_AHEAD": 2}])
+@pytest.mark.parametrize("t,h,k,splits", FP8_CASES)
+def test_warp_specialised_fp8_kernel_equals_the_bf16_one_over_the_dequantised_rows(gen, t, h, k, splits, switches):
+    """`gluon_sparse_mla_ws_fp8` over the fp8_ds_mla cache: its producer dequantises each block as the staging does
+    (the FP32 product rounded once to bf16) and its consumers are the bf16 kernel's, so it gives the bf16 kernel's
+    output over the dequantised rows bit for bit (a difference is a race or a misplaced byte); and the reference's
+    and the single-partition fp8 kernel's within their bounds."""
+    from dsaserve.common.kv_layout import decode_latent, encode_latent
+
+    fp8 = get_kv_layout("fp8_ds_mla")
+    rows, slots, qn, qr = _case(gen, t, h, k, 6000)
+    cache = encode_latent(rows.float(), fp8, 512)
+    poison_free_memory()
+    got = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, cache, slots, 0.04, torch.empty_like(qn[..., :512]),
+                                                      {"ws": True, "splits": splits, "ws_variant": switches})
+    dequantised = decode_latent(cache, fp8, 512).to(torch.bfloat16)
+    same = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, dequantised, slots, 0.04, torch.empty_like(got),
+                                                       {"ws": True, "splits": splits})
+    assert torch.equal(got, same), f"seed {gen.initial_seed()}"
+    single = gluon_sparse_mla.sparse_mla_attention_gluon(qn, qr, cache, slots, 0.04, torch.empty_like(got),
+                                                         {"ws": False, "splits": splits})
+    want = R.sparse_mla_attention(qn, qr, cache, fp8, slots, 0.04, 512)
+    keep = torch.ones(t, dtype=torch.bool, device=DEVICE)
+    if t > 2:
+        keep[1] = False
+        assert bool((got[1] == 0).all()), "a token without slots gets zeros"
+    assert rel(got[keep], want[keep]) < BF16, f"seed {gen.initial_seed()}"
+    # the single-partition kernel rounds P in another order: its distance to the bf16 warp-specialised kernel
+    assert rel(got[keep], single[keep]) < BF16 / 5, f"seed {gen.initial_seed()}"
