@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_indexer import _order_key32, _rank_2d
+from dsaserve.kernels.triton_indexer import _rank_2d
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 CHUNK = 4096  # keys per program: 16 per thread at 8 warps
@@ -59,18 +59,37 @@ PREFIX_BLOCK = tl.constexpr(128)  # chunk counts the count kernel's last program
 
 
 @triton.jit
-def _chunk_keys(row_ptr, c, pos, n_cols, CHUNK: tl.constexpr):
-    """(visible, unsigned order key (uint32)) of chunk c of a score row."""
+def _ukey(x):
+    """float32 -> uint32 with the same order as `_order_key32` + 2^31 (-0.0 is +0.0): negative floats flip every
+    bit, the others the sign bit; 32-bit shifts and compares, not int64's."""
+    b = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_chunk(ptrs, j, lim, c, CHUNK: tl.constexpr):
+    """(visible: j <= lim, scores) of a chunk: a chunk visible whole (all but a row's last) loads unmasked,
+    so 16-byte vectors and no per-key mask (sm_90 SASS: 4x fewer loads)."""
+    vis = j <= lim
+    if c * CHUNK + CHUNK - 1 <= lim:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=vis, other=float("-inf"))
+    return vis, x
+
+
+@triton.jit
+def _chunk_keys(row_ptr, c, lim, CHUNK: tl.constexpr):
+    """(visible, unsigned order key (uint32)) of chunk c of a score row whose keys 0..lim are visible."""
     j = c * CHUNK + tl.arange(0, CHUNK)
-    vis = (j <= pos) & (j < n_cols)
-    x = tl.load(row_ptr + j, mask=vis, other=float("-inf"))
+    vis, x = _load_chunk(row_ptr + j, j, lim, c, CHUNK)
     return vis, _ukey(x)
 
 
 @triton.jit
-def _ukey(x):
-    """float32 -> uint32 with the same order (`_order_key32` + 2^31): 32-bit shifts and compares, not int64's."""
-    return (_order_key32(x) ^ -2147483648).to(tl.uint32, bitcast=True)
+def _last_visible(pos, n_cols):
+    """The last key a token sees (int32: its chunk compares cost one instruction a key, not int64's two)."""
+    return tl.minimum(pos, n_cols - 1).to(tl.int32)
 
 
 @triton.jit
@@ -108,7 +127,7 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
         done = tl.load(state + 3) != 0
     if done:  # the k-th key's bucket was taken whole: no more digits needed (scores read by none)
         return
-    vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
     if ROUND == 0:
         match = vis
     else:
@@ -155,7 +174,7 @@ def _chunk_count_kernel(score_ptr, pos_ptr, ws_ptr, cnt_ptr, n_cols, k, stride_s
         return
     ws = ws_ptr + row * WS_ROW
     key, _, shift = _threshold(ws)
-    vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
     u = u >> shift  # compared at the resolved digit: a bucket taken whole counts as ties, all needed
     cnt_row = cnt_ptr + row * n_chunks * 4
     tl.store(cnt_row + c * 4, tl.sum((vis & (u > key)).to(tl.int32), axis=0))
@@ -217,8 +236,8 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
         return
     C: tl.constexpr = 128
     j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
-    vis = (j <= pos) & (j < n_cols)
-    u = _ukey(tl.load(score_ptr + row * stride_s + j, mask=vis, other=float("-inf"))) >> shift
+    vis, x = _load_chunk(score_ptr + row * stride_s + j, j, _last_visible(pos, n_cols), c, CHUNK)
+    u = _ukey(x) >> shift
     eq = vis & (u == key)
     sel = (vis & (u > key)) | (eq & (taken > 0))  # all of the chunk's ties, or none
     if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: rank its ties in position order
