@@ -1,4 +1,7 @@
-"""Long-row decode selection of the DSA indexer (request path stage 6, full indexer layers).
+"""FROZEN COPY (not imported by the engine): `kernels/triton_indexer_long.py` as it was before the arrival-counter
+design, kept so bench/bench_long_select.py and bench/offline_long_select.py can A/B the two in one run.
+
+Long-row decode selection of the DSA indexer (request path stage 6, full indexer layers).
 
 Owns: `long_row_select`, the top-k of score rows too long for one program, and `launches`, its kernel launches.
 `triton_indexer_dispatch` sends a decode batch here when its static row bound (page_table.shape[1] * page_size)

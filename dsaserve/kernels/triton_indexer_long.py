@@ -127,14 +127,16 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
         done = tl.load(state + 3) != 0
     if done:  # the k-th key's bucket was taken whole: no more digits needed (scores read by none)
         return
-    vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
-    if ROUND == 0:
+    lim = _last_visible(pos, n_cols)
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, lim, CHUNK)
+    if ROUND == 0:  # every visible key matches the empty prefix: counted without a reduction
         match = vis
+        n_match = tl.minimum(lim + 1 - c * CHUNK, CHUNK)
     else:
         match = vis & ((u >> (32 - 8 * ROUND)) == prefix)
+        n_match = tl.sum(match.to(tl.int32), axis=0)
     digit = ((u >> (24 - 8 * ROUND)) & 255).to(tl.int32)
     hist = ws + ROUND * BINS
-    n_match = tl.sum(match.to(tl.int32), axis=0)
     if n_match > CHUNK // 16:  # many keys in the bucket (rounds 0 and 1 on the model's rows): a ballot histogram
         h = tl.histogram(digit, BINS, mask=match)
         tl.atomic_add(hist + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
