@@ -3,34 +3,42 @@
 Owns: `long_row_select`, the top-k of score rows too long for one program, and `launches`, its kernel launches.
 `triton_indexer_dispatch` sends a decode batch here when its static row bound (page_table.shape[1] * page_size)
 exceeds `triton_indexer.ROW_IN_REGS_MAX` (16K keys); shorter bounds keep the one-program-per-row kernel there;
-`triton_indexer_gemm` sends prefill rows past that bound.
+`triton_indexer_gemm` sends prefill rows past that bound (2048-key chunks).
 
 Why: one program per row searches a 32K-key row over L2 with a single SM (~150 µs per row on the H200),
 and the model's context goes to 202752 keys. Here every row is split into CHUNK-key chunks, one program
 each, and the k-th largest score is found by an exact radix select on the 32-bit order key
-(`triton_indexer._order_key32`), 8 bits per round, with no program ever waiting for another:
-  round r (4 launches): each program histograms digit r of its chunk's keys whose higher digits equal the
-      prefix chosen so far (256 bins, `tl.histogram`: warp ballots, no per-key atomics), and adds the
-      non-zero bins to the row's global histogram with atomics. The prefix itself is re-derived by every
-      program from the earlier rounds' histograms (`_bucket`: 256-bin suffix sums), so no "last program"
-      hand-off and no inter-program barrier (which could deadlock under PDL or a side stream);
-      A round whose chosen bucket is taken whole (`need` equals its count: on random-like scores the
-      24-bit bucket of the k-th key usually holds that key alone) ends the search: the later rounds'
-      programs return before reading a score;
+(`triton_indexer._order_key32` + 2^31, as uint32), 8 bits per round, with no program ever waiting for another:
+  round r (4 launches): each program counts digit r of its chunk's keys whose higher digits equal the prefix
+      chosen so far into the row's global histogram: a ballot histogram (`tl.histogram`, 256 bins) when many
+      keys match, one relaxed atomic per matching key when at most CHUNK / 16 do (sm_90 SASS: ~50 of a key's
+      ~80 instructions are the ballot histogram's; rounds >= 2 match ~1% of the model's keys), nothing when
+      none does. Then it takes a ticket on the row's arrival counter (`_arrive_last`); the last program to
+      arrive (its ticket says all the others' atomics are in) picks the digit from the 256-bin suffix sums
+      and writes the row's state (prefix, need, shift, done), once, for the next launch. No program waits for
+      another (no barrier between programs: deadlock-free under PDL, on a side stream, in a graph), and the
+      last program puts the counter back to 0. A round whose chosen bucket is taken whole (`need` equals its
+      count: on the model's rows the 24-bit bucket of the k-th key usually holds that key alone) ends the
+      search: the later rounds' programs read the state and return before reading a score;
   count: after the rounds the prefix is the k-th largest score's key T (or its resolved top bits) and `need`
-      says how many keys equal to T are taken; each chunk counts its keys above T and equal to T;
-  write: each chunk takes an exclusive prefix over the earlier chunks' counts and writes its slots in
-      position order (ties in position order), so the output equals the one-program kernel's, bit for bit.
+      says how many keys equal to T are taken; each chunk counts its keys above T and equal to T, and the
+      row's last program to arrive writes every chunk's exclusive prefix of both over the earlier chunks;
+  write: each chunk reads its four counts and writes its slots in position order (ties in position order),
+      so the output equals the one-program kernel's, bit for bit. A chunk that selects nothing reads no
+      score; a chunk whose ties are all taken or none (every chunk when the search ended on a whole bucket)
+      ranks only its selection, not its ties.
+Before this design every program re-derived the prefix from the earlier rounds' histograms (R 256-bin scans:
+~110 sm_90 instructions and 14 barriers a round, ~440 in the count and write kernels) and the write kernel
+summed the earlier chunks' counts itself. bench/bench_long_select.py times both (the old one is
+bench/long_select_v0.py); bench/offline_long_select.py counts their sm_90 instructions offline.
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
-Six launches (+ one memset), each a pass over the row's causal prefix in L2 (five when round 3 is
-skipped); a round costs the same whatever the data (the 256-bin radix dropped in `triton_indexer`
-serialised on shared-memory atomics when all keys share their top byte; a ballot histogram does not).
-Chunks past a token's position return at once.
+Six launches (+ one memset of the histograms and state), each a pass over the row's causal prefix in L2 (five
+when round 3 is skipped). Chunks past a token's position return at once.
 One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
 as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
-stride are not specialised and the write kernel sums the earlier chunks' counts PREFIX_BLOCK at a time (a block
-sized by the chunk count compiled a variant per power of two of it: the H200's bench compiled one after Up for a
-131072-token chunk). tests/kernels/test_select_variants.py compiles them offline to check.
+stride are not specialised and the count kernel's last program scans the chunks' counts PREFIX_BLOCK at a time (a
+block sized by the chunk count compiled a variant per power of two of it: the H200's bench compiled one after Up
+for a 131072-token chunk). tests/kernels/test_select_variants.py compiles them offline to check.
 """
 
 from __future__ import annotations
@@ -39,54 +47,67 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_indexer import _order_key32, _rank_2d
+from dsaserve.kernels.triton_indexer import _rank_2d
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 CHUNK = 4096  # keys per program: 16 per thread at 8 warps
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
-BINS = 256
-# chunks whose counts the write kernel sums per step: the model's 202752-key rows in 2048-key chunks (the prefill
-# select's) are 99, one step
-PREFIX_BLOCK = tl.constexpr(128)
+BINS = tl.constexpr(256)
+STATE = tl.constexpr(1024)  # a row's workspace: 4 rounds' histograms (ROUNDS x BINS int32), then its search state
+WS_ROW = tl.constexpr(1040)  # state: prefix, need, shift, done, arrivals (int32; 64-byte aligned rows)
+PREFIX_BLOCK = tl.constexpr(128)  # chunk counts the count kernel's last program scans a step
 
 
 @triton.jit
-def _chunk_keys(row_ptr, c, pos, n_cols, CHUNK: tl.constexpr):
-    """(positions, visible, unsigned order key as int64 in [0, 2^32)) of chunk c of a score row."""
+def _ukey(x):
+    """float32 -> uint32 with the same order as `_order_key32` + 2^31 (-0.0 is +0.0): negative floats flip every
+    bit, the others the sign bit; 32-bit shifts and compares, not int64's."""
+    b = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_chunk(ptrs, j, lim, c, CHUNK: tl.constexpr):
+    """(visible: j <= lim, scores) of a chunk: a chunk visible whole (all but a row's last) loads unmasked,
+    so 16-byte vectors and no per-key mask (sm_90 SASS: 4x fewer loads)."""
+    vis = j <= lim
+    if c * CHUNK + CHUNK - 1 <= lim:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=vis, other=float("-inf"))
+    return vis, x
+
+
+@triton.jit
+def _chunk_keys(row_ptr, c, lim, CHUNK: tl.constexpr):
+    """(visible, unsigned order key (uint32)) of chunk c of a score row whose keys 0..lim are visible."""
     j = c * CHUNK + tl.arange(0, CHUNK)
-    vis = (j <= pos) & (j < n_cols)
-    x = tl.load(row_ptr + j, mask=vis, other=float("-inf"))
-    return j, vis, _order_key32(x).to(tl.int64) + 2147483648
+    vis, x = _load_chunk(row_ptr + j, j, lim, c, CHUNK)
+    return vis, _ukey(x)
 
 
 @triton.jit
-def _bucket(hist_row, k, R: tl.constexpr):
-    """(prefix, need, shift, done) after R rounds: the k-th largest key u has u >> shift == prefix, and
-    `need` (>= 1) of the keys with that prefix are in the top k. Round r's digit is the largest one whose
-    suffix count (keys of the current bucket with digit >= it) still reaches `need`. done: the bucket was
-    resolved at an earlier round (every key of it is taken: need == its count), so the later rounds were
-    skipped (their histograms stay zero) and shift stays at that round's: 32 - 8 x (rounds used)."""
-    # counts in int32 (a row has < 2^31 keys): every program runs these 256-wide scans, int64 costs twice
-    prefix = tl.zeros([], dtype=tl.int64)
-    need = tl.zeros([], dtype=tl.int32) + k
-    shift = tl.zeros([], dtype=tl.int32) + 32
-    done = need < 0  # False
-    b = tl.arange(0, 256)
-    for r in tl.static_range(R):
-        h = tl.load(hist_row + r * 256 + b)
-        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-        new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
-        resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
-        prefix = tl.where(done, prefix, prefix * 256 + d)
-        need = tl.where(done, need, new_need)
-        shift = tl.where(done, shift, shift - 8)
-        done = done | resolved
-    return prefix, need, shift, done
+def _last_visible(pos, n_cols):
+    """The last key a token sees (int32: its chunk compares cost one instruction a key, not int64's two)."""
+    return tl.minimum(pos, n_cols - 1).to(tl.int32)
 
 
 @triton.jit
-def _radix_round_kernel(score_ptr, pos_ptr, hist_ptr, n_cols, k, stride_s, ROUND: tl.constexpr,
+def _arrive_last(state, pos, n_chunks, CHUNK: tl.constexpr):
+    """Whether this program is the last of its row to arrive (a ticket on the row's arrival counter). Every
+    program of the row that reaches this (all chunks at or before the token's position) takes one ticket, and
+    none waits for another. The barrier orders this program's global writes and atomics before its ticket
+    (acq_rel: release), and the last ticket's acquire orders the others' writes before what its program reads
+    next (from L2: .cg). The last program puts the counter back to 0: the next launch (or graph replay) finds
+    it there."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(state + 4, 1, sem="acq_rel")
+    last = ticket == tl.minimum(pos // CHUNK, n_chunks - 1)
+    return last
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunks, ROUND: tl.constexpr,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -94,45 +115,106 @@ def _radix_round_kernel(score_ptr, pos_ptr, hist_ptr, n_cols, k, stride_s, ROUND
     pos = tl.load(pos_ptr + row)
     if (pos < k) | (c * CHUNK > pos):  # takes every key / past the token's position
         return
-    hist_row = hist_ptr + row * (4 * 256)
-    prefix, _, _, done = _bucket(hist_row, k, ROUND)
-    if done:  # the k-th key's bucket is taken whole: no more digits needed (scores read by none)
+    ws = ws_ptr + row * WS_ROW
+    state = ws + STATE
+    if ROUND == 0:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        need = tl.zeros([], dtype=tl.int32) + k
+        done = need < 0  # False
+    else:
+        prefix = tl.load(state).to(tl.uint32, bitcast=True)
+        need = tl.load(state + 1)
+        done = tl.load(state + 3) != 0
+    if done:  # the k-th key's bucket was taken whole: no more digits needed (scores read by none)
         return
-    _, vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
-    match = vis & ((u >> (32 - 8 * ROUND)) == prefix)
+    lim = _last_visible(pos, n_cols)
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, lim, CHUNK)
+    if ROUND == 0:  # every visible key matches the empty prefix: counted without a reduction
+        match = vis
+        n_match = tl.minimum(lim + 1 - c * CHUNK, CHUNK)
+    else:
+        match = vis & ((u >> (32 - 8 * ROUND)) == prefix)
+        n_match = tl.sum(match.to(tl.int32), axis=0)
     digit = ((u >> (24 - 8 * ROUND)) & 255).to(tl.int32)
-    h = tl.histogram(digit, 256, mask=match)
-    tl.atomic_add(hist_row + ROUND * 256 + tl.arange(0, 256), h, mask=h > 0)
+    hist = ws + ROUND * BINS
+    if n_match > CHUNK // 16:  # many keys in the bucket (rounds 0 and 1 on the model's rows): a ballot histogram
+        h = tl.histogram(digit, BINS, mask=match)
+        tl.atomic_add(hist + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
+    elif n_match > 0:  # few (later rounds: ~1% of the keys): one atomic each, ~20x fewer instructions
+        tl.atomic_add(hist + digit, 1, mask=match, sem="relaxed")
+    if _arrive_last(state, pos, n_chunks, CHUNK):  # the row's histogram is complete: choose this round's digit
+        b = tl.arange(0, BINS)
+        h = tl.load(hist + b, cache_modifier=".cg")
+        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+        d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+        new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
+        resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
+        tl.store(state, (prefix * 256 + d.to(tl.uint32)).to(tl.int32, bitcast=True))
+        tl.store(state + 1, new_need)
+        tl.store(state + 2, 24 - 8 * ROUND)
+        tl.store(state + 3, resolved.to(tl.int32))
+        tl.store(state + 4, 0)
+
+
+@triton.jit
+def _threshold(ws):
+    """(the k-th key's prefix T, keys equal to T to take, the shift T is compared at) from the rounds' state."""
+    state = ws + STATE
+    return tl.load(state).to(tl.uint32, bitcast=True), tl.load(state + 1), tl.load(state + 2)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _chunk_count_kernel(score_ptr, pos_ptr, hist_ptr, cnt_ptr, n_cols, k, stride_s, n_chunks,
+def _chunk_count_kernel(score_ptr, pos_ptr, ws_ptr, cnt_ptr, n_cols, k, stride_s, n_chunks,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """cnt[row, c] = (keys above the k-th key T, keys equal to T) in chunk c."""
+    """cnt[row, c] = (keys above the k-th key T, keys equal to T, the same summed over the chunks before c) in
+    chunk c; the sums written by the row's last program to arrive."""
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
     if (pos < k) | (c * CHUNK > pos):
         return
-    _, vis, u = _chunk_keys(score_ptr + row * stride_s, c, pos, n_cols, CHUNK)
-    key, _, shift, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
+    ws = ws_ptr + row * WS_ROW
+    key, _, shift = _threshold(ws)
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
     u = u >> shift  # compared at the resolved digit: a bucket taken whole counts as ties, all needed
-    out = cnt_ptr + (row * n_chunks + c) * 2
-    tl.store(out, tl.sum((vis & (u > key)).to(tl.int32), axis=0))
-    tl.store(out + 1, tl.sum((vis & (u == key)).to(tl.int32), axis=0))
+    cnt_row = cnt_ptr + row * n_chunks * 4
+    tl.store(cnt_row + c * 4, tl.sum((vis & (u > key)).to(tl.int32), axis=0))
+    tl.store(cnt_row + c * 4 + 1, tl.sum((vis & (u == key)).to(tl.int32), axis=0))
+    if _arrive_last(ws + STATE, pos, n_chunks, CHUNK):  # every chunk's counts are in: exclusive prefix sums
+        n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
+        above = tl.zeros([], dtype=tl.int32)
+        ties = tl.zeros([], dtype=tl.int32)
+        for q0 in range(0, n_active, PREFIX_BLOCK):
+            q = q0 + tl.arange(0, PREFIX_BLOCK)
+            m = q < n_active
+            a = tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg")
+            t = tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg")
+            tl.store(cnt_row + q * 4 + 2, above + tl.cumsum(a, axis=0) - a, mask=m)
+            tl.store(cnt_row + q * 4 + 3, ties + tl.cumsum(t, axis=0) - t, mask=m)
+            above += tl.sum(a, axis=0)
+            ties += tl.sum(t, axis=0)
+        tl.store(ws + STATE + 4, 0)
+
+
+@triton.jit
+def _slots(pt_row, j, page_size, mask):
+    """Physical slots of key positions j (>= 0): unsigned division by the page size (no sign fix-ups)."""
+    ju = j.to(tl.uint32)
+    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
+    page = tl.load(pt_row + ju // ps, mask=mask, other=0)
+    return page * page_size + (ju % ps).to(tl.int32)
 
 
 @triton.jit
 def _write_all_visible(pt_row, out_row, c, pos, k, page_size, CHUNK: tl.constexpr):
     """A token that sees at most k keys: chunk c's part of [slots of keys 0..pos, -1, ...] (k columns)."""
     j = c * CHUNK + tl.arange(0, CHUNK)
-    page = tl.load(pt_row + j // page_size, mask=j <= pos, other=0)
-    tl.store(out_row + j, tl.where(j <= pos, page * page_size + j % page_size, -1), mask=j < k)
+    tl.store(out_row + j, tl.where(j <= pos, _slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
-def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
+def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Chunk c's selected keys -> physical slots at their rank among the row's selection (position order):
     every key above T, then the ties at T in position order until `need` are taken."""
@@ -148,27 +230,23 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, hist_ptr, cnt_ptr, 
         return
     if c * CHUNK > pos:
         return
-    key, need, shift, _ = _bucket(hist_ptr + row * (4 * 256), k, 4)
-    # the earlier chunks' counts, PREFIX_BLOCK at a time (a fixed block, not one sized by the row's chunk count:
-    # that made a variant per power of two of it, and a prefill's row length is its context's)
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    for q0 in range(0, c, PREFIX_BLOCK):
-        q = q0 + tl.arange(0, PREFIX_BLOCK)
-        before = cnt_ptr + (row * n_chunks + q) * 2
-        above_before += tl.sum(tl.load(before, mask=q < c, other=0), axis=0)
-        ties_before += tl.sum(tl.load(before + 1, mask=q < c, other=0), axis=0)
-    base = above_before + tl.minimum(need, ties_before).to(tl.int32)
+    key, need, shift = _threshold(ws_ptr + row * WS_ROW)
+    cnt = cnt_ptr + (row * n_chunks + c) * 4
+    above, ties, above_before, ties_before = tl.load(cnt), tl.load(cnt + 1), tl.load(cnt + 2), tl.load(cnt + 3)
+    taken = tl.minimum(tl.maximum(need - ties_before, 0), ties)  # this chunk's ties that are taken
+    if above + taken == 0:  # selects nothing: its scores are not read
+        return
     C: tl.constexpr = 128
     j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
-    vis = (j <= pos) & (j < n_cols)
-    x = tl.load(score_ptr + row * stride_s + j, mask=vis, other=float("-inf"))
-    u = (_order_key32(x).to(tl.int64) + 2147483648) >> shift
-    eq = (vis & (u == key)).to(tl.int32)
-    take = (eq == 1) & (ties_before + _rank_2d(eq) - 1 < need)
-    sel = ((vis & (u > key)) | take).to(tl.int32)
-    page = tl.load(pt_row + j // page_size, mask=sel == 1, other=0)
-    tl.store(out_row + base + _rank_2d(sel) - 1, page * page_size + j % page_size, mask=sel == 1)
+    vis, x = _load_chunk(score_ptr + row * stride_s + j, j, _last_visible(pos, n_cols), c, CHUNK)
+    u = _ukey(x) >> shift
+    eq = vis & (u == key)
+    sel = (vis & (u > key)) | (eq & (taken > 0))  # all of the chunk's ties, or none
+    if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: rank its ties in position order
+        sel = (vis & (u > key)) | (eq & (_rank_2d(eq.to(tl.int32)) <= taken))
+    sel = sel.to(tl.int32)
+    tl.store(out_row + above_before + tl.minimum(need, ties_before) + _rank_2d(sel) - 1,
+             _slots(pt_row, j, page_size, sel == 1), mask=sel == 1)
 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
@@ -190,15 +268,15 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     if chunk % 128:
         raise ValueError(f"long_row_select: chunk {chunk} is not a multiple of 128")
     n_chunks = triton.cdiv(n_cols, chunk)
-    hist = torch.zeros((rows, ROUNDS, BINS), dtype=torch.int32, device=scores.device)
-    counts = torch.empty((rows, n_chunks, 2), dtype=torch.int32, device=scores.device)
+    ws = torch.zeros((rows, WS_ROW.value), dtype=torch.int32, device=scores.device)  # histograms, state, arrivals
+    counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
     # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
-    return [*((_radix_round_kernel, grid, (scores, positions, hist, n_cols, k, scores.stride(0)),
+    return [*((_radix_round_kernel, grid, (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks),
                {"ROUND": r, **launch}) for r in range(ROUNDS)),
-            (_chunk_count_kernel, grid, (scores, positions, hist, counts, n_cols, k, scores.stride(0), n_chunks),
+            (_chunk_count_kernel, grid, (scores, positions, ws, counts, n_cols, k, scores.stride(0), n_chunks),
              launch),
-            (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, hist, counts, out, n_cols, k,
+            (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
                                          page_size, scores.stride(0), page_table.stride(0), out.stride(0), n_chunks),
              launch)]

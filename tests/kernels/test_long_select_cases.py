@@ -1,0 +1,79 @@
+"""The split radix select (kernels/triton_indexer_long.py) against the one-program row select
+(`triton_indexer._topk_select_kernel`), bit for bit, on the rows that stress its branches: ties (few values,
+all equal), rows rising along the context (the top keys in the last chunks: earlier chunks match nothing from
+round 1 on), tokens that see exactly k, k + 1 and k - 1 keys, positions at chunk boundaries, and rows whose
+k-th key's bucket is taken whole at each round 0..2 (and 3: full 32-bit ties taken in part). Small shapes:
+they run under the Triton interpreter (TRITON_INTERPRET=1 DSASERVE_TEST_TRITON_INTERPRET=1) or on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.gpu_common import DEVICE, requires_gpu_kernels
+
+pytestmark = requires_gpu_kernels
+
+K, CHUNK, PS, WIDTH = 64, 256, 16, 1536
+
+
+def _from_keys(u: torch.Tensor) -> torch.Tensor:
+    """Positive float32 scores whose uint32 order keys are u (u in [2^31 + 2^23, 2^31 + 2^30))."""
+    return (u - 2**31).to(torch.int32).view(torch.float32)
+
+
+def _resolved_at(r: int, gen: torch.Generator, n: int) -> torch.Tensor:
+    """A row whose top K keys have byte r = 0x41 and the rest 0x40 (the bytes above r equal, those below random):
+    the k-th key's 8(r + 1)-bit bucket holds exactly K keys, so the search ends at round r."""
+    shift = 24 - 8 * r
+    low = torch.randint(0, 2**shift, (n,), generator=gen, dtype=torch.int64)
+    digit = torch.full((n,), 0x40, dtype=torch.int64)
+    digit[torch.randperm(K + 1, generator=gen)[:K]] = 0x41  # seen by every token at position >= K
+    hi = (0xB0A09080 >> (32 - 8 * r) << (32 - 8 * r)) if r else 0x80 << 24
+    return _from_keys(hi + (digit << shift) + low)
+
+
+def _rows(kind: str, gen: torch.Generator, n: int) -> torch.Tensor:
+    s = torch.randn(n, generator=gen)
+    if kind == "ties":
+        return (s * 2).round()
+    if kind == "all_equal":
+        return torch.full((n,), 1.5)
+    if kind == "rising":
+        return torch.linspace(0, 10, n) + 0.01 * s
+    if kind.startswith("round"):
+        return _resolved_at(int(kind[-1]), gen, n)
+    return s
+
+
+def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+    from dsaserve.kernels import triton_indexer, triton_indexer_long
+
+    n, width = scores.shape
+    table = torch.randperm(n * (width // PS), device=DEVICE).view(n, -1)
+    req = torch.arange(n, device=DEVICE)
+    got = torch.full((n, K), -7, dtype=torch.int64, device=DEVICE)
+    steps = triton_indexer_long.launches(scores, table, req, pos, got, K, PS, chunk)
+    for kernel, grid, args, kwargs in steps:
+        kernel[grid](*args, **kwargs)
+    state = steps[0][2][2][:, triton_indexer_long.STATE:]  # the rows' search state (prefix, need, shift, done, ...)
+    want = torch.full((n, K), -7, dtype=torch.int64, device=DEVICE)
+    grid, args, kwargs = triton_indexer.row_select_launch(scores, table, req, pos, want, width, K, PS)
+    triton_indexer._topk_select_kernel[grid](*args, **kwargs)
+    return got, want, state
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
+def test_the_split_select_equals_the_row_select(kind):
+    gen = torch.Generator().manual_seed(hash(kind) % 2**31)
+    # positions: k - 1 (takes all), k (k + 1 keys), chunk boundaries, the last key
+    pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
+    scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
+    if kind == "round3":  # 32-bit ties at the k-th key taken in part: some chunks rank their ties
+        scores[:, ::3] = 2.5
+    got, want, state = _select_both(scores, pos, CHUNK)
+    assert torch.equal(got, want)
+    if kind in ("round0", "round1", "round2"):  # the rows that search (position >= k) ended at that round
+        r = int(kind[-1])
+        assert state[1:, 2].tolist() == [24 - 8 * r] * (len(pos) - 1) and state[1:, 3].eq(1).all()
+    assert (got[1:] >= 0).all()
