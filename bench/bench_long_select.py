@@ -9,8 +9,9 @@ Cases (rows x keys, every token at the last position, GLM-5.3's top-2048 and 64-
 workspace at 128K context (128 x 131072, the prefill chunk 2048) and larger slices (2048 x 131072,
 4096 x 32768), each on two score kinds: "normal" (randn: the k-th key's 24-bit bucket usually alone) and
 "ties" (randn rounded to 1/4: full 32-bit ties taken in part). Times are CUDA-event means of back-to-back
-calls (bench_gpu.pipelined_time: launch overhead overlapped as in a pipelined step); each case also checks the
-two outputs are equal. Writes bench_long_select.json.
+calls (bench_gpu.pipelined_time: launch overhead overlapped as in a pipelined step) and of CUDA-graph replays
+(`*_graph_us`: a decode step's graph has no host launch cost, which the one-row cases are otherwise bound by); each
+case also checks the two outputs are equal. Writes bench_long_select.json.
 """
 
 from __future__ import annotations
@@ -53,6 +54,26 @@ def _time(fn, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def _graph_time(fn, steps: int) -> float | None:
+    """Seconds a replay of `fn` captured in a CUDA graph takes (GPU time with launches as a decode step's graph has
+    them: no host launch cost), or None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -73,8 +94,13 @@ def main() -> None:
                 outs[name] = out
                 fn = functools.partial(mod.long_row_select, s, table, req, pos, out, topk, PS, chunk=chunk)
                 row[f"{name}_us"] = round(_time(fn, steps) * 1e6, 2)
+                graph_s = _graph_time(fn, steps)
+                if graph_s is not None:
+                    row[f"{name}_graph_us"] = round(graph_s * 1e6, 2)
             row["equal"] = bool(torch.equal(outs["old"], outs["new"]))
             row["speedup"] = round(row["old_us"] / row["new_us"], 3)
+            if "new_graph_us" in row:
+                row["graph_speedup"] = round(row["old_graph_us"] / row["new_graph_us"], 3)
             print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,10 @@ LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
-WS_FP8_MIN_TOKENS = 1 << 30  # the warp-specialised fp8 kernel: off by default until measured (cfg "ws" forces it)
+# the warp-specialised fp8 kernel from 64 tokens (unsplit or 2 splits): H200 sweep over decode shapes
+# (bench/sweep_decode_splits.py, bench/RESULTS.md): 0.91-0.95x the single-partition one's time at 128-256 tokens,
+# about even at 64, slower under it
+WS_FP8_MIN_TOKENS = 64
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
 DC, DR = tl.constexpr(512), tl.constexpr(64)
@@ -321,7 +324,8 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     if rows.dtype == torch.uint8 and bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
                                                    envs.DSASERVE_SPARSE_MLA_WS and t >= WS_FP8_MIN_TOKENS):
         # the warp-specialised fp8 kernel (gluon_sparse_mla_ws_fp8.py): of the switches, PIN and L2_AHEAD
-        switches = {k: v for k, v in ws.variant(cfg["ws_variant"]).items() if k in ("PIN", "L2_AHEAD")}
+        given = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws_fp8.DEFAULT_SWITCHES
+        switches = {k: v for k, v in ws.variant(given).items() if k in ("PIN", "L2_AHEAD")}
         kernel, args = ws_fp8._sparse_mla_ws_fp8_kernel, (*head, ws_fp8.ROPE.value, slots.stride(0), *strides)
         meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
     elif rows.dtype == torch.uint8:
@@ -330,7 +334,8 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
                        envs.DSASERVE_SPARSE_MLA_WS and splits == 1 and t >= WS_MIN_TOKENS):
         # the warp-specialised kernel (gluon_sparse_mla_ws.py), by default for unsplit prefill-sized calls only
         kernel, args = ws._sparse_mla_ws_kernel, (*head, DC.value, slots.stride(0), *strides)
-        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **ws.variant(cfg["ws_variant"])}
+        switches = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws.DEFAULT_SWITCHES
+        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **ws.variant(switches)}
     else:
         kernel, args = _sparse_mla_gluon_kernel, (*head, DC.value, slots.stride(0), *strides)
         meta["STAGES"] = cfg["num_stages"]

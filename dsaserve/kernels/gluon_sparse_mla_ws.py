@@ -64,11 +64,16 @@ WS_MAXNREG = 168
 #   L2_AHEAD: the producer prefetches the rows of the round that many ahead into L2 (0: none)
 #   PIN: Q's, Q_rope's and WG1's P buffer's descriptors through an opaque per-round index (not hoisted, not spilled)
 VARIANTS = {"P1_MODE": 0, "FIXED_ROLES": False, "EARLY_ROWS": False, "L2_AHEAD": 0, "PIN": False}
+# what launch_plan passes when a call names none: the H200 A/B of 2026-12-01 (bench_prefill_staging --ws-variants,
+# bench/RESULTS.md, thirteenth session) found pin-fixed-p1-first the fastest or within 3 % of it on every case,
+# 1.18-1.54x today's schedule (469-501 TFLOP/s; 4096 tokens x 32K context 305 -> 470); P1_MODE 1 also ends
+# reading an in-flight wgmma's A registers
+DEFAULT_SWITCHES = {"PIN": True, "FIXED_ROLES": True, "P1_MODE": 1}
 # the combinations the device A/B runs (bench/bench_prefill_staging.py --ws-variants, the device test); "ws" is
 # today's schedule. Offline sm_90 spills (WG0 / WG1 local bytes) in the comments
 _PIN_FIXED = {"PIN": True, "FIXED_ROLES": True}
 CANDIDATES = {
-    "ws": {},  # 16 / 172 B
+    "ws": {},  # 16 / 172 B: the schedule before DEFAULT_SWITCHES
     "p1-first": {"P1_MODE": 1},  # 16 / 176
     "fixed": {"FIXED_ROLES": True},  # 0 / 144
     "pin": {"PIN": True},  # 0 / 0 (so every pin-* below)

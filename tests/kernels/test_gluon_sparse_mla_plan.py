@@ -29,7 +29,8 @@ def _name(plan) -> str:
 def test_prefill_sized_unsplit_calls_take_the_warp_specialised_kernel():
     kernel, part, lse, grid, args, meta = _plan(G.WS_MIN_TOKENS)
     assert _name((kernel,)) == "_sparse_mla_ws_kernel" and grid == (G.WS_MIN_TOKENS, 1, 1)
-    assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168}  # 12 warps x 168 registers: the whole file
+    # 12 warps x 168 registers: the whole file; the switches measured fastest (DEFAULT_SWITCHES)
+    assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168, **G.ws.DEFAULT_SWITCHES}
     assert part.shape[0] == 1  # unsplit: the output itself
 
 
@@ -53,7 +54,20 @@ def test_the_switch_turns_the_warp_specialised_kernel_off(monkeypatch):
 def test_forcing_it_takes_split_calls_too_and_the_fp8_cache_keeps_its_kernel():
     kernel, part, lse, grid, args, meta = _plan(64, ws=True, splits=4)
     assert _name((kernel,)) == "_sparse_mla_ws_kernel" and meta["SPLIT"] and grid[2] == part.shape[0] == 4
-    assert _name(_plan(4096, torch.uint8)) == "_sparse_mla_fp8_kernel"
+    assert _name(_plan(4096, torch.uint8, ws=False)) == "_sparse_mla_fp8_kernel"
+
+
+WS_FP8, SINGLE_FP8 = "_sparse_mla_ws_fp8_kernel", "_sparse_mla_fp8_kernel"
+
+
+@pytest.mark.parametrize("t,name", [(G.WS_FP8_MIN_TOKENS, WS_FP8), (4096, WS_FP8),
+                                    (G.WS_FP8_MIN_TOKENS - 1, SINGLE_FP8)])
+def test_the_fp8_cache_takes_the_warp_specialised_kernel_from_its_threshold(t, name):
+    kernel, part, lse, grid, args, meta = _plan(t, torch.uint8)
+    assert _name((kernel,)) == name
+    if name == WS_FP8:
+        assert meta == {"SPLIT": grid[2] > 1, "num_warps": 4, "maxnreg": 168, **G.ws_fp8.DEFAULT_SWITCHES}
+        assert args[14] == 528  # the rope's byte offset in a 656-byte row
 
 
 @pytest.mark.parametrize("t,splits", [(256, 1), (128, 1), (96, 1), (64, 2), (32, 3), (16, 6), (1, 16)])
@@ -66,7 +80,8 @@ def test_decode_batches_split_to_fill_one_wave_of_programs(t, splits):
 def test_the_warp_specialised_kernels_switches_reach_the_launch_and_unknown_ones_are_refused():
     meta = _plan(4096, ws_variant={"PIN": True, "P1_MODE": 1})[5]
     assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168, "PIN": True, "P1_MODE": 1}
-    assert _plan(4096, ws_variant={})[5] == _plan(4096)[5]  # no switch given: the default launch, as before
+    # {}: the kernel's own constexpr defaults (the schedule before DEFAULT_SWITCHES, CANDIDATES' "ws")
+    assert set(_plan(4096, ws_variant={})[5]) == {"SPLIT", "num_warps", "maxnreg"}
     for switches in G.ws.CANDIDATES.values():
         assert set(switches) <= set(G.ws.VARIANTS)
         assert set(_plan(4096, ws_variant=switches)[5]) - {"SPLIT", "num_warps", "maxnreg"} == set(switches)
