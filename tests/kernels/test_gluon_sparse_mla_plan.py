@@ -1,8 +1,9 @@
 """Which Gluon sparse MLA kernel a call launches (`gluon_sparse_mla.launch_plan`, no GPU needed: the plan is built on
 CPU tensors, nothing launched): the warp-specialised kernel for unsplit calls from WS_MIN_TOKENS tokens over bf16
-rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0, and the fp8 kernel
-for the fp8_ds_mla cache; the launch's registers and warps as the warp-specialised schedule needs them, and its A/B
-switches (cfg["ws_variant"]) passed as constexprs, none by default."""
+rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0; over the fp8_ds_mla
+cache the warp-specialised fp8 kernel from WS_FP8_MIN_TOKENS, the single-partition one under it; the launch's
+registers and warps as the warp-specialised schedule needs them, its A/B switches (cfg["ws_variant"]) passed as
+constexprs (DEFAULT_SWITCHES when a call names none); decode splits."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_the_switch_turns_the_warp_specialised_kernel_off(monkeypatch):
     envs.reload()
     try:
         assert _name(_plan(4096)) == "_sparse_mla_gluon_kernel"
+        assert _name(_plan(4096, torch.uint8)) == "_sparse_mla_fp8_kernel"  # the fp8 cache's single partition
     finally:
         monkeypatch.delenv("DSASERVE_SPARSE_MLA_WS")
         envs.reload()
