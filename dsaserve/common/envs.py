@@ -84,9 +84,8 @@ SWITCHES: dict[str, Switch] = {
         True, _on_unless_zero, "'0': sparse MLA over bf16 rows (a prefill's staged rows, the bf16 cache) runs the "
         "Triton kernel, not the Gluon one (kernels/gluon_sparse_mla.py; the A/B for issue 17)"),
     "DSASERVE_SPARSE_MLA_WS": Switch(
-        True, _on_unless_zero, "'0': the Gluon sparse MLA runs its single-partition kernels, not the warp-specialised "
-        "ones (kernels/gluon_sparse_mla_ws.py over bf16 rows, gluon_sparse_mla_ws_fp8.py over the fp8 cache; the A/B "
-        "for issue 17)"),
+        True, _on_unless_zero, "'0': the Gluon sparse MLA over bf16 rows runs its single-partition kernel, not the "
+        "warp-specialised one (kernels/gluon_sparse_mla_ws.py; the A/B for issue 17)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
         "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),

@@ -55,10 +55,11 @@ LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
-# the warp-specialised fp8 kernel from 64 tokens (unsplit or 2 splits): H200 sweep over decode shapes
-# (bench/sweep_decode_splits.py, bench/RESULTS.md): 0.91-0.95x the single-partition one's time at 128-256 tokens,
-# about even at 64, slower under it
-WS_FP8_MIN_TOKENS = 64
+# the warp-specialised fp8 kernel: off by default (cfg "ws" True takes it). On the H200 it took 0.91-0.95x the
+# single-partition kernel's time at 128-256 tokens in the isolated sweep (random rows of a 1.4 GB pool:
+# bench/sweep_decode_splits.py), but in the slice's batch-128 decode step it was even (replay 3.567 vs 3.579 ms,
+# its kernel time 673 vs 642 us under PDL: bench/RESULTS.md), so the simpler kernel stays
+WS_FP8_MIN_TOKENS = 1 << 30
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
 DC, DR = tl.constexpr(512), tl.constexpr(64)

@@ -1,13 +1,15 @@
-"""Hopper sparse MLA over the fp8_ds_mla cache, warp-specialised (issue 17; request path stage 6, attention):
-decode batches (and any call the registry gives it) at kv_lora 512, rope 64, reading the cache's 656-byte rows
-(e4m3 nope, four FP32 scales, bf16 rope) without a staging pass.
+"""Hopper sparse MLA over the fp8_ds_mla cache, warp-specialised (issue 17; request path stage 6, attention): the
+cache's 656-byte rows (e4m3 nope, four FP32 scales, bf16 rope) at kv_lora 512, rope 64, without a staging pass.
+Kept for the A/B, not the default: `gluon_sparse_mla.launch_plan` takes it when a call's cfg "ws" is True.
 
-Owns: `_sparse_mla_ws_fp8_kernel` (launched through `gluon_sparse_mla.launch_plan`). Its two consumer warpgroups
-are `gluon_sparse_mla_ws`'s, unchanged (they read bf16 key blocks from shared memory and never see the fp8 bytes);
-only the producer differs. Why: the single-partition fp8 kernel (`gluon_sparse_mla._sparse_mla_fp8_kernel`) loads a
-tile's bytes into registers while the same warps run S and the softmax, and on the H200 spends ~5 us on each 64-key
-block of a decode batch (bench/sweep_decode_splits.py), 3-4x the bf16 warp-specialised kernel's pace: its loads'
-latency sits on the tensor cores' path. Here the producer warpgroup (the default partition) does it beside them:
+Owns: `_sparse_mla_ws_fp8_kernel`, `DEFAULT_SWITCHES`. Its two consumer warpgroups are `gluon_sparse_mla_ws`'s,
+unchanged (they read bf16 key blocks from shared memory and never see the fp8 bytes); only the producer differs.
+Why it was written: the single-partition fp8 kernel (`gluon_sparse_mla._sparse_mla_fp8_kernel`) spends ~5 us on
+each 64-key block of a decode batch on the H200 (bench/sweep_decode_splits.py), 3-4x the bf16 warp-specialised
+kernel's pace over L2-resident staged rows, and its loads share warps with S and the softmax. What the H200 showed
+(bench/RESULTS.md, thirteenth session): this kernel is also at ~5 us a block (0.91-0.95x the other's time at
+128-256 tokens over a 1.4 GB pool, even in the slice's batch-128 step), so the bound is the gather of random rows
+from HBM, not where the loads are issued. Here the producer warpgroup (the default partition) does it beside them:
   issue (a half of a block: nope columns 0:256 = L or 256:512 + rope = R): wait for the half to be free, cp.async
       its rows' 256 e4m3 bytes into the half's second 128-column group of the bf16 buffer (16 KB: exactly its bf16
       bytes' size), the half's two groups of scales into a 2-slot ring (512 B a slot; the kernel uses all but

@@ -119,9 +119,8 @@ def _sparse_mla(gluon, swap) -> tuple[object, str]:
         return swap.sparse_mla_attention, (f"triton swap-AB tensor cores (T>={swap.SWAP_MIN_TOKENS}), else sparse "
                                            "flash-decoding")
     return gluon.sparse_mla_attention, (f"gluon wgmma from {gluon.GLUON_MIN_TOKENS} tokens on sm_90 (bf16 / "
-                                        f"fp8_ds_mla at kv_lora 512; warp-specialised over bf16 rows unsplit from "
-                                        f"{gluon.WS_MIN_TOKENS}, over fp8_ds_mla from {gluon.WS_FP8_MIN_TOKENS}), "
-                                        "else triton sparse flash-decoding")
+                                        f"fp8_ds_mla at kv_lora 512; bf16 rows unsplit from {gluon.WS_MIN_TOKENS}: "
+                                        "warp-specialised), else triton sparse flash-decoding")
 
 
 def _indexer_impl(triton_indexer, fp8_flag: str) -> str:

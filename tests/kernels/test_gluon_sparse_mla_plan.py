@@ -1,7 +1,7 @@
 """Which Gluon sparse MLA kernel a call launches (`gluon_sparse_mla.launch_plan`, no GPU needed: the plan is built on
 CPU tensors, nothing launched): the warp-specialised kernel for unsplit calls from WS_MIN_TOKENS tokens over bf16
 rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0; over the fp8_ds_mla
-cache the warp-specialised fp8 kernel from WS_FP8_MIN_TOKENS, the single-partition one under it; the launch's
+cache the single-partition fp8 kernel unless cfg "ws" asks for the warp-specialised fp8 one; the launch's
 registers and warps as the warp-specialised schedule needs them, its A/B switches (cfg["ws_variant"]) passed as
 constexprs (DEFAULT_SWITCHES when a call names none); decode splits."""
 
@@ -47,7 +47,6 @@ def test_the_switch_turns_the_warp_specialised_kernel_off(monkeypatch):
     envs.reload()
     try:
         assert _name(_plan(4096)) == "_sparse_mla_gluon_kernel"
-        assert _name(_plan(4096, torch.uint8)) == "_sparse_mla_fp8_kernel"  # the fp8 cache's single partition
     finally:
         monkeypatch.delenv("DSASERVE_SPARSE_MLA_WS")
         envs.reload()
@@ -59,17 +58,12 @@ def test_forcing_it_takes_split_calls_too_and_the_fp8_cache_keeps_its_kernel():
     assert _name(_plan(4096, torch.uint8, ws=False)) == "_sparse_mla_fp8_kernel"
 
 
-WS_FP8, SINGLE_FP8 = "_sparse_mla_ws_fp8_kernel", "_sparse_mla_fp8_kernel"
-
-
-@pytest.mark.parametrize("t,name", [(G.WS_FP8_MIN_TOKENS, WS_FP8), (4096, WS_FP8),
-                                    (G.WS_FP8_MIN_TOKENS - 1, SINGLE_FP8)])
-def test_the_fp8_cache_takes_the_warp_specialised_kernel_from_its_threshold(t, name):
-    kernel, part, lse, grid, args, meta = _plan(t, torch.uint8)
-    assert _name((kernel,)) == name
-    if name == WS_FP8:
-        assert meta == {"SPLIT": grid[2] > 1, "num_warps": 4, "maxnreg": 168, **G.ws_fp8.DEFAULT_SWITCHES}
-        assert args[14] == 528  # the rope's byte offset in a 656-byte row
+def test_the_fp8_cache_keeps_its_single_partition_kernel_unless_the_warp_specialised_one_is_asked_for():
+    assert _name(_plan(4096, torch.uint8)) == _name(_plan(128, torch.uint8)) == "_sparse_mla_fp8_kernel"
+    kernel, part, lse, grid, args, meta = _plan(128, torch.uint8, ws=True)
+    assert _name((kernel,)) == "_sparse_mla_ws_fp8_kernel"
+    assert meta == {"SPLIT": grid[2] > 1, "num_warps": 4, "maxnreg": 168, **G.ws_fp8.DEFAULT_SWITCHES}
+    assert args[14] == 528  # the rope's byte offset in a 656-byte row
 
 
 @pytest.mark.parametrize("t,splits", [(256, 1), (128, 1), (96, 1), (64, 2), (32, 3), (16, 6), (1, 16)])

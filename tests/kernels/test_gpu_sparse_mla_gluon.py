@@ -90,5 +90,4 @@ def test_gluon_sparse_mla_over_the_fp8_cache(gen, t, h, k):
         keep[1] = False
         assert bool((got[1] == 0).all()), "a token without slots gets zeros"
     assert rel(got[keep], want[keep]) < BF16, f"seed {gen.initial_seed()}"
-    # from 64 tokens the warp-specialised fp8 kernel, which rounds P in another order than the Triton kernel
-    assert rel(got[keep], triton_out[keep]) < BF16 / 5, f"seed {gen.initial_seed()}"
+    assert rel(got[keep], triton_out[keep]) < BF16 / 10, f"seed {gen.initial_seed()}"
