@@ -1,17 +1,18 @@
-"""A/B of the split radix top-k select alone (`kernels/triton_indexer_long.long_row_select`) against the design
-before it (bench/long_select_v0.py: every program re-derived the prefix from the rounds' histograms, a ballot
-histogram in every round, the write kernel ranked ties and summed the earlier chunks' counts itself).
+"""The split radix top-k select alone (`kernels/triton_indexer_long.long_row_select`), checked bit for bit against
+the one-program kernel (`triton_indexer._topk_select_kernel`, a row over L2 past 16K keys) on the same scores.
+The A/B against the design before it (every program re-derived the prefix from the rounds' histograms, a ballot
+histogram in every round: bench/long_select_v0.py at commit ebc515b) is in bench/RESULTS.md, thirteenth session.
 
-Run on the device:  PYTHONPATH=. python bench/bench_long_select.py --out $OUT   (~1-2 min on one H200)
+Run on the device:  PYTHONPATH=. python bench/bench_long_select.py --out $OUT   (~1 min on one H200)
 CPU smoke test:     TRITON_INTERPRET=1 PYTHONPATH=. python bench/bench_long_select.py --interpret --out DIR
 Cases (rows x keys, every token at the last position, GLM-5.3's top-2048 and 64-token pages): decode at batch 1
 (1 x 32768, 1 x 131072: 8 / 32 programs a launch at the decode chunk, 4096), a prefill slice of the 64 MB
 workspace at 128K context (128 x 131072, the prefill chunk 2048) and larger slices (2048 x 131072,
 4096 x 32768), each on two score kinds: "normal" (randn: the k-th key's 24-bit bucket usually alone) and
 "ties" (randn rounded to 1/4: full 32-bit ties taken in part). Times are CUDA-event means of back-to-back
-calls (bench_gpu.pipelined_time: launch overhead overlapped as in a pipelined step) and of CUDA-graph replays
-(`*_graph_us`: a decode step's graph has no host launch cost, which the one-row cases are otherwise bound by); each
-case also checks the two outputs are equal. Writes bench_long_select.json.
+calls (`sweep_indexer_prefill.timer`: launch overhead overlapped as in a pipelined step) and of CUDA-graph replays
+(`graph_us`: a decode step's graph has no host launch cost, which the one-row cases are otherwise bound by).
+Writes bench_long_select.json.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from bench import long_select_v0 as OLD
-from dsaserve.kernels import triton_indexer_long as NEW
+from bench.sweep_indexer_prefill import timer
+from dsaserve.kernels import triton_indexer, triton_indexer_long
 
 TOPK, PS = 2048, 64
 CASES = ((1, 32768, 4096), (1, 131072, 4096), (128, 131072, 2048), (2048, 131072, 2048), (4096, 32768, 2048))
@@ -41,17 +41,6 @@ def _case(rows: int, keys: int, kind: str, dev: str):
     req = torch.zeros(rows, dtype=torch.int64, device=dev)
     pos = torch.full((rows,), keys - 1, dtype=torch.int64, device=dev)
     return s, table, req, pos
-
-
-def _time(fn, steps: int) -> float:
-    if torch.cuda.is_available():
-        from bench.bench_gpu import pipelined_time
-        return pipelined_time(fn, steps)
-    fn()
-    t = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t) / steps
 
 
 def _graph_time(fn, steps: int) -> float | None:
@@ -86,21 +75,19 @@ def main() -> None:
     for rows, keys, chunk in cases:
         for kind in KINDS:
             s, table, req, pos = _case(rows, keys, kind, dev)
-            outs = {}
             row = {"rows": rows, "keys": keys, "chunk": chunk, "kind": kind}
             steps = 1 if args.interpret else max(5, min(200, (1 << 27) // (rows * keys)))
-            for name, mod in (("old", OLD), ("new", NEW)):
-                out = torch.empty((rows, topk), dtype=torch.int64, device=dev)
-                outs[name] = out
-                fn = functools.partial(mod.long_row_select, s, table, req, pos, out, topk, PS, chunk=chunk)
-                row[f"{name}_us"] = round(_time(fn, steps) * 1e6, 2)
-                graph_s = _graph_time(fn, steps)
-                if graph_s is not None:
-                    row[f"{name}_graph_us"] = round(graph_s * 1e6, 2)
-            row["equal"] = bool(torch.equal(outs["old"], outs["new"]))
-            row["speedup"] = round(row["old_us"] / row["new_us"], 3)
-            if "new_graph_us" in row:
-                row["graph_speedup"] = round(row["old_graph_us"] / row["new_graph_us"], 3)
+            out = torch.empty((rows, topk), dtype=torch.int64, device=dev)
+            fn = functools.partial(triton_indexer_long.long_row_select, s, table, req, pos, out, topk, PS, chunk=chunk)
+            row["us"] = round(timer(fn, steps) * 1e6, 2)
+            graph_s = _graph_time(fn, steps)
+            if graph_s is not None:
+                row["graph_us"] = round(graph_s * 1e6, 2)
+            fn()
+            want = torch.empty_like(out)
+            grid, launch_args, kwargs = triton_indexer.row_select_launch(s, table, req, pos, want, keys, topk, PS)
+            triton_indexer._topk_select_kernel[grid](*launch_args, **kwargs)
+            row["equal"] = bool(torch.equal(out, want))
             print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)

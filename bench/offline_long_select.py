@@ -1,5 +1,6 @@
-"""Offline sm_90 instruction census of the split radix select's kernels (kernels/triton_indexer_long.py) beside
-the design before it (bench/long_select_v0.py), without a GPU: registers, spills and, per kernel, the SASS
+"""Offline sm_90 instruction census of the split radix select's kernels (kernels/triton_indexer_long.py), without a
+GPU (the design before them, whose counts bench/RESULTS.md and the module docstring compare, is bench/long_select_v0.py
+at commit ebc515b): registers, spills and, per kernel, the SASS
 instruction count of every entry-to-EXIT path of the CFG (a loop body once), grouped by what the path does
 (an early return; a round's ballot histogram or not ("plain": no key matched, or per-key atomics, each
 atomic's short skip counted taken); "+last": the row's last program's bookkeeping). Counts are per thread, one
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from bench import long_select_v0
 from bench.offline_compile import BIN, compile_sm90, ptxas
 from bench.offline_sm90 import type_of
 from dsaserve.kernels import triton_indexer_long
@@ -81,15 +81,13 @@ def main() -> None:
     args = ap.parse_args()
     ops = (torch.empty(2, 2048 * 64), torch.zeros(1, 2048, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
            torch.zeros(2, dtype=torch.int64), torch.empty(2, 2048, dtype=torch.int64))
-    for name, mod in (("old", long_select_v0), ("new", triton_indexer_long)):
-        for kernel, _, launch_args, kwargs in mod.launches(*ops, 2048, 64, args.chunk):
-            meta = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
-            with tempfile.TemporaryDirectory() as tmp:
-                regs, spill, cubin = ptxas(compile_sm90(kernel, launch_args, meta, type_of), Path(tmp))
-                paths = census(cubin, kernel.fn.__name__)
-            label = kernel.fn.__name__ + (f"[{kwargs['ROUND']}]" if "ROUND" in kwargs else "")
-            print(f"{name} chunk {args.chunk} {label:24s} regs {regs:>3s} spill {spill[0]}/{spill[1]}  {paths}",
-                  flush=True)
+    for kernel, _, launch_args, kwargs in triton_indexer_long.launches(*ops, 2048, 64, args.chunk):
+        meta = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
+        with tempfile.TemporaryDirectory() as tmp:
+            regs, spill, cubin = ptxas(compile_sm90(kernel, launch_args, meta, type_of), Path(tmp))
+            paths = census(cubin, kernel.fn.__name__)
+        label = kernel.fn.__name__ + (f"[{kwargs['ROUND']}]" if "ROUND" in kwargs else "")
+        print(f"chunk {args.chunk} {label:24s} regs {regs:>3s} spill {spill[0]}/{spill[1]}  {paths}", flush=True)
 
 
 if __name__ == "__main__":

@@ -370,16 +370,18 @@ if HAVE_GLUON:
         _fill_rows(a, b, w, gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c, sl >= 0, half, lay)
 
     @gluon.jit
-    def _prefetch_l2(a, start):
-        """L2 prefetch (cp.async.bulk.prefetch, 1152 B: a whole row, nope then rope) of the 128 rows of the round
-        from slot `start`: a producer thread a row, no shared memory, nothing waited for (L2_AHEAD)."""
+    def _prefetch_l2(a, start, ROW_BYTES: gl.constexpr):
+        """L2 prefetch (cp.async.bulk.prefetch, a whole row: 1152 B of bf16 nope then rope, or an fp8_ds_mla row's
+        656) of the 128 rows of the round from slot `start`: a producer thread a row, no shared memory, nothing
+        waited for (L2_AHEAD)."""
         pl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         offs = start + gl.arange(0, 2 * BK, layout=pl)
         sl = gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
         ptr = a.c_ptr + gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c
+        size = gl.full([2 * BK], ROW_BYTES, gl.int32, layout=pl)
         gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ge.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.b32 $0, 0; }",
-            "=r,l,r", [ptr, sl], dtype=gl.int32, is_pure=False, pack=1)
+            "{ .reg .pred p; setp.ge.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+            "=r,l,r,r", [ptr, sl, size], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _producer(a):
@@ -394,13 +396,13 @@ if HAVE_GLUON:
             s1 = _slots(a, a.k0 + BK, lay)
         if a.L2_AHEAD > 0:
             for d in gl.static_range(1, a.L2_AHEAD):  # the first rounds past round 0
-                _prefetch_l2(a, a.k0 + 2 * d * BK)
+                _prefetch_l2(a, a.k0 + 2 * d * BK, 1152)
         for r in range(a.n_rounds):
             ph = (r & 1) ^ 1  # a fresh mbarrier passes a wait on phase 1
             start = a.k0 + 2 * r * BK
             b0, b1 = _buffers(a, r)  # WG0's buffer this round, WG1's
             if a.L2_AHEAD > 0:
-                _prefetch_l2(a, start + 2 * a.L2_AHEAD * BK)
+                _prefetch_l2(a, start + 2 * a.L2_AHEAD * BK, 1152)
             if a.EARLY_ROWS:
                 n0 = _slots(a, start + 2 * BK, lay)  # the next round's, in flight through this round's waits
                 n1 = _slots(a, start + 3 * BK, lay)
@@ -417,15 +419,14 @@ if HAVE_GLUON:
                 _fill(a, b1, 1, start + BK, 0, ph, lay)
 
     @gluon.jit
-    def _sparse_mla_ws_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
-                              stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
-                              stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT: gl.constexpr,
-                              P1_MODE: gl.constexpr = 0, FIXED_ROLES: gl.constexpr = False,
-                              EARLY_ROWS: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0,
-                              PIN: gl.constexpr = False):
-        """One token, 64 heads, one split of its top-k (grid: tokens, head blocks, splits); launched with 4 warps
-        (the producer) and WS_MAXNREG, the two worker warpgroups added by warp_specialize; the switches after SPLIT
-        are VARIANTS'."""
+    def _setup(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale, stride_qnt, stride_qnh,
+               stride_qrt, stride_qrh, stride_c, r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls,
+               stride_lt, SPLIT: gl.constexpr, P1_MODE: gl.constexpr, FIXED_ROLES: gl.constexpr,
+               EARLY_ROWS: gl.constexpr, L2_AHEAD: gl.constexpr, PIN: gl.constexpr, FP8: gl.constexpr):
+        """A program's shared memory, barriers, Q and key range: (the `_Args` every partition reads, and for FP8
+        (`gluon_sparse_mla_ws_fp8`) the key blocks' int8 view and the scale ring). FP8: the key blocks are an int8
+        [8, 16 KB] allocation seen as the bf16 blocks, a 2 x 2 x 64 scale ring follows P1's buffer, and the ready
+        barriers take the producer's one arrival, not each of its threads' cp.async arrival."""
         t = gl.program_id(0).to(gl.int64)
         hb = gl.program_id(1).to(gl.int64)
         sp = gl.program_id(2).to(gl.int64)
@@ -433,15 +434,24 @@ if HAVE_GLUON:
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], sw)
         qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sw)
-        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], sw)
+        if FP8:
+            kb = gl.allocate_shared_memory(gl.int8, [8, 16384], flat)  # [block, half, group] groups of 16 KB
+            k_s = kb._reinterpret(gl.bfloat16, [2, 64, 512], sw)
+        else:
+            k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], sw)
+            kb = k_s
         r_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], sw)
         p1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sw)
+        if FP8:
+            sc_s = gl.allocate_shared_memory(gl.float32, [4, 64], flat)  # [ring slot, group] of 64 scales
+        else:
+            sc_s = p1_s
         m_s = gl.allocate_shared_memory(gl.float32, [64], flat)
         l_s = gl.allocate_shared_memory(gl.float32, [128], flat)  # the two warpgroups' row sums
         bias_s = gl.allocate_shared_memory(gl.float32, [128], flat)  # 0 / -inf a slot of the two blocks
         bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(FREE):
-            mbarrier.init(bars.index(i), count=128)  # ready: each producer thread's cp.async arrive
+        for i in gl.static_range(FREE):  # ready: the producer's arrival (FP8), or each of its threads' cp.async
+            mbarrier.init(bars.index(i), count=1 if FP8 else 128)
         for i in gl.static_range(FREE, N_BARS):
             mbarrier.init(bars.index(i), count=1)
         _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, 512, 4)
@@ -454,4 +464,20 @@ if HAVE_GLUON:
                   o_ptr + sp * stride_os + t * stride_ot, lse_ptr + sp * stride_ls + t * stride_lt, k0, k1,
                   (n_tiles + 1) // 2, qk_scale, stride_c, r_off, hb * 64, n_heads, stride_oh, SPLIT, P1_MODE,
                   FIXED_ROLES, EARLY_ROWS, L2_AHEAD, PIN)
+        return a, kb, sc_s
+
+    @gluon.jit
+    def _sparse_mla_ws_kernel(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale,
+                              stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st,
+                              stride_os, stride_ot, stride_oh, stride_ls, stride_lt, SPLIT: gl.constexpr,
+                              P1_MODE: gl.constexpr = 0, FIXED_ROLES: gl.constexpr = False,
+                              EARLY_ROWS: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0,
+                              PIN: gl.constexpr = False):
+        """One token, 64 heads, one split of its top-k (grid: tokens, head blocks, splits); launched with 4 warps
+        (the producer) and WS_MAXNREG, the two worker warpgroups added by warp_specialize; the switches after SPLIT
+        are VARIANTS'."""
+        a, _, _ = _setup(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale, stride_qnt,
+                         stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st, stride_os, stride_ot,
+                         stride_oh, stride_ls, stride_lt, SPLIT, P1_MODE, FIXED_ROLES, EARLY_ROWS, L2_AHEAD, PIN,
+                         False)
         gl.warp_specialize([(_producer, (a,)), (_wg0, (a,)), (_wg1, (a,))], [4, 4], [216, 216])

@@ -39,18 +39,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from dsaserve.kernels.gluon_common import _key_range, _load_q
-    from dsaserve.kernels.gluon_sparse_mla_ws import (
-        BK,
-        FREE,
-        N_BARS,
-        READY,
-        VALID,
-        _Args,
-        _buffers,
-        _wg0,
-        _wg1,
-    )
+    from dsaserve.kernels.gluon_sparse_mla_ws import BK, FREE, READY, VALID, _buffers, _prefetch_l2, _setup, _wg0, _wg1
 
 # the switches launch_plan passes when a call names none: PIN (0 spills offline; without it 250 vs 188 us at 128
 # tokens x 2048 keys on the H200) and rows one round ahead into L2 (180 vs 188 us; 2 and 4 rounds slower)
@@ -122,18 +111,6 @@ if HAVE_GLUON:
         mbarrier.arrive(a.bars.index(READY + 2 * half + b), count=1)
 
     @gluon.jit
-    def _prefetch_l2(a, start):
-        """L2 prefetch (cp.async.bulk.prefetch, a whole 656-byte row) of the 128 rows of the round from slot `start`:
-        a producer thread a row, no shared memory, nothing waited for."""
-        pl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        offs = start + gl.arange(0, 2 * BK, layout=pl)
-        sl = gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
-        ptr = a.c_ptr + gl.where(sl >= 0, sl, 0).to(gl.int64) * a.stride_c
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ge.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.b32 $0, 0; }",
-            "=r,l,r", [ptr, sl], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _producer(a, kb, sc_s):
         """Each round: WG1's L, WG0's L, WG0's R, WG1's R, each issued one half ahead of its dequant (the module
         docstring says why this order); ring slots alternate 0, 1, 0, 1. L2_AHEAD: the rows of the round that far
@@ -141,13 +118,13 @@ if HAVE_GLUON:
         of a half then waits on L2, not on HBM)."""
         if a.L2_AHEAD > 0:
             for d in gl.static_range(0, a.L2_AHEAD):  # the first rounds
-                _prefetch_l2(a, a.k0 + 2 * d * BK)
+                _prefetch_l2(a, a.k0 + 2 * d * BK, 656)
         for r in range(a.n_rounds):
             ph = (r & 1) ^ 1  # a fresh mbarrier passes a wait on phase 1
             start = a.k0 + 2 * r * BK
             b0, b1 = _buffers(a, r)
             if a.L2_AHEAD > 0:
-                _prefetch_l2(a, start + 2 * a.L2_AHEAD * BK)
+                _prefetch_l2(a, start + 2 * a.L2_AHEAD * BK, 656)
             _issue(a, kb, sc_s, b1, 0, 1, start + BK, ph, 0)
             if r > 0:
                 _dequant(a, kb, sc_s, b0, 1, 1, 1)  # last round's WG1 R: its buffer is this round's b0
@@ -168,32 +145,7 @@ if HAVE_GLUON:
         """One token, 64 heads, one split of its top-k over fp8_ds_mla bytes (grid: tokens, head blocks, splits);
         launched as `gluon_sparse_mla_ws._sparse_mla_ws_kernel` is (4 warps, WS_MAXNREG). PIN: its switch; L2_AHEAD:
         rounds of rows prefetched into L2 ahead (0: none)."""
-        t = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1).to(gl.int64)
-        sp = gl.program_id(2).to(gl.int64)
-        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], sw)
-        qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sw)
-        kb = gl.allocate_shared_memory(gl.int8, [8, 16384], flat)  # [block, half, group] groups of 16 KB
-        k_s = kb._reinterpret(gl.bfloat16, [2, 64, 512], sw)
-        r_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], sw)
-        p1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sw)
-        sc_s = gl.allocate_shared_memory(gl.float32, [4, 64], flat)  # [ring slot, group] of 64 scales
-        m_s = gl.allocate_shared_memory(gl.float32, [64], flat)
-        l_s = gl.allocate_shared_memory(gl.float32, [128], flat)
-        bias_s = gl.allocate_shared_memory(gl.float32, [128], flat)
-        bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(N_BARS):
-            mbarrier.init(bars.index(i), count=1)  # ready: the producer's one arrival after its dequant
-        _load_q(q_s, qn_ptr, t, hb, n_heads, stride_qnt, stride_qnh, 512, 4)
-        _load_q(qr_s, qr_ptr, t, hb, n_heads, stride_qrt, stride_qrh, 64, 4)
-        slot_base = t * stride_st
-        k0, k1, n_tiles = _key_range(slot_ptr, slot_base, sp, n_keys, SPLIT, BK, 4)
-        fence_async_shared()
-        gl.thread_barrier()
-        a = _Args(q_s, qr_s, k_s, r_s, p1_s, m_s, l_s, bias_s, bars, c_ptr, slot_ptr + slot_base,
-                  o_ptr + sp * stride_os + t * stride_ot, lse_ptr + sp * stride_ls + t * stride_lt, k0, k1,
-                  (n_tiles + 1) // 2, qk_scale, stride_c, r_off, hb * 64, n_heads, stride_oh, SPLIT, 0, False,
-                  False, L2_AHEAD, PIN)
+        a, kb, sc_s = _setup(qn_ptr, qr_ptr, c_ptr, slot_ptr, o_ptr, lse_ptr, n_heads, n_keys, qk_scale, stride_qnt,
+                             stride_qnh, stride_qrt, stride_qrh, stride_c, r_off, stride_st, stride_os, stride_ot,
+                             stride_oh, stride_ls, stride_lt, SPLIT, 0, False, False, L2_AHEAD, PIN, True)
         gl.warp_specialize([(_producer, (a, kb, sc_s)), (_wg0, (a,)), (_wg1, (a,))], [4, 4], [216, 216])

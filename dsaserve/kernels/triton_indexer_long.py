@@ -29,8 +29,9 @@ each, and the k-th largest score is found by an exact radix select on the 32-bit
       ranks only its selection, not its ties.
 Before this design every program re-derived the prefix from the earlier rounds' histograms (R 256-bin scans:
 ~110 sm_90 instructions and 14 barriers a round, ~440 in the count and write kernels) and the write kernel
-summed the earlier chunks' counts itself. bench/bench_long_select.py times both (the old one is
-bench/long_select_v0.py); bench/offline_long_select.py counts their sm_90 instructions offline.
+summed the earlier chunks' counts itself: 1.4x slower at decode rows, ~2x at prefill slices (H200, CUDA graph; the
+A/B ran bench/long_select_v0.py of commit ebc515b: bench/RESULTS.md, thirteenth session). bench/bench_long_select.py
+times this design; bench/offline_long_select.py counts its sm_90 instructions offline.
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
 Six launches (+ one memset of the histograms and state), each a pass over the row's causal prefix in L2 (five
 when round 3 is skipped). Chunks past a token's position return at once.
