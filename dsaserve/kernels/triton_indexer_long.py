@@ -128,6 +128,8 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
         done = tl.load(state + 3) != 0
     if done:  # the k-th key's bucket was taken whole: no more digits needed (scores read by none)
         return
+    # past here every program of the row takes its ticket (`_arrive_last`): a return added before it would leave
+    # the row's last ticket undrawn, its state unwritten and its counter not reset for the next launch
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(score_ptr + row * stride_s, c, lim, CHUNK)
     if ROUND == 0:  # every visible key matches the empty prefix: counted without a reduction
@@ -208,10 +210,12 @@ def _slots(pt_row, j, page_size, mask):
 
 
 @triton.jit
-def _write_all_visible(pt_row, out_row, c, pos, k, page_size, CHUNK: tl.constexpr):
-    """A token that sees at most k keys: chunk c's part of [slots of keys 0..pos, -1, ...] (k columns)."""
-    j = c * CHUNK + tl.arange(0, CHUNK)
-    tl.store(out_row + j, tl.where(j <= pos, _slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
+def _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK: tl.constexpr):
+    """A token that sees at most k keys: chunk c's columns of [slots of keys 0..pos, -1, ...] (k columns, which can
+    pass the row's n_chunks x CHUNK: the grid's chunks then take them in turns)."""
+    for c0 in range(c * CHUNK, k, n_chunks * CHUNK):
+        j = c0 + tl.arange(0, CHUNK)
+        tl.store(out_row + j, tl.where(j <= pos, _slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -226,8 +230,7 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
     pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
     out_row = out_ptr + row * stride_o
     if pos < k:
-        if c * CHUNK < k:
-            _write_all_visible(pt_row, out_row, c, pos, k, page_size, CHUNK)
+        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
         return
     if c * CHUNK > pos:
         return
@@ -261,13 +264,15 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
 
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
              out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK) -> list[tuple]:
-    """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated
-    (tests compile them offline: one variant per chunk size, whatever the row length or page-table width)."""
+    """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
+    zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
+    offline: one variant per chunk size, whatever the row length or page-table width. A token at position
+    >= k must see k keys (positions < n_cols, as every caller's are)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return []
-    if chunk % 128:
-        raise ValueError(f"long_row_select: chunk {chunk} is not a multiple of 128")
+    if chunk < 128 or chunk & (chunk - 1):
+        raise ValueError(f"long_row_select: chunk {chunk} is not a power of two >= 128")
     n_chunks = triton.cdiv(n_cols, chunk)
     ws = torch.zeros((rows, WS_ROW.value), dtype=torch.int32, device=scores.device)  # histograms, state, arrivals
     counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)

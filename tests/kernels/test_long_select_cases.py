@@ -46,19 +46,26 @@ def _rows(kind: str, gen: torch.Generator, n: int) -> torch.Tensor:
     return s
 
 
-def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K,
+                 table_keys: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(split select, row select, the rows' search state) of the same scores, outputs pre-filled with -7 (a column
+    left unwritten shows). After every launch each row's arrival counter is back at 0 (the next launch, or a
+    graph's next replay, finds it there). table_keys: the page table's width in keys (default: the row's)."""
     from dsaserve.kernels import triton_indexer, triton_indexer_long
 
     n, width = scores.shape
-    table = torch.randperm(n * (width // PS), device=DEVICE).view(n, -1)
+    pages = (table_keys or width) // PS
+    table = torch.randperm(n * pages, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)
-    got = torch.full((n, K), -7, dtype=torch.int64, device=DEVICE)
-    steps = triton_indexer_long.launches(scores, table, req, pos, got, K, PS, chunk)
+    got = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk)
+    ws = steps[0][2][2]
     for kernel, grid, args, kwargs in steps:
         kernel[grid](*args, **kwargs)
-    state = steps[0][2][2][:, triton_indexer_long.STATE:]  # the rows' search state (prefix, need, shift, done, ...)
-    want = torch.full((n, K), -7, dtype=torch.int64, device=DEVICE)
-    grid, args, kwargs = triton_indexer.row_select_launch(scores, table, req, pos, want, width, K, PS)
+        assert ws[:, triton_indexer_long.STATE.value + 4].eq(0).all(), f"{kernel.fn.__name__}: a counter not reset"
+    state = ws[:, triton_indexer_long.STATE:]  # the rows' search state (prefix, need, shift, done, ...)
+    want = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
+    grid, args, kwargs = triton_indexer.row_select_launch(scores, table, req, pos, want, width, k, PS)
     triton_indexer._topk_select_kernel[grid](*args, **kwargs)
     return got, want, state
 
@@ -77,3 +84,26 @@ def test_the_split_select_equals_the_row_select(kind):
         r = int(kind[-1])
         assert state[1:, 2].tolist() == [24 - 8 * r] * (len(pos) - 1) and state[1:, 3].eq(1).all()
     assert (got[1:] >= 0).all()
+
+
+def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the_rows_chunks():
+    """k = 300 columns over rows of one 128-key chunk (a radix chunk below top-k, as sweep configs can ask): the
+    grid's chunks take the k columns in turns, as the row select writes them (the review of the rewrite found
+    columns 128..299 unwritten)."""
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(2, 128, generator=gen).to(DEVICE)
+    got, want, _ = _select_both(scores, torch.tensor([100, 127], device=DEVICE), 128, k=300, table_keys=512)
+    assert torch.equal(got, want) and not (got == -7).any()
+
+
+@pytest.mark.parametrize("chunk", [0, 64, 384])
+def test_a_chunk_that_is_not_a_power_of_two_of_128_or_more_is_refused(chunk):
+    from dsaserve.kernels import triton_indexer_long
+
+    scores = torch.zeros(1, 1024, device=DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_indexer_long.launches(scores, torch.zeros(1, 64, dtype=torch.int64, device=DEVICE),
+                                     torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                     torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                     torch.empty(1, K, dtype=torch.int64, device=DEVICE), K, PS, chunk)
+
