@@ -2,7 +2,8 @@
 staged rows and the bf16 cache at kv_lora 512, rope 64, for many tokens.
 
 Owns: `_sparse_mla_ws_kernel` (launched through `gluon_sparse_mla.launch_plan`), `WS_MAXNREG`, its A/B switches
-(`VARIANTS`, `variant`, the combinations the device runs: `CANDIDATES`); its prologue helpers are gluon_common's.
+(`VARIANTS`, `variant`, `DEFAULT_SWITCHES`, the combinations the device runs: `CANDIDATES`), `_setup`; its prologue
+helpers are gluon_common's.
 The schedule is FlashMLA's sm90 sparse prefill (DeepSeek's; the same per-program problem as ours: one token, 64
 heads, top-k key rows of 576), written in Gluon's warp specialisation. A program runs three warpgroups:
   WG0 and WG1 (worker partitions) each own half of the output columns (O [64, 256] fp32 in registers) and,
@@ -22,10 +23,13 @@ shared memory at 224 KB: Q 72 + two blocks 2 x 72 + WG1's P 8). Every wgmma is w
 accumulator left in flight across the loop's back edge made ptxas serialise every wgmma of the kernel (C7514).
 Numerics are the single-partition kernel's: bf16 operands, fp32 accumulation, P rounded to bf16 once (WG0's P
 for WG1 rounded after its rescale to the round's maximum).
-The switches (constexprs, launch_plan's cfg["ws_variant"]; each default is the schedule above, whose sm_90 SASS
-they leave byte-identical offline) try what a review left open: P1 stored before its wgmma, fixed buffer roles,
-descriptors kept from being hoisted and spilled (PIN: none spilled), the producer's slots read a round ahead and
-L2 prefetch of later rounds' rows (the gather-bound long contexts); shared memory has no room for a third block.
+The switches (constexprs, launch_plan's cfg["ws_variant"]; each constexpr default is the schedule above, whose
+sm_90 SASS they leave byte-identical offline) try what a review left open: P1 stored before its wgmma, fixed buffer
+roles, descriptors kept from being hoisted and spilled (PIN: none spilled), the producer's slots read a round ahead
+and L2 prefetch of later rounds' rows (the gather-bound long contexts); shared memory has no room for a third
+block. What runs by default is DEFAULT_SWITCHES (measured fastest on the H200): fixed roles (WG0 buffer 0, WG1
+buffer 1, through an opaque zero so nothing is hoisted), PIN and P1 stored before its wgmma. `_setup` is also the
+prologue of `gluon_sparse_mla_ws_fp8` (the same consumers over the fp8 cache).
 Row offsets are 64-bit. No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it
 with the reference and the single-partition kernel.
 """
