@@ -42,7 +42,8 @@ CONFIGS = {  # sparse MLA over bf16 rows: {} is the dispatcher's default (the wa
     "gluon-bk32-3stage": {"gluon": {"block_k": 32, "num_stages": 3, "ws": False}},  # single-partition tilings
     "gluon-bk64-1stage": {"gluon": {"block_k": 64, "num_stages": 1, "ws": False}},
 }
-# the warp-specialised kernel's switches (beside "default", which is "ws:ws" at these sizes)
+# the warp-specialised kernel's switches beside "default" (its DEFAULT_SWITCHES at these sizes; "ws:ws" is the
+# schedule before them)
 WS_CONFIGS = {f"ws:{name}": {"gluon": {"ws": True, "ws_variant": switches}} for name, switches in W.CANDIDATES.items()}
 WS_CASES = ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 32768), (512, 8192))
 CASES = ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 32768), (1024, 1024), (512, 8192), (256, 256),
