@@ -55,11 +55,10 @@ LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
-# the warp-specialised fp8 kernel: off by default (cfg "ws" True takes it). On the H200 it took 0.91-0.95x the
+# The warp-specialised fp8 kernel runs only when a call's cfg "ws" is True. On the H200 it took 0.91-0.95x the
 # single-partition kernel's time at 128-256 tokens in the isolated sweep (random rows of a 1.4 GB pool:
 # bench/sweep_decode_splits.py), but in the slice's batch-128 decode step it was even (replay 3.567 vs 3.579 ms,
-# its kernel time 673 vs 642 us under PDL: bench/RESULTS.md), so the simpler kernel stays
-WS_FP8_MIN_TOKENS = 1 << 30
+# its kernel time 673 vs 642 us under PDL: bench/RESULTS.md), so the simpler kernel stays the default.
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
 DC, DR = tl.constexpr(512), tl.constexpr(64)
@@ -322,8 +321,7 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     head = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
             q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0))
     meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
-    if rows.dtype == torch.uint8 and bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
-                                                   envs.DSASERVE_SPARSE_MLA_WS and t >= WS_FP8_MIN_TOKENS):
+    if rows.dtype == torch.uint8 and bk == 64 and cfg["ws"] is True:
         # the warp-specialised fp8 kernel (gluon_sparse_mla_ws_fp8.py): of the switches, PIN and L2_AHEAD
         given = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws_fp8.DEFAULT_SWITCHES
         switches = {k: v for k, v in ws.variant(given).items() if k in ("PIN", "L2_AHEAD")}
@@ -349,8 +347,8 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
     (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
     checked the rest: `sparse_mla_attention` dispatches here). `config` (bench/tuning only)
-    overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (bf16 rows: the
-    warp-specialised kernel)."""
+    overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (True / False: the
+    warp-specialised kernel or not; over the fp8 cache only True takes it), ws_variant (its switches)."""
     width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
     if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
         raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "
