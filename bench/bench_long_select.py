@@ -63,6 +63,26 @@ def _graph_time(fn, steps: int) -> float | None:
     return start.elapsed_time(end) / 1e3 / steps
 
 
+def per_launch_us(args: tuple, steps: int) -> list[float] | None:
+    """Mean µs of each of `long_row_select`'s launches in order (rounds 0-3, count, write; the workspace's memset
+    runs before the first event), CUDA events between them (PDL overlap lost at each event: the sum passes the
+    pipelined time), or None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    sums: list[float] = []
+    for _ in range(steps):
+        todo = triton_indexer_long.launches(*args)  # zeroes a fresh workspace
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(todo) + 1)]
+        events[0].record()
+        for i, (kernel, grid, a, kw) in enumerate(todo):
+            kernel[grid](*a, **kw)
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        times = [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(len(todo))]
+        sums = [x + y for x, y in zip(sums, times, strict=True)] if sums else times
+    return [round(t / steps, 2) for t in sums]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -83,6 +103,7 @@ def main() -> None:
             graph_s = _graph_time(fn, steps)
             if graph_s is not None:
                 row["graph_us"] = round(graph_s * 1e6, 2)
+                row["launch_us"] = per_launch_us((s, table, req, pos, out, topk, PS, chunk), steps)
             fn()
             want = torch.empty_like(out)
             grid, launch_args, kwargs = triton_indexer.row_select_launch(s, table, req, pos, want, keys, topk, PS)

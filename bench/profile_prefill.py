@@ -4,14 +4,23 @@ Run on the device:  PYTHONPATH=. python bench/profile_prefill.py --out $OUT [--l
 For each prompt length it times the prefill (one request, one chunk) and profiles it under torch.profiler.
 The table lists each kernel's ms and share, then the shares by op group (sparse MLA, indexer, MoE, GEMM,
 ...): which kernel issue 17 should take next ("anything above 5 % of a prefill step").
+Where the wall time passes the kernels' sum it says why (`gaps`): the GPU's idle time inside one profiled
+prefill (the span minus the union of its kernels), the host's time to issue the prefill (the GPU waits for the
+host when that is the longer), and every host sync the prefill makes, by the Python line that made it
+(`torch.cuda.set_sync_debug_mode`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+import time
+import warnings
+from collections import Counter, defaultdict
 from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_gpu import cuda_time, measure_ceilings, prefill_flops
 from bench.profile_decode import kernel_table
@@ -33,6 +42,50 @@ def group_of(name: str) -> str:
     return next((g for key, g in GROUPS if key.lower() in low), "other")
 
 
+def gpu_idle_ms(fn) -> tuple[float, float]:
+    """(span, idle) in ms of one profiled call: first kernel start to last kernel end, and the part of it no
+    kernel or copy covers."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of the intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    return span / 1e3, (span - busy) / 1e3
+
+
+def host_issue_ms(fn) -> float:
+    """ms the host takes to issue one call (it returns before the GPU is done unless it syncs)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return host * 1e3
+
+
+def sync_sites(fn) -> dict[str, int]:
+    """Host syncs of one call, counted by the Python line that made them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return dict(Counter(f"{w.filename.split('dsaserve/')[-1]}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message)).most_common())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="glm-5.3-slice")
@@ -52,6 +105,10 @@ def main() -> None:
         batch = dummy_prefill(n, runner.page_size, runner.cfg.vocab_size, runner.device)
         wall = cuda_time(lambda b=batch: runner.forward(b), iters=3, warmup=1)
         rows, total_us = kernel_table(lambda b=batch: runner.forward(b), steps=2)
+        run = lambda b=batch: runner.forward(b)  # noqa: E731
+        span, idle = gpu_idle_ms(run)
+        gaps = {"profiled_span_ms": span, "gpu_idle_ms": idle, "host_issue_ms": host_issue_ms(run),
+                "syncs": sync_sites(run)}
         gemm, attn = prefill_flops(runner.cfg, n)
         bound = gemm / ceilings["fp8_flops"] + attn / ceilings["bf16_flops"]
         groups: dict[str, float] = defaultdict(float)
@@ -59,14 +116,16 @@ def main() -> None:
             groups[group_of(name)] += t
         print(f"\n== prefill {n}: {wall * 1e3:.1f} ms, FLOP roofline {bound * 1e3:.1f} ms ({wall / bound:.2f}x); "
               f"kernels {total_us / 1e3:.1f} ms")
+        print(f"  gaps: GPU idle {idle:.1f} of a profiled {span:.1f} ms; the host issues the prefill in "
+              f"{gaps['host_issue_ms']:.1f} ms; host syncs by line: {gaps['syncs'] or 'none'}")
         for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {g:<14} {t / 1e3:9.2f} ms  {100 * t / total_us:5.1f} %")
         print(f"{'ms':>9} {'%':>6} {'n':>4}  kernel")
         for name, t, k in rows[: args.top]:
             print(f"{t / 1e3:9.3f} {100 * t / total_us:6.1f} {k:4d}  {name}")
         report["cases"].append({"tokens": n, "wall_ms": wall * 1e3, "roofline_ms": bound * 1e3,
-                                "kernel_sum_ms": total_us / 1e3, "groups_ms": {g: t / 1e3 for g, t in groups.items()},
-                                "kernels": rows})
+                                "kernel_sum_ms": total_us / 1e3, "gaps": gaps,
+                                "groups_ms": {g: t / 1e3 for g, t in groups.items()}, "kernels": rows})
         (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=float))
 
 

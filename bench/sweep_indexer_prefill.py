@@ -43,7 +43,9 @@ SELECTS = [("rows", {"select": "rows"}), ("radix c4096", {"select": "radix", "ra
            ("radix c8192", {"select": "radix", "radix_chunk": 8192}),
            ("auto ws64M", {"select": "auto", "ws_budget": 64 << 20}),
            ("auto ws32M", {"select": "auto", "ws_budget": 32 << 20}),  # fits one L2 partition's share more often
-           ("auto ws16M", {"select": "auto", "ws_budget": 16 << 20})]
+           ("auto ws16M", {"select": "auto", "ws_budget": 16 << 20}),
+           ("auto ws128M", {"select": "auto", "ws_budget": 128 << 20}),
+           ("auto ws256M", {"select": "auto", "ws_budget": 256 << 20})]
 SAMPLES = 16  # rows a case checks against float64 (evenly spaced over its tokens)
 TIME_LIMIT_S = 120  # stop starting new variants past this (the whole run must stay under 2.5 min)
 ROWS: list[dict] = []
@@ -101,7 +103,7 @@ def attempt(label: str, fn):
 def score_only(ops, req, pos, t: int, ctx: int, conf: dict, steps: int) -> float:
     """The score GEMM over every chunk of the case (into one reused workspace), as gemm_topk runs it."""
     n_cols = -(-ctx // conf["bs"]) * conf["bs"]
-    step = max(conf["bt"], G.WS_BUDGET // (4 * n_cols) // 16 * 16)
+    step = G.chunk_tokens(n_cols, conf)
     ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=pos.device)
 
     def run():
@@ -115,7 +117,7 @@ def select_only(ops, req, pos, table, t: int, ctx: int, conf: dict, steps: int) 
     """Seconds of the selection alone over every workspace chunk of the case (the chunk's scores computed
     before its timing), as gemm_topk runs it."""
     n_cols = -(-ctx // conf["bs"]) * conf["bs"]
-    step = max(conf["bt"], conf.get("ws_budget", G.WS_BUDGET) // (4 * n_cols) // 16 * 16)
+    step = G.chunk_tokens(n_cols, conf)
     ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=pos.device)
     out = torch.empty((t, TOPK), dtype=torch.int64, device=pos.device)
     total = 0.0
@@ -147,7 +149,7 @@ class Truth:
         self.pos, self.slots = pos, table[0, j // PS] * PS + j % PS
         self.s64, self.own = {}, {}
         n_cols = -(-ctx // conf["bs"]) * conf["bs"]
-        step = max(conf["bt"], G.WS_BUDGET // (4 * n_cols) // 16 * 16)  # gemm_topk's chunks and blocks
+        step = G.chunk_tokens(n_cols, conf)  # gemm_topk's chunks and blocks
         for r in self.rows:
             p = int(pos[r])
             qd = q8[r].view(torch.float8_e4m3fn).double()[:h]

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from dsaserve.common.host_lists import to_device
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.device_timer import DeviceTimer
@@ -53,7 +54,7 @@ from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
 from dsaserve.engine.request import EngineRequest, Req, TokenDelta
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from dsaserve.model.sampler import SampleFuture, Sampler, to_device
+from dsaserve.model.sampler import SampleFuture, Sampler
 
 __all__ = ["EngineCore", "EngineRequest", "TokenDelta", "SamplingParams", "EngineArgs"]
 

@@ -15,8 +15,9 @@ alone, for the benchmark) and the operand preparation they share.
       and its quad (DeepGEMM's sm90 layout); ReLU, the weights, the head sum and the key scale are the
       epilogue. Causal tile skipping: a program stops at its block's last position; blocks whose tokens all
       see at most topk keys are skipped (the selection takes every key without reading a score).
-  workspace: scores of CHUNK tokens at a time, [chunk, keys rounded up to BS] fp32 (at most WS_BUDGET bytes),
-      so the [tokens x context] matrix is never in HBM at once.
+  workspace: scores of a chunk of tokens at a time, [chunk, keys rounded up to BS] fp32 (`chunk_tokens`: at
+      most WS_BUDGET bytes, LONG_WS_BUDGET for the radix select's long rows), so the [tokens x context] matrix
+      is never in HBM at once. The chunks' block tables reach the device in one copy that does not sync.
   selection ("select"): "rows", `triton_indexer._topk_select_kernel`, one program a row (the row in
       registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that); "radix",
       `triton_indexer_long.long_row_select` (4 radix rounds + count + write, split over radix_chunk-key
@@ -33,13 +34,18 @@ import triton
 import triton.language as tl
 
 from dsaserve.common import envs
+from dsaserve.common.host_lists import to_device
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_long
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
-# bytes of fp32 scores per chunk: 64 MB stays near the L2 between the score GEMM and the select (H200 sweep
-# 2026-12-01: the full path at 8K x 8K 2.56 ms with 64 MB against 3.54 with 256)
+# bytes of fp32 scores per chunk: 64 MB stays near the L2 between the score GEMM and the one-program row select
+# (H200 sweep 2026-12-01: the full path at 8K x 8K 2.56 ms with 64 MB against 3.54 with 256). Rows past
+# ROW_IN_REGS_MAX (the split radix select) take 128 MB: half the chunks, so half the launches and the select's
+# tails (H200, 2026-12-01: full path 4K x 32K 3.99-4.15 ms against 4.97 with 64 MB, 16K x 128K 54.5-55.1
+# against 57.3; the slice's 128K prefill 2.163-2.176 s against 2.262; 256 MB 2.153 s)
 WS_BUDGET = 64 << 20
+LONG_WS_BUDGET = 128 << 20
 # sm_90 offline (ptxas -v): no spills; bench/sweep_indexer_prefill.py picks the measured best
 # select "auto": the one-program row select (`triton_indexer._topk_select_kernel`) while a row fits in its
 # registers (H200, 8K x 8K: 1.17 ms against the radix's 2.3 ms), the split radix select past that
@@ -123,8 +129,8 @@ def gather_keys(index_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: l
     for n in lens[:-1]:
         base.append(base[-1] + n)
     total = base[-1] + lens[-1]
-    lens_t = torch.tensor(lens, device=dev)
-    base_t = torch.tensor(base, dtype=torch.int64, device=dev)
+    lens_t = to_device(lens, torch.int64, dev)
+    base_t = to_device(base, torch.int64, dev)
     req_of = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t, output_size=total)
     j = torch.arange(total, device=dev) - base_t[req_of]
     slots = page_table[req_of, j // page_size] * page_size + j % page_size
@@ -143,6 +149,14 @@ def _blocks(seq_lens: list[int], extend_lens: list[int], tok0: int, tok1: int, b
     return [t for _, t in sorted(out, reverse=True)]
 
 
+def chunk_tokens(n_cols: int, conf: dict) -> int:
+    """Tokens a workspace chunk of n_cols fp32 scores a row holds: conf's ws_budget, else WS_BUDGET while the row
+    select takes the rows and LONG_WS_BUDGET past that; a multiple of 16 (at least one block of bt tokens)."""
+    long_rows = conf["select"] == "radix" or (conf["select"] == "auto" and n_cols > triton_indexer.ROW_IN_REGS_MAX)
+    budget = conf.get("ws_budget", LONG_WS_BUDGET if long_rows else WS_BUDGET)
+    return max(conf["bt"], budget // (4 * n_cols) // 16 * 16)
+
+
 def _config(config: dict | None) -> dict:
     conf = {**DEFAULT_CONFIG, **(config or {})}
     if conf["select"] not in SELECTS:
@@ -150,18 +164,29 @@ def _config(config: dict | None) -> dict:
     return conf
 
 
+def block_tables(seq_lens: list[int], extend_lens: list[int], bounds: list[tuple[int, int]], bt: int,
+                 device: torch.device) -> list[torch.Tensor]:
+    """`_blocks` of every chunk [tok0, tok1) in bounds, as views of one device tensor: one host-to-device copy
+    for the whole prefill, queued without a sync (`to_device`). A synchronous copy per chunk (1,024 chunks a
+    layer at 128K) made the GPU idle while the host launched each next chunk."""
+    lists = [_blocks(seq_lens, extend_lens, t0, t1, bt) for t0, t1 in bounds]
+    flat = to_device([s for starts in lists for s in starts], torch.int32, device)
+    return list(flat.split([len(starts) for starts in lists]))
+
+
 def chunk_scores(ops: tuple, req_index: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                  extend_lens: list[int], tok0: int, tok1: int, out: torch.Tensor, skip_below: int,
-                 conf: dict) -> None:
+                 conf: dict, blk: torch.Tensor | None = None) -> None:
     """Scores of tokens [tok0, tok1) into out[:tok1 - tok0, :] (rows of tokens that see <= skip_below keys,
-    and every column past a token's position, are left unwritten). ops = (q, w, keys, scales, base)."""
+    and every column past a token's position, are left unwritten). ops = (q, w, keys, scales, base);
+    blk: this chunk's `block_tables` entry (built here, with a synchronising copy, when None)."""
     q, w, keys, scales, base = ops
     bt, bs, tpp = conf["bt"], conf["bs"], conf["tpp"]
-    starts = _blocks(seq_lens, extend_lens, tok0, tok1, bt)
-    if not starts:
+    if blk is None:
+        blk = block_tables(seq_lens, extend_lens, [(tok0, tok1)], bt, q.device)[0]
+    if blk.numel() == 0:
         return
-    blk = torch.tensor(starts, dtype=torch.int32, device=q.device)
-    grid = (len(starts), triton.cdiv(out.shape[1], tpp * bs))
+    grid = (blk.numel(), triton.cdiv(out.shape[1], tpp * bs))
     _score_kernel[grid](q, w, keys, scales, base, req_index, positions, blk, out, tok0, tok1, skip_below,
                         out.stride(0), HP=q.shape[1], D=q.shape[2], BT=bt, BS=bs, TPP=tpp,
                         Q_FP8=q.dtype == torch.uint8, num_warps=conf["num_warps"], num_stages=conf["num_stages"],
@@ -206,11 +231,12 @@ def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Te
     ops = (*prepare_q(q, head_weights, q_fp8), *gather_keys(index_cache, page_table, seq_lens, extend_lens,
                                                             page_size, d))
     n_cols = triton.cdiv(max(max(seq_lens), 1), conf["bs"]) * conf["bs"]
-    step = max(conf["bt"], conf.get("ws_budget", WS_BUDGET) // (4 * n_cols) // 16 * 16)
+    step = chunk_tokens(n_cols, conf)
     ws = torch.empty((min(step, t), n_cols), dtype=torch.float32, device=q.device)
-    for t0 in range(0, t, step):
-        t1 = min(t, t0 + step)
-        chunk_scores(ops, req_index, positions, seq_lens, extend_lens, t0, t1, ws, topk, conf)
+    bounds = [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
+    for (t0, t1), blk in zip(bounds, block_tables(seq_lens, extend_lens, bounds, conf["bt"], q.device), strict=True):
+        chunk_scores(ops, req_index, positions, seq_lens, extend_lens, t0, t1, ws, topk, conf, blk)
         _select(ws[:t1 - t0], page_table, req_index[t0:t1], positions[t0:t1], out[t0:t1], topk, page_size,
                 conf["select"], conf["radix_chunk"])
     return out
+

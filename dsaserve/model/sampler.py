@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dsaserve.common.host_lists import to_device
 from dsaserve.common.sampling_params import SamplingParams
 
 
@@ -92,15 +93,6 @@ class SampleFuture:
             n = self.rows[i].sampling.logprobs
             out[i] = {"logprob": chosen[j], "top": [[t, v] for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]}
         return out
-
-
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device`, queued behind the work in flight instead of waiting for it:
-    `torch.tensor(values, device="cuda")` copies synchronously (it waits for every queued kernel, under overlap
-    scheduling the whole forward), a non-blocking copy out of pinned memory does not."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class Sampler:
