@@ -3,7 +3,8 @@ the one-program kernel (`triton_indexer._topk_select_kernel`, a row over L2 past
 The A/B against the design before it (every program re-derived the prefix from the rounds' histograms, a ballot
 histogram in every round: bench/long_select_v0.py at commit ebc515b) is in bench/RESULTS.md, thirteenth session.
 
-Run on the device:  PYTHONPATH=. python bench/bench_long_select.py --out $OUT   (~1 min on one H200)
+Run on the device:  PYTHONPATH=. python bench/bench_long_select.py --out $OUT [--window]   (~1 min on one H200;
+                    --window: each case also with the window pass before round 0, `window_*` fields)
 CPU smoke test:     TRITON_INTERPRET=1 PYTHONPATH=. python bench/bench_long_select.py --interpret --out DIR
 Cases (rows x keys, every token at the last position, GLM-5.3's top-2048 and 64-token pages): decode at batch 1
 (1 x 32768, 1 x 131072: 8 / 32 programs a launch at the decode chunk, 4096), a prefill slice of the 64 MB
@@ -64,9 +65,9 @@ def _graph_time(fn, steps: int) -> float | None:
 
 
 def per_launch_us(args: tuple, steps: int) -> list[float] | None:
-    """Mean µs of each of `long_row_select`'s launches in order (rounds 0-3, count, write; the workspace's memset
-    runs before the first event), CUDA events between them (PDL overlap lost at each event: the sum passes the
-    pipelined time), or None off CUDA."""
+    """Mean µs of each of `long_row_select`'s launches in order ([window,] rounds 0-3, count, write; the
+    workspace's memset runs before the first event), CUDA events between them (PDL overlap lost at each event:
+    the sum passes the pipelined time), or None off CUDA."""
     if not torch.cuda.is_available():
         return None
     sums: list[float] = []
@@ -87,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--interpret", action="store_true", help="tiny shapes for the Triton interpreter")
+    ap.add_argument("--window", action="store_true", help="also each case with the window pass before round 0")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cases = ((1, 4096, 1024), (2, 8192, 2048)) if args.interpret else CASES
@@ -97,18 +99,21 @@ def main() -> None:
             s, table, req, pos = _case(rows, keys, kind, dev)
             row = {"rows": rows, "keys": keys, "chunk": chunk, "kind": kind}
             steps = 1 if args.interpret else max(5, min(200, (1 << 27) // (rows * keys)))
-            out = torch.empty((rows, topk), dtype=torch.int64, device=dev)
-            fn = functools.partial(triton_indexer_long.long_row_select, s, table, req, pos, out, topk, PS, chunk=chunk)
-            row["us"] = round(timer(fn, steps) * 1e6, 2)
-            graph_s = _graph_time(fn, steps)
-            if graph_s is not None:
-                row["graph_us"] = round(graph_s * 1e6, 2)
-                row["launch_us"] = per_launch_us((s, table, req, pos, out, topk, PS, chunk), steps)
-            fn()
-            want = torch.empty_like(out)
+            want = torch.empty((rows, topk), dtype=torch.int64, device=dev)
             grid, launch_args, kwargs = triton_indexer.row_select_launch(s, table, req, pos, want, keys, topk, PS)
             triton_indexer._topk_select_kernel[grid](*launch_args, **kwargs)
-            row["equal"] = bool(torch.equal(out, want))
+            for window in (False, True) if args.window else (False,):
+                tag = "window_" if window else ""
+                out = torch.empty((rows, topk), dtype=torch.int64, device=dev)
+                fn = functools.partial(triton_indexer_long.long_row_select, s, table, req, pos, out, topk, PS,
+                                       chunk=chunk, window=window)
+                row[tag + "us"] = round(timer(fn, steps) * 1e6, 2)
+                graph_s = _graph_time(fn, steps)
+                if graph_s is not None:
+                    row[tag + "graph_us"] = round(graph_s * 1e6, 2)
+                    row[tag + "launch_us"] = per_launch_us((s, table, req, pos, out, topk, PS, chunk, window), steps)
+                fn()
+                row[tag + "equal"] = bool(torch.equal(out, want))
             print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -21,9 +21,10 @@ alone, for the benchmark) and the operand preparation they share.
   selection ("select"): "rows", `triton_indexer._topk_select_kernel`, one program a row (the row in
       registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that); "radix",
       `triton_indexer_long.long_row_select` (4 radix rounds + count + write, split over radix_chunk-key
-      programs); "auto" (default): rows while a row fits in registers, radix past that. Each is the exact
-      top-k of the workspace, ties in position order, slots in position order, -1 padded; neither reads a
-      column past the row's position (the workspace is not written there).
+      programs; config "window": its window pass before round 0); "auto" (default): rows while a row fits in
+      registers, radix past that. Each is the exact top-k of the workspace, ties in position order, slots in
+      position order, -1 padded; neither reads a column past the row's position (the workspace is not written
+      there).
 Output equals the reference's selection but for near-ties at the k-th score that q's rounding parts.
 """
 
@@ -52,7 +53,7 @@ LONG_WS_BUDGET = 128 << 20
 # H200 sweep (2026-12-01, bench/RESULTS.md): scores 4 tokens x 64 keys, 16 tiles a program, 4 stages were the
 # fastest at 8K / 32K / 128K context (345 / 696 / 729 TFLOP/s); radix chunks of 2048 columns beat 4096 / 8192
 DEFAULT_CONFIG = {"bt": 4, "bs": 64, "tpp": 16, "num_warps": 4, "num_stages": 4, "select": "auto",
-                  "radix_chunk": 2048}
+                  "radix_chunk": 2048, "window": triton_indexer_long.WINDOW_PASS}
 SELECTS = ("auto", "radix", "rows")
 HEAD_DIMS = (32, 64, 128)
 
@@ -194,15 +195,15 @@ def chunk_scores(ops: tuple, req_index: torch.Tensor, positions: torch.Tensor, s
 
 
 def _select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
-            out: torch.Tensor, topk: int, page_size: int, how: str, radix_chunk: int = triton_indexer_long.CHUNK
-            ) -> None:
+            out: torch.Tensor, topk: int, page_size: int, how: str, radix_chunk: int = triton_indexer_long.CHUNK,
+            window: bool = triton_indexer_long.WINDOW_PASS) -> None:
     """out <- the top-k slots of every workspace row (columns past a row's position are not read: unwritten)."""
     n_cols = scores.shape[1]
     if how == "auto":
         how = "rows" if n_cols <= triton_indexer.ROW_IN_REGS_MAX else "radix"
     if how == "radix":
         triton_indexer_long.long_row_select(scores, page_table, req_index, positions, out, topk, page_size,
-                                            chunk=radix_chunk)
+                                            chunk=radix_chunk, window=window)
         return
     # one program a row: in registers up to ROW_IN_REGS_MAX keys, counting passes over L2 past that
     grid, args, kwargs = triton_indexer.row_select_launch(scores, page_table, req_index, positions, out, n_cols,
@@ -237,6 +238,6 @@ def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Te
     for (t0, t1), blk in zip(bounds, block_tables(seq_lens, extend_lens, bounds, conf["bt"], q.device), strict=True):
         chunk_scores(ops, req_index, positions, seq_lens, extend_lens, t0, t1, ws, topk, conf, blk)
         _select(ws[:t1 - t0], page_table, req_index[t0:t1], positions[t0:t1], out[t0:t1], topk, page_size,
-                conf["select"], conf["radix_chunk"])
+                conf["select"], conf["radix_chunk"], conf["window"])
     return out
 

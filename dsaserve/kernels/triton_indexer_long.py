@@ -9,6 +9,9 @@ Why: one program per row searches a 32K-key row over L2 with a single SM (~150 Â
 and the model's context goes to 202752 keys. Here every row is split into CHUNK-key chunks, one program
 each, and the k-th largest score is found by an exact radix select on the 32-bit order key
 (`triton_indexer._order_key32` + 2^31, as uint32), 8 bits per round, with no program ever waiting for another:
+  window (1 launch, `_top_digit_window_kernel`, when `window` / WINDOW_PASS is set): round 0's digit from the
+      few top digits at and below each chunk's largest one (four packed counts, no histogram), when those hold
+      the k-th key; round 0 then returns at once;
   round r (4 launches): each program counts digit r of its chunk's keys whose higher digits equal the prefix
       chosen so far into the row's global histogram: a ballot histogram (`tl.histogram`, 256 bins) when many
       keys match, one relaxed atomic per matching key when at most CHUNK / 16 do (sm_90 SASS: ~50 of a key's
@@ -34,7 +37,8 @@ A/B ran bench/long_select_v0.py of commit ebc515b: bench/RESULTS.md, thirteenth 
 times this design; bench/offline_long_select.py counts its sm_90 instructions offline.
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
 Six launches (+ one memset of the histograms and state), each a pass over the row's causal prefix in L2 (five
-when round 3 is skipped). Chunks past a token's position return at once.
+when round 3 is skipped); with the window pass seven, round 0 returning at once where the pass resolved it.
+Chunks past a token's position return at once.
 One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
 as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
 stride are not specialised and the count kernel's last program scans the chunks' counts PREFIX_BLOCK at a time (a
@@ -55,8 +59,14 @@ CHUNK = 4096  # keys per program: 16 per thread at 8 warps
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
 BINS = tl.constexpr(256)
 STATE = tl.constexpr(1024)  # a row's workspace: 4 rounds' histograms (ROUNDS x BINS int32), then its search state
-WS_ROW = tl.constexpr(1040)  # state: prefix, need, shift, done, arrivals (int32; 64-byte aligned rows)
+WS_ROW = tl.constexpr(1040)  # state: prefix, need, shift, done, arrivals, window top, window done (int32; 64-byte rows)
 PREFIX_BLOCK = tl.constexpr(128)  # chunk counts the count kernel's last program scans a step
+# the window pass before round 0 (`_top_digit_window_kernel`): off until the device measures it (written on the CPU,
+# 2026-12-01: offline sm_90 541-690 instructions a thread against round 0's 1,320-1,385; bench_long_select --window
+# and sweep_indexer_prefill's "auto window" are its A/B)
+WINDOW_PASS = False
+WINDOW = tl.constexpr(4)  # top digits the window pass counts a chunk (4 x 16-bit counts in an int64: CHUNK < 2^16)
+WINDOW_TOP, WINDOW_DONE = tl.constexpr(5), tl.constexpr(6)  # state: the row's largest top digit, round 0 done
 
 
 @triton.jit
@@ -107,21 +117,28 @@ def _arrive_last(state, pos, n_chunks, CHUNK: tl.constexpr):
     return last
 
 
+@triton.jit
+def _program(pos_ptr, ws_ptr, k, CHUNK: tl.constexpr):
+    """(row, chunk, the row's token position, its workspace row, idle): an idle program's token takes every key
+    or its chunk lies past the position, so it reads nothing and takes no arrival ticket."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    pos = tl.load(pos_ptr + row)
+    return row, c, pos, ws_ptr + row * WS_ROW, (pos < k) | (c * CHUNK > pos)
+
+
 @triton.jit(do_not_specialize=["n_chunks"])
 def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunks, ROUND: tl.constexpr,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    pos = tl.load(pos_ptr + row)
-    if (pos < k) | (c * CHUNK > pos):  # takes every key / past the token's position
+    row, c, pos, ws, idle = _program(pos_ptr, ws_ptr, k, CHUNK)
+    if idle:
         return
-    ws = ws_ptr + row * WS_ROW
     state = ws + STATE
     if ROUND == 0:
         prefix = tl.zeros([], dtype=tl.uint32)
         need = tl.zeros([], dtype=tl.int32) + k
-        done = need < 0  # False
+        done = tl.load(state + WINDOW_DONE) != 0  # the window pass chose the top digit (every program reads it)
     else:
         prefix = tl.load(state).to(tl.uint32, bitcast=True)
         need = tl.load(state + 1)
@@ -159,6 +176,51 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
         tl.store(state + 4, 0)
 
 
+@triton.jit(do_not_specialize=["n_chunks"])
+def _top_digit_window_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunks, CHUNK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """Round 0 without its histogram where it can: each chunk counts its keys in the WINDOW top digits (bits 31..24)
+    at and below its own largest one, four 16-bit counts packed in one int64 sum, and raises the row's largest
+    digit g. Bins g - WINDOW + 1 .. g are then exact over the row (a chunk leaves out only keys below its own
+    window, which is at or below g's), so when they hold >= k keys the row's last program picks round 0's digit
+    from them, as round 0 would, and marks the row (round 0 returns at once); otherwise it clears the bins and
+    round 0 runs as before. On randn rows round 0's ballot histogram is ~55 % of its time (H200: 1,121 Âµs against
+    round 1's 502 at 2048 x 131072, bench/RESULTS.md, fourteenth session): every key goes through it."""
+    grid_dependency_sync(PDL)
+    row, c, pos, ws, idle = _program(pos_ptr, ws_ptr, k, CHUNK)
+    if idle:
+        return
+    state = ws + STATE
+    vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
+    digit = (u >> 24).to(tl.int32)
+    top = tl.max(tl.where(vis, digit, -1), axis=0)  # >= 0: a chunk at or before the position sees a key
+    rel = top - digit
+    win = vis & (rel < WINDOW)
+    one_at = tl.full([CHUNK], 1, tl.int64) << (16 * tl.minimum(rel, WINDOW - 1)).to(tl.int64)  # count i at bits 16i
+    packed = tl.sum(tl.where(win, one_at, 0), axis=0)
+    for i in tl.static_range(WINDOW):
+        n_i = ((packed >> (16 * i)) & 0xFFFF).to(tl.int32)
+        if (n_i > 0) & (top >= i):
+            tl.atomic_add(ws + top - i, n_i, sem="relaxed")
+    tl.atomic_max(state + WINDOW_TOP, top, sem="relaxed")
+    if _arrive_last(state, pos, n_chunks, CHUNK):
+        g = tl.load(state + WINDOW_TOP, cache_modifier=".cg")
+        b = tl.arange(0, BINS)
+        h = tl.where(b > g - WINDOW, tl.load(ws + b, cache_modifier=".cg"), 0)
+        if tl.sum(h, axis=0) >= k:  # the k-th key's digit is inside the exact bins: round 0's choice
+            at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+            d = tl.sum((at_or_above >= k).to(tl.int32), axis=0) - 1
+            new_need = k - tl.sum(tl.where(b > d, h, 0), axis=0)
+            tl.store(state, d)
+            tl.store(state + 1, new_need)
+            tl.store(state + 2, 24)
+            tl.store(state + 3, (new_need == tl.sum(tl.where(b == d, h, 0), axis=0)).to(tl.int32))
+            tl.store(state + WINDOW_DONE, 1)
+        else:  # round 0 counts every key into the cleared bins
+            tl.store(ws + b, tl.zeros([BINS], dtype=tl.int32))
+        tl.store(state + 4, 0)
+
+
 @triton.jit
 def _threshold(ws):
     """(the k-th key's prefix T, keys equal to T to take, the shift T is compared at) from the rounds' state."""
@@ -172,12 +234,9 @@ def _chunk_count_kernel(score_ptr, pos_ptr, ws_ptr, cnt_ptr, n_cols, k, stride_s
     """cnt[row, c] = (keys above the k-th key T, keys equal to T, the same summed over the chunks before c) in
     chunk c; the sums written by the row's last program to arrive."""
     grid_dependency_sync(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    pos = tl.load(pos_ptr + row)
-    if (pos < k) | (c * CHUNK > pos):
+    row, c, pos, ws, idle = _program(pos_ptr, ws_ptr, k, CHUNK)
+    if idle:
         return
-    ws = ws_ptr + row * WS_ROW
     key, _, shift = _threshold(ws)
     vis, u = _chunk_keys(score_ptr + row * stride_s, c, _last_visible(pos, n_cols), CHUNK)
     u = u >> shift  # compared at the resolved digit: a bucket taken whole counts as ties, all needed
@@ -254,16 +313,19 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
-                    positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK) -> None:
+                    positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK,
+                    window: bool = WINDOW_PASS) -> None:
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
-    position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph."""
-    for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk):
+    position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
+    window: launch the window pass before round 0 (the output is the same either way)."""
+    for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk,
+                                               window):
         kernel[grid](*args, **kwargs)
 
 
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
-             out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK) -> list[tuple]:
+             out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS) -> list[tuple]:
     """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
     zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
     offline: one variant per chunk size, whatever the row length or page-table width. A token at position
@@ -271,16 +333,17 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     rows, n_cols = scores.shape
     if rows == 0:
         return []
-    if chunk < 128 or chunk & (chunk - 1):
-        raise ValueError(f"long_row_select: chunk {chunk} is not a power of two >= 128")
+    if chunk < 128 or chunk > 1 << 15 or chunk & (chunk - 1):  # the window pass packs counts <= CHUNK in 16 bits
+        raise ValueError(f"long_row_select: chunk {chunk} is not a power of two in [128, 32768]")
     n_chunks = triton.cdiv(n_cols, chunk)
     ws = torch.zeros((rows, WS_ROW.value), dtype=torch.int32, device=scores.device)  # histograms, state, arrivals
     counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)
     grid = (rows, n_chunks)
     # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
-    return [*((_radix_round_kernel, grid, (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks),
-               {"ROUND": r, **launch}) for r in range(ROUNDS)),
+    select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
+    return [*([(_top_digit_window_kernel, grid, select, launch)] if window else []),
+            *((_radix_round_kernel, grid, select, {"ROUND": r, **launch}) for r in range(ROUNDS)),
             (_chunk_count_kernel, grid, (scores, positions, ws, counts, n_cols, k, scores.stride(0), n_chunks),
              launch),
             (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,

@@ -25,10 +25,12 @@ SMALL = {"bt": 2, "bs": 32, "tpp": 2, "num_warps": 4, "num_stages": 2, "ws_budge
 
 
 def _conf(select: str) -> dict | None:
-    return {"select": select} if BIG else {**SMALL, "select": select}
+    """select "radix+window": the radix select with its window pass before round 0."""
+    how = {"select": select.split("+")[0], "window": select.endswith("+window")}
+    return how if BIG else {**SMALL, **how}
 
 
-@pytest.mark.parametrize("select", ["radix", "rows"])
+@pytest.mark.parametrize("select", ["radix", "rows", "radix+window"])
 @pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
 def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
     """FP8 q: the exact top-k of the scores the kernel computes (q rounded to e4m3, checked in float64), the

@@ -43,11 +43,20 @@ def _rows(kind: str, gen: torch.Generator, n: int) -> torch.Tensor:
         return torch.linspace(0, 10, n) + 0.01 * s
     if kind.startswith("round"):
         return _resolved_at(int(kind[-1]), gen, n)
+    if kind == "outlier":  # one key 2^40 x the others: the k-th key's digit lies below the window pass's bins
+        s[n // 3] = 2.0 ** 40
     return s
 
 
+def triton_indexer_long_state(name: str) -> int:
+    """Column of a state field in the rows' state (the workspace from STATE on)."""
+    from dsaserve.kernels import triton_indexer_long
+
+    return getattr(triton_indexer_long, name).value
+
+
 def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K,
-                 table_keys: int | None = None) -> tuple[torch.Tensor, ...]:
+                 table_keys: int | None = None, window: bool = True) -> tuple[torch.Tensor, ...]:
     """(split select, row select, the rows' search state) of the same scores, outputs pre-filled with -7 (a column
     left unwritten shows). After every launch each row's arrival counter is back at 0 (the next launch, or a
     graph's next replay, finds it there). table_keys: the page table's width in keys (default: the row's)."""
@@ -58,7 +67,7 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
     table = torch.randperm(n * pages, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)
     got = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
-    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk)
+    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window)
     ws = steps[0][2][2]
     for kernel, grid, args, kwargs in steps:
         kernel[grid](*args, **kwargs)
@@ -70,20 +79,27 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
     return got, want, state
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
-def test_the_split_select_equals_the_row_select(kind):
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3",
+                                  "outlier"])
+@pytest.mark.parametrize("window", [False, True])
+def test_the_split_select_equals_the_row_select(kind, window):
     gen = torch.Generator().manual_seed(hash(kind) % 2**31)
     # positions: k - 1 (takes all), k (k + 1 keys), chunk boundaries, the last key
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
     if kind == "round3":  # 32-bit ties at the k-th key taken in part: some chunks rank their ties
         scores[:, ::3] = 2.5
-    got, want, state = _select_both(scores, pos, CHUNK)
+    got, want, state = _select_both(scores, pos, CHUNK, window=window)
     assert torch.equal(got, want)
     if kind in ("round0", "round1", "round2"):  # the rows that search (position >= k) ended at that round
         r = int(kind[-1])
         assert state[1:, 2].tolist() == [24 - 8 * r] * (len(pos) - 1) and state[1:, 3].eq(1).all()
     assert (got[1:] >= 0).all()
+    # rows of >= CHUNK keys: the window pass chose round 0's digit, but where one key dwarfs the rest (its digit 10
+    # above theirs: round 0 counted every key); the outlier is seen from position n // 3 = 512 on. (The row at
+    # position k takes 64 of 65 keys: its k-th key is near the bottom, below the window: round 0 ran there.)
+    window_done = state[2:, triton_indexer_long_state("WINDOW_DONE")].tolist()
+    assert window_done == [int(window and (kind != "outlier" or p < WIDTH // 3)) for p in pos[2:].tolist()]
 
 
 def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the_rows_chunks():
