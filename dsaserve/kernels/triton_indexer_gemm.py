@@ -240,4 +240,3 @@ def gemm_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Te
         _select(ws[:t1 - t0], page_table, req_index[t0:t1], positions[t0:t1], out[t0:t1], topk, page_size,
                 conf["select"], conf["radix_chunk"], conf["window"])
     return out
-
