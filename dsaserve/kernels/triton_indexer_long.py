@@ -57,6 +57,9 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 CHUNK = 4096  # keys per program: 16 per thread at 8 warps
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
+# round 0's ROUND behind the window pass (its digit is ROUND % ROUNDS = 0): it returns where the pass chose the
+# digit. A variant of its own, so round 0 without the pass reads no flag before its scores
+AFTER_WINDOW = ROUNDS
 BINS = tl.constexpr(256)
 STATE = tl.constexpr(1024)  # a row's workspace: 4 rounds' histograms (ROUNDS x BINS int32), then its search state
 WS_ROW = tl.constexpr(1040)  # state: prefix, need, shift, done, arrivals, window top, window done (int32; 64-byte rows)
@@ -130,15 +133,18 @@ def _program(pos_ptr, ws_ptr, k, CHUNK: tl.constexpr):
 @triton.jit(do_not_specialize=["n_chunks"])
 def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunks, ROUND: tl.constexpr,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    D: tl.constexpr = ROUND % 4  # the digit (ROUND 4 = AFTER_WINDOW: round 0 behind the window pass)
     grid_dependency_sync(PDL)
     row, c, pos, ws, idle = _program(pos_ptr, ws_ptr, k, CHUNK)
     if idle:
         return
     state = ws + STATE
-    if ROUND == 0:
+    if D == 0:
         prefix = tl.zeros([], dtype=tl.uint32)
         need = tl.zeros([], dtype=tl.int32) + k
-        done = tl.load(state + WINDOW_DONE) != 0  # the window pass chose the top digit (every program reads it)
+        done = need < 0  # False
+        if ROUND == 4:  # AFTER_WINDOW: the window pass may have chosen the top digit (every program reads its flag)
+            done = tl.load(state + WINDOW_DONE) != 0
     else:
         prefix = tl.load(state).to(tl.uint32, bitcast=True)
         need = tl.load(state + 1)
@@ -149,14 +155,14 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
     # the row's last ticket undrawn, its state unwritten and its counter not reset for the next launch
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(score_ptr + row * stride_s, c, lim, CHUNK)
-    if ROUND == 0:  # every visible key matches the empty prefix: counted without a reduction
+    if D == 0:  # every visible key matches the empty prefix: counted without a reduction
         match = vis
         n_match = tl.minimum(lim + 1 - c * CHUNK, CHUNK)
     else:
-        match = vis & ((u >> (32 - 8 * ROUND)) == prefix)
+        match = vis & ((u >> (32 - 8 * D)) == prefix)
         n_match = tl.sum(match.to(tl.int32), axis=0)
-    digit = ((u >> (24 - 8 * ROUND)) & 255).to(tl.int32)
-    hist = ws + ROUND * BINS
+    digit = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+    hist = ws + D * BINS
     if n_match > CHUNK // 16:  # many keys in the bucket (rounds 0 and 1 on the model's rows): a ballot histogram
         h = tl.histogram(digit, BINS, mask=match)
         tl.atomic_add(hist + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
@@ -171,7 +177,7 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
         resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
         tl.store(state, (prefix * 256 + d.to(tl.uint32)).to(tl.int32, bitcast=True))
         tl.store(state + 1, new_need)
-        tl.store(state + 2, 24 - 8 * ROUND)
+        tl.store(state + 2, 24 - 8 * D)
         tl.store(state + 3, resolved.to(tl.int32))
         tl.store(state + 4, 0)
 
@@ -343,7 +349,8 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
     select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
     return [*([(_top_digit_window_kernel, grid, select, launch)] if window else []),
-            *((_radix_round_kernel, grid, select, {"ROUND": r, **launch}) for r in range(ROUNDS)),
+            *((_radix_round_kernel, grid, select, {"ROUND": AFTER_WINDOW if window and r == 0 else r, **launch})
+              for r in range(ROUNDS)),
             (_chunk_count_kernel, grid, (scores, positions, ws, counts, n_cols, k, scores.stride(0), n_chunks),
              launch),
             (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
