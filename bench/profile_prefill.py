@@ -5,9 +5,11 @@ For each prompt length it times the prefill (one request, one chunk) and profile
 The table lists each kernel's ms and share, then the shares by op group (sparse MLA, indexer, MoE, GEMM,
 ...): which kernel issue 17 should take next ("anything above 5 % of a prefill step").
 Where the wall time passes the kernels' sum it says why (`gaps`): the GPU's idle time inside one profiled
-prefill (the span minus the union of its kernels), the host's time to issue the prefill (the GPU waits for the
-host when that is the longer), and every host sync the prefill makes, by the Python line that made it
-(`torch.cuda.set_sync_debug_mode`).
+prefill (the span minus the union of its kernels), the host's time to issue the prefill (timed before the
+length's profiles; the profiler slows the host's CUDA calls for the rest of the process, so only the first
+length's is clean; near the wall time it says
+the launch queue filled and the host waited for the GPU, not that the host is the bound), and every host sync
+the prefill makes, by the Python line that made it (`torch.cuda.set_sync_debug_mode`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def gpu_idle_ms(fn) -> tuple[float, float]:
         if b > end:
             busy += b - max(a, end)
             end = b
-    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    span = end - spans[0][0] if spans else 0.0  # the latest end, not the last start's
     return span / 1e3, (span - busy) / 1e3
 
 
@@ -106,9 +108,9 @@ def main() -> None:
         wall = cuda_time(lambda b=batch: runner.forward(b), iters=3, warmup=1)
         rows, total_us = kernel_table(lambda b=batch: runner.forward(b), steps=2)
         run = lambda b=batch: runner.forward(b)  # noqa: E731
+        host = host_issue_ms(run)  # before the profiler slows the host (gpu_idle_ms, kernel_table)
         span, idle = gpu_idle_ms(run)
-        gaps = {"profiled_span_ms": span, "gpu_idle_ms": idle, "host_issue_ms": host_issue_ms(run),
-                "syncs": sync_sites(run)}
+        gaps = {"profiled_span_ms": span, "gpu_idle_ms": idle, "host_issue_ms": host, "syncs": sync_sites(run)}
         gemm, attn = prefill_flops(runner.cfg, n)
         bound = gemm / ceilings["fp8_flops"] + attn / ceilings["bf16_flops"]
         groups: dict[str, float] = defaultdict(float)

@@ -37,7 +37,7 @@ CASES = ((8192, 8192), (4096, 32768), (2048, 131072))
 # 2026-12-01 (10 configs): these three were the fastest at every case
 SCORE_CONFIGS = [(8, 128, 8, 8, 3), (4, 64, 16, 4, 4), (4, 128, 16, 4, 4)]
 # the full path with each select (config overrides), on the best score config. "auto" is the default: rows
-# up to 16K keys, radix c4096 past that; ws64M: a 64 MB workspace chunk (L2-sized) instead of 256 MB
+# up to 16K keys, radix past that, 128 MB chunks for the radix (`chunk_tokens`); wsNM: an N MB chunk whatever the select
 SELECTS = [("rows", {"select": "rows"}), ("radix c4096", {"select": "radix", "radix_chunk": 4096}),
            ("radix c2048", {"select": "radix", "radix_chunk": 2048}),
            ("radix c8192", {"select": "radix", "radix_chunk": 8192}),
