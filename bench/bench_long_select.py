@@ -4,7 +4,8 @@ The A/B against the design before it (every program re-derived the prefix from t
 histogram in every round: bench/long_select_v0.py at commit ebc515b) is in bench/RESULTS.md, thirteenth session.
 
 Run on the device:  PYTHONPATH=. python bench/bench_long_select.py --out $OUT [--window]   (~1 min on one H200;
-                    --window: each case also with the window pass before round 0, `window_*` fields)
+                    --window: each case also with the window pass before round 0, `window_*` fields; the
+                    pass is the default select's, the base case runs without it)
 CPU smoke test:     TRITON_INTERPRET=1 PYTHONPATH=. python bench/bench_long_select.py --interpret --out DIR
 Cases (rows x keys, every token at the last position, GLM-5.3's top-2048 and 64-token pages): decode at batch 1
 (1 x 32768, 1 x 131072: 8 / 32 programs a launch at the decode chunk, 4096), a prefill slice of the 64 MB
@@ -65,7 +66,8 @@ def _graph_time(fn, steps: int) -> float | None:
 
 
 def per_launch_us(args: tuple, steps: int) -> list[float] | None:
-    """Mean µs of each of `long_row_select`'s launches in order ([window,] rounds 0-3, count, write; the
+    """Mean µs of each of `long_row_select`'s launches in order ([window,] rounds 0-3, count, write[, the mapping
+    of positions to slots from LATE_SLOTS_ROWS rows]; the
     workspace's memset runs before the first event), CUDA events between them (PDL overlap lost at each event:
     the sum passes the pipelined time), or None off CUDA."""
     if not torch.cuda.is_available():

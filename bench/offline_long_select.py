@@ -81,14 +81,16 @@ def main() -> None:
     args = ap.parse_args()
     ops = (torch.empty(2, 2048 * 64), torch.zeros(1, 2048, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
            torch.zeros(2, dtype=torch.int64), torch.empty(2, 2048, dtype=torch.int64))
-    plain = triton_indexer_long.launches(*ops, 2048, 64, args.chunk)
-    windowed = triton_indexer_long.launches(*ops, 2048, 64, args.chunk, window=True)[:2]  # the pass, round 0 behind it
-    for kernel, _, launch_args, kwargs in plain + windowed:
+    plain = triton_indexer_long.launches(*ops, 2048, 64, args.chunk, window=False, late_slots=False)
+    windowed = triton_indexer_long.launches(*ops, 2048, 64, args.chunk, window=True, late_slots=True)
+    # the pass and round 0 behind it; the write storing positions and the launch that maps them to slots
+    for kernel, _, launch_args, kwargs in plain + windowed[:2] + windowed[-2:]:
         meta = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
         with tempfile.TemporaryDirectory() as tmp:
             regs, spill, cubin = ptxas(compile_sm90(kernel, launch_args, meta, type_of), Path(tmp))
             paths = census(cubin, kernel.fn.__name__)
-        label = kernel.fn.__name__ + (f"[{kwargs['ROUND']}]" if "ROUND" in kwargs else "")
+        label = kernel.fn.__name__ + (f"[{kwargs['ROUND']}]" if "ROUND" in kwargs else "") + (
+            "[positions]" if kwargs.get("SLOTS") is False else "")
         print(f"chunk {args.chunk} {label:24s} regs {regs:>3s} spill {spill[0]}/{spill[1]}  {paths}", flush=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -39,6 +40,39 @@ def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], floa
             calls[ev.name[:90]] += 1
     rows = sorted(((n, t, calls[n] // steps) for n, t in time_us.items()), key=lambda r: -r[1])
     return rows, sum(t for _, t, _ in rows)
+
+
+def _dsaserve_frame(ev) -> str:
+    """The innermost dsaserve line of an op: from its recorded stack, else its parents' Python-function events."""
+    frame = next((f for f in ev.stack if "dsaserve/" in f), None)
+    parent = ev.cpu_parent
+    while frame is None and parent is not None:
+        frame = parent.name if "dsaserve/" in parent.name else None
+        parent = parent.cpu_parent
+    return (frame or "?").split("dsaserve/")[-1]
+
+
+def kernel_sources(fn, pattern: str, top: int = 12) -> list[dict]:
+    """Which torch ops launched the kernels whose name matches `pattern` in one call: each (op, input shapes, the
+    innermost dsaserve frame of its Python stack) with its kernels' ms and count, dearest first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    found: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for kern in ev.kernels:
+            if re.search(pattern, kern.name):
+                frame = _dsaserve_frame(ev)
+                entry = found[(ev.name, str(ev.input_shapes)[:160], frame)]
+                entry[0] += kern.duration / 1e3
+                entry[1] += 1
+    rows = sorted(found.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"op": op, "shapes": shapes, "at": at, "ms": ms, "kernels": int(n)} for (op, shapes, at), (ms, n) in rows]
 
 
 def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
@@ -74,6 +108,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
+                    "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,6 +144,11 @@ def main() -> None:
             print(f"{'us/step':>9} {'n':>4}  kernel ({'replay' if replay_rows else 'eager'})")
             for name, t, n in rows[: args.top]:
                 print(f"{t:9.1f} {n:4d}  {name}")
+            if args.sources:
+                case["sources"] = kernel_sources(lambda b=on_device: runner.model(b, runner.kv_pool), args.sources)
+                for src in case["sources"]:
+                    print(f"  {src['ms'] * 1e3:8.1f} us {src['kernels']:4d}x  {src['op']} {src['shapes']}  "
+                          f"at {src['at']}")
     (out / "profile_decode.json").write_text(json.dumps(report, indent=1, default=float))
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_gpu import cuda_time, measure_ceilings, prefill_flops
-from bench.profile_decode import kernel_table
+from bench.profile_decode import kernel_sources, kernel_table
 from dsaserve.engine.memory_profile import dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
 
@@ -88,12 +88,36 @@ def sync_sites(fn) -> dict[str, int]:
                         if "synchroniz" in str(w.message)).most_common())
 
 
+def ab_walls(run, settings: list[str]) -> dict[str, float]:
+    """ms of the prefill under each setting, in one process ("ws<N>M": the radix select's workspace chunk of N MB,
+    `triton_indexer_gemm.LONG_WS_BUDGET`; "nowindow": the select without its window pass; "default")."""
+    from dsaserve.kernels import triton_indexer_gemm as g
+
+    walls = {}
+    for name in settings:
+        saved = g.LONG_WS_BUDGET, g.DEFAULT_CONFIG["window"]
+        if name.startswith("ws") and name.endswith("M"):
+            g.LONG_WS_BUDGET = int(name[2:-1]) << 20
+        elif name == "nowindow":
+            g.DEFAULT_CONFIG["window"] = False
+        elif name != "default":
+            raise SystemExit(f"--ab: unknown setting {name!r} (ws<N>M, nowindow, default)")
+        try:
+            walls[name] = cuda_time(run, iters=3, warmup=1) * 1e3
+        finally:
+            g.LONG_WS_BUDGET, g.DEFAULT_CONFIG["window"] = saved
+    return walls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="glm-5.3-slice")
     ap.add_argument("--out", default="profile-out")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--ab", default="", help="also time each length under these settings, e.g. default,ws256M,nowindow")
+    ap.add_argument("--no-profile", action="store_true", help="only the wall time (and --ab)")
+    ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops that launched them")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,14 +129,22 @@ def main() -> None:
     report: dict = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}
     for n in lengths:
         batch = dummy_prefill(n, runner.page_size, runner.cfg.vocab_size, runner.device)
-        wall = cuda_time(lambda b=batch: runner.forward(b), iters=3, warmup=1)
-        rows, total_us = kernel_table(lambda b=batch: runner.forward(b), steps=2)
         run = lambda b=batch: runner.forward(b)  # noqa: E731
-        host = host_issue_ms(run)  # before the profiler slows the host (gpu_idle_ms, kernel_table)
-        span, idle = gpu_idle_ms(run)
-        gaps = {"profiled_span_ms": span, "gpu_idle_ms": idle, "host_issue_ms": host, "syncs": sync_sites(run)}
+        wall = cuda_time(run, iters=3, warmup=1)
         gemm, attn = prefill_flops(runner.cfg, n)
         bound = gemm / ceilings["fp8_flops"] + attn / ceilings["bf16_flops"]
+        if args.ab:
+            walls = ab_walls(run, args.ab.split(","))
+            print(f"== prefill {n} A/B (ms, FLOP roofline {bound * 1e3:.1f}): "
+                  + ", ".join(f"{k} {v:.1f} ({v / 1e3 / bound:.3f}x)" for k, v in walls.items()))
+            report.setdefault("ab", []).append({"tokens": n, "roofline_ms": bound * 1e3, "wall_ms": walls})
+        if args.no_profile:
+            (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=float))
+            continue
+        host = host_issue_ms(run)  # before the profiler slows the host (gpu_idle_ms, kernel_table)
+        rows, total_us = kernel_table(run, steps=2)
+        span, idle = gpu_idle_ms(run)
+        gaps = {"profiled_span_ms": span, "gpu_idle_ms": idle, "host_issue_ms": host, "syncs": sync_sites(run)}
         groups: dict[str, float] = defaultdict(float)
         for name, t, _ in rows:
             groups[group_of(name)] += t
@@ -125,9 +157,13 @@ def main() -> None:
         print(f"{'ms':>9} {'%':>6} {'n':>4}  kernel")
         for name, t, k in rows[: args.top]:
             print(f"{t / 1e3:9.3f} {100 * t / total_us:6.1f} {k:4d}  {name}")
+        sources = kernel_sources(run, args.sources) if args.sources else []
+        for src in sources:
+            print(f"  {src['ms']:8.2f} ms {src['kernels']:4d}x  {src['op']} {src['shapes']}  at {src['at']}")
         report["cases"].append({"tokens": n, "wall_ms": wall * 1e3, "roofline_ms": bound * 1e3,
                                 "kernel_sum_ms": total_us / 1e3, "gaps": gaps,
-                                "groups_ms": {g: t / 1e3 for g, t in groups.items()}, "kernels": rows})
+                                "groups_ms": {g: t / 1e3 for g, t in groups.items()}, "kernels": rows,
+                                "sources": sources})
         (out / "profile_prefill.json").write_text(json.dumps(report, indent=1, default=float))
 
 

@@ -137,7 +137,10 @@ def warmup_prefill(model, pool: KVPool, chunk_sizes: list[int], vocab: int, dp_w
 def _kernel_name(entry: Path) -> str:
     """A Triton cache entry holds `<kernel>.json` (metadata) beside its binaries, and `__grp__<kernel>.json`."""
     names = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")] if entry.is_dir() else []
-    return names[0] if names else "?"
+    if names:
+        return names[0]
+    files = sorted(p.name for p in entry.iterdir()) if entry.is_dir() else []
+    return f"? (holding {', '.join(files[:4]) or 'nothing'})"  # e.g. a launcher stub built at a first launch
 
 
 class CompileCache:

@@ -38,8 +38,9 @@ def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.T
         sl = slice(s0, min(t, s0 + step))
         scores = triton_indexer.index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
                                              positions[sl], page_size, skip_below=topk)
+        # late slots chosen by the batch, not its slice: a batch's slices compile one write variant
         triton_indexer_long.long_row_select(scores, page_table, req_index[sl], positions[sl], out[sl], topk,
-                                            page_size)
+                                            page_size, late_slots=t >= triton_indexer_long.LATE_SLOTS_ROWS)
     return out
 
 

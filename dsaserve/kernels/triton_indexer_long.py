@@ -29,7 +29,9 @@ each, and the k-th largest score is found by an exact radix select on the 32-bit
   write: each chunk reads its four counts and writes its slots in position order (ties in position order),
       so the output equals the one-program kernel's, bit for bit. A chunk that selects nothing reads no
       score; a chunk whose ties are all taken or none (every chunk when the search ended on a whole bucket)
-      ranks only its selection, not its ties.
+      ranks only its selection, not its ties. From LATE_SLOTS_ROWS rows (every prefill) it writes key
+      positions and `_positions_to_slots_kernel` maps them to slots after (one more launch over [rows, k]):
+      the write then does no page-table division or gather for the keys it does not select.
 Before this design every program re-derived the prefix from the earlier rounds' histograms (R 256-bin scans:
 ~110 sm_90 instructions and 14 barriers a round, ~440 in the count and write kernels) and the write kernel
 summed the earlier chunks' counts itself: 1.4x slower at decode rows, ~2x at prefill slices (H200, CUDA graph; the
@@ -37,7 +39,8 @@ A/B ran bench/long_select_v0.py of commit ebc515b: bench/RESULTS.md, thirteenth 
 times this design; bench/offline_long_select.py counts its sm_90 instructions offline.
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
 Six launches (+ one memset of the histograms and state), each a pass over the row's causal prefix in L2 (five
-when round 3 is skipped); with the window pass seven, round 0 returning at once where the pass resolved it.
+when round 3 is skipped); with the window pass (the default) seven, round 0 returning at once where the pass
+resolved it; with late slots one more, over the output only.
 Chunks past a token's position return at once.
 One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
 as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
@@ -64,10 +67,16 @@ BINS = tl.constexpr(256)
 STATE = tl.constexpr(1024)  # a row's workspace: 4 rounds' histograms (ROUNDS x BINS int32), then its search state
 WS_ROW = tl.constexpr(1040)  # state: prefix, need, shift, done, arrivals, window top, window done (int32; 64-byte rows)
 PREFIX_BLOCK = tl.constexpr(128)  # chunk counts the count kernel's last program scans a step
-# the window pass before round 0 (`_top_digit_window_kernel`): off until the device measures it (written on the CPU,
-# 2026-12-01: offline sm_90 541-690 instructions a thread against round 0's 1,320-1,385; bench_long_select --window
-# and sweep_indexer_prefill's "auto window" are its A/B)
-WINDOW_PASS = False
+# the window pass before round 0 (`_top_digit_window_kernel`), on since its H200 A/B (2026-12-02, bench/RESULTS.md):
+# 2048 x 131072 keys 3,451 -> 2,974 us a replay (round 0's 1,202 us -> the pass's 560 + 161), 128 x 131072
+# 236 -> 206, one row even; every output equal to the select without it
+WINDOW_PASS = True
+# rows from which the write kernel stores key positions and one more launch maps them to slots: the write's
+# per-key page-table division and gather for every key, selected or not, were ~30 % of its sm_90 instructions
+# (16 keys a thread, common path 1,136 -> 804; 1,327 before its whole-chunk path). H200 (2026-12-02): the write
+# at 2048 x 131072 keys 953 -> 610 us + 20 for the mapping; a decode batch of a few rows keeps one launch fewer
+LATE_SLOTS_ROWS = 64
+SLOT_BLOCK = 1024  # keys a conversion program maps
 WINDOW = tl.constexpr(4)  # top digits the window pass counts a chunk (4 x 16-bit counts in an int64: CHUNK < 2^16)
 WINDOW_TOP, WINDOW_DONE = tl.constexpr(5), tl.constexpr(6)  # state: the row's largest top digit, round 0 done
 
@@ -283,11 +292,26 @@ def _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK: t
         tl.store(out_row + j, tl.where(j <= pos, _slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
 
 
+@triton.jit
+def _write_chunk(out_at, pt_row, page_size, j, above, eq, taken, ties, SLOTS: tl.constexpr):
+    """Store a chunk's selected keys (every key above T; its ties at T: all, none, or the first `taken` in
+    position order) at out_at + their rank in the chunk's selection: physical slots, or positions (SLOTS off)."""
+    sel = above | (eq & (taken > 0))
+    if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: rank its ties in position order
+        sel = above | (eq & (_rank_2d(eq.to(tl.int32)) <= taken))
+    sel = sel.to(tl.int32)
+    what = _slots(pt_row, j, page_size, sel == 1) if SLOTS else j
+    tl.store(out_at + _rank_2d(sel), what, mask=sel == 1)
+
+
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Chunk c's selected keys -> physical slots at their rank among the row's selection (position order):
-    every key above T, then the ties at T in position order until `need` are taken."""
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, SLOTS: tl.constexpr = True,
+                        PDL: tl.constexpr = False):
+    """Chunk c's selected keys -> physical slots (SLOTS; else key positions, `_positions_to_slots_kernel` maps
+    them after) at their rank among the row's selection (position order): every key above T, then the ties at T
+    in position order until `need` are taken. A chunk visible whole (all but a row's last) takes a path without
+    the visibility mask: sm_90 SASS, 16 keys a thread, its masks no longer spill from the predicate registers."""
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -307,35 +331,54 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
         return
     C: tl.constexpr = 128
     j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
-    vis, x = _load_chunk(score_ptr + row * stride_s + j, j, _last_visible(pos, n_cols), c, CHUNK)
-    u = _ukey(x) >> shift
-    eq = vis & (u == key)
-    sel = (vis & (u > key)) | (eq & (taken > 0))  # all of the chunk's ties, or none
-    if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: rank its ties in position order
-        sel = (vis & (u > key)) | (eq & (_rank_2d(eq.to(tl.int32)) <= taken))
-    sel = sel.to(tl.int32)
-    tl.store(out_row + above_before + tl.minimum(need, ties_before) + _rank_2d(sel) - 1,
-             _slots(pt_row, j, page_size, sel == 1), mask=sel == 1)
+    ptrs = score_ptr + row * stride_s + j
+    out_at = out_row + above_before + tl.minimum(need, ties_before) - 1
+    lim = _last_visible(pos, n_cols)
+    if c * CHUNK + CHUNK - 1 <= lim:
+        u = _ukey(tl.load(ptrs)) >> shift
+        _write_chunk(out_at, pt_row, page_size, j, u > key, u == key, taken, ties, SLOTS)
+    else:
+        vis = j <= lim
+        u = _ukey(tl.load(ptrs, mask=vis, other=float("-inf"))) >> shift
+        _write_chunk(out_at, pt_row, page_size, j, vis & (u > key), vis & (u == key), taken, ties, SLOTS)
+
+
+@triton.jit(do_not_specialize=["stride_pt"])
+def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, stride_pt, stride_o,
+                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[row, :k] <- the physical slots of the key positions the write kernel (SLOTS off) put there; a row whose
+    token sees at most k keys holds slots already (`_write_all_visible`)."""
+    grid_dependency_sync(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(pos_ptr + row) < k:
+        return
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    at = out_ptr + row * stride_o + j
+    keys = tl.load(at, mask=j < k, other=0).to(tl.int32)
+    pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
+    tl.store(at, _slots(pt_row, keys, page_size, j < k), mask=j < k)
 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK,
-                    window: bool = WINDOW_PASS) -> None:
+                    window: bool = WINDOW_PASS, late_slots: bool | None = None) -> None:
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
-    window: launch the window pass before round 0 (the output is the same either way)."""
+    window: launch the window pass before round 0; late_slots: see `launches` (the output is the same)."""
     for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk,
-                                               window):
+                                               window, late_slots):
         kernel[grid](*args, **kwargs)
 
 
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
-             out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS) -> list[tuple]:
+             out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS,
+             late_slots: bool | None = None) -> list[tuple]:
     """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
     zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
     offline: one variant per chunk size, whatever the row length or page-table width. A token at position
-    >= k must see k keys (positions < n_cols, as every caller's are)."""
+    >= k must see k keys (positions < n_cols, as every caller's are). late_slots: the write stores positions and
+    a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return []
@@ -348,6 +391,7 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
     select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
+    late_slots = rows >= LATE_SLOTS_ROWS if late_slots is None else late_slots
     return [*([(_top_digit_window_kernel, grid, select, launch)] if window else []),
             *((_radix_round_kernel, grid, select, {"ROUND": AFTER_WINDOW if window and r == 0 else r, **launch})
               for r in range(ROUNDS)),
@@ -355,4 +399,7 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
              launch),
             (_chunk_write_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
                                          page_size, scores.stride(0), page_table.stride(0), out.stride(0), n_chunks),
-             launch)]
+             {"SLOTS": not late_slots, **launch}),
+            *([(_positions_to_slots_kernel, (rows, triton.cdiv(k, SLOT_BLOCK)),
+                (page_table, req_index, positions, out, k, page_size, page_table.stride(0), out.stride(0)),
+                {"BLOCK": SLOT_BLOCK, "num_warps": 4, **pdl_args(scores.device)})] if late_slots else [])]

@@ -43,7 +43,7 @@ def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
     got = gemm_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext, q_fp8=True,
                     config=_conf(select))
     assert got.shape == (len(pos), topk) and got.dtype == torch.int64
-    q8 = _kernel_q(q, True)
+    q8 = _kernel_q(q, True, reciprocal=True)  # prepare_q's rule
     # the FP8 tensor-core dot accumulates with ~13 bits on Hopper (DeepGEMM's finding): on the H200 a picked key
     # scored 1.07e-4 of the row's max below the k-th in float64 (2026-12-01), a near-tie, not a wrong select
     _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed(), tol=2.0 ** -12)
@@ -63,7 +63,8 @@ def test_gemm_topk_fp16_q_and_causal_edges(gen):
     q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
     w -= 0.3
     got = gemm_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext, q_fp8=False, config=SMALL)
-    _check_topk(got, _kernel_q(q, False), w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    _check_topk(got, _kernel_q(q, False, reciprocal=True), w, cache, "fp8_ds_mla", table, req, pos, topk, ps,
+                gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
     short = req == 1
     assert (got[short][:, pos[short].max() + 1:] == -1).all()
@@ -83,7 +84,7 @@ def test_chunk_scores_are_the_float64_scores_of_the_rounded_q(gen):
     ws = torch.full((len(pos), 96), float("nan"), device=DEVICE)
     G.chunk_scores(ops, req, pos, seq_lens, ext, 0, len(pos), ws, skip, conf)
     keys = decode_index_k(cache, "fp8_ds_mla").double()
-    q8 = _kernel_q(q, True)
+    q8 = _kernel_q(q, True, reciprocal=True)  # prepare_q's rule
     for t in range(len(pos)):
         r, p = int(req[t]), int(pos[t])
         j = torch.arange(p + 1, device=DEVICE)
@@ -95,6 +96,36 @@ def test_chunk_scores_are_the_float64_scores_of_the_rounded_q(gen):
             continue
         err = (ws[t, :p + 1].double() - want).abs().max()
         assert err <= 1e-5 * want.abs().max() + 1e-9, (t, float(err))
+
+
+def _torch_prepare_q(q, w, fp8):
+    """The torch formula `prepare_q`'s kernel replaced (its rounding is the reference): s = amax / 448 per (token,
+    head), q / s clamped and cast, w * s, heads zero-padded to a power of two."""
+    t, h, d = q.shape
+    hp = 1 << (h - 1).bit_length()
+    x = q.float()
+    s = x.abs().amax(-1).clamp(min=1e-12) * (1.0 / 448.0)  # what `/ 448.0` computes on a GPU, on any device
+    qo = torch.zeros((t, hp, d), dtype=torch.float8_e4m3fn if fp8 else torch.float16, device=q.device)
+    qo[:, :h] = (x / s[..., None]).clamp(-448.0, 448.0).to(qo.dtype)
+    wo = torch.zeros((t, hp), dtype=torch.float32, device=q.device)
+    wo[:, :h] = w.float() * s
+    return qo.view(torch.uint8 if fp8 else torch.int16), wo
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("heads", [32, 20])
+def test_prepare_q_rounds_as_the_torch_formula_bit_for_bit(gen, fp8, heads):
+    """One kernel for the scaling and the cast: the same bytes and weights as torch's formula, heads padded with
+    zeros, a strided q (the heads of a wider projection), a token of zeros (s at its 1e-12 floor)."""
+    from dsaserve.kernels.triton_indexer_gemm import prepare_q
+
+    wide = randn(9, heads, 160, gen=gen, dtype=torch.bfloat16, scale=3.0)
+    q = wide[..., :128]
+    q[4] = 0
+    w = randn(9, heads, gen=gen, dtype=torch.bfloat16)
+    got_q, got_w = prepare_q(q, w, fp8)
+    want_q, want_w = _torch_prepare_q(q, w, fp8)
+    assert torch.equal(got_q, want_q) and torch.equal(got_w, want_w)
 
 
 @pytest.mark.parametrize("select", ["radix", "rows"])

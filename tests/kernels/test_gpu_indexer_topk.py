@@ -147,11 +147,13 @@ def _round_q_kernel():
     return kernel
 
 
-def _kernel_q(q, fp8):
+def _kernel_q(q, fp8, reciprocal=False):
     """q as the kernel multiplies it (float64): q / s rounded to e4m3 (or fp16) times s, one s = amax / 448
-    per (token, head)."""
+    per (token, head). reciprocal: s = amax x fp32(1/448) on any device (`triton_indexer_gemm.prepare_q`'s rule:
+    what torch's `/ 448.0` computes on a GPU), else torch's `/ 448.0` on this device (a division on the CPU)."""
     x = q.float().contiguous()
-    scale = x.abs().amax(-1).clamp(min=1e-12) / 448.0
+    amax = x.abs().amax(-1).clamp(min=1e-12)
+    scale = amax * (1.0 / 448.0) if reciprocal else amax / 448.0
     y = torch.empty_like(x)
     _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8)
     return y.double() * scale.double()[..., None]

@@ -56,7 +56,8 @@ def triton_indexer_long_state(name: str) -> int:
 
 
 def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K,
-                 table_keys: int | None = None, window: bool = True) -> tuple[torch.Tensor, ...]:
+                 table_keys: int | None = None, window: bool = True,
+                 late_slots: bool = False) -> tuple[torch.Tensor, ...]:
     """(split select, row select, the rows' search state) of the same scores, outputs pre-filled with -7 (a column
     left unwritten shows). After every launch each row's arrival counter is back at 0 (the next launch, or a
     graph's next replay, finds it there). table_keys: the page table's width in keys (default: the row's)."""
@@ -67,7 +68,7 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
     table = torch.randperm(n * pages, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)
     got = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
-    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window)
+    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window, late_slots)
     ws = steps[0][2][2]
     for kernel, grid, args, kwargs in steps:
         kernel[grid](*args, **kwargs)
@@ -81,15 +82,16 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3",
                                   "outlier"])
-@pytest.mark.parametrize("window", [False, True])
-def test_the_split_select_equals_the_row_select(kind, window):
+@pytest.mark.parametrize("window,late_slots", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "window", "window+late-slots"])
+def test_the_split_select_equals_the_row_select(kind, window, late_slots):
     gen = torch.Generator().manual_seed(hash(kind) % 2**31)
     # positions: k - 1 (takes all), k (k + 1 keys), chunk boundaries, the last key
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
     if kind == "round3":  # 32-bit ties at the k-th key taken in part: some chunks rank their ties
         scores[:, ::3] = 2.5
-    got, want, state = _select_both(scores, pos, CHUNK, window=window)
+    got, want, state = _select_both(scores, pos, CHUNK, window=window, late_slots=late_slots)
     assert torch.equal(got, want)
     if kind in ("round0", "round1", "round2"):  # the rows that search (position >= k) ended at that round
         r = int(kind[-1])
@@ -108,8 +110,10 @@ def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the
     columns 128..299 unwritten)."""
     gen = torch.Generator().manual_seed(11)
     scores = torch.randn(2, 128, generator=gen).to(DEVICE)
-    got, want, _ = _select_both(scores, torch.tensor([100, 127], device=DEVICE), 128, k=300, table_keys=512)
-    assert torch.equal(got, want) and not (got == -7).any()
+    for late_slots in (False, True):
+        got, want, _ = _select_both(scores, torch.tensor([100, 127], device=DEVICE), 128, k=300, table_keys=512,
+                                    late_slots=late_slots)
+        assert torch.equal(got, want) and not (got == -7).any()
 
 
 @pytest.mark.parametrize("chunk", [0, 64, 384])

@@ -24,7 +24,8 @@ from tests.offline_triton import offline_jit  # noqa: E402
 
 PS, TOPK = 64, 2048
 LONG_KERNELS = (triton_indexer_long._top_digit_window_kernel, triton_indexer_long._radix_round_kernel,
-                triton_indexer_long._chunk_count_kernel, triton_indexer_long._chunk_write_kernel)
+                triton_indexer_long._chunk_count_kernel, triton_indexer_long._chunk_write_kernel,
+                triton_indexer_long._positions_to_slots_kernel)
 
 
 def _operands(width: int, rows: int = 2) -> tuple[torch.Tensor, ...]:
@@ -52,12 +53,14 @@ def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(mon
     chunks = (triton_indexer_gemm.DEFAULT_CONFIG["radix_chunk"], triton_indexer_long.CHUNK)  # prefill's, decode's
     for chunk in chunks:
         for width in RADIX_WIDTHS:
-            for kernel, grid, args, kwargs in triton_indexer_long.launches(*_operands(width), TOPK, PS, chunk,
-                                                                           window=True):
-                kernel.warmup(*args, grid=grid, **kwargs)
+            for late_slots in (False, True):  # the write stores slots, or positions a last launch maps
+                for kernel, grid, args, kwargs in triton_indexer_long.launches(
+                        *_operands(width), TOPK, PS, chunk, window=True, late_slots=late_slots):
+                    kernel.warmup(*args, grid=grid, **kwargs)
     rounds = triton_indexer_long.ROUNDS
     assert _kernel_counts(recorder) == {"_top_digit_window_kernel": len(chunks), "_chunk_count_kernel": len(chunks),
-                                        "_radix_round_kernel": rounds * len(chunks), "_chunk_write_kernel": len(chunks)}
+                                        "_radix_round_kernel": rounds * len(chunks),
+                                        "_chunk_write_kernel": 2 * len(chunks), "_positions_to_slots_kernel": 1}
 
 
 def test_the_row_select_compiles_one_variant_per_row_block_whatever_the_page_table_width(monkeypatch, tmp_path):
