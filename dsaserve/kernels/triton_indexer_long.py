@@ -350,13 +350,15 @@ def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, 
     token sees at most k keys holds slots already (`_write_all_visible`)."""
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if tl.load(pos_ptr + row) < k:
+    pos = tl.load(pos_ptr + row)
+    if pos < k:
         return
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     at = out_ptr + row * stride_o + j
-    keys = tl.load(at, mask=j < k, other=0).to(tl.int32)
+    keys = tl.load(at, mask=j < k, other=-1)
+    valid = (keys >= 0) & (keys <= pos)  # always, when the write kept its precondition: never a wild page index
     pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
-    tl.store(at, _slots(pt_row, keys, page_size, j < k), mask=j < k)
+    tl.store(at, tl.where(valid, _slots(pt_row, keys.to(tl.int32), page_size, valid), -1), mask=j < k)
 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,

@@ -136,9 +136,10 @@ def _round_q_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr):
+    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr, DIV_RN: tl.constexpr):
         r = tl.program_id(0) * N + tl.arange(0, N)
-        y = tl.clamp(tl.load(x_ptr + r) / tl.load(s_ptr + tl.program_id(0)), -448.0, 448.0)
+        x, s = tl.load(x_ptr + r), tl.load(s_ptr + tl.program_id(0))
+        y = tl.clamp(tl.div_rn(x, s) if DIV_RN else x / s, -448.0, 448.0)
         if FP8:
             tl.store(o_ptr + r, y.to(tl.float8e4nv).to(tl.float32))
         else:
@@ -155,7 +156,7 @@ def _kernel_q(q, fp8, reciprocal=False):
     amax = x.abs().amax(-1).clamp(min=1e-12)
     scale = amax * (1.0 / 448.0) if reciprocal else amax / 448.0
     y = torch.empty_like(x)
-    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8)
+    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8, DIV_RN=reciprocal)  # prepare_q: div_rn
     return y.double() * scale.double()[..., None]
 
 
