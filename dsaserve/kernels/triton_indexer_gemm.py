@@ -203,7 +203,7 @@ def chunk_scores(ops: tuple, req_index: torch.Tensor, positions: torch.Tensor, s
                  conf: dict, blk: torch.Tensor | None = None) -> None:
     """Scores of tokens [tok0, tok1) into out[:tok1 - tok0, :] (rows of tokens that see <= skip_below keys,
     and every column past a token's position, are left unwritten). ops = (q, w, keys, scales, base);
-    blk: this chunk's `block_tables` entry (built here, with a synchronising copy, when None)."""
+    blk: this chunk's `block_tables` entry (built here, for this chunk alone, when None)."""
     q, w, keys, scales, base = ops
     bt, bs, tpp = conf["bt"], conf["bs"], conf["tpp"]
     if blk is None:
