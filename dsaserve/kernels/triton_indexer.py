@@ -27,6 +27,10 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pd
 from dsaserve.kernels.variants import ROW_IN_REGS_MAX, SELECT_MAX_ROWS
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
+# the score tile of 1-2 decode rows past one select program's reach: H200 sweep (bench/sweep_decode_b1.py
+# --indexer, sixteenth session): one row of 128K keys 18.6 us against 33.7 at 128 keys / 4 warps, 32K 8.6 vs
+# 11.7; two rows 36.0 vs 62.6 and 9.9 vs 20.3 (fewer programs, each loading the token's q once for more keys)
+FEW_ROWS_LONG_TILE = {"block_kv": 512, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
@@ -316,9 +320,10 @@ def _views(index_cache: torch.Tensor, layout: KVLayout, head_dim: int):
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
-                 block_kv: int = 128, skip_below: int = 0) -> torch.Tensor:
+                 block_kv: int = 128, skip_below: int = 0, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """[T, max_seq] fp32 causal index scores (-inf where not visible). Rows whose position is below
-    skip_below are left unwritten (the decode selection takes all their keys without reading scores)."""
+    skip_below are left unwritten (the decode selection takes all their keys without reading scores).
+    block_kv / num_warps / num_stages: the tile (bench sweeps)."""
     t, n_heads, head_dim = q.shape
     layout = get_kv_layout(layout, "index_scores: layout")
     max_seq = page_table.shape[1] * page_size
@@ -335,7 +340,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
                               FP8=layout.plain_dtype is None, WORDS=kq.dtype == torch.int32,
                               BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
                               BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv,
-                              num_warps=4, num_stages=2, **pdl_args(q.device))
+                              num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     return out[:, :max_seq]
 
 
@@ -359,6 +364,35 @@ def row_select_launch(scores: torch.Tensor, page_table: torch.Tensor, req_index:
                       page_table.stride(0), out.stride(0)), {**_select_config(n_cols, rows), **pdl_args(scores.device)})
 
 
+@triton.jit
+def _take_all_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, max_seq, topk, page_size, stride_pt, stride_ot,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[r, j] = the physical slot of key j of row r's request for j <= its position (and < max_seq), else -1."""
+    grid_dependency_sync(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    visible = (j <= tl.load(pos_ptr + r)) & (j < max_seq)
+    page = tl.load(pt_ptr + tl.load(req_ptr + r) * stride_pt + j // page_size, mask=visible, other=0)
+    slot = tl.where(visible, page.to(tl.int64) * page_size + j % page_size, -1)
+    tl.store(out_ptr + r * stride_ot + j, slot, mask=j < topk)
+
+
+def take_all(page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
+             page_size: int) -> torch.Tensor:
+    """[T, topk] int64: every key a row sees (0..its position), as physical slots, then -1: the selection when
+    the static row bound (page_table.shape[1] * page_size) is at most topk. One launch (it was ten torch ops, ~15
+    us a full layer of a batch-1 decode step, bench/RESULTS.md)."""
+    t = req_index.shape[0]
+    out = torch.empty((t, topk), dtype=torch.int64, device=page_table.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(topk))
+        _take_all_kernel[(t, triton.cdiv(topk, block))](page_table, req_index, positions, out,
+                                                        page_table.shape[1] * page_size, topk, page_size,
+                                                        page_table.stride(0), out.stride(0), BLOCK=block,
+                                                        **pdl_args(page_table.device))
+    return out
+
+
 def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int] | None = None,
@@ -372,11 +406,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     # a sliced chunk launches the variant the warmup compiled (Triton specialises on pointer alignment)
     step = max(16, SCORE_BUDGET // (4 * max(max_seq, 1)) // 16 * 16)
     if max_seq <= topk:  # every visible key is selected: no scores needed
-        out = torch.full((t, topk), -1, dtype=torch.int64, device=q.device)
-        j = torch.arange(max_seq, device=q.device)
-        slots = page_table[req_index[:, None], j // page_size] * page_size + j % page_size
-        out[:, :max_seq] = slots.masked_fill_(j[None, :] > positions[:, None], -1)
-        return out
+        return take_all(page_table, req_index, positions, topk, page_size)
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)  # k == topk here: every slot is written
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))

@@ -57,8 +57,9 @@ import triton.language as tl
 
 from dsaserve.kernels.triton_indexer import _rank_2d
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+from dsaserve.kernels.variants import SELECT_CHUNK
 
-CHUNK = 4096  # keys per program: 16 per thread at 8 warps
+CHUNK = SELECT_CHUNK  # keys per program: 16 per thread at 8 warps (decode at 1-2 rows: variants.long_select_chunk)
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
 # round 0's ROUND behind the window pass (its digit is ROUND % ROUNDS = 0): it returns where the pass chose the
 # digit. A variant of its own, so round 0 without the pass reads no flag before its scores

@@ -60,11 +60,11 @@ def _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _split_range(slot_ptr, row_base, sp, n_keys, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+def _split_range(slot_ptr, row_base, sp, n_keys, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr):
     """[k0, k1) of split `sp` of the token's slots: its valid ones (up to `_valid_end` of the row) divided evenly
     over the launch's splits in BLOCK_K tiles. A static split of the top-k put a short context's keys all on
     the first splits (batch 128 at a 1K context: 11 tiles on split 0, 5 on split 1, none on split 2)."""
-    kend = _valid_end(slot_ptr, row_base, 0, n_keys, 256)
+    kend = _valid_end(slot_ptr, row_base, 0, n_keys, SCAN)
     if SPLIT:
         per = tl.cdiv(tl.cdiv(kend, tl.num_programs(2)), BLOCK_K) * BLOCK_K
         k0 = sp * per
@@ -81,7 +81,8 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
                        stride_qnt, stride_qnh, stride_qrt, stride_qrh, stride_c, stride_cs, cs_off, stride_r,
                        r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                        LAYOUT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr, SCAN: tl.constexpr = 256,
+                       PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)  # int64 before any stride (module docstring)
     hb = tl.program_id(1).to(tl.int64)
@@ -99,7 +100,7 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # finite: a block of all-skipped slots gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
+    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT, SCAN)
     for start in range(k0, k1, BLOCK_K):
         row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         c = tl.load(c_ptr + row[:, None] * stride_c + offs_c[None, :], mask=valid[:, None] & cmask[None, :], other=0)
@@ -161,7 +162,8 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
                            r_off, stride_st, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
                            SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, SCALE_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
-                           ROW_BYTES: tl.constexpr, PLAIN: tl.constexpr = False, PDL: tl.constexpr = False):
+                           ROW_BYTES: tl.constexpr, PLAIN: tl.constexpr = False, SCAN: tl.constexpr = 256,
+                           PDL: tl.constexpr = False):
     """fp8_ds_mla (PLAIN: bf16 rows) with kv_lora_rank 512 (GLM-5 / DeepSeek-V3.2): the four 128-value groups apart.
 
     SCALE_FIRST: each group dequantised on its own (the generic kernel's numbers), S one chained dot over the
@@ -195,7 +197,7 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
-    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT)
+    k0, k1 = _split_range(slot_ptr, t * stride_st, sp, n_keys, BLOCK_K, SPLIT, SCAN)
     for start in range(k0, k1, BLOCK_K):
         row, valid = _slots(slot_ptr, t, stride_st, start, k1, BLOCK_K)
         if PREFETCH:  # the next tile's rows travel HBM -> L2 while this one computes (not `_slots`: its
@@ -296,7 +298,7 @@ def _env_config(raw: str) -> dict:
         conf = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: not JSON ({e}): {raw!r}") from None
-    unknown = set(conf) - {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped", "prefetch"} \
+    unknown = set(conf) - {"block_h", "block_k", "num_warps", "num_stages", "splits", "grouped", "prefetch", "scan"} \
         if isinstance(conf, dict) else {raw}
     if unknown:
         raise ValueError(f"DSASERVE_SPARSE_MLA_CONFIG: unknown keys {sorted(unknown)} in {raw!r}")
@@ -304,11 +306,14 @@ def _env_config(raw: str) -> dict:
 
 
 def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
-    """Flash-decoding splits: enough programs for ~2 waves, each split at least 2 key blocks."""
+    """Flash-decoding splits: enough programs for ~2 waves, each split at least 2 key blocks (at 1-2 tokens at
+    least 64 keys). H200 sweeps at 1-2 tokens over 2048 slots (bench/sweep_decode_b1.py, bench/RESULTS.md,
+    sixteenth session): 32 splits, at one token of 32-key blocks and at two of 64 (the 4-group kernel), against
+    64 / 16: one token 11.3-13.8 vs 15.4-16.2 us at 1024 valid keys; two tokens 16.1-17.4 vs 21.9 at 2048."""
     progs = t * head_blocks
     if progs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, progs), n_keys // (2 * block_k)))
+    return max(1, min(triton.cdiv(2 * sms, progs), n_keys // (64 if t <= 2 else 2 * block_k)))
 
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
@@ -317,7 +322,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype (`out`, contiguous, when
     given: the piecewise graphs' buffer).
 
-    `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / grouped
+    `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / scan (slots a load
+    of the valid-slot scan) / grouped
     (fp8_ds_mla at kv_lora 512, `_sparse_mla_ds4_kernel`: True scales after the dots, "dequant" each 128-group
     dequantised apart; False: the whole tile dequantised first, `_sparse_mla_kernel`; bf16 rows at kv_lora 512,
     the pool's or a prefill's staged ones, have no scales: any true `grouped` reads them as they are, PLAIN).
@@ -337,7 +343,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
         return out
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
     # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
-    # latency-bound and a little faster on the generic kernel at 16 heads
+    # latency-bound: the generic kernel at 16 heads for 1 token, the 4-group kernel at 64 heads for 2 (1.07-1.46x
+    # the generic kernel's best, bench/sweep_decode_b1.py, sixteenth session)
     # H200 sweeps, from 3 tokens on at kv_lora 512: (2026-12-01) dequantising first and one chained dot over 64-key
     # tiles is 1.08 / 1.20 / 1.38 / 1.46x the 4-group kernel at T = 16 / 32 / 128 / 4096 (S in one dot, not five
     # with a wait and a scale each); (2026-12-01, later) each 128-group dequantised apart (no spills) and no
@@ -345,11 +352,14 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     # asking L2 for the next tile's rows is 1.07 / 1.03x more at T = 128 / 4096 but 0.85x at T = 16 (from 64 on)
     # bf16 rows (a prefill's rows staged by model/layers/prefill_staging.py) from 512 tokens: 2 stages, so the
     # gathers go straight to shared memory (cp.async) a tile ahead: 1.09x the 1-stage tile at T = 4096-16384
-    big = layout in (FP8_DS_MLA, BF16) and dc == 512 and t > 2
+    big = layout in (FP8_DS_MLA, BF16) and dc == 512 and t >= 2
     staged = big and layout == BF16 and t >= 512
     cfg = {"block_h": 64 if big else 16, "block_k": 64 if big else 32, "num_warps": 8 if big else 4,
            "num_stages": 1 if big and not staged else 2, "splits": None, "grouped": "dequant" if big else False,
-           "prefetch": big and t >= 64 and not staged}
+           "prefetch": big and t >= 64 and not staged,
+           # the valid-slot scan in one load of GLM's top-2048: its loop of 8 dependent 256-slot loads cost 3-5 us a
+           # program at 1-2 tokens (bench/sweep_decode_b1.py)
+           "scan": max(16, min(2048, triton.next_power_of_2(n_keys)))}
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     cfg.update(config or {})
@@ -370,6 +380,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
                stride_r, r_off, slots.stride(0), part.stride(0), part.stride(1), part.stride(2),
                lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0)
     common = {"SPLIT": splits > 1, "BLOCK_H": bh, "BLOCK_R": max(16, triton.next_power_of_2(dr)), "BLOCK_K": bk,
+              "SCAN": cfg["scan"],
               "NG": max(1, block_c // 128), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     grid = (t, head_blocks, splits)
     plain = layout == BF16

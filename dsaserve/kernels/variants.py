@@ -8,14 +8,15 @@ argument that is 1 or a multiple of 16; the core's page-table width is padded to
 so every width-derived argument is a multiple of 16 and only the classes below remain. An eager prefill's page
 table is not padded (as wide as its longest request): the selection kernels take its stride, and the radix
 select its chunk count, unspecialised (tests/kernels/test_select_variants.py), so its classes are the same:
-- indexer selection (`indexer_topk`): no kernel while the keys fit top-k; else the Triton selection for
-  up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers up to
-  ROW_IN_REGS_MAX keys, 4096-key chunks beyond, whose warp count changes at 2 rows); above, the prefill
-  kernel (`triton_indexer_gemm`: its token arguments are not specialised, its workspace width is a multiple
+- indexer selection (`indexer_topk`): one variant of `take_all` (no scores) while the keys fit top-k; else
+  the Triton selection for up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two
+  (in registers up to ROW_IN_REGS_MAX keys, split into `long_select_chunk` chunks beyond: their size and the score
+  tile change at 2 rows); above,
+  the prefill kernel (`triton_indexer_gemm`: its token arguments are not specialised, its workspace width is a multiple
   of 128; the fallback `triton_indexer_prefill` takes the token count as an integer argument: Triton
   compiles a variant for a count divisible by 16 and one for the rest, and the H200 bench at 8K prompts
   compiled after Up until both were warmed).
-- sparse MLA: the kernel (generic at <= 2 rows, grouped above) and its flash-decoding splits, a function of
+- sparse MLA: the kernel (generic at 1 row, grouped from 2) and its flash-decoding splits, a function of
   rows x head blocks against the SM count: constant (1 split) past 2 x SMs rows; every row count up to
   ROW_SWEEP is warmed, which covers any GPU of up to ROW_SWEEP / 2 SMs.
 """
@@ -26,6 +27,7 @@ SELECT_MAX_ROWS = 512  # rows (tokens) up to which the Triton selection replaces
 ROW_IN_REGS_MAX = 16384  # keys per row up to which the selection holds the row in registers
 CORE_WIDTH_ALIGN = 16  # pages: the eager core's page tables are padded to a multiple (padding names the sink page)
 ROW_SWEEP = 512  # the sparse MLA split count varies with rows up to 2 x SMs (H200: 132 SMs)
+SELECT_CHUNK = 4096  # keys a program of the split radix select takes (16 a thread at 8 warps)
 
 
 def core_width(pages: int) -> int:
@@ -37,6 +39,16 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def long_select_chunk(rows: int, keys: int) -> int:
+    """The split radix select's chunk (a constexpr) for `rows` decode rows of `keys` (the static bound): at 1-2
+    rows keys / 64 rounded down to a power of two in [1024, SELECT_CHUNK], so one row still spreads over 32-64
+    programs (H200, bench/sweep_decode_b1.py --indexer: one row of 32K keys 17.0 us at 1024 against 22.2 at
+    4096; of 128K 20.9 at 2048 against 22.3), else SELECT_CHUNK."""
+    if rows > 2:
+        return SELECT_CHUNK
+    return max(1024, min(SELECT_CHUNK, 1 << max(0, (keys // 64).bit_length() - 1)))
+
+
 def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
     """The indexer selection's compiled variant for `rows` tokens over a batch `pages` wide."""
     keys = core_width(pages) * page_size
@@ -46,7 +58,7 @@ def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
         return ("prefill", rows % 16 == 0)
     if keys <= ROW_IN_REGS_MAX:
         return ("select_regs", _pow2(keys))
-    return ("select_chunks", rows <= 2)
+    return ("select_chunks", rows <= 2, long_select_chunk(rows, keys))
 
 
 def attention_row_class(rows: int) -> int:

@@ -57,7 +57,7 @@ def test_every_attention_core_shape_falls_in_a_warmed_variant_class(max_tokens, 
 
 def test_the_core_classes_separate_what_the_kernels_compile_separately():
     plan = WarmupPlan.build(8, [2048], 3168, 64, 2048)
-    assert plan.core_class(1, 1)[1] == ("all_visible",)  # 16 pages = 1024 keys <= top-k: no kernel
+    assert plan.core_class(1, 1)[1] == ("all_visible",)  # 16 pages = 1024 keys <= top-k: take_all, no scores
     assert plan.core_class(1, 48)[1] != plan.core_class(1, 80)[1]  # 4096- vs 8192-key selection blocks
     assert plan.core_class(1, 3000)[1] != plan.core_class(3, 3000)[1]  # warps of the chunked selection
     assert plan.core_class(SELECT_MAX_ROWS + 1, 80)[1] == ("prefill", False)  # the prefill kernel's token count:

@@ -1,0 +1,143 @@
+"""Sweep of sparse MLA at batch-1/2 decode over the fp8_ds_mla cache (issue 17: the batch-1 targets).
+
+At one or two tokens `triton_sparse_mla`'s split-K kernel runs (16 heads a program, splits by `pick_splits`),
+then its combine. This times each tile config (heads / keys a program, warps, stages, slots a load of the
+valid-slot scan) at several split counts, combine included, as serving runs them: inside one CUDA graph,
+`--calls` launches back to back, each over its own random rows of a 1.4 GB pool (so the rows come from HBM,
+not L2) and its own query. Every output is checked against the default config's.
+
+Run on the device (~1-2 min on an H200):  PYTHONPATH=. python bench/sweep_decode_b1.py --out DIR
+Writes sweep_decode_b1.json; prints each case's default beside its fastest config.
+--indexer: instead the full layers' indexer at 1-2 rows past one program's reach (32K, 128K keys): the score
+kernel's tiles (keys a program, warps, stages; each call over its own pages, so the keys come from HBM) and the
+split select's chunk size (`triton_indexer_long.long_row_select`, its scores in L2 as after the score kernel),
+each output checked against the default's. Writes sweep_decode_b1_indexer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from bench.bench_long_select import _graph_time
+from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layout
+from dsaserve.kernels import triton_indexer, triton_indexer_long
+from dsaserve.kernels import triton_sparse_mla as tsm
+
+H, DC, DR, TOPK = 64, 512, 64, 2048
+FP8 = get_kv_layout("fp8_ds_mla")
+
+
+def tile_configs() -> list[dict]:
+    """The generic kernel's tiles (grouped False) and the 4-group kernel's at 64 heads (the batch path's)."""
+    generic = [{"block_h": bh, "block_k": bk, "num_warps": 4, "num_stages": st, "scan": sc, "grouped": False,
+                "prefetch": False}
+               for bh, bk, st, sc in itertools.product((16, 32), (32, 64), (1, 2), (256, 2048))]
+    grouped = [{"block_h": bh, "block_k": 64, "num_warps": w, "num_stages": 1, "scan": sc, "grouped": "dequant",
+                "prefetch": False} for bh, w in ((64, 8), (32, 4)) for sc in (256, 2048)]
+    return generic + grouped
+
+
+def graph_us(fn, calls: int, reps: int = 20) -> float:
+    """µs a call: `calls` calls captured in one graph, replayed `reps` times."""
+    return _graph_time(lambda: [fn(i) for i in range(calls)], reps) * 1e6 / calls
+
+
+def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idim: int = 128) -> None:
+    """The score kernel's tiles and the split select's chunk at 1-2 rows of 32K / 128K keys (module docstring)."""
+    rows = []
+    for t, ctx in itertools.product((1, 2), (32768, 131072)):
+        pages = ctx // ps
+        cache = encode_index_k(torch.randn(calls * t * pages * ps, idim, device="cuda"), FP8)
+        tables = torch.randperm(calls * t * pages, device="cuda").view(calls, t, pages)
+        req = torch.arange(t, device="cuda")
+        pos = torch.full((t,), ctx - 1, device="cuda")
+        q = torch.randn(calls, t, ih, idim, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(calls, t, ih, device="cuda", dtype=torch.bfloat16)
+
+        def scores(i, cfg, q=q, w=w, tables=tables, req=req, pos=pos, cache=cache):
+            return triton_indexer.index_scores(q[i], w[i], cache, FP8, tables[i], req, pos, ps, **cfg)
+
+        ref = scores(0, {}).clone()
+        res = {"tokens": t, "keys": ctx, "scores_default_us": round(graph_us(lambda i: scores(i, {}), calls), 2),
+               "scores": [], "select": []}
+        for bkv, nw, st in itertools.product((64, 128, 256, 512), (4, 8), (1, 2, 3)):
+            cfg = {"block_kv": bkv, "num_warps": nw, "num_stages": st}
+            diff = float((scores(0, cfg) - ref).abs().max())
+            res["scores"].append({**cfg, "us": round(graph_us(lambda i, cfg=cfg: scores(i, cfg), calls), 2),
+                                  "max_abs_diff": diff})
+        sel = torch.empty(t, 2048, dtype=torch.int64, device="cuda")
+
+        def select(i, chunk, ref=ref, tables=tables, req=req, pos=pos, sel=sel):
+            triton_indexer_long.long_row_select(ref, tables[0], req, pos, sel, 2048, ps, chunk=chunk)
+            return sel
+
+        want = select(0, triton_indexer_long.CHUNK).sort(dim=1).values.clone()
+        for chunk in (1024, 2048, 4096, 8192):
+            same = bool(torch.equal(select(0, chunk).sort(dim=1).values, want))
+            res["select"].append({"chunk": chunk, "us": round(graph_us(lambda i, c=chunk: select(i, c), calls), 2),
+                                  "same_slots": same})
+        best = min(res["scores"], key=lambda c: c["us"])
+        print(f"T={t} keys {ctx}: scores default {res['scores_default_us']} us, best {best}; select "
+              + ", ".join(f"chunk {c['chunk']} {c['us']} us{'' if c['same_slots'] else ' DIFFERENT'}"
+                          for c in res["select"]), flush=True)
+        rows.append(res)
+        del cache
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep_decode_b1_indexer.json").write_text(json.dumps(rows, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--tokens", default="1,2")
+    ap.add_argument("--valid", default="1024,2048")
+    ap.add_argument("--splits", default="0,8,16,32,64", help="0: pick_splits' choice")
+    ap.add_argument("--indexer", action="store_true", help="sweep the indexer's scores and select instead")
+    args = ap.parse_args()
+    if args.indexer:
+        return sweep_indexer(Path(args.out))
+    torch.manual_seed(0)
+    pool_rows = 1 << 21
+    cache = torch.cat([encode_latent(torch.randn(1 << 18, DC + DR, device="cuda"), FP8, DC) for _ in range(8)])
+    rows = []
+    for t, valid in itertools.product(map(int, args.tokens.split(",")), map(int, args.valid.split(","))):
+        slots = torch.full((args.calls, t, TOPK), -1, dtype=torch.int32, device="cuda")
+        slots[:, :, :valid] = torch.randint(0, pool_rows, (args.calls, t, valid), device="cuda", dtype=torch.int32)
+        qn = torch.randn(args.calls, t, H, DC, device="cuda", dtype=torch.bfloat16)
+        qr = torch.randn(args.calls, t, H, DR, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(qn)
+
+        def run(i: int, cfg: dict | None, qn=qn, qr=qr, slots=slots, out=out) -> torch.Tensor:
+            return tsm.sparse_mla_attention(qn[i], qr[i], cache, FP8, slots[i], 0.04, DC, out=out[i], config=cfg)
+
+        ref = run(0, None).clone()
+        base = graph_us(lambda i: run(i, None), args.calls)
+        res = {"tokens": t, "valid": valid, "default_us": round(base, 2), "configs": []}
+        for cfg, sp in itertools.product(tile_configs(), map(int, args.splits.split(","))):
+            cfg = {**cfg, "splits": sp or None}
+            try:
+                diff = float((run(0, cfg).float() - ref.float()).abs().max() / ref.float().abs().max())
+                us = graph_us(lambda i, cfg=cfg: run(i, cfg), args.calls)
+            except Exception as e:  # a tile past the SM's shared memory: recorded, not fatal
+                res["configs"].append({**cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                continue
+            res["configs"].append({**cfg, "us": round(us, 2), "max_rel_diff": diff})
+        ok = [c for c in res["configs"] if "us" in c and c["max_rel_diff"] < 2e-2]
+        res["best"] = best = min(ok, key=lambda c: c["us"]) if ok else {"us": float("nan")}
+        rows.append(res)
+        print(f"T={t} valid {valid}: default {base:.2f} us, best {best['us']:.2f} us ({base / best['us']:.2f}x) "
+              f"{json.dumps({k: v for k, v in best.items() if k not in ('us', 'max_rel_diff')})}", flush=True)
+        for c in sorted(ok, key=lambda c: c["us"])[:6]:
+            print(f"   {c['us']:7.2f} us  {json.dumps({k: v for k, v in c.items() if k != 'us'})}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sweep_decode_b1.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
