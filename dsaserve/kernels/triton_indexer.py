@@ -381,8 +381,10 @@ def take_all(page_table: torch.Tensor, req_index: torch.Tensor, positions: torch
              page_size: int) -> torch.Tensor:
     """[T, topk] int64: every key a row sees (0..its position), as physical slots, then -1: the selection when
     the static row bound (page_table.shape[1] * page_size) is at most topk. One launch (it was ten torch ops, ~15
-    us a full layer of a batch-1 decode step, bench/RESULTS.md)."""
+    us a full layer of a batch-1 decode step, bench/RESULTS.md). The kernel reads the page table's rows as
+    contiguous pages (stride 1), as the scoring and selection kernels do."""
     t = req_index.shape[0]
+    page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
     out = torch.empty((t, topk), dtype=torch.int64, device=page_table.device)
     if t:
         block = min(1024, triton.next_power_of_2(topk))

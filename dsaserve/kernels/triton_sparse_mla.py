@@ -343,8 +343,9 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
         return out
     # H200 sweep (bench/RESULTS.md): 64 heads x 8 warps per program is 2.4x faster than 16 or 32 heads from
     # batch 32 on and in prefill (each gathered row feeds 4x more MMA rows); a batch of 1-2 tokens is
-    # latency-bound: the generic kernel at 16 heads for 1 token, the 4-group kernel at 64 heads for 2 (1.07-1.46x
-    # the generic kernel's best, bench/sweep_decode_b1.py, sixteenth session)
+    # latency-bound: the generic kernel at 16 heads for 1 token, the 4-group kernel at 64 heads for 2
+    # (bench/sweep_decode_b1.py, sixteenth session: 1.29-1.46x the generic kernel's 16-head tile with 2048 valid
+    # slots, 0.98-1.13x with 1024)
     # H200 sweeps, from 3 tokens on at kv_lora 512: (2026-12-01) dequantising first and one chained dot over 64-key
     # tiles is 1.08 / 1.20 / 1.38 / 1.46x the 4-group kernel at T = 16 / 32 / 128 / 4096 (S in one dot, not five
     # with a wait and a scale each); (2026-12-01, later) each 128-group dequantised apart (no spills) and no

@@ -41,12 +41,13 @@ def _pow2(n: int) -> int:
 
 def long_select_chunk(rows: int, keys: int) -> int:
     """The split radix select's chunk (a constexpr) for `rows` decode rows of `keys` (the static bound): at 1-2
-    rows keys / 64 rounded down to a power of two in [1024, SELECT_CHUNK], so one row still spreads over 32-64
-    programs (H200, bench/sweep_decode_b1.py --indexer: one row of 32K keys 17.0 us at 1024 against 22.2 at
-    4096; of 128K 20.9 at 2048 against 22.3), else SELECT_CHUNK."""
+    rows rows x keys / 64 rounded down to a power of two in [1024, SELECT_CHUNK] (~64 programs in all from 32K
+    keys on), else SELECT_CHUNK. H200, bench/sweep_decode_b1.py --indexer, us: one row of 32K keys 17.0 at 1024
+    against 22.2 at 4096, of 128K 20.9 at 2048 against 22.3; two rows of 32K 20.0 at 1024 against 25.6, of
+    128K 22.9 at 4096 (2048: 23.7) - each the sweep's fastest."""
     if rows > 2:
         return SELECT_CHUNK
-    return max(1024, min(SELECT_CHUNK, 1 << max(0, (keys // 64).bit_length() - 1)))
+    return max(1024, min(SELECT_CHUNK, 1 << max(0, (rows * keys // 64).bit_length() - 1)))
 
 
 def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
