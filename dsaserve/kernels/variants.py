@@ -8,14 +8,15 @@ argument that is 1 or a multiple of 16; the core's page-table width is padded to
 so every width-derived argument is a multiple of 16 and only the classes below remain. An eager prefill's page
 table is not padded (as wide as its longest request): the selection kernels take its stride, and the radix
 select its chunk count, unspecialised (tests/kernels/test_select_variants.py), so its classes are the same:
-- indexer selection (`indexer_topk`): one variant of `take_all` (no scores) while the keys fit top-k; else
-  the Triton selection for up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two
-  (in registers up to ROW_IN_REGS_MAX keys, split into `long_select_chunk` chunks beyond: their size and the score
-  tile change at 2 rows); above,
-  the prefill kernel (`triton_indexer_gemm`: its token arguments are not specialised, its workspace width is a multiple
-  of 128; the fallback `triton_indexer_prefill` takes the token count as an integer argument: Triton
-  compiles a variant for a count divisible by 16 and one for the rest, and the H200 bench at 8K prompts
-  compiled after Up until both were warmed).
+- indexer selection (`indexer_topk`): `take_all` (no scores) while the keys fit top-k (it does specialise the
+  page-table stride: 1, a multiple of 16 or neither, three variants the start-up's warmup met on the H200, all in
+  the recorded spec list); else the Triton
+  selection for up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers
+  up to ROW_IN_REGS_MAX keys, split into `long_select_chunk` chunks beyond: their size and the score tile change
+  at 2 rows); above, the prefill kernel (`triton_indexer_gemm`: its token arguments are not specialised, its
+  workspace width is a multiple of 128; the fallback `triton_indexer_prefill` takes the token count as an
+  integer argument: Triton compiles a variant for a count divisible by 16 and one for the rest, and the H200
+  bench at 8K prompts compiled after Up until both were warmed).
 - sparse MLA: the kernel (generic at 1 row, grouped from 2) and its flash-decoding splits, a function of
   rows x head blocks against the SM count: constant (1 split) past 2 x SMs rows; every row count up to
   ROW_SWEEP is warmed, which covers any GPU of up to ROW_SWEEP / 2 SMs.
