@@ -24,7 +24,7 @@ import triton.language as tl
 
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
-from dsaserve.kernels.variants import ROW_IN_REGS_MAX, SELECT_MAX_ROWS
+from dsaserve.kernels.variants import FEW_ROWS, ROW_IN_REGS_MAX, SELECT_MAX_ROWS
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
 # the score tile of 1-2 decode rows past one select program's reach: H200 sweep (bench/sweep_decode_b1.py
@@ -352,7 +352,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
 def _select_config(max_seq: int, rows: int) -> dict:
     if max_seq <= ROW_IN_REGS_MAX:
         return {"BLOCK": triton.next_power_of_2(max_seq), "ROW_IN_REGS": True, "num_warps": 16 if max_seq > 4096 else 8}
-    return {"BLOCK": 4096, "ROW_IN_REGS": False, "num_warps": 16 if rows <= 2 else 8}
+    return {"BLOCK": 4096, "ROW_IN_REGS": False, "num_warps": 16 if rows <= FEW_ROWS else 8}
 
 
 def row_select_launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
@@ -365,6 +365,36 @@ def row_select_launch(scores: torch.Tensor, page_table: torch.Tensor, req_index:
 
 
 @triton.jit
+def page_slots(pt_row, j, page_size, mask):
+    """Physical slots of key positions j (>= 0) through one request's page-table row: unsigned division by the
+    page size (no sign fix-ups)."""
+    ju = j.to(tl.uint32)
+    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
+    page = tl.load(pt_row + ju // ps, mask=mask, other=0)
+    return page * page_size + (ju % ps).to(tl.int32)
+
+
+@triton.jit
+def fp8_q_scale(amax):
+    """The indexer q's FP8 scale amax / 448 as torch computes it on a GPU: amax x fp32(1 / 448) (a division by a
+    Python scalar is a multiply by its fp32 reciprocal there), amax floored at 1e-12."""
+    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+
+
+@triton.jit
+def quant_q(x, s, Q_FP8: tl.constexpr):
+    """q / s (s broadcast to x) as e4m3, or fp16 (the bf16 input to 2^-12, in fp16's range whatever q's
+    magnitude): an IEEE division (Triton's `/` is approximate, so a q next to a rounding boundary could land on
+    either side of it), clamped to +-448, round-to-nearest casts."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+    if Q_FP8:
+        op = y.to(tl.float8e4nv)
+    else:
+        op = y.to(tl.float16)
+    return op
+
+
+@triton.jit
 def _take_all_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, max_seq, topk, page_size, stride_pt, stride_ot,
                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[r, j] = the physical slot of key j of row r's request for j <= its position (and < max_seq), else -1."""
@@ -372,9 +402,9 @@ def _take_all_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, max_seq, topk, page_size
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     visible = (j <= tl.load(pos_ptr + r)) & (j < max_seq)
-    page = tl.load(pt_ptr + tl.load(req_ptr + r) * stride_pt + j // page_size, mask=visible, other=0)
-    slot = tl.where(visible, page.to(tl.int64) * page_size + j % page_size, -1)
-    tl.store(out_ptr + r * stride_ot + j, slot, mask=j < topk)
+    pt_row = pt_ptr + tl.load(req_ptr + r) * stride_pt
+    tl.store(out_ptr + r * stride_ot + j, tl.where(visible, page_slots(pt_row, j, page_size, visible), -1),
+             mask=j < topk)
 
 
 def take_all(page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,

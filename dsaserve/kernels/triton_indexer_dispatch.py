@@ -24,7 +24,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_gemm, triton_indexer_long, triton_indexer_prefill
-from dsaserve.kernels.variants import long_select_chunk
+from dsaserve.kernels.variants import FEW_ROWS, long_select_chunk
 
 
 def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
@@ -36,7 +36,7 @@ def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.T
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
     step = max(1, triton_indexer.SCORE_BUDGET // (4 * max_seq))
-    tile = triton_indexer.FEW_ROWS_LONG_TILE if t <= 2 else {}
+    tile = triton_indexer.FEW_ROWS_LONG_TILE if t <= FEW_ROWS else {}
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))
         scores = triton_indexer.index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],

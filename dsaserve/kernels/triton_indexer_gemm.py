@@ -38,6 +38,7 @@ from dsaserve.common import envs
 from dsaserve.common.host_lists import to_device
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_long
+from dsaserve.kernels.triton_indexer import fp8_q_scale, quant_q
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 # bytes of fp32 scores per chunk: 64 MB stays near the L2 between the score GEMM and the one-program row select
@@ -118,10 +119,8 @@ def _prepare_q_kernel(q_ptr, w_ptr, qo_ptr, wo_ptr, H, stride_qt, stride_qh, str
     hm = h < H
     x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None], other=0.0)
     x = x.to(tl.float32)
-    # torch on a GPU divides by a scalar as a multiply by its fp32 reciprocal: so does this (bit for bit the old path)
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * (1.0 / 448.0)
-    y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -448.0), 448.0)  # padded heads: 0 / s = 0
-    y = y.to(tl.float8e4nv) if Q_FP8 else y.to(tl.float16)
+    s = fp8_q_scale(tl.max(tl.abs(x), axis=1))  # bit for bit the old torch path on a GPU
+    y = quant_q(x, s[:, None], Q_FP8)  # padded heads: 0 / s = 0
     tl.store(qo_ptr + t * HP * D + h[:, None] * D + d[None, :], y)
     w = tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32)
     tl.store(wo_ptr + t * HP + h, w * s)  # padded heads: weight 0

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_indexer import _rank_2d
+from dsaserve.kernels.triton_indexer import _rank_2d, page_slots
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 from dsaserve.kernels.variants import SELECT_CHUNK
 
@@ -276,21 +276,12 @@ def _chunk_count_kernel(score_ptr, pos_ptr, ws_ptr, cnt_ptr, n_cols, k, stride_s
 
 
 @triton.jit
-def _slots(pt_row, j, page_size, mask):
-    """Physical slots of key positions j (>= 0): unsigned division by the page size (no sign fix-ups)."""
-    ju = j.to(tl.uint32)
-    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
-    page = tl.load(pt_row + ju // ps, mask=mask, other=0)
-    return page * page_size + (ju % ps).to(tl.int32)
-
-
-@triton.jit
 def _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK: tl.constexpr):
     """A token that sees at most k keys: chunk c's columns of [slots of keys 0..pos, -1, ...] (k columns, which can
     pass the row's n_chunks x CHUNK: the grid's chunks then take them in turns)."""
     for c0 in range(c * CHUNK, k, n_chunks * CHUNK):
         j = c0 + tl.arange(0, CHUNK)
-        tl.store(out_row + j, tl.where(j <= pos, _slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
+        tl.store(out_row + j, tl.where(j <= pos, page_slots(pt_row, j, page_size, j <= pos), -1), mask=j < k)
 
 
 @triton.jit
@@ -301,7 +292,7 @@ def _write_chunk(out_at, pt_row, page_size, j, above, eq, taken, ties, SLOTS: tl
     if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: rank its ties in position order
         sel = above | (eq & (_rank_2d(eq.to(tl.int32)) <= taken))
     sel = sel.to(tl.int32)
-    what = _slots(pt_row, j, page_size, sel == 1) if SLOTS else j
+    what = page_slots(pt_row, j, page_size, sel == 1) if SLOTS else j
     tl.store(out_at + _rank_2d(sel), what, mask=sel == 1)
 
 
@@ -359,7 +350,7 @@ def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, 
     keys = tl.load(at, mask=j < k, other=-1)
     valid = (keys >= 0) & (keys <= pos)  # always, when the write kept its precondition: never a wild page index
     pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
-    tl.store(at, tl.where(valid, _slots(pt_row, keys.to(tl.int32), page_size, valid), -1), mask=j < k)
+    tl.store(at, tl.where(valid, page_slots(pt_row, keys.to(tl.int32), page_size, valid), -1), mask=j < k)
 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,

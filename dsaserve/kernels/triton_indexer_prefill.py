@@ -34,7 +34,7 @@ import triton.language as tl
 
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
-from dsaserve.kernels.triton_indexer import KEY_NEG_INF, _narrow, _order_key32, _thresholds
+from dsaserve.kernels.triton_indexer import KEY_NEG_INF, _narrow, _order_key32, _thresholds, fp8_q_scale, quant_q
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 BN = 128  # keys per tile: the MMA's M (two warpgroups of 64 rows)
@@ -72,20 +72,6 @@ def _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4: tl.constexpr, j: t
         d = d * 4 + j
     return tl.load(q_ptr + ctok[None, :] * stride_qt + ch[None, :] * stride_qh + d[:, None], mask=cmask[None, :],
                    other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _q_operand(x, scale, Q_FP8: tl.constexpr):
-    """q / its (token, head) scale: e4m3, or fp16 (11-bit mantissa: the bf16 input to 2^-12, in fp16's
-    range whatever q's magnitude; the interpreter's bf16 dot is broken, its fp16 one is not). An IEEE division,
-    as `triton_indexer_gemm.prepare_q` (Triton's `/` is approximate: a q next to a rounding boundary could land on
-    either side of it, and tests could not rebuild the operand)."""
-    y = tl.clamp(tl.div_rn(x, scale[None, :]), -448.0, 448.0)
-    if Q_FP8:
-        op = y.to(tl.float8e4nv)
-    else:
-        op = y.to(tl.float16)
-    return op
 
 
 @triton.jit
@@ -228,13 +214,14 @@ def _prefill_topk_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr,
         q2 = _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4, 2, WORDS)
         q3 = _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4, 3, WORDS)
     # one scale per (token, head) = amax / 448 (kv_layout's FP8 rule), > 0, so it leaves the ReLU and
-    # joins the head weight; amax x fp32(1 / 448), as torch computes `amax / 448.0` on a GPU and prepare_q does
+    # joins the head weight (`triton_indexer.fp8_q_scale` / `quant_q`: prepare_q's rule; fp16 q because the
+    # interpreter's bf16 dot is broken, its fp16 one is not)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                       tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
-    qscale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+    qscale = fp8_q_scale(amax)
     w = w * qscale
-    q0, q1 = _q_operand(q0, qscale, Q_FP8), _q_operand(q1, qscale, Q_FP8)
-    q2, q3 = _q_operand(q2, qscale, Q_FP8), _q_operand(q3, qscale, Q_FP8)
+    q0, q1 = quant_q(q0, qscale[None, :], Q_FP8), quant_q(q1, qscale[None, :], Q_FP8)
+    q2, q3 = quant_q(q2, qscale[None, :], Q_FP8), quant_q(q3, qscale[None, :], Q_FP8)
     pt_row = pt_ptr + req.to(tl.int64) * stride_pt
     brow = blk.to(tl.int64) * BM + tl.arange(0, BM)
     theta = tl.full([BM], KEY_NEG_INF, tl.int32)  # candidates have key > theta

@@ -29,6 +29,7 @@ ROW_IN_REGS_MAX = 16384  # keys per row up to which the selection holds the row 
 CORE_WIDTH_ALIGN = 16  # pages: the eager core's page tables are padded to a multiple (padding names the sink page)
 ROW_SWEEP = 512  # the sparse MLA split count varies with rows up to 2 x SMs (H200: 132 SMs)
 SELECT_CHUNK = 4096  # keys a program of the split radix select takes (16 a thread at 8 warps)
+FEW_ROWS = 2  # decode rows up to which long rows take their own score tile, select chunk and warp count
 
 
 def core_width(pages: int) -> int:
@@ -46,7 +47,7 @@ def long_select_chunk(rows: int, keys: int) -> int:
     keys on), else SELECT_CHUNK. H200, bench/sweep_decode_b1.py --indexer, us: one row of 32K keys 17.0 at 1024
     against 22.2 at 4096, of 128K 20.9 at 2048 against 22.3; two rows of 32K 20.0 at 1024 against 25.6, of
     128K 22.9 at 4096 (2048: 23.7) - each the sweep's fastest."""
-    if rows > 2:
+    if rows > FEW_ROWS:
         return SELECT_CHUNK
     return max(1024, min(SELECT_CHUNK, 1 << max(0, (rows * keys // 64).bit_length() - 1)))
 
@@ -60,7 +61,7 @@ def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
         return ("prefill", rows % 16 == 0)
     if keys <= ROW_IN_REGS_MAX:
         return ("select_regs", _pow2(keys))
-    return ("select_chunks", rows <= 2, long_select_chunk(rows, keys))
+    return ("select_chunks", rows <= FEW_ROWS, long_select_chunk(rows, keys))
 
 
 def attention_row_class(rows: int) -> int:
