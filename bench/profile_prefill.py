@@ -88,24 +88,40 @@ def sync_sites(fn) -> dict[str, int]:
                         if "synchroniz" in str(w.message)).most_common())
 
 
-def ab_walls(run, settings: list[str]) -> dict[str, float]:
-    """ms of the prefill under each setting, in one process ("ws<N>M": the radix select's workspace chunk of N MB,
-    `triton_indexer_gemm.LONG_WS_BUDGET`; "nowindow": the select without its window pass; "default")."""
+def ab_setting(name: str) -> list[tuple[dict, str, object]]:
+    """(dict, key, value) changes of one --ab setting (a module's globals are its `vars`): "ws<N>M" the radix
+    select's workspace chunk of N MB (`triton_indexer_gemm.LONG_WS_BUDGET`), "nowindow" the select without its
+    window pass,
+    "moe_triton" / "moe_cublas" the MoE prefill's expert GEMMs (`triton_moe_prefill.PREFILL_CONFIG["gemm"]`),
+    "default" nothing."""
     from dsaserve.kernels import triton_indexer_gemm as g
+    from dsaserve.kernels import triton_moe_prefill as moe
 
+    if name.startswith("ws") and name.endswith("M"):
+        return [(vars(g), "LONG_WS_BUDGET", int(name[2:-1]) << 20)]
+    if name == "nowindow":
+        return [(g.DEFAULT_CONFIG, "window", False)]
+    if name in ("moe_triton", "moe_cublas"):
+        return [(moe.PREFILL_CONFIG, "gemm", name[4:])]
+    if name != "default":
+        raise SystemExit(f"--ab: unknown setting {name!r} (ws<N>M, nowindow, moe_triton, moe_cublas, "
+                         "default)")
+    return []
+
+
+def ab_walls(run, settings: list[str]) -> dict[str, float]:
+    """ms of the prefill under each setting (`ab_setting`), in one process."""
     walls = {}
     for name in settings:
-        saved = g.LONG_WS_BUDGET, g.DEFAULT_CONFIG["window"]
-        if name.startswith("ws") and name.endswith("M"):
-            g.LONG_WS_BUDGET = int(name[2:-1]) << 20
-        elif name == "nowindow":
-            g.DEFAULT_CONFIG["window"] = False
-        elif name != "default":
-            raise SystemExit(f"--ab: unknown setting {name!r} (ws<N>M, nowindow, default)")
+        changes = ab_setting(name)
+        saved = [(d, k, d[k]) for d, k, _ in changes]
+        for d, k, v in changes:
+            d[k] = v
         try:
             walls[name] = cuda_time(run, iters=3, warmup=1) * 1e3
         finally:
-            g.LONG_WS_BUDGET, g.DEFAULT_CONFIG["window"] = saved
+            for d, k, v in saved:
+                d[k] = v
     return walls
 
 
@@ -115,7 +131,8 @@ def main() -> None:
     ap.add_argument("--out", default="profile-out")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--ab", default="", help="also time each length under these settings, e.g. default,ws256M,nowindow")
+    ap.add_argument("--ab", default="", help="also time each length under these settings, e.g. "
+                    "default,ws256M,nowindow,moe_triton (ab_setting)")
     ap.add_argument("--no-profile", action="store_true", help="only the wall time (and --ab)")
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops that launched them")
     args = ap.parse_args()

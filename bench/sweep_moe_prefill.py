@@ -1,6 +1,7 @@
 """Sweep of the fused MoE prefill path (issue 17): the dense grouped FP8 GEMMs of `triton_moe_prefill` over
-their tilings, beside the gather kernel they replace, on glm-5.3-slice's MoE shapes (32 experts, H 6144,
-I 2048, top-8) at T = 4096 / 8192 / 16384 tokens, uniform and skewed routing.
+their tilings, beside the gather kernel they replace and the cuBLAS expert GEMMs (`cublas_moe_prefill`,
+variant "cublas"), on glm-5.3-slice's MoE shapes (32 experts, H 6144, I 2048, top-8) at T = 4096 / 8192 /
+16384 tokens, uniform and skewed routing.
 
 Run on the device:  PYTHONPATH=. python bench/sweep_moe_prefill.py --out $OUT      (~3 min on an H200)
 Every variant is compiled first, in parallel worker processes (Triton's disk cache carries the binaries to
@@ -12,7 +13,9 @@ take several times the mean, expert 0 takes none). Then the stages of the best v
 the expert sort (old torch version beside `triton_moe_align`), both permutes ("token": each token quantised
 once and copied to its k rows; "slot": one program a row, x read k times) with their HBM byte floors at
 4.25 TB/s, GEMM1, GEMM2, the combine, the whole call. Last lines: the fastest variant per T, the worst error
-per accumulation mode, and the new default (fastest summed over all rows, correct in all).
+per accumulation mode, and the new default (fastest summed over all rows, correct in all). --host first
+measures the cuBLAS path's host cost an expert GEMM (what sets its `cublas_min_rows`); a cuBLAS variant's
+stages are its own (permute into per-expert scale blocks, the expert GEMMs, SiLU*up + quantise).
 Writes sweep_moe_prefill.json and .md under --out.
 Without a GPU:  --offline  compiles each variant's GEMM kernels for sm_90 and prints registers, spills and
 shared memory (Triton's ptxas); --tiny  runs the whole sweep under TRITON_INTERPRET=1 at toy shapes.
@@ -34,7 +37,8 @@ FP8A = 6e-2
 # name -> fused_moe config ("dense" keys: triton_moe_prefill.PREFILL_CONFIG; "gemm": the gather kernel)
 CONFIGS: dict[str, dict] = {
     "gather-64x64 (old)": {"kernel": "gemm", "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
-    "d128 promote (default)": {"kernel": "dense"},
+    "d128 promote (default)": {"kernel": "dense", "gemm": "triton"},
+    "cublas": {"kernel": "dense", "gemm": "cublas"},
     "d128 promote slot-permute (old)": {"kernel": "dense", "permute": "slot"},
     "d128 lag2": {"kernel": "dense", "lag2": True},
     "d128 lag2 s3": {"kernel": "dense", "lag2": True, "stages2": 3},
@@ -220,6 +224,88 @@ def stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: float, dev
     return rows
 
 
+def cublas_stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: float) -> list[dict]:
+    """The stages of a cuBLAS variant (`cublas_moe_prefill`) on their own: align, the permute into per-expert
+    scale blocks, GEMM1 and GEMM2 (one _scaled_mm an expert, host launches included), SiLU*up + quantise, the
+    combine, and the whole call with its host wait."""
+    from dsaserve.kernels import cublas_moe_prefill as C
+    from dsaserve.kernels import triton_moe_align as A
+    from dsaserve.kernels import triton_moe_prefill as P
+
+    e, h, inter, k = shape
+    w13, s13, w2, s2 = make_weights(e, h, inter, "cuda")
+    x, tw, ids = make_batch(t, e, h, k, "uniform", "cuda")
+    cfg = {**P.PREFILL_CONFIG, **CONFIGS[name]}
+    bm = cfg["block_m"]
+    route = A.align_route(ids, e, bm)
+    a1, a1_s = C.quant_scatter_segments(x, route, k, bm)
+    runs = C.expert_runs(*C.run_bounds(route[4]))
+    rows_pad = a1.shape[0]
+    h13 = torch.empty(rows_pad, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    act, act_s = C.silu_mul_quant_segments(h13.zero_(), route, bm)
+    out = torch.empty(rows_pad, h, dtype=torch.bfloat16, device="cuda")
+    fl = 2.0 * t * k * h * inter
+    stages = {
+        "align triton": (lambda: A.align_route(ids, e, bm), 0.0),
+        "permute segments": (lambda: C.quant_scatter_segments(x, route, k, bm), 0.0),
+        "gemm1 cublas": (lambda: C.expert_gemms(a1, a1_s, w13, s13, h13, runs), 2 * fl),
+        "silu quant": (lambda: C.silu_mul_quant_segments(h13, route, bm), 0.0),
+        "gemm2 cublas": (lambda: C.expert_gemms(act, act_s, w2, s2, out, runs), fl),
+        "combine": (lambda: P.unpermute_combine(out, route[3], tw, None, x.dtype), 0.0),
+        "whole": (lambda: run_variant(CONFIGS[name], x, (w13, s13, w2, s2), tw, ids), 3 * fl),
+    }
+    floors = stage_bytes(t, k, h, rows_pad)
+    nbytes = {"permute segments": floors["permute token"], "combine": floors["combine"],
+              "silu quant": t * k * (2 * inter * 2 + inter + 4 * inter // 128)}
+    rows = []
+    for stage, (fn, flops) in stages.items():
+        sec = event_time(fn, reps)
+        r = {"stage": stage, "variant": name, "T": t, "us": sec * 1e6, "tflops": flops / sec / 1e12,
+             "ratio": flops / sec / peak, "bytes": nbytes.get(stage, 0)}
+        rows.append(r)
+        print(stage_text(r), flush=True)
+    return rows
+
+
+def host_costs(shape: tuple, rows: int = 128, reps: int = 20) -> dict[str, float]:
+    """Host µs an expert GEMM of the cuBLAS path costs (GEMM1's shapes, `rows` rows an expert so the GPU keeps
+    up): building its operand views, `torch._scaled_mm` on prebuilt operands, and `expert_gemms` (both), each
+    timed over one layer's experts between syncs; and the GPU µs of one such call, for comparison."""
+    from dsaserve.kernels import cublas_moe_prefill as C
+
+    e, h, inter, _ = shape
+    w13, s13, _, _ = make_weights(e, h, inter, "cuda")
+    a = torch.zeros(rows * e, h, dtype=torch.float8_e4m3fn, device="cuda")
+    a_s = torch.ones(rows * e * (h // 128), device="cuda")
+    out = torch.empty(rows * e, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    runs = [(i, i * rows, rows) for i in range(e)]
+    w_t, ws_t = C.expert_weights(w13, s13)
+
+    def views():
+        return [(a[s:s + r], w_t[i], C.expert_scales(a_s, s, r, h), ws_t[i], out[s:s + r]) for i, s, r in runs]
+
+    built = views()
+
+    def bare():
+        for x, w, sa, sw, o in built:
+            torch._scaled_mm(x, w, sa, sw, out_dtype=torch.bfloat16, out=o)
+
+    result = {}
+    for name, fn in {"views": views, "scaled_mm": bare, "expert_gemms": lambda: C.expert_gemms(
+            a, a_s, w13, s13, out, runs)}.items():
+        fn()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) / e * 1e6)
+        result[f"host_us_{name}"] = sorted(times)[reps // 2]
+    result["gpu_us_scaled_mm"] = event_time(bare, reps) / e * 1e6
+    print("host costs an expert GEMM (us): " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()), flush=True)
+    return result
+
+
 def _run_once(fn) -> float:
     fn()
     return float("nan")
@@ -235,10 +321,10 @@ def stage_text(r: dict) -> str:
     return text
 
 
-def write(out: Path, peak: float, rows: list[dict], stages: list[dict]) -> None:
+def write(out: Path, peak: float, rows: list[dict], stages: list[dict], host: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep_moe_prefill.json").write_text(json.dumps({"fp8_peak_flops": peak, "rows": rows,
-                                                            "stages": stages}, indent=1))
+                                                            "stages": stages, "host": host}, indent=1))
     lines = [f"FP8 peak (_scaled_mm 8192^3): {peak / 1e12:.0f} TFLOP/s", "",
              "| T | routing | variant | us | TFLOP/s | ratio | rel err |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -265,6 +351,8 @@ def main() -> None:
     ap.add_argument("--dists", default="uniform,skewed")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--host", action="store_true", help="also the cuBLAS path's host cost an expert GEMM")
+    ap.add_argument("--stage-tokens", default="", help="T of the stage breakdown (default: the first of --tokens)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--offline", action="store_true", help="sm_90 compile report of every variant, no GPU")
@@ -291,16 +379,20 @@ def main() -> None:
     if dev == "cuda":
         status = precompile(names, shape, args.workers)
         names = [n for n in names if status[n] == "ok"]
+    host = host_costs(shape) if args.host and dev == "cuda" else {}
     rows = sweep(names, tokens, dists, shape, dev, args.reps, peak)
     stages = []
-    best = best_dense(rows, tokens[0])
+    t_stage = int(args.stage_tokens or tokens[0])
+    best = best_dense(rows, t_stage)
     if best:
-        print(f"-- stages of the fastest dense variant at T={tokens[0]}: {best}", flush=True)
+        print(f"-- stages of the fastest dense variant at T={t_stage}: {best}", flush=True)
         try:
-            stages = stage_breakdown(best, shape, tokens[0], args.reps, peak, dev)
+            breakdown = cublas_stage_breakdown if CONFIGS[best].get("gemm") == "cublas" else stage_breakdown
+            stages = breakdown(best, shape, t_stage, args.reps, peak) if dev == "cuda" else \
+                stage_breakdown(best, shape, t_stage, args.reps, peak, dev)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    write(Path(args.out), peak, rows, stages)
+    write(Path(args.out), peak, rows, stages, host)
     for t in tokens:
         print(f"fastest correct dense variant at T={t}: {best_dense(rows, t)}", flush=True)
     print_accuracy(rows)

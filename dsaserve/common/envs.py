@@ -86,6 +86,10 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_SPARSE_MLA_WS": Switch(
         True, _on_unless_zero, "'0': the Gluon sparse MLA over bf16 rows runs its single-partition kernel, not the "
         "warp-specialised one (kernels/gluon_sparse_mla_ws.py; the A/B for issue 17)"),
+    "DSASERVE_MOE_PREFILL_GEMM": Switch(
+        None, lambda raw: raw.strip().lower() or None, "'triton' / 'cublas': the FP8 MoE prefill's expert GEMMs "
+        "(kernels/triton_moe_prefill.py's grouped GEMM, or a block-scaled cuBLAS GEMM an expert: "
+        "kernels/cublas_moe_prefill.py) whatever the size; unset, PREFILL_CONFIG's 'auto' (the A/B for issue 17)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
         "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),
@@ -118,6 +122,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_PREFILL_STAGING: bool
     DSASERVE_SPARSE_MLA_GLUON: bool
     DSASERVE_SPARSE_MLA_WS: bool
+    DSASERVE_MOE_PREFILL_GEMM: str | None
     DSASERVE_STARTUP_PROFILE: str | None
     DSASERVE_PYCACHE: bool
     DSASERVE_KERNEL_SPECS: str | None

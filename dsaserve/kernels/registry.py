@@ -86,6 +86,8 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         linear = functools.partial(triton_fp8_gemm.fp8_linear, exact_act=True)
         fused_moe = functools.partial(triton_moe.fused_moe, config={"fp8_act": False})
         gemm, moe = gemm.replace("FP8 activations", "bf16 activations"), moe.replace("FP8", "bf16")
+    elif device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
     if device.type == "cuda":  # the split GEMMs' shared counters: made here, never first inside a graph capture
         triton_fp8_gemm.split_counters(device)
     ops = _reference_ops()

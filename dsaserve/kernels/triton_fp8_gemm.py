@@ -334,8 +334,12 @@ def scaled_mm_ok(n: int, k: int, device: torch.device) -> bool:
     past the tensor: a silently wrong output (found on glm-5.3-tiny, K = 256: the merged q_a|kv_a|wk GEMM's
     indexer-key columns came out zero on one process and garbage on another). GLM-5.3's and
     DeepSeek-V3.2's K are all multiples of 512; the small configs take the Triton GEMM."""
-    return (device.type == "cuda" and n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    return device.type == "cuda" and scaled_mm_shape_ok(n, k) and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def scaled_mm_shape_ok(n: int, k: int) -> bool:
+    """The shapes `scaled_mm_ok` lets cuBLAS's block scaling take, whatever the device."""
+    return n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common import envs
+from dsaserve.kernels.cublas_moe_prefill import moe_prefill_cublas, use_cublas
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
 from dsaserve.kernels.triton_moe_align import align_route
 from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, _store_combined, moe_prefill_fp8
@@ -302,11 +304,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)
         if not (fp8 and cfg["fp8_act"]):
             raise ValueError("fused_moe: kernel 'dense' needs FP8 experts and FP8 activations")
-        dense = {**PREFILL_CONFIG, **(config or {})}
+        gemm = envs.DSASERVE_MOE_PREFILL_GEMM
+        dense = {**PREFILL_CONFIG, **({"gemm": gemm} if gemm else {}), **(config or {})}
         if pairs == 0:
             return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
         route = align_route(topk_ids, e, dense["block_m"])  # with pos: the dense path's un-permutation
-        return moe_prefill_fp8(x.contiguous(), w13, w13_scale, w2, w2_scale, topk_weights, route, top_k, add, dense)
+        prefill = moe_prefill_cublas if use_cublas(dense, x, e, inter, pairs) else moe_prefill_fp8
+        return prefill(x.contiguous(), w13, w13_scale, w2, w2_scale, topk_weights, route, top_k, add, dense)
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
               "kernel": kernel}

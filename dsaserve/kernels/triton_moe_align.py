@@ -47,6 +47,14 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, block_expert, pcum[num_experts - 1:num_experts].to(torch.int32)
 
 
+def run_ends_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """[E] int32: where each expert's padded run ends in `moe_align`'s order (the spec of `align_route`'s ends)."""
+    flat = topk_ids.reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    return ((counts[:num_experts] + block_m - 1) // block_m * block_m).cumsum(0).to(torch.int32)
+
+
 def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """`align_route` from `moe_align_torch`: pos is the inverse of sorted_ids over the live pairs."""
     n = flat.numel()
@@ -55,7 +63,7 @@ def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     slots = torch.arange(int(total), dtype=torch.int32, device=flat.device)
     live = sorted_ids[:int(total)]
     pos[live[live < n].long()] = slots[live < n]
-    return sorted_ids, bexp, total, pos
+    return sorted_ids, bexp, total, pos, run_ends_torch(flat, num_experts, block_m)
 
 
 # Every size below is a constexpr of the expert count alone and no pair / chunk / block count is specialised:
@@ -125,9 +133,10 @@ def _align_scatter_kernel(ids_ptr, base_ptr, pend_ptr, sorted_ptr, pos_ptr, bexp
 
 
 def align_route(topk_ids: torch.Tensor, num_experts: int,
-                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids, block_expert, total, pos): `moe_align`'s three outputs, and pos [T*k] int32, the slot of
-    each pair in sorted_ids (-1 for an absent expert's pair, id num_experts)."""
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, block_expert, total, pos, ends): `moe_align`'s three outputs, pos [T*k] int32, the slot of
+    each pair in sorted_ids (-1 for an absent expert's pair, id num_experts), and ends [E] int32, where each
+    expert's padded run ends (expert e's rows are [ends[e-1], ends[e]), ends[-1] = total)."""
     flat = topk_ids.reshape(-1).contiguous()
     n = flat.numel()
     dev = flat.device
@@ -152,4 +161,4 @@ def align_route(topk_ids: torch.Tensor, num_experts: int,
     grid = max(chunks, triton.cdiv(max_blocks, nb))
     _align_scatter_kernel[(grid,)](flat, base, pend, sorted_ids, pos, bexp, n, chunks, num_experts, max_blocks,
                                    BINS=bins, CHUNK=chunk, BLOCK_M=block_m, NB=nb)
-    return sorted_ids, bexp, total, pos
+    return sorted_ids, bexp, total, pos, pend[:num_experts]

@@ -46,10 +46,16 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 #   the fastest correct variant at T = 4096 / 8192 / 16384 tokens, uniform and skewed routing: 605-671 TFLOP/s,
 #   0.42-0.47 of that run's _scaled_mm FP8 peak (the gather kernel 470-511, 0.33-0.36), same error as the
 #   reference's other paths (rel 0.0434 vs 0.0436).
+# gemm: "triton" (this module's grouped GEMM), "cublas" (`cublas_moe_prefill`: a block-scaled _scaled_mm an
+#   expert, sizes read on the host) or "auto": cublas where it may run (CUDA sm_90, cuBLAS's shapes, no graph
+#   capture) and the experts average at least cublas_min_rows rows. H200, 2026-12-03 (bench/RESULTS.md,
+#   seventeenth session; slice shapes): cublas 0.63-0.68 of the FP8 peak at 2K-4K rows an expert (T = 8192 /
+#   16384) against this module's 0.52-0.54; at 1K rows 0.56 against 0.49-0.52 on one machine but slower skewed
+#   on another, whose host took ~45 us a _scaled_mm (16 us on the first): 2048 keeps the host out of the way.
 PREFILL_CONFIG = {"kernel": "dense", "block_m": 128, "bn1": 128, "warps1": 8, "stages1": 3,
                   "bn2": 128, "warps2": 8, "stages2": 4, "group_m": 8, "persistent": False, "tma": True,
                   "mma_acc": False, "permute": "token", "flatten": False, "pair_n": False,
-                  "lag": False}
+                  "lag": False, "gemm": "auto", "cublas_min_rows": 2048}
 PERMUTE_GROUPS = 8  # 128-groups a permute program quantises (6 programs a GLM-5.3 row)
 
 
@@ -78,18 +84,25 @@ def _permute_quant_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, sorted_ptr, total_ptr, n
 
 
 @triton.jit
+def quantised_token(x_ptr, stride_xm, K, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
+    """The program's token t = program 0 and its groups (program 1), quantised by quant_act_fp8's rule: (t, offs_g,
+    offs_k, kmask, gmask, q [GROUPS_PER_PROG, GROUP] e4m3, scale [GROUPS_PER_PROG]). Both token scatters start so."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    kmask = offs_k < K
+    x = tl.load(x_ptr + t * stride_xm + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    q, scale = quant_rows_fp8(x)
+    return t, offs_g, offs_k, kmask, offs_g * GROUP < K, q, scale
+
+
+@triton.jit
 def _quant_scatter_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, K, stride_xm, rows_pad, TOP_K: tl.constexpr,
                           GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, PDL: tl.constexpr = False):
     """x[t] quantised per 128-group once and stored to the row pos[t*k+j] of each of its k pairs (pos -1, an
     absent expert's pair: nowhere). Reads x once where the slot-driven kernel reads it k times."""
     grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs_g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
-    offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    kmask = offs_k < K
-    gmask = offs_g * GROUP < K
-    x = tl.load(x_ptr + t * stride_xm + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    q, scale = quant_rows_fp8(x)  # quant_act_fp8's rule
+    t, offs_g, offs_k, kmask, gmask, q, scale = quantised_token(x_ptr, stride_xm, K, GROUP, GROUPS_PER_PROG)
     for j in tl.static_range(TOP_K):
         p = tl.load(pos_ptr + t * TOP_K + j)
         p64 = tl.maximum(p, 0).to(tl.int64)
@@ -310,7 +323,7 @@ def permute_quant(x: torch.Tensor, route: tuple, top_k: int,
                   mode: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A1 e4m3 [rows_pad, H], its scales K-major [H/128, rows_pad], pos [T*k] int32: a pair's row, or -1).
 
-    route: `align_route`'s (sorted_ids, block_expert, total, pos), or `moe_align`'s three (mode "slot" only).
+    route: `align_route`'s (sorted_ids, block_expert, total, pos, ends), or `moe_align`'s three (mode "slot" only).
     mode "token" (`_quant_scatter_kernel`): each token read and quantised once, its fp8 row stored to its k
     slots; padding rows are left unwritten (rows are independent through both GEMMs and the combine never
     reads them). "slot" (`_permute_quant_kernel`): one program a slot, x read k times, padding rows zeros.
@@ -354,6 +367,8 @@ def moe_prefill_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         grouped_gemm(a1, a1_s, w13, w13_scale, act16, None, route, inter, True, cfg, 1)
         act, act_s = quant_act_fp8(act16, scale_m_major=True)
         act_s = act_s.t()  # K-major storage [I/128, rows_pad]
+        del act16
+    del a1, a1_s  # freed once read: out below is the largest buffer (a 128K-token chunk's are GBs)
     out = torch.empty(rows_pad, h, dtype=act_dtype, device=x.device)
     grouped_gemm(act, act_s, w2, w2_scale, out, None, route, h, False, cfg, 2)
     return unpermute_combine(out, pos, topk_weights, add, x.dtype)

@@ -30,8 +30,9 @@ def test_align_route_equals_the_torch_sort(gen, monkeypatch, t, e, k, bm, chunk,
     ids = _ids(gen, t, e, k, skewed)
     if t > 1:
         ids[::7, 0] = e  # an absent expert's pairs: past the total, pos -1
-    sorted_ids, bexp, total, pos = A.align_route(ids, e, bm)
+    sorted_ids, bexp, total, pos, ends = A.align_route(ids, e, bm)
     want = A.moe_align_torch(ids, e, bm)
+    assert torch.equal(ends, A.run_ends_torch(ids, e, bm)) and int(ends[-1]) == int(total), f"seed {gen.initial_seed()}"
     assert torch.equal(sorted_ids, want[0]), f"seed {gen.initial_seed()}"
     assert torch.equal(bexp, want[1]) and torch.equal(total, want[2]), f"seed {gen.initial_seed()}"
     flat = ids.reshape(-1)

@@ -58,6 +58,12 @@ def _route(gen, t, e, k, dist):
     return tw, ids
 
 
+def _problem(gen, shape: tuple, t: int, dist: str):
+    """(weights, x [t, H] bf16, routing weights, ids) of one MoE call of `shape` = (E, H, I, k)."""
+    e, h, inter, k = shape
+    return (_weights(gen, e, h, inter), randn(t, h, gen=gen, dtype=torch.bfloat16), *_route(gen, t, e, k, dist))
+
+
 def _dense(conf: dict) -> dict:
     return {"kernel": "dense", "block_m": 32 if BIG else 16, **conf}
 
@@ -66,11 +72,7 @@ def _dense(conf: dict) -> dict:
 @pytest.mark.parametrize("dist", ["uniform", "skewed"])
 def test_dense_moe_matches_reference_in_every_tiling(gen, shape, dist):
     moe = gpu_modules()[3]
-    e, h, inter, k = shape
-    w = _weights(gen, e, h, inter)
-    t = 300 if BIG else 37
-    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
-    tw, ids = _route(gen, t, e, k, dist)
+    w, x, tw, ids = _problem(gen, shape, 300 if BIG else 37, dist)
     ref = R.fused_moe(x, *w[:2], *w[2:], tw, ids)
     for name, conf in CONFIGS.items():
         poison_free_memory()
@@ -180,3 +182,102 @@ def test_dense_moe_takes_each_models_shapes(gen, model):
     tw, ids = _route(gen, 9, e, k, "skewed")
     got = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=_dense({}))
     assert rel(got, R.fused_moe(x, *w[:2], *w[2:], tw, ids)) < FP8A, f"seed {gen.initial_seed()} {model}"
+
+
+# ---- the cuBLAS variant (`cublas_moe_prefill`): a block-scaled _scaled_mm an expert ------------------------
+CUBLAS_SHAPE = (5, 1024, 512, 4) if BIG else (3, 512, 512, 2)  # H, I multiples of 512: cuBLAS's block scaling
+
+
+def _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
+    """torch._scaled_mm's DeepSeek block scaling, checked as torch checks it (ScaledBlas.cpp): a (M, K) e4m3
+    row-major, b (K, N) column-major, scale_a (M, K/128) with stride (1, M), scale_b (K/128, N/128) the
+    transpose of a row-major (N/128, K/128); out an (M, N) contiguous block. Dequantised product in fp32."""
+    (m, k), n = a.shape, b.shape[1]
+    kg = -(-k // 128)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride() == (k, 1) and b.stride() == (1, k)
+    assert scale_a.shape == (m, kg) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    assert scale_b.shape == (kg, n // 128) and scale_b.stride() == (1, kg)
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == out_dtype
+    deq_a = a.float() * scale_a.repeat_interleave(128, dim=1)[:, :k]
+    deq_b = b.float() * scale_b.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+    out.copy_(deq_a @ deq_b)
+    return out
+
+
+@pytest.fixture
+def cublas(monkeypatch):
+    """The cuBLAS module, its GEMM emulated off CUDA (the interpreter runs the Triton kernels around it)."""
+    gpu_modules()
+    from dsaserve.kernels import cublas_moe_prefill as C
+
+    if DEVICE != "cuda":
+        monkeypatch.setattr(C, "scaled_mm", _emulated_scaled_mm)
+    return C
+
+
+@pytest.mark.parametrize("dist", ["uniform", "skewed"])
+def test_cublas_moe_matches_reference(gen, cublas, dist):
+    moe = gpu_modules()[3]
+    t, (e, h) = 300 if BIG else 29, CUBLAS_SHAPE[:2]
+    w, x, tw, ids = _problem(gen, CUBLAS_SHAPE, t, dist)
+    ids[::5, 0] = e  # pairs of another rank's expert: no row, nothing added
+    ref = R.fused_moe(x, *w[:2], *w[2:], tw, ids, absent=True)
+    shared = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    poison_free_memory()
+    conf = _dense({"gemm": "cublas"})
+    got = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=conf, absent=True)
+    assert torch.isfinite(got).all() and rel(got, ref) < FP8A, f"seed {gen.initial_seed()}"
+    with_add = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, add=shared, config=conf, absent=True)
+    assert torch.equal(with_add, got + shared)
+    triton_path = moe.fused_moe(x, *w[:2], *w[2:], tw, ids, config=_dense({"gemm": "triton"}), absent=True)
+    assert rel(got, triton_path) < FP8A / 2, f"seed {gen.initial_seed()}"  # the two GEMMs agree closer still
+
+
+def test_cublas_moe_scales_lie_in_one_block_an_expert(gen, cublas):
+    """Each expert's activation scales are the [K/128, rows] block `_scaled_mm` reads for its rows, holding
+    `quant_act_fp8`'s scales of those rows; the act quantiser keeps GEMM1's epilogue rule (bf16, then e4m3)."""
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels import triton_moe_align as A
+
+    t, e, h, k, bm = 23, 5, 384, 3, 16
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    _, ids = _route(gen, t, e, k, "skewed")
+    route = A.align_route(ids, e, bm)
+    q, s = cublas.quant_scatter_segments(x, route, k, bm)
+    runs = cublas.expert_runs(*cublas.run_bounds(route[4]))
+    assert [r[0] for r in runs] == sorted({int(i) for i in ids.flatten()})  # every chosen expert, once
+    want_q, want_s = G.quant_act_fp8(x)
+    for _, start, rows in runs:
+        sids = route[0][start:start + rows].long()
+        real = sids < t * k
+        scales = cublas.expert_scales(s, start, rows, h)
+        assert scales.stride() == (1, rows)
+        assert torch.equal(scales[real], want_s[sids[real] // k]), f"seed {gen.initial_seed()}"
+        assert torch.equal(q[start:start + rows][real].view(torch.uint8), want_q[sids[real] // k].view(torch.uint8))
+    h13 = randn(route[0].numel(), 2 * h, gen=gen, dtype=torch.bfloat16)
+    act, act_s = cublas.silu_mul_quant_segments(h13, route, bm)
+    total = int(route[2])
+    gate, up = h13[:total, :h].float(), h13[:total, h:].float()
+    want_q, want_s = G.quant_act_fp8((gate * torch.sigmoid(gate) * up).bfloat16())
+    assert torch.equal(act[:total].view(torch.uint8), want_q.view(torch.uint8))
+    for _, start, rows in runs:
+        assert torch.equal(cublas.expert_scales(act_s, start, rows, h), want_s[start:start + rows])
+
+
+def test_auto_takes_cublas_only_where_it_may_run(gen, cublas, monkeypatch):
+    from dsaserve.kernels import triton_moe_prefill as P
+
+    e, h, inter = 32, 6144, 2048
+    x = torch.empty(8, h, dtype=torch.bfloat16, device=DEVICE)
+    cfg = {**P.PREFILL_CONFIG, "gemm": "auto", "cublas_min_rows": 512}
+    on_h200 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert cublas.use_cublas(cfg, x, e, inter, 512 * e) == on_h200
+    assert not cublas.use_cublas(cfg, x, e, inter, 512 * e - 1)  # fewer rows an expert: the Triton grouped GEMM
+    assert not cublas.use_cublas(cfg, x, e, inter + 128, 512 * e)  # I not a multiple of 512
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not cublas.use_cublas(cfg, x, e, inter, 1 << 20)  # a CUDA graph cannot read sizes on the host
+    assert cublas.use_cublas({**cfg, "gemm": "cublas"}, x, e, inter, 1)
+    with pytest.raises(ValueError, match="multiples of 512"):
+        cublas.use_cublas({**cfg, "gemm": "cublas"}, x, e, 320, 1)
+    with pytest.raises(ValueError, match="is one of"):
+        cublas.use_cublas({**cfg, "gemm": "cutlass"}, x, e, inter, 1)
