@@ -9,6 +9,7 @@ in-process count of Triton kernels the JIT had to compile or load after Up (`ker
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +103,11 @@ class KernelLoads:
         self.count, self.at_up = 0, None
         self.installed = chain_post_compile_hook(self._loaded)
 
-    def _loaded(self, _kwargs: dict[str, Any]) -> None:
+    def _loaded(self, kwargs: dict[str, Any]) -> None:
         self.count += 1
+        if self.at_up is not None:  # the kernel and specialisation a slow first request paid for, by name
+            logging.getLogger(__name__).warning("Triton kernel loaded after Up, a specialisation the warmup did "
+                                                "not launch: %s", str(kwargs.get("repr", "?"))[:400])
 
     def mark_up(self) -> None:
         self.at_up = self.count

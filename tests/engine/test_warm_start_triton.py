@@ -65,6 +65,17 @@ def test_a_preloaded_spec_is_the_next_launchs_jit_cache_hit(jit, tmp_path):
     assert ws.preload_spec(json.dumps(stale)).startswith(f"{__name__}._copy_kernel: ")
 
 
+def test_a_kernel_loaded_after_up_is_logged_by_name(jit, caplog):
+    loads = KernelLoads()
+    x, y = torch.zeros(64), torch.zeros(64)
+    _copy_kernel.warmup(x, y, 64, BLOCK=64, grid=(1,))
+    assert "after Up" not in caplog.text
+    loads.mark_up()
+    _copy_kernel.warmup(x, y, 63, BLOCK=64, grid=(1,))  # another specialisation, first met after Up
+    assert loads.read()["kernel_loads_after_up"] == 1
+    assert "loaded after Up" in caplog.text and "_copy_kernel" in caplog.text
+
+
 def test_the_recorder_marks_the_entry_the_jit_compiled(jit, tmp_path):
     """The JIT's hook gives the recorder the kernel's cache entry: marked compiled at save(), the next start
     replays nothing of it (engine/compiled_specs.py); the entry is the directory Triton wrote."""
