@@ -95,6 +95,16 @@ def warm_sampler(device: torch.device, vocab: int, eos: tuple[int, ...]) -> list
     return list(SAMPLER_VARIANTS)
 
 
+def _describe(hook_kwargs: dict[str, Any]) -> str:
+    """A JIT hook's kernel as name, warps, constexprs, argument types and their attributes (16-divisible
+    integers and pointers: what tells two specialisations apart; Triton 3.6's `repr` leaves the types out)."""
+    fn, spec = hook_kwargs.get("fn"), hook_kwargs.get("compile") or {}
+    name = getattr(fn, "name", None) or str(hook_kwargs.get("repr", "?")).split("[")[0]
+    attrs = (spec.get("configs") or [None])[0]
+    return (f"{name}[num_warps={spec.get('num_warps')}] constexprs {spec.get('constants')} "
+            f"signature {spec.get('signature')} attrs {attrs}")[:800]
+
+
 class KernelLoads:
     """COUNTERS source `kernel_loads_after_up`: Triton kernels compiled or loaded from disk (a JIT in-memory
     miss) after `mark_up()`. Chains to a hook someone else installed; absent (0) without Triton's knobs."""
@@ -107,7 +117,7 @@ class KernelLoads:
         self.count += 1
         if self.at_up is not None:  # the kernel and specialisation a slow first request paid for, by name
             logging.getLogger(__name__).warning("Triton kernel loaded after Up, a specialisation the warmup did "
-                                                "not launch: %s", str(kwargs.get("repr", "?"))[:400])
+                                                "not launch: %s", _describe(kwargs))
 
     def mark_up(self) -> None:
         self.at_up = self.count
