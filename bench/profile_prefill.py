@@ -91,9 +91,8 @@ def sync_sites(fn) -> dict[str, int]:
 def ab_setting(name: str) -> list[tuple[dict, str, object]]:
     """(dict, key, value) changes of one --ab setting (a module's globals are its `vars`): "ws<N>M" the radix
     select's workspace chunk of N MB (`triton_indexer_gemm.LONG_WS_BUDGET`), "nowindow" the select without its
-    window pass,
-    "moe_triton" / "moe_cublas" the MoE prefill's expert GEMMs (`triton_moe_prefill.PREFILL_CONFIG["gemm"]`),
-    "default" nothing."""
+    window pass, "moe_triton" / "moe_cublas" the MoE prefill's expert GEMMs
+    (`triton_moe_prefill.PREFILL_CONFIG["gemm"]`), "default" nothing."""
     from dsaserve.kernels import triton_indexer_gemm as g
     from dsaserve.kernels import triton_moe_prefill as moe
 

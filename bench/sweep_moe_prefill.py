@@ -211,6 +211,11 @@ def stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: float, dev
         "combine": (lambda: P.unpermute_combine(out, pos, tw, None, x.dtype), 0.0),
         "whole": (lambda: run_variant(CONFIGS[name], x, (w13, s13, w2, s2), tw, ids), 3 * fl),
     }
+    return time_stages(stages, nbytes, name, t, reps, peak, dev)
+
+
+def time_stages(stages: dict, nbytes: dict, name: str, t: int, reps: int, peak: float, dev: str) -> list[dict]:
+    """Each stage (name -> (call, FLOPs)) timed on its own, printed and returned as rows (a failing one printed)."""
     rows = []
     for stage, (fn, flops) in stages.items():
         try:
@@ -257,14 +262,7 @@ def cublas_stage_breakdown(name: str, shape: tuple, t: int, reps: int, peak: flo
     floors = stage_bytes(t, k, h, rows_pad)
     nbytes = {"permute segments": floors["permute token"], "combine": floors["combine"],
               "silu quant": t * k * (2 * inter * 2 + inter + 4 * inter // 128)}
-    rows = []
-    for stage, (fn, flops) in stages.items():
-        sec = event_time(fn, reps)
-        r = {"stage": stage, "variant": name, "T": t, "us": sec * 1e6, "tflops": flops / sec / 1e12,
-             "ratio": flops / sec / peak, "bytes": nbytes.get(stage, 0)}
-        rows.append(r)
-        print(stage_text(r), flush=True)
-    return rows
+    return time_stages(stages, nbytes, name, t, reps, peak, "cuda")
 
 
 def host_costs(shape: tuple, rows: int = 128, reps: int = 20) -> dict[str, float]:
@@ -387,9 +385,10 @@ def main() -> None:
     if best:
         print(f"-- stages of the fastest dense variant at T={t_stage}: {best}", flush=True)
         try:
-            breakdown = cublas_stage_breakdown if CONFIGS[best].get("gemm") == "cublas" else stage_breakdown
-            stages = breakdown(best, shape, t_stage, args.reps, peak) if dev == "cuda" else \
-                stage_breakdown(best, shape, t_stage, args.reps, peak, dev)
+            if CONFIGS[best].get("gemm") == "cublas":  # CUDA only: cuBLAS shapes never pass on the CPU
+                stages = cublas_stage_breakdown(best, shape, t_stage, args.reps, peak)
+            else:
+                stages = stage_breakdown(best, shape, t_stage, args.reps, peak, dev)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     write(Path(args.out), peak, rows, stages, host)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, quant_rows_fp8, scaled_mm_ok, scaled_mm_shape_ok
-from dsaserve.kernels.triton_moe_prefill import quantised_token, unpermute_combine
+from dsaserve.kernels.triton_moe_prefill import groups_per_prog, quantised_token, unpermute_combine
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 scaled_mm = torch._scaled_mm  # replaced by the CPU tests' emulation (tests/kernels/test_gpu_moe_prefill.py)
@@ -88,10 +88,6 @@ def _silu_mul_quant_segments_kernel(h_ptr, q_ptr, s_ptr, bexp_ptr, ends_ptr, tot
              mask=(offs_g * GROUP < inter) & live)
 
 
-def _groups_per_prog(k: int) -> int:
-    return min(8, triton.next_power_of_2(triton.cdiv(k, FP8_BLOCK)))
-
-
 def quant_scatter_segments(x: torch.Tensor, route: tuple, top_k: int, block_m: int) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:
     """(A1 e4m3 [rows_pad, H], its scales flat [rows_pad * H/128] in per-expert blocks: see `expert_scales`)."""
@@ -99,7 +95,7 @@ def quant_scatter_segments(x: torch.Tensor, route: tuple, top_k: int, block_m: i
     kg = triton.cdiv(h, FP8_BLOCK)
     q = torch.empty(rows_pad, h, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows_pad * kg, dtype=torch.float32, device=x.device)
-    gpp = _groups_per_prog(h)
+    gpp = groups_per_prog(h)
     if t:
         _quant_scatter_segments_kernel[(t, triton.cdiv(kg, gpp))](
             x, q, s, route[3], route[1], route[4], h, x.stride(0), TOP_K=top_k, BLOCK_M=block_m, GROUP=FP8_BLOCK,
@@ -113,7 +109,7 @@ def silu_mul_quant_segments(h13: torch.Tensor, route: tuple, block_m: int) -> tu
     kg = triton.cdiv(inter, FP8_BLOCK)
     q = torch.empty(rows_pad, inter, dtype=torch.float8_e4m3fn, device=h13.device)
     s = torch.empty(rows_pad * kg, dtype=torch.float32, device=h13.device)
-    gpp = _groups_per_prog(inter)
+    gpp = groups_per_prog(inter)
     rpp = SILU_ROWS_PER_PROG if gpp >= 4 else 1
     if rows_pad:
         _silu_mul_quant_segments_kernel[(triton.cdiv(rows_pad, rpp), triton.cdiv(kg, gpp))](
@@ -179,11 +175,11 @@ def use_cublas(cfg: dict, x: torch.Tensor, num_experts: int, inter: int, pairs: 
     forced on shapes cuBLAS cannot take is an error)."""
     choice, h = cfg["gemm"], x.shape[1]
     if choice not in GEMM_CHOICES:
-        raise ValueError(f"moe_prefill_fp8: gemm (DSASERVE_MOE_PREFILL_GEMM) is one of {GEMM_CHOICES}, "
+        raise ValueError(f"fused_moe: gemm (DSASERVE_MOE_PREFILL_GEMM) is one of {GEMM_CHOICES}, "
                          f"got {choice!r}")
     shapes = scaled_mm_shape_ok(2 * inter, h) and scaled_mm_shape_ok(h, inter) and cfg["block_m"] % 16 == 0
     if choice == "cublas" and not shapes:
-        raise ValueError(f"moe_prefill_fp8: gemm 'cublas' needs H {h} and I {inter} multiples of 512 and "
+        raise ValueError(f"fused_moe: gemm 'cublas' needs H {h} and I {inter} multiples of 512 and "
                          f"block_m {cfg['block_m']} a multiple of 16")
     if choice != "auto":
         return choice == "cublas"

@@ -33,9 +33,7 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int,
     n = flat.numel()
     max_blocks = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m)
     dev = flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pcum = padded.cumsum(0)
+    counts, padded, pcum = _padded_runs(flat, num_experts, block_m)
     start = counts.cumsum(0) - counts
     sorted_e, order = torch.sort(flat, stable=True)
     rank = torch.arange(n, device=dev) - start[sorted_e]
@@ -47,12 +45,17 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, block_expert, pcum[num_experts - 1:num_experts].to(torch.int32)
 
 
-def run_ends_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
-    """[E] int32: where each expert's padded run ends in `moe_align`'s order (the spec of `align_route`'s ends)."""
-    flat = topk_ids.reshape(-1)
+def _padded_runs(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(pairs, padded run length, padded run end) of each bin [E + 1] (experts, then the absent expert's)."""
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
-    return ((counts[:num_experts] + block_m - 1) // block_m * block_m).cumsum(0).to(torch.int32)
+    padded = (counts + block_m - 1) // block_m * block_m
+    return counts, padded, padded.cumsum(0)
+
+
+def run_ends_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """[E] int32: where each expert's padded run ends in `moe_align`'s order (the spec of `align_route`'s ends)."""
+    return _padded_runs(topk_ids.reshape(-1), num_experts, block_m)[2][:num_experts].to(torch.int32)
 
 
 def _route_torch(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:

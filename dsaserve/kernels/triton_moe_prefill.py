@@ -319,6 +319,11 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch
         _grouped_fp8_gemm_kernel[(grid,)](*args, **meta, **pdl_args(a.device))
 
 
+def groups_per_prog(k: int) -> int:
+    """128-groups a row-quantising program takes for rows of k (at most PERMUTE_GROUPS, a power of two)."""
+    return min(PERMUTE_GROUPS, triton.next_power_of_2(triton.cdiv(k, FP8_BLOCK)))
+
+
 def permute_quant(x: torch.Tensor, route: tuple, top_k: int,
                   mode: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A1 e4m3 [rows_pad, H], its scales K-major [H/128, rows_pad], pos [T*k] int32: a pair's row, or -1).
@@ -332,7 +337,7 @@ def permute_quant(x: torch.Tensor, route: tuple, top_k: int,
     kg = triton.cdiv(h, FP8_BLOCK)
     q = torch.empty(rows_pad, h, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(kg, rows_pad, dtype=torch.float32, device=x.device)
-    gpp = min(PERMUTE_GROUPS, triton.next_power_of_2(kg))
+    gpp = groups_per_prog(h)
     if mode == "token":
         pos = route[3]
         if t:
