@@ -9,6 +9,7 @@ share; "sum of kernels" beside the replay time shows how much of the step is gap
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -22,6 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.kernels import reference as R
+from dsaserve.kernels.registry import get_ops
 
 
 def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
@@ -40,6 +43,22 @@ def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], floa
             calls[ev.name[:90]] += 1
     rows = sorted(((n, t, calls[n] // steps) for n, t in time_us.items()), key=lambda r: -r[1])
     return rows, sum(t for _, t, _ in rows)
+
+
+def kernel_sequence(fn, steps: int = 5) -> list[tuple[str, float]]:
+    """One step's kernels in launch order, each (name, median µs over `steps` steps): which GEMM is which shape
+    follows from the model's order (the grouped table above sums them by name)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    per = len(evs) // steps
+    return [(evs[i].name[:70], statistics.median(evs[i + s * per].device_time for s in range(steps)))
+            for i in range(per)]
 
 
 def _dsaserve_frame(ev) -> str:
@@ -101,6 +120,44 @@ def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def ab_setting(runner, name: str):
+    """Apply one --ab setting to the runner's GPU ops or model and return its undo: "default" nothing,
+    "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
+    indexer key's LayerNorm (torch), RoPE and write as three launches (not `indexer_k_norm_write`),
+    "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`)."""
+    ops = get_ops(runner.device)
+    saved = dict(vars(ops))
+    if name == "cublas_small":
+        ops.small_linear = R.small_linear
+    elif name == "unfused_knorm":
+        def apart(cache, layout, slots, k_raw, weight, bias, eps, cos, sin, rope, interleaved):
+            k = torch.nn.functional.layer_norm(k_raw, (k_raw.shape[-1],), weight, bias, eps)
+            ops.rope_inplace(k[..., :rope], cos, sin, interleaved)
+            saved["indexer_k_write"](cache, layout, slots, k)
+        ops.indexer_k_norm_write = apart
+    elif name == "shared_apart":
+        ops.fused_moe = functools.partial(saved["fused_moe"], config={"fuse_shared": False})
+    elif name != "default":
+        raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart)")
+    return lambda: vars(ops).update(saved)
+
+
+def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str, list[float]]:
+    """ms of the replayed step under each setting, in one process: the graphs captured again for each, the
+    settings taken in turn `rounds` times (a drift of the machine spreads over all of them)."""
+    times: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        for name in settings:
+            undo = ab_setting(runner, name)
+            try:
+                runner.graphs.capture()
+                times[name].append(cuda_time(lambda: runner.forward(batch)) * 1e3)
+            finally:
+                undo()
+    runner.graphs.capture()
+    return dict(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="glm-5.3-slice")
@@ -110,6 +167,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
+    ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
+                    "default,cublas_small,unfused_knorm,shared_apart")
+    ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +204,11 @@ def main() -> None:
             print(f"{'us/step':>9} {'n':>4}  kernel ({'replay' if replay_rows else 'eager'})")
             for name, t, n in rows[: args.top]:
                 print(f"{t:9.1f} {n:4d}  {name}")
+            if args.ab:
+                case["ab"] = ab_replays(runner, batch, args.ab.split(","))
+                print("A/B replay ms:", {k: [round(v, 4) for v in vs] for k, vs in case["ab"].items()})
+            if args.sequence:
+                case["sequence"] = kernel_sequence(lambda b=on_device: runner.model(b, runner.kv_pool))
             if args.sources:
                 case["sources"] = kernel_sources(lambda b=on_device: runner.model(b, runner.kv_pool), args.sources)
                 for src in case["sources"]:

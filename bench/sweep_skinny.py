@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--m", default="1,32")
     ap.add_argument("--mla", action="store_true", help="sweep sparse MLA at batch 1 instead")
+    ap.add_argument("--wide-grid", action="store_true", help="block_n 32-128, 4-8 warps, 4-8 stages, split 1-16")
     args = ap.parse_args()
     if args.mla:
         return sweep_sparse_mla(args.out)
@@ -44,7 +45,9 @@ def main() -> None:
         auto = G.skinny_config(m, n, k, G._sm_count(x))
         cases = [("auto", auto), ("fp8_linear (dispatcher)", None)]
         block_ms = (auto["block_m"], 128) if m > 64 else (auto["block_m"],)  # M = 128: one M block reads W once
-        for bm, bn, wp, st, sp in itertools.product(block_ms, (64, 128), (4, 8), (4, 6), (1, 2, 4, 8)):
+        grid = ((32, 64, 128), (4, 8), (4, 6, 8), (1, 2, 3, 4, 6, 8, 12, 16)) if args.wide_grid else \
+            ((64, 128), (4, 8), (4, 6), (1, 2, 4, 8))
+        for bm, bn, wp, st, sp in itertools.product(block_ms, *grid):
             conf = dict(auto, block_m=bm, block_n=bn, num_warps=wp, num_stages=st, split=sp)
             cases.append((f"bm{bm} bn{bn} w{wp} st{st} split{sp}", conf))
         best = None
@@ -66,7 +69,7 @@ def main() -> None:
               f"dispatcher {disp_row['us']:6.1f} us | best {best['us']:6.1f} us {best['tb_s']:.2f} TB/s "
               f"{best['config']}", flush=True)
         del ws
-    (args.out / "sweep_skinny.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "sweep_skinny.json").write_text(json.dumps(rows, indent=1))  # each shape: a cut-off run keeps it
 
 
 def sweep_sparse_mla(out: Path) -> None:

@@ -15,6 +15,8 @@ Conventions shared by all ops:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +105,16 @@ def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Te
     index_cache.index_copy_(0, slots, encode_index_k(k, layout))
 
 
+def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k_raw: torch.Tensor,
+                         norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, rope_dim: int, interleaved: bool) -> None:
+    """Fused indexer-key path: k = LayerNorm(k_raw) (HF's k_norm), RoPE on its first rope_dim values, then
+    `indexer_k_write`."""
+    k = F.layer_norm(k_raw, (k_raw.shape[-1],), norm_weight, norm_bias, eps)
+    rope_inplace(k[..., :rope_dim], cos, sin, interleaved)
+    indexer_k_write(index_cache, layout, slots, k)
+
+
 def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                  page_size: int, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
@@ -172,6 +184,12 @@ def remap_slots(slots: torch.Tensor, page_map: torch.Tensor, page_size: int) -> 
     return torch.where((s >= 0) & (page >= 0), page * page_size + s % page_size, -1).to(slots.dtype)
 
 
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear without bias over a dense weight (`Linear` not kept FP8: the indexer's bf16 weights_proj; the
+    reference path's dequantised projections): x @ W^T in x.dtype."""
+    return F.linear(x, weight)
+
+
 def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
     """The MoE router's logits as HF computes them: fp32 x [T, H] @ weight [E, H]^T -> [T, E] fp32."""
     return F.linear(x.float(), weight_f32.float())
@@ -206,16 +224,34 @@ def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) ->
     counter += hit.index_fill_(0, ids.reshape(-1).clamp(0, num_values), 1)[:num_values].sum()
 
 
+class SharedExpert(NamedTuple):
+    """A shared expert for `fused_moe` to sum in: gate+up [2I, H] (gate rows then up rows) and down [H, I], FP8
+    with 128x128 block scales (the GPU path's `DenseMLP.as_expert`)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              add: torch.Tensor | None = None, absent: bool = False) -> torch.Tensor:
+              add: torch.Tensor | None = None, absent: bool = False, shared: SharedExpert | None = None
+              ) -> torch.Tensor:
     """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k] (+ add, e.g. the
     shared expert's output, after the sum is rounded to x.dtype).
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; FP8 with block scales, or dense when the
     scales are None (the CPU path dequantises once at load). `absent`: ids may be E — a pair whose expert
-    another rank holds (`local_routes`) — which contributes nothing and costs nothing.
+    another rank holds (`local_routes`) — which contributes nothing and costs nothing. `shared`: the shared
+    expert's weights instead of its output: here its fp32 output rounded once is the `add`.
     """
+    if shared is not None:
+        if add is not None:
+            raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
+        g = x.float() @ dequant_fp8_weight(shared.w13, shared.w13_scale).t()
+        half = g.shape[-1] // 2
+        add = ((F.silu(g[:, :half]) * g[:, half:]) @ dequant_fp8_weight(shared.w2, shared.w2_scale).t()).to(x.dtype)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
     for e in topk_ids.unique().tolist():

@@ -33,8 +33,8 @@ CHOICES = ("auto", "reference")
 SPARSE_MLA_SWAP_AB = False
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
-       "mla_kv_write", "indexer_k_write", "indexer_topk", "sparse_mla_attention", "moe_route", "fused_moe",
-       "count_distinct", "head_bmm", "router_logits", "stage_latent", "remap_slots")
+       "mla_kv_write", "indexer_k_write", "indexer_k_norm_write", "indexer_topk", "sparse_mla_attention", "moe_route",
+       "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -98,6 +98,8 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "count_distinct": (triton_moe_route.count_distinct, "triton one-program count"),
         "router_logits": (triton_moe_route.router_logits,
                           f"triton fp32 GEMV (T<={triton_moe_route.ROUTER_GEMV_MAX_T}), else cuBLAS"),
+        "small_linear": (triton_moe_route.small_linear,
+                         f"triton fp32 GEMV (T<={triton_moe_route.ROUTER_GEMV_MAX_T}), else cuBLAS"),
         "rms_norm": (triton_elementwise.rms_norm, "triton row kernel"),
         "add_rms_norm": (triton_elementwise.add_rms_norm, "triton residual add + RMSNorm"),
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
@@ -108,6 +110,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "sparse_mla_attention": _sparse_mla(gluon_sparse_mla, triton_sparse_mla_swap),
         "mla_kv_write": (triton_kv_write.mla_kv_write, "triton fused RMSNorm+RoPE+encode+scatter"),
         "indexer_k_write": (triton_kv_write.indexer_k_write, "triton FP8 encode+scatter"),
+        "indexer_k_norm_write": (triton_kv_write.indexer_k_norm_write, "triton fused LayerNorm+RoPE+encode+scatter"),
         "stage_latent": (triton_kv_stage.stage_latent, "triton fp8_ds_mla -> bf16 rows of a prefill's pages"),
         "remap_slots": (triton_kv_stage.remap_slots, "triton page-map gather"),
     })

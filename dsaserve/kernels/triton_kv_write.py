@@ -1,4 +1,5 @@
-"""GPU KV writes: fused `mla_kv_write` and `indexer_k_write` (request path stage 6, "norm+RoPE+KV write").
+"""GPU KV writes: fused `mla_kv_write`, `indexer_k_norm_write` and `indexer_k_write` (request path stage 6,
+"norm+RoPE+KV write").
 
 Owns: the GPU variants of `reference.mla_kv_write` (RMSNorm of the nope part, interleaved RoPE of the rope
 part, the latent returned, and the row encoded into the paged cache at its slot: one Triton program per
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP8_MAX, FP32, QUANT_GROUP, KVLayout, get_kv_layout
+from dsaserve.kernels.triton_elementwise import _rnd
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 2, FP8_E4M3: 3}  # the kernels' LAYOUT constexpr
@@ -109,6 +111,20 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
 
 
 @triton.jit
+def _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, v, cols, mask, scale,
+               LAYOUT: tl.constexpr):
+    """Values v (fp32) at columns `cols` of an indexer-key row: LAYOUT 0 e4m3 of v / scale (the key's one FP32
+    scale, KVLayout.encode_index_k; the caller stores it), 1 bf16, 2 fp32."""
+    if LAYOUT == 0:
+        q = tl.clamp(v / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
+        tl.store(c8_ptr + slot * stride_c8 + cols, q.to(tl.uint8, bitcast=True), mask=mask)
+    elif LAYOUT == 1:
+        tl.store(c16_ptr + slot * stride_c16 + cols, v.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(c32_ptr + slot * stride_c32 + cols, v, mask=mask)
+
+
+@triton.jit
 def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, stride_c8, stride_c32,
                           stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -120,15 +136,84 @@ def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
     x = tl.load(k_ptr + t * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
-    if LAYOUT == 0:  # 128 e4m3 + one FP32 scale for the whole key (KVLayout.encode_index_k)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
-        q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
-        tl.store(c8_ptr + slot * stride_c8 + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
+    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, x, offs, mask, scale, LAYOUT)
+    if LAYOUT == 0:
         tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
-    elif LAYOUT == 1:
-        tl.store(c16_ptr + slot * stride_c16 + offs, x.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _layer_norm_at(row, w_ptr, b_ptr, offs, mask, mean, rstd):
+    """LayerNorm of a row's values at `offs` (fp32 stats given), rounded to the row's dtype as torch's output."""
+    x = tl.load(row + offs, mask=mask, other=0.0)
+    y = (x.to(tl.float32) - mean) * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, half,
+                               eps, stride_k, stride_cos, stride_sin, stride_c8, stride_c32, stride_c16,
+                               INTERLEAVED: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    """One token: LayerNorm of its raw key (fp32 stats), RoPE of the first 2*half values (`_rope_kernel`'s
+    roundings: each product to the activation dtype), then `_index_k_write_kernel`'s encode at its slot."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    row = k_ptr + t * stride_k
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    slot = opaque_index(slot.to(tl.int64))
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / d
+    diff = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / d + eps)
+    p = tl.arange(0, BLOCK_P)
+    pmask = p < half
+    if INTERLEAVED:  # pairs (2p, 2p+1) -> [evens' | odds']
+        i1, i2 = 2 * p, 2 * p + 1
     else:
-        tl.store(c32_ptr + slot * stride_c32 + offs, x, mask=mask)
+        i1, i2 = p, p + half
+    y1 = _layer_norm_at(row, w_ptr, b_ptr, i1, pmask, mean, rstd)
+    y2 = _layer_norm_at(row, w_ptr, b_ptr, i2, pmask, mean, rstd)
+    c = tl.load(cos_ptr + t * stride_cos + p, mask=pmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_sin + p, mask=pmask, other=0.0).to(tl.float32)
+    ty = k_ptr.dtype.element_ty
+    r1 = (_rnd(y1 * c, ty) - _rnd(y2 * s, ty)).to(ty).to(tl.float32)
+    r2 = (_rnd(y2 * c, ty) + _rnd(y1 * s, ty)).to(ty).to(tl.float32)
+    rest = mask & (offs >= 2 * half)
+    yr = tl.where(rest, _layer_norm_at(row, w_ptr, b_ptr, offs, rest, mean, rstd), 0.0)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0)), tl.max(tl.abs(yr), axis=0))
+    scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
+    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, r1, p, pmask, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, r2, half + p, pmask, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, yr, offs, rest, scale, LAYOUT)
+    if LAYOUT == 0:
+        tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
+
+
+def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k_raw: torch.Tensor,
+                         norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, rope_dim: int, interleaved: bool) -> None:
+    """GPU `reference.indexer_k_norm_write`: the key's LayerNorm, RoPE and write in one launch (were a torch
+    LayerNorm, a RoPE kernel and the write: three launches a full layer, the first outside the PDL chain)."""
+    code = _INDEX_LAYOUT[get_kv_layout(layout, "indexer_k_norm_write: layout")]
+    t, d = k_raw.shape
+    if t == 0:
+        return
+    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
+        raise ValueError(f"indexer_k_norm_write: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
+    if k_raw.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("indexer_k_norm_write: k_raw, cos and sin need a unit last stride")
+    c8, c32, c16 = _views(index_cache)
+    half = rope_dim // 2
+    _index_k_norm_write_kernel[(t,)](k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps,
+                                     k_raw.stride(0), cos.stride(0), sin.stride(0), c8.stride(0), c32.stride(0),
+                                     c16.stride(0), INTERLEAVED=interleaved, LAYOUT=code,
+                                     BLOCK_D=triton.next_power_of_2(d), BLOCK_P=triton.next_power_of_2(max(half, 1)),
+                                     num_warps=1, **pdl_args(k_raw.device))
 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:

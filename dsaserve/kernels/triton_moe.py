@@ -23,7 +23,9 @@ import triton.language as tl
 
 from dsaserve.common import envs
 from dsaserve.kernels.cublas_moe_prefill import moe_prefill_cublas, use_cublas
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
+from dsaserve.kernels.reference import SharedExpert
+from dsaserve.kernels.triton_elementwise import silu_and_mul
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, fp8_linear, quant_act_fp8
 from dsaserve.kernels.triton_moe_align import align_route
 from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, _store_combined, moe_prefill_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
@@ -127,12 +129,14 @@ def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, be
 def _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e, pairs, pmask, pid_n, N, K, a_row_div, up_offset,
                  stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                  stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
-                 A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 row_base=0):
     """One [BLOCK_N] slice of expert e's output for up to BLOCK_M of its pairs, swap-AB: the expert's
-    weight rows are the MMA's A operand (acc^T [BN, BM]), read row-major with 16-byte loads.
+    weight rows are the MMA's A operand (acc^T [BN, BM]), read row-major with 16-byte loads; pair p reads
+    activation row (p - row_base) // a_row_div.
     A_FP8: activations quantised beforehand (`quant_act_fp8`, scales at as_ptr), else bf16 activations
     (the weight tiles widened)."""
-    rows = (pairs // a_row_div).to(tl.int64)
+    rows = ((pairs - row_base) // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,18 +190,29 @@ def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, 
 
 
 @triton.jit
-def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N, K, num_pairs, a_row_div,
-                         up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
-                         stride_bsk, stride_cm,
+def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, sh_b_ptr, sh_bs_ptr, N, K, num_pairs,
+                         a_row_div, up_offset, num_tokens, shared_row_base, stride_am, stride_asm, stride_ask,
+                         stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk, stride_cm,
                          GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, A_FP8: tl.constexpr,
                          PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Small decode batches without `moe_align`: program (n, e) finds expert e's pairs itself (all T*k ids
     fit in registers) and runs them BLOCK_M at a time; an expert nobody chose exits at once. Saves the
-    align's 4 small launches per MoE layer, which at batch 1 cost more than the sort does work."""
+    align's 4 small launches per MoE layer, which at batch 1 cost more than the sort does work.
+    SHARED: the last program column is the shared expert (weights at sh_b_ptr / sh_bs_ptr, laid out as one
+    routed expert's): every token t as pair num_pairs + t, weight 1, activation row t - shared_row_base."""
     grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
+    if SHARED:  # noqa: SIM102 (a constexpr branch: the runtime test exists only in the SHARED variant)
+        if e == tl.num_programs(1) - 1:
+            for c0 in range(0, num_tokens, BLOCK_M):
+                tok = c0 + tl.arange(0, BLOCK_M)
+                _expert_tile(a_ptr, as_ptr, sh_b_ptr, sh_bs_ptr, c_ptr, tw_ptr, 0, num_pairs + tok, tok < num_tokens,
+                             pid_n, N, K, 1, up_offset, stride_am, stride_asm, stride_ask, stride_be, stride_bn,
+                             stride_bse, stride_bsn, stride_bsk, stride_cm, GATED, False, B_SCALED, A_FP8, BLOCK_M,
+                             BLOCK_N, BLOCK_K, shared_row_base)
+            return
     offs_p = tl.arange(0, PAIRS)
     hit = (tl.load(ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1) == e).to(tl.int32)
     count = tl.sum(hit, axis=0)
@@ -215,9 +230,10 @@ def _moe_unsorted_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, ids_ptr, N
 
 @triton.jit
 def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[t] = sum_j x[t*k + j] in fp32, rounded once (the reference's sum(1, dtype=fp32).to(dtype)), then
-    + add[t] rounded again as torch's add would (HAS_ADD: the shared expert's output, one launch fewer)."""
+    + add[t] rounded again as torch's add would (HAS_ADD: the shared expert's output, one launch fewer).
+    SHARED: the shared expert's row (x[T*k + t], the unsorted kernel's) joins the fp32 sum."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -225,6 +241,8 @@ def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.c
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    if SHARED:
+        acc += tl.load(x_ptr + (tl.num_programs(0) * TOP_K + t) * H + offs, mask=mask, other=0.0).to(tl.float32)
     _store_combined(acc, y_ptr, add_ptr, t, H, offs, mask, HAS_ADD)
 
 
@@ -234,9 +252,11 @@ def _block_m(pairs: int, experts: int) -> int:
 
 
 def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_m, block_n, num_warps, num_stages,
-                  kernel):
+                  kernel, shared=None, shared_row_base=0):
     """One grouped GEMM over the (token, expert) pairs. route: topk_ids (kernel "unsorted") or moe_align's
-    (sorted_ids, block_expert, total); a_s: the FP8 activations' scales, or None for bf16 activations."""
+    (sorted_ids, block_expert, total); a_s: the FP8 activations' scales, or None for bf16 activations.
+    shared (kernel "unsorted"): (weight, scale) of the shared expert, run as one more expert whose pairs are the
+    rows past the routed ones (`_moe_unsorted_kernel`'s SHARED)."""
     scaled, a_fp8 = w_s is not None, a_s is not None
     ws = (w_s.stride(0), w_s.stride(1), w_s.stride(2)) if scaled else (0, 0, 0)
     a_strides = (a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0)
@@ -246,10 +266,13 @@ def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_
     w_s, a_s = (w_s if scaled else w), (a_s if a_fp8 else a)
     if kernel == "unsorted":
         ids = route.reshape(-1)
-        grid = (triton.cdiv(n, block_n), w.shape[0])
-        _moe_unsorted_kernel[grid](a, a_s, w, w_s, out, tw, ids, n, k, out.shape[0], a_row_div, n if gated else 0,
-                                   *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0),
-                                   PAIRS=triton.next_power_of_2(ids.numel()), **common, **pdl_args(a.device))
+        sh_w, sh_s = shared if shared is not None else (w, w_s)
+        grid = (triton.cdiv(n, block_n), w.shape[0] + (shared is not None))
+        _moe_unsorted_kernel[grid](a, a_s, w, w_s, out, tw, ids, sh_w, sh_s, n, k, ids.numel(), a_row_div,
+                                   n if gated else 0, out.shape[0] - ids.numel(), shared_row_base, *a_strides,
+                                   w.stride(0), w.stride(1), *ws, out.stride(0),
+                                   PAIRS=triton.next_power_of_2(ids.numel()), SHARED=shared is not None, **common,
+                                   **pdl_args(a.device))
         return
     sorted_ids, bexp, total = route
     grid = (triton.cdiv(n, block_n), sorted_ids.numel() // block_m)
@@ -273,17 +296,27 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
         raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
 
 
+def _shared_apart(x: torch.Tensor, shared: SharedExpert, fp8_act: bool) -> torch.Tensor:
+    """The shared expert as `DenseMLP`'s GPU path runs it (merged gate+up GEMM, SiLU*up, down GEMM)."""
+    exact = {"exact_act": True} if not fp8_act else {}
+    gate_up = fp8_linear(x, shared.w13, shared.w13_scale, **exact)
+    return fp8_linear(silu_and_mul(gate_up), shared.w2, shared.w2_scale, **exact)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False) -> torch.Tensor:
+              add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False,
+              shared: SharedExpert | None = None) -> torch.Tensor:
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
-    ("unsorted" | "swap" | "gemm" | "dense"); for "dense" (`triton_moe_prefill`, the FP8 prefill default
-    when PREFILL_CONFIG["kernel"] says so) it overrides PREFILL_CONFIG's keys instead. `absent`: ids may be E
-    (another rank's expert): no program computes those pairs (the unsorted kernel's experts never match E,
-    `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their rows of
-    the per-pair output are zeros, so the combine adds nothing for them.
+    ("unsorted" | "swap" | "gemm" | "dense") / fuse_shared; for "dense" (`triton_moe_prefill`, the FP8 prefill
+    default when PREFILL_CONFIG["kernel"] says so) it overrides PREFILL_CONFIG's keys instead. `absent`: ids
+    may be E (another rank's expert): no program computes those pairs (the unsorted kernel's experts never
+    match E, `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their
+    rows of the per-pair output are zeros, so the combine adds nothing for them. `shared`: at decode sizes
+    (the unsorted kernel) one more expert of both GEMMs, its row summed by the combine in fp32 with the routed
+    ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere run apart and added (`_shared_apart`).
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -295,12 +328,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     # Up to UNSORTED_MAX_PAIRS pairs the swap-AB kernel finds each expert's pairs itself (no align launches)
     fp8 = w13_scale is not None
     cfg = {"block_m": _block_m(pairs, e), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
-           "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap"}
+           "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap", "fuse_shared": True}
     if pairs >= PREFILL_MIN_PAIRS:
         dense_ok = fp8 and (config or {}).get("fp8_act", True)  # the dense path takes FP8 activations only
         cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
                    kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
     cfg.update(config or {})
+    if shared is not None:
+        if add is not None:
+            raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
+        fuse = (cfg["fuse_shared"] and cfg["kernel"] == "unsorted" and fp8 and cfg["fp8_act"] and pairs > 0
+                and shared.w13.shape == w13.shape[1:] and shared.w2.shape == w2.shape[1:]
+                and shared.w13_scale.shape == w13_scale.shape[1:] and shared.w2_scale.shape == w2_scale.shape[1:]
+                and all(w.is_contiguous() for w in shared))
+        if not fuse:
+            add, shared = _shared_apart(x, shared, fp8 and cfg["fp8_act"]), None
     if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)
         if not (fp8 and cfg["fp8_act"]):
             raise ValueError("fused_moe: kernel 'dense' needs FP8 experts and FP8 activations")
@@ -323,16 +365,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     def activations(v: torch.Tensor):  # (a, scales): FP8 per (token, 128) for FP8 experts
         return (cached_fp8(v) or quant_act_fp8(v)) if fp8 and cfg["fp8_act"] else (v, None)
 
-    act = torch.empty(pairs, inter, dtype=act_dtype, device=x.device)
-    _grouped_gemm(*activations(x), w13, w13_scale, act, None, route, inter, h, top_k, True, **launch)
+    rows = pairs + (t if shared is not None else 0)  # the shared expert's rows after the routed pairs
+    sh13, sh2 = ((shared.w13, shared.w13_scale), (shared.w2, shared.w2_scale)) if shared is not None else (None, None)
+    act = torch.empty(rows, inter, dtype=act_dtype, device=x.device)
+    _grouped_gemm(*activations(x), w13, w13_scale, act, None, route, inter, h, top_k, True, **launch, shared=sh13,
+                  shared_row_base=pairs)
     # per-pair rows, summed in fp32 below; absent pairs' rows are never written: zeros
-    out = (torch.zeros if absent else torch.empty)(pairs, h, dtype=act_dtype, device=x.device)
+    out = (torch.zeros if absent else torch.empty)(rows, h, dtype=act_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch)
+    _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch, shared=sh2)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    if t:
-        block = min(triton.next_power_of_2(h), 1024)
-        add = add.contiguous() if add is not None else None
-        _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, y if add is None else add, h, TOP_K=top_k, BLOCK=block,
-                                                      HAS_ADD=add is not None, **pdl_args(out.device))
+    block = min(triton.next_power_of_2(h), 1024)
+    add = add.contiguous() if add is not None else None
+    _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, y if add is None else add, h, TOP_K=top_k, BLOCK=block,
+                                                  HAS_ADD=add is not None, SHARED=shared is not None,
+                                                  **pdl_args(out.device))
     return y

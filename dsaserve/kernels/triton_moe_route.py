@@ -1,4 +1,5 @@
-"""GPU MoE routing: the router GEMV and `moe_route`, one launch each (request path stage 6, MoE layers).
+"""GPU MoE routing: the router GEMV and `moe_route`, one launch each (request path stage 6, MoE layers);
+the same GEMV serves `small_linear` (the indexer's weights_proj).
 
 Owns: the GPU variant of `reference.router_logits` (decode sizes: fp32 dot products in one launch,
 where x.float() + cuBLAS's GEMV were three per layer) and of `reference.moe_route`: sigmoid scores, the
@@ -22,7 +23,8 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr,
                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """out[t, e] = sum_k float(x[t, k]) * w[e, k] in fp32; program (t, block of BLOCK_E experts)."""
+    """out[t, e] = sum_k float(x[t, k]) * float(w[e, k]) in fp32, stored in out's dtype; program (t, block of
+    BLOCK_E rows of w)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -33,29 +35,47 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, strid
         kmask = offs_k < K
         x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         acc += w * x[None, :]
-    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1), mask=emask)
+    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=emask)
 
 
 ROUTER_GEMV_MAX_T = 32  # tokens up to which the Triton GEMV runs; larger batches are a real GEMM (cuBLAS)
 
 
-def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
-    """GPU `reference.router_logits`: x [T, H] (any float dtype) @ weight_f32 [E, H]^T -> [T, E] fp32."""
+def _row_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [T, K] @ weight [E, K]^T in fp32 -> [T, E] out_dtype in one launch, or None where it does not apply
+    (more than ROUTER_GEMV_MAX_T rows, strided rows)."""
     t, k = x.shape
-    e = weight_f32.shape[0]
-    plain = x.stride(-1) == 1 and weight_f32.stride(-1) == 1 and weight_f32.dtype == torch.float32
-    if t > ROUTER_GEMV_MAX_T or not plain:
-        return torch.nn.functional.linear(x.float(), weight_f32.float())
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    # one expert row per program, loaded whole (GLM-5.3: 6144 fp32 = 24 KB in one go): the H200 measured
+    e = weight.shape[0]
+    if t > ROUTER_GEMV_MAX_T or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return None
+    out = torch.empty(t, e, dtype=out_dtype, device=x.device)
+    # one weight row per program, loaded whole (GLM-5.3: 6144 fp32 = 24 KB in one go): the H200 measured
     # 6.8 us per layer at batch 1 for 2 rows per program in 4 KB steps, each load waiting on the last
     block_k = min(triton.next_power_of_2(k), 8192)
     if t:
-        _router_logits_kernel[(t, e)](x, weight_f32, out, k, e, x.stride(0), weight_f32.stride(0), out.stride(0),
+        _router_logits_kernel[(t, e)](x, weight, out, k, e, x.stride(0), weight.stride(0), out.stride(0),
                                       BLOCK_E=1, BLOCK_K=block_k, num_warps=8, **pdl_args(x.device))
     return out
+
+
+def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
+    """GPU `reference.router_logits`: x [T, H] (any float dtype) @ weight_f32 [E, H]^T -> [T, E] fp32."""
+    out = _row_gemv(x, weight_f32, torch.float32) if weight_f32.dtype == torch.float32 else None
+    return torch.nn.functional.linear(x.float(), weight_f32.float()) if out is None else out
+
+
+SMALL_LINEAR_MAX_ROWS = 256  # weights with more output rows (a dequantised TP shard) keep cuBLAS
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """GPU `reference.small_linear`. A dense projection with few output rows (the indexer's weights_proj,
+    GLM-5.3 32 x 6144) at decode sizes: one Triton launch that joins the step's PDL chain, where cuBLAS ran a
+    split-K GEMM and its reduce (two launches, 5.6 us a full layer at batch 1). Else cuBLAS."""
+    few = x.dtype == weight.dtype and weight.dim() == 2 and weight.shape[0] <= SMALL_LINEAR_MAX_ROWS
+    out = _row_gemv(x, weight, x.dtype) if few and x.dim() == 2 else None
+    return torch.nn.functional.linear(x, weight) if out is None else out
 
 
 @triton.jit

@@ -273,6 +273,32 @@ def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
                        moe.fused_moe(x, w13, s13, w2, s2, tw, ids) + shared)
 
 
+@pytest.mark.parametrize("t", [1, 5, 32, 40])
+def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t):
+    """shared= at decode sizes (the unsorted kernel, up to 32 tokens of top-8): the shared expert is one more
+    expert of both GEMMs and its row joins the combine's fp32 sum; larger batches run it apart (`_shared_apart`,
+    the DenseMLP path) and add it. Both against the reference, and fused against apart (one rounding of the
+    shared output fewer: within the FP8 activations' bound, not equal)."""
+    from dsaserve.kernels.reference import SharedExpert
+
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
+    (g13, t13), (g2, t2) = quantize_fp8_block(randn(2 * inter, h, gen=gen, scale=0.05)), \
+        quantize_fp8_block(randn(h, inter, gen=gen, scale=0.05))
+    shared = SharedExpert(g13, t13, g2, t2)
+    ref = R.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
+    poison_free_memory()
+    got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
+    apart = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, config={"fuse_shared": False})
+    assert torch.isfinite(got).all() and rel(got, ref) < FP8A and rel(apart, ref) < FP8A, f"seed {gen.initial_seed()}"
+    assert rel(got, apart) < FP8A
+    if t * k > moe.UNSORTED_MAX_PAIRS:  # not fused: the same kernels as the apart path
+        assert torch.equal(got, apart)
+    with pytest.raises(ValueError, match="not both"):
+        moe.fused_moe(x, w13, s13, w2, s2, tw, ids, add=x, shared=shared)
+
+
 ROUTES = sorted({(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1), (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)}
                 | {(7, c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group) for c in MODELS.values()})
 
@@ -300,3 +326,21 @@ def test_router_logits_match_reference_in_fp32(gen, model, t):
     got = RT.router_logits(x, w)
     assert got.dtype == torch.float32 and got.shape == (t, e)
     torch.testing.assert_close(got, R.router_logits(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+@pytest.mark.parametrize("model", MODELS)
+def test_small_linear_is_the_bf16_projection(gen, model, t):
+    """The indexer's weights_proj (bf16 [Hi, H]) as one GEMV at decode sizes: fp32 sums rounded once to bf16, so
+    within one bf16 rounding of the fp32 product, whatever order cuBLAS sums in; from 33 rows it is cuBLAS's."""
+    from dsaserve.kernels import triton_moe_route as RT
+
+    hi, h = MODELS[model].index_n_heads, MODELS[model].hidden_size
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    w = randn(hi, h, gen=gen, dtype=torch.bfloat16, scale=h ** -0.5)
+    got = RT.small_linear(x, w)
+    exact = x.float() @ w.float().t()
+    assert got.dtype == torch.bfloat16 and got.shape == (t, hi)
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
+    if t > RT.ROUTER_GEMV_MAX_T:
+        assert torch.equal(got, R.small_linear(x, w))

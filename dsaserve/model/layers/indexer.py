@@ -62,9 +62,11 @@ class Indexer(nn.Module):
         `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream)."""
         b, t = ctx.batch, x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
-        k = self._rope(self.k_norm(self.wk(x) if k_raw is None else k_raw), ctx)
-        cache = ctx.pool.index_cache(self.layer_id)
-        ctx.ops.indexer_k_write(cache, ctx.pool.layout, b.out_cache_loc, k)
+        k_raw = self.wk(x) if k_raw is None else k_raw
+        norm = self.k_norm
+        ctx.ops.indexer_k_norm_write(ctx.pool.index_cache(self.layer_id), ctx.pool.layout, b.out_cache_loc,
+                                     k_raw if k_raw.stride(-1) == 1 else k_raw.contiguous(), norm.weight, norm.bias,
+                                     norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved)
         return q, self.head_weights(x)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -63,7 +63,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.keep_fp8:
             return registry.get_ops(x.device).fp8_linear(x, self.weight, self.weight_scale_inv)
-        return nn.functional.linear(x, self.weight)
+        return registry.get_ops(x.device).small_linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.quantized}"

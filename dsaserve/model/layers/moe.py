@@ -29,7 +29,7 @@ from dsaserve.distributed.expert_parallel import (
 )
 from dsaserve.distributed.parallel_state import get_parallel_state
 from dsaserve.distributed.sharding import ExpertPlacement, Shard, fp8_misaligned, mark_sharded
-from dsaserve.kernels.reference import dequant_fp8_weight
+from dsaserve.kernels.reference import SharedExpert, dequant_fp8_weight
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import MergedLinear
@@ -52,6 +52,14 @@ class DenseMLP(nn.Module):
         if MergedLinear.mergeable([self.gate_proj, self.up_proj]) and self.gate_proj.out_features % 128 == 0:
             self.gate_up = MergedLinear([self.gate_proj, self.up_proj])  # [gate | up]: no padding between
             self.gate_proj = self.up_proj = None
+
+    def as_expert(self) -> SharedExpert | None:
+        """The FP8 weights laid out as one routed expert's, for `fused_moe` to run this MLP as one more expert
+        (GPU path, merged gate+up, no TP reduction of its own), else None."""
+        down = self.down_proj
+        if self.gate_up is None or not down.keep_fp8 or down.reduce_group is not None:
+            return None
+        return SharedExpert(self.gate_up.weight, self.gate_up.weight_scale_inv, down.weight, down.weight_scale_inv)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         if self.gate_up is not None:
@@ -143,12 +151,14 @@ class Experts(nn.Module):
         get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed sum (+ add, summed in the same kernel on the GPU)."""
+                add: torch.Tensor | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
+        """The routed sum (+ add, summed in the same kernel on the GPU; or + the `shared` expert, which the GPU
+        kernel runs as one more expert at decode sizes)."""
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
         self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids)
+        extra = {"shared": shared} if shared is not None else {}
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add,
-                                 absent=local is not None)
+                                 absent=local is not None, **extra)
 
 
 DEVICE_EXPERT_COUNTERS: list[Experts] = []
@@ -203,6 +213,9 @@ class MoE(nn.Module):
         if self.a2a:
             return a2a_moe_forward(self, x, weights, ids, ctx)
         if self.shared_experts is not None and self.group.size == 1:  # one device: the add rides the combine
+            shared = self.shared_experts.as_expert()
+            if shared is not None:
+                return self.experts(x, weights, ids, ctx, shared=shared)
             return self.experts(x, weights, ids, ctx, add=self.shared_experts(x))
         out = self.experts(x, weights, ids, ctx)
         if self.shared_experts is None:

@@ -1,0 +1,80 @@
+"""Tile sweep of the decode MoE (`fused_moe`'s unsorted swap-AB kernel) at the slice's MoE layer, batch 1-8
+(issue 17: batch-1 decode streams its routed experts at ~3.5 TB/s).
+
+Run on the device:  PYTHONPATH=. python bench/sweep_moe_decode.py --out $OUT [--tokens 1,8]
+Each case is a CUDA graph over `calls` MoE calls, each its own random route over 32 FP8 experts (hidden 6144,
+expert width 2048, top-8, the shared expert fused or apart), so the experts come from HBM as in a step. Printed:
+µs a call and the bytes it must read (the touched experts, the shared one, their scales) over that time,
+beside the copy ceiling measured in the same run; every config's output is checked against the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from bench.bench_kernels import graph_time, measure_ceilings
+from dsaserve.kernels import triton_moe as MOE
+from dsaserve.kernels.reference import SharedExpert
+from dsaserve.weights.fp8 import quantize_fp8_block
+
+E, H, INTER, TOP_K = 32, 6144, 2048, 8
+
+
+def _route(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:TOP_K] for _ in range(t)])
+    return torch.rand(t, TOP_K, generator=gen, device="cuda"), ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--calls", type=int, default=12)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    (w13, s13), (w2, s2) = (quantize_fp8_block(torch.randn(E, 2 * INTER, H, device="cuda") * 0.05),
+                            quantize_fp8_block(torch.randn(E, H, INTER, device="cuda") * 0.05))
+    (g13, t13), (g2, t2) = (quantize_fp8_block(torch.randn(2 * INTER, H, device="cuda") * 0.05),
+                            quantize_fp8_block(torch.randn(H, INTER, device="cuda") * 0.05))
+    shared = SharedExpert(g13, t13, g2, t2)
+    expert_bytes = 3 * H * INTER + 4 * (s13[0].numel() + s2[0].numel())
+    ceilings = measure_ceilings()
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        routes = [_route(t, gen) for _ in range(args.calls)]
+        touched = sum(int(ids.unique().numel()) for _, ids in routes) / len(routes)
+        for fused in (True, False):
+            base = {"fuse_shared": fused}
+            want = [MOE.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, config=base) for tw, ids in routes]
+            cases = [("default", base)] + [
+                (f"bn{bn} w{wp} st{st}", {**base, "block_n": bn, "num_warps": wp, "num_stages": st})
+                for bn, wp, st in itertools.product((32, 64, 128), (4, 8), (3, 4, 6))]
+            for tag, conf in cases:
+                try:
+                    got = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared, config=conf)
+                    ok = bool(torch.allclose(got.float(), want[0].float(), rtol=2e-2, atol=2e-2))
+                    calls = [lambda tw=tw, ids=ids, c=conf, x=x: MOE.fused_moe(x, w13, s13, w2, s2, tw, ids,
+                                                                               shared=shared, config=c)
+                             for tw, ids in routes]
+                    sec = graph_time(calls)
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is a data point
+                    print(t, fused, tag, "failed", repr(e)[:120], flush=True)
+                    continue
+                nbytes = (touched + 1) * expert_bytes
+                row = {"t": t, "fused_shared": fused, "config": tag, "us": sec * 1e6, "same_as_default": ok,
+                       "tb_s": nbytes / sec / 1e12, "of_copy": nbytes / sec / ceilings["copy_Bps"]}
+                rows.append(row)
+                print(f"T={t} fused={fused} {tag:16s} {row['us']:7.1f} us {row['tb_s']:.2f} TB/s "
+                      f"({row['of_copy']:.2f} of copy) same={ok}", flush=True)
+            (args.out / "sweep_moe_decode.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
