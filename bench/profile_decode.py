@@ -27,20 +27,25 @@ from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
 
 
-def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
-    """[(kernel name, µs per step, launches per step)] sorted by time, and the summed kernel µs per step."""
+def cuda_events(fn, steps: int) -> list:
+    """The GPU events of `steps` calls of fn (after one warm call), in launch order."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    return sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda ev: ev.time_range.start)
+
+
+def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], float]:
+    """[(kernel name, µs per step, launches per step)] sorted by time, and the summed kernel µs per step."""
     time_us: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            time_us[ev.name[:90]] += ev.device_time / steps
-            calls[ev.name[:90]] += 1
+    for ev in cuda_events(fn, steps):
+        time_us[ev.name[:90]] += ev.device_time / steps
+        calls[ev.name[:90]] += 1
     rows = sorted(((n, t, calls[n] // steps) for n, t in time_us.items()), key=lambda r: -r[1])
     return rows, sum(t for _, t, _ in rows)
 
@@ -48,14 +53,7 @@ def kernel_table(fn, steps: int = 5) -> tuple[list[tuple[str, float, int]], floa
 def kernel_sequence(fn, steps: int = 5) -> list[tuple[str, float]]:
     """One step's kernels in launch order, each (name, median µs over `steps` steps): which GEMM is which shape
     follows from the model's order (the grouped table above sums them by name)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda ev: ev.time_range.start)
+    evs = cuda_events(fn, steps)
     per = len(evs) // steps
     return [(evs[i].name[:70], statistics.median(evs[i + s * per].device_time for s in range(steps)))
             for i in range(per)]
@@ -136,7 +134,9 @@ def ab_setting(runner, name: str):
             saved["indexer_k_write"](cache, layout, slots, k)
         ops.indexer_k_norm_write = apart
     elif name == "shared_apart":
-        ops.fused_moe = functools.partial(saved["fused_moe"], config={"fuse_shared": False})
+        base = saved["fused_moe"]  # the registry's own partial (bf16 activations) keeps its config
+        ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
+                                                        "fuse_shared": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart)")
     return lambda: vars(ops).update(saved)

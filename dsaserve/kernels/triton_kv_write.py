@@ -125,6 +125,14 @@ def _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16
 
 
 @triton.jit
+def _key_values(row, d, BLOCK_D: tl.constexpr):
+    """(columns, their mask, the row's d values in fp32) of one indexer key."""
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    return offs, mask, tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, stride_c8, stride_c32,
                           stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -133,9 +141,7 @@ def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k
     if slot < 0:
         return
     slot = opaque_index(slot.to(tl.int64))
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < d
-    x = tl.load(k_ptr + t * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, x = _key_values(k_ptr + t * stride_k, d, BLOCK_D)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
     _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, x, offs, mask, scale, LAYOUT)
     if LAYOUT == 0:
@@ -164,9 +170,7 @@ def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, 
     if slot < 0:
         return
     slot = opaque_index(slot.to(tl.int64))
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < d
-    x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, x = _key_values(row, d, BLOCK_D)
     mean = tl.sum(x, axis=0) / d
     diff = tl.where(mask, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / d + eps)
@@ -194,17 +198,24 @@ def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, 
         tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
 
 
+def _index_layout(index_cache: torch.Tensor, layout: KVLayout | str, d: int, who: str) -> int:
+    """The kernels' LAYOUT code of an indexer-key layout; an FP8 cache whose rows do not hold d keys + a scale is an
+    error naming `who`."""
+    code = _INDEX_LAYOUT[get_kv_layout(layout, f"{who}: layout")]
+    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
+        raise ValueError(f"{who}: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
+    return code
+
+
 def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k_raw: torch.Tensor,
                          norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor, rope_dim: int, interleaved: bool) -> None:
     """GPU `reference.indexer_k_norm_write`: the key's LayerNorm, RoPE and write in one launch (were a torch
     LayerNorm, a RoPE kernel and the write: three launches a full layer, the first outside the PDL chain)."""
-    code = _INDEX_LAYOUT[get_kv_layout(layout, "indexer_k_norm_write: layout")]
     t, d = k_raw.shape
+    code = _index_layout(index_cache, layout, d, "indexer_k_norm_write")
     if t == 0:
         return
-    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
-        raise ValueError(f"indexer_k_norm_write: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
     if k_raw.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("indexer_k_norm_write: k_raw, cos and sin need a unit last stride")
     c8, c32, c16 = _views(index_cache)
@@ -218,12 +229,10 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) into the cache rows at `slots`."""
-    code = _INDEX_LAYOUT[get_kv_layout(layout, "indexer_k_write: layout")]
     t, d = k.shape
+    code = _index_layout(index_cache, layout, d, "indexer_k_write")
     if t == 0:
         return
-    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
-        raise ValueError(f"indexer_k_write: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
     c8, c32, c16 = _views(index_cache)
     k = k if k.stride(-1) == 1 else k.contiguous()
     _index_k_write_kernel[(t,)](k, slots, c8, c32, c16, d, k.stride(0), c8.stride(0), c32.stride(0), c16.stride(0),

@@ -338,9 +338,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
         if add is not None:
             raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
         fuse = (cfg["fuse_shared"] and cfg["kernel"] == "unsorted" and fp8 and cfg["fp8_act"] and pairs > 0
-                and shared.w13.shape == w13.shape[1:] and shared.w2.shape == w2.shape[1:]
-                and shared.w13_scale.shape == w13_scale.shape[1:] and shared.w2_scale.shape == w2_scale.shape[1:]
-                and all(w.is_contiguous() for w in shared))
+                and all(sh.shape == w.shape[1:] and sh.stride() == w.stride()[1:]  # read with the experts' strides
+                        for sh, w in zip(shared, (w13, w13_scale, w2, w2_scale), strict=True)))
         if not fuse:
             add, shared = _shared_apart(x, shared, fp8 and cfg["fp8_act"]), None
     if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)

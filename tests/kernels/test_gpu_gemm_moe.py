@@ -274,7 +274,7 @@ def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
 
 
 @pytest.mark.parametrize("t", [1, 5, 32, 40])
-def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t):
+def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t, monkeypatch):
     """shared= at decode sizes (the unsorted kernel, up to 32 tokens of top-8): the shared expert is one more
     expert of both GEMMs and its row joins the combine's fp32 sum; larger batches run it apart (`_shared_apart`,
     the DenseMLP path) and add it. Both against the reference, and fused against apart (one rounding of the
@@ -289,11 +289,14 @@ def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t):
     shared = SharedExpert(g13, t13, g2, t2)
     ref = R.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
     poison_free_memory()
-    got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
     apart = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, config={"fuse_shared": False})
+    fused = t * k <= moe.UNSORTED_MAX_PAIRS
+    if fused:  # the fused route must be the one taken: running the shared expert apart now fails
+        monkeypatch.setattr(moe, "_shared_apart", lambda *a: pytest.fail("the shared expert ran apart"))
+    got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
     assert torch.isfinite(got).all() and rel(got, ref) < FP8A and rel(apart, ref) < FP8A, f"seed {gen.initial_seed()}"
     assert rel(got, apart) < FP8A
-    if t * k > moe.UNSORTED_MAX_PAIRS:  # not fused: the same kernels as the apart path
+    if not fused:  # the same kernels as the apart path
         assert torch.equal(got, apart)
     with pytest.raises(ValueError, match="not both"):
         moe.fused_moe(x, w13, s13, w2, s2, tw, ids, add=x, shared=shared)

@@ -19,6 +19,7 @@ from dsaserve.model.forward_batch import contiguous_batch
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers.indexer import Indexer
 from dsaserve.model.layers.linear import Linear, MergedLinear
+from dsaserve.model.layers.moe import MoE
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.weights.loader import load_checkpoint
 
@@ -45,6 +46,12 @@ def test_merged_projections_leave_the_logits_unchanged(tiny_checkpoint, name):
     attn = model.model.layers[0].self_attn
     assert attn.q_a_proj is None and attn.qkv_a is not None  # the parts' weights are gone
     torch.testing.assert_close(merged_logits, plain, rtol=0, atol=0)
+    for mlp in (layer.mlp for layer in model.model.layers
+                if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None):
+        # the shared expert rides fused_moe (`shared=`): laid out as one routed expert, as its GPU kernel reads it
+        shared, ex = mlp.shared_experts.as_expert(), mlp.experts
+        assert shared is not None and all(a.shape == b.shape[1:] and a.stride() == b.stride()[1:] for a, b in
+                                          zip(shared, (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale), strict=True))
 
 
 def test_a_merged_linear_pads_each_part_to_whole_scale_blocks():
