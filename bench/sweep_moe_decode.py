@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from bench.bench_kernels import graph_time, measure_ceilings
+from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels.reference import SharedExpert
+from dsaserve.kernels.triton_elementwise import silu_and_mul
 from dsaserve.weights.fp8 import quantize_fp8_block
 
 E, H, INTER, TOP_K = 32, 6144, 2048, 8
@@ -42,7 +44,7 @@ def main() -> None:
                             quantize_fp8_block(torch.randn(E, H, INTER, device="cuda") * 0.05))
     (g13, t13), (g2, t2) = (quantize_fp8_block(torch.randn(2 * INTER, H, device="cuda") * 0.05),
                             quantize_fp8_block(torch.randn(H, INTER, device="cuda") * 0.05))
-    shared = SharedExpert(g13, t13, g2, t2)
+    shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
     expert_bytes = 3 * H * INTER + 4 * (s13[0].numel() + s2[0].numel())
     ceilings = measure_ceilings()
     rows = []

@@ -15,6 +15,7 @@ Conventions shared by all ops:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -226,12 +227,14 @@ def count_distinct(ids: torch.Tensor, num_values: int, counter: torch.Tensor) ->
 
 class SharedExpert(NamedTuple):
     """A shared expert for `fused_moe` to sum in: gate+up [2I, H] (gate rows then up rows) and down [H, I], FP8
-    with 128x128 block scales (the GPU path's `DenseMLP.as_expert`)."""
+    with 128x128 block scales, and `run`, the expert as its module runs it apart (x -> its output), for the
+    sizes a kernel does not fuse it at (the GPU path's `DenseMLP.expert_form`)."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
+    run: Callable[[torch.Tensor], torch.Tensor]
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,

@@ -216,8 +216,9 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
     code = _index_layout(index_cache, layout, d, "indexer_k_norm_write")
     if t == 0:
         return
-    if k_raw.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("indexer_k_norm_write: k_raw, cos and sin need a unit last stride")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("indexer_k_norm_write: cos and sin need a unit last stride")
+    k_raw = k_raw if k_raw.stride(-1) == 1 else k_raw.contiguous()
     c8, c32, c16 = _views(index_cache)
     half = rope_dim // 2
     _index_k_norm_write_kernel[(t,)](k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps,

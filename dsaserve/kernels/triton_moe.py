@@ -24,8 +24,7 @@ import triton.language as tl
 from dsaserve.common import envs
 from dsaserve.kernels.cublas_moe_prefill import moe_prefill_cublas, use_cublas
 from dsaserve.kernels.reference import SharedExpert
-from dsaserve.kernels.triton_elementwise import silu_and_mul
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, fp8_linear, quant_act_fp8
+from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, cached_fp8, quant_act_fp8
 from dsaserve.kernels.triton_moe_align import align_route
 from dsaserve.kernels.triton_moe_prefill import PREFILL_CONFIG, _store_combined, moe_prefill_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
@@ -296,13 +295,6 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
         raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
 
 
-def _shared_apart(x: torch.Tensor, shared: SharedExpert, fp8_act: bool) -> torch.Tensor:
-    """The shared expert as `DenseMLP`'s GPU path runs it (merged gate+up GEMM, SiLU*up, down GEMM)."""
-    exact = {"exact_act": True} if not fp8_act else {}
-    gate_up = fp8_linear(x, shared.w13, shared.w13_scale, **exact)
-    return fp8_linear(silu_and_mul(gate_up), shared.w2, shared.w2_scale, **exact)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False,
@@ -316,7 +308,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     match E, `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their
     rows of the per-pair output are zeros, so the combine adds nothing for them. `shared`: at decode sizes
     (the unsorted kernel) one more expert of both GEMMs, its row summed by the combine in fp32 with the routed
-    ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere run apart and added (`_shared_apart`).
+    ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere `shared.run` (its module's own path), added.
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -339,9 +331,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
             raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
         fuse = (cfg["fuse_shared"] and cfg["kernel"] == "unsorted" and fp8 and cfg["fp8_act"] and pairs > 0
                 and all(sh.shape == w.shape[1:] and sh.stride() == w.stride()[1:]  # read with the experts' strides
-                        for sh, w in zip(shared, (w13, w13_scale, w2, w2_scale), strict=True)))
+                        for sh, w in zip(shared[:4], (w13, w13_scale, w2, w2_scale), strict=True)))
         if not fuse:
-            add, shared = _shared_apart(x, shared, fp8 and cfg["fp8_act"]), None
+            add, shared = shared.run(x), None
     if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)
         if not (fp8 and cfg["fp8_act"]):
             raise ValueError("fused_moe: kernel 'dense' needs FP8 experts and FP8 activations")

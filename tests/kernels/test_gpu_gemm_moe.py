@@ -274,11 +274,13 @@ def test_fused_moe_adds_the_shared_output_in_its_combine(gen, t):
 
 
 @pytest.mark.parametrize("t", [1, 5, 32, 40])
-def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t, monkeypatch):
+def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t):
     """shared= at decode sizes (the unsorted kernel, up to 32 tokens of top-8): the shared expert is one more
-    expert of both GEMMs and its row joins the combine's fp32 sum; larger batches run it apart (`_shared_apart`,
-    the DenseMLP path) and add it. Both against the reference, and fused against apart (one rounding of the
-    shared output fewer: within the FP8 activations' bound, not equal)."""
+    expert of both GEMMs and its row joins the combine's fp32 sum; larger batches run it apart (`shared.run`,
+    here the DenseMLP GPU path's kernels) and add it. Both against the reference, and fused against apart (one
+    rounding of the shared output fewer: within the FP8 activations' bound, not equal)."""
+    from dsaserve.kernels import triton_elementwise as EW
+    from dsaserve.kernels import triton_fp8_gemm as G
     from dsaserve.kernels.reference import SharedExpert
 
     moe = gpu_modules()[3]
@@ -286,13 +288,13 @@ def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t, monkeypatch
     x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
     (g13, t13), (g2, t2) = quantize_fp8_block(randn(2 * inter, h, gen=gen, scale=0.05)), \
         quantize_fp8_block(randn(h, inter, gen=gen, scale=0.05))
-    shared = SharedExpert(g13, t13, g2, t2)
+    shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(EW.silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
     ref = R.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
     poison_free_memory()
     apart = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, config={"fuse_shared": False})
     fused = t * k <= moe.UNSORTED_MAX_PAIRS
     if fused:  # the fused route must be the one taken: running the shared expert apart now fails
-        monkeypatch.setattr(moe, "_shared_apart", lambda *a: pytest.fail("the shared expert ran apart"))
+        shared = shared._replace(run=lambda v: pytest.fail("the shared expert ran apart"))
     got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
     assert torch.isfinite(got).all() and rel(got, ref) < FP8A and rel(apart, ref) < FP8A, f"seed {gen.initial_seed()}"
     assert rel(got, apart) < FP8A

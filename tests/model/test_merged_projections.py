@@ -49,9 +49,9 @@ def test_merged_projections_leave_the_logits_unchanged(tiny_checkpoint, name):
     for mlp in (layer.mlp for layer in model.model.layers
                 if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None):
         # the shared expert rides fused_moe (`shared=`): laid out as one routed expert, as its GPU kernel reads it
-        shared, ex = mlp.shared_experts.as_expert(), mlp.experts
+        shared, ex = mlp.shared_experts.expert_form, mlp.experts
         assert shared is not None and all(a.shape == b.shape[1:] and a.stride() == b.stride()[1:] for a, b in
-                                          zip(shared, (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale), strict=True))
+                                          zip(shared[:4], (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale), strict=True))
 
 
 def test_a_merged_linear_pads_each_part_to_whole_scale_blocks():

@@ -64,9 +64,8 @@ class Indexer(nn.Module):
         q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
         k_raw = self.wk(x) if k_raw is None else k_raw
         norm = self.k_norm
-        ctx.ops.indexer_k_norm_write(ctx.pool.index_cache(self.layer_id), ctx.pool.layout, b.out_cache_loc,
-                                     k_raw if k_raw.stride(-1) == 1 else k_raw.contiguous(), norm.weight, norm.bias,
-                                     norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved)
+        ctx.ops.indexer_k_norm_write(ctx.pool.index_cache(self.layer_id), ctx.pool.layout, b.out_cache_loc, k_raw,
+                                     norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved)
         return q, self.head_weights(x)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -47,19 +47,18 @@ class DenseMLP(nn.Module):
         self.down_proj = row_parallel(inter, cfg.hidden_size, q("down_proj"), f"{prefix}.down_proj", reduce_results)
 
         self.gate_up: MergedLinear | None = None  # GPU path: gate + up as one GEMM (merge_projections)
+        # GPU path, no TP reduction of its own: this MLP laid out as one routed expert, for `fused_moe` to run as
+        # one more expert (a shared expert's; made once, by merge_projections)
+        self.expert_form: SharedExpert | None = None
 
     def merge_projections(self) -> None:
         if MergedLinear.mergeable([self.gate_proj, self.up_proj]) and self.gate_proj.out_features % 128 == 0:
             self.gate_up = MergedLinear([self.gate_proj, self.up_proj])  # [gate | up]: no padding between
             self.gate_proj = self.up_proj = None
-
-    def as_expert(self) -> SharedExpert | None:
-        """The FP8 weights laid out as one routed expert's, for `fused_moe` to run this MLP as one more expert
-        (GPU path, merged gate+up, no TP reduction of its own), else None."""
-        down = self.down_proj
-        if self.gate_up is None or not down.keep_fp8 or down.reduce_group is not None:
-            return None
-        return SharedExpert(self.gate_up.weight, self.gate_up.weight_scale_inv, down.weight, down.weight_scale_inv)
+            down = self.down_proj
+            if down.keep_fp8 and down.reduce_group is None:
+                self.expert_form = SharedExpert(self.gate_up.weight, self.gate_up.weight_scale_inv, down.weight,
+                                                down.weight_scale_inv, self.forward)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         if self.gate_up is not None:
@@ -213,7 +212,7 @@ class MoE(nn.Module):
         if self.a2a:
             return a2a_moe_forward(self, x, weights, ids, ctx)
         if self.shared_experts is not None and self.group.size == 1:  # one device: the add rides the combine
-            shared = self.shared_experts.as_expert()
+            shared = self.shared_experts.expert_form
             if shared is not None:
                 return self.experts(x, weights, ids, ctx, shared=shared)
             return self.experts(x, weights, ids, ctx, add=self.shared_experts(x))
