@@ -24,6 +24,7 @@ from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import reference as R
+from dsaserve.kernels import triton_indexer_long
 from dsaserve.kernels.registry import get_ops
 
 
@@ -57,6 +58,51 @@ def kernel_sequence(fn, steps: int = 5) -> list[tuple[str, float]]:
     per = len(evs) // steps
     return [(evs[i].name[:70], statistics.median(evs[i + s * per].device_time for s in range(steps)))
             for i in range(per)]
+
+
+def kernel_timeline(fn, steps: int = 5) -> dict:
+    """One replayed step as a timeline, each launch's median over `steps` steps: its stream, duration, and what it
+    added to the step (`adds`: its end minus the latest end of any kernel that ended before it). Under PDL a
+    kernel starts while its predecessor runs (its programs wait in griddepcontrol.wait), so durations overlap;
+    the `adds` of all kernels sum to the step's span, each kernel charged only for the time it alone kept the
+    GPU busy past everything before it (a side stream's kernel hidden behind the compute stream adds ~0)."""
+    evs = cuda_events(fn, steps)
+    per = len(evs) // steps
+    rows: list[dict] = []
+    spans = []
+    for s in range(steps):
+        step = evs[s * per:(s + 1) * per]
+        t0 = min(ev.time_range.start for ev in step)
+        ends = sorted((ev.time_range.end, i) for i, ev in enumerate(step))
+        adds, last = {}, t0
+        for end, i in ends:
+            adds[i], last = max(0.0, end - last), max(last, end)
+        spans.append(last - t0)
+        for i, ev in enumerate(step):
+            rec = (ev.time_range.start - t0, ev.device_time, adds[i], ev.device_resource_id)
+            if s == 0:
+                rows.append({"name": ev.name[:70], "stream": rec[3], "start": [], "dur": [], "adds": []})
+            for key, v in zip(("start", "dur", "adds"), rec[:3], strict=True):
+                rows[i][key].append(v)
+    for r in rows:
+        for key in ("start", "dur", "adds"):
+            r[key] = statistics.median(r[key])
+    return {"span_us": statistics.median(spans), "launches": rows}
+
+
+def print_timeline(tl: dict, top: int) -> None:
+    """The timeline's kernels grouped by name: launches, summed duration and summed `adds` (the step's cost)."""
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in tl["launches"]:
+        g = groups[r["name"][:60]]
+        g[0] += 1
+        g[1] += r["dur"]
+        g[2] += r["adds"]
+    streams = sorted({r["stream"] for r in tl["launches"]})
+    print(f"timeline: span {tl['span_us']:.1f} us, {len(tl['launches'])} launches on streams {streams}")
+    print(f"{'adds us':>9} {'dur us':>9} {'n':>4}  kernel")
+    for name, (n, dur, add) in sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]:
+        print(f"{add:9.1f} {dur:9.1f} {n:4d}  {name}")
 
 
 def _dsaserve_frame(ev) -> str:
@@ -122,9 +168,13 @@ def ab_setting(runner, name: str):
     """Apply one --ab setting to the runner's GPU ops or model and return its undo: "default" nothing,
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
     indexer key's LayerNorm (torch), RoPE and write as three launches (not `indexer_k_norm_write`),
-    "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`)."""
+    "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`), "select_launches" the
+    long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
+    if name == "select_launches":
+        coop_rows, triton_indexer_long.COOP_ROWS = triton_indexer_long.COOP_ROWS, 0
+        return lambda: setattr(triton_indexer_long, "COOP_ROWS", coop_rows)
     if name == "cublas_small":
         ops.small_linear = R.small_linear
     elif name == "unfused_knorm":
@@ -138,7 +188,8 @@ def ab_setting(runner, name: str):
         ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
                                                         "fuse_shared": False})
     elif name != "default":
-        raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart)")
+        raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
+                         "select_launches)")
     return lambda: vars(ops).update(saved)
 
 
@@ -168,8 +219,10 @@ def main() -> None:
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
-                    "default,cublas_small,unfused_knorm,shared_apart")
+                    "default,cublas_small,unfused_knorm,shared_apart,select_launches")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
+    ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
+                    "duration and what each added to the step")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,6 +260,9 @@ def main() -> None:
             if args.ab:
                 case["ab"] = ab_replays(runner, batch, args.ab.split(","))
                 print("A/B replay ms:", {k: [round(v, 4) for v in vs] for k, vs in case["ab"].items()})
+            if args.timeline:
+                case["timeline"] = kernel_timeline(lambda b=batch: runner.forward(b))
+                print_timeline(case["timeline"], args.top)
             if args.sequence:
                 case["sequence"] = kernel_sequence(lambda b=on_device: runner.model(b, runner.kv_pool))
             if args.sources:

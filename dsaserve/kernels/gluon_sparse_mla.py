@@ -358,11 +358,7 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     kernel, part, lse, grid, args, meta = launch_plan(q_nope, q_rope, rows, topk_slots, softmax_scale, out, cfg,
                                                       _sm_count(q_nope))
     kernel[grid](*args, **meta)
-    if grid[2] > 1:
-        t, h, _ = out.shape
-        tsm._combine_kernel[(t, h)](part, lse, out, grid[2], h, DC.value, part.stride(0), part.stride(1),
-                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(grid[2]), BLOCK_C=DC.value, num_warps=4)
+    tsm.combine_splits(part, lse, out)
     return out
 
 

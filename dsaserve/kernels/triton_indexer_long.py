@@ -37,11 +37,11 @@ Before this design every program re-derived the prefix from the earlier rounds' 
 summed the earlier chunks' counts itself: 1.4x slower at decode rows, ~2x at prefill slices (H200, CUDA graph; the
 A/B ran bench/long_select_v0.py of commit ebc515b: bench/RESULTS.md, thirteenth session). bench/bench_long_select.py
 times this design; bench/offline_long_select.py counts its sm_90 instructions offline.
-Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them).
-Six launches (+ one memset of the histograms and state), each a pass over the row's causal prefix in L2 (five
-when round 3 is skipped); with the window pass (the default) seven, round 0 returning at once where the pass
-resolved it; with late slots one more, over the output only.
-Chunks past a token's position return at once.
+Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them); chunks past
+a token's position return at once. Six launches (+ a memset of the histograms and state), each a pass over the row's
+causal prefix in L2; with the window pass (the default) seven; with late slots one more, over the output only.
+Decode's 1-2 rows take one launch instead (`_coop_select_kernel`: the same passes with a barrier among a row's
+programs between them; 4.3-5.5 us less a call on the H200, bench/RESULTS.md nineteenth session).
 One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
 as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
 stride are not specialised and the count kernel's last program scans the chunks' counts PREFIX_BLOCK at a time (a
@@ -55,12 +55,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_indexer import _rank_2d, page_slots
-from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, pdl_args
 from dsaserve.kernels.variants import SELECT_CHUNK
 
 CHUNK = SELECT_CHUNK  # keys per program: 16 per thread at 8 warps (decode at 1-2 rows: variants.long_select_chunk)
 ROUNDS = 4  # 8-bit digits of the 32-bit order key
+DIGITS = tl.constexpr(ROUNDS)  # the same, for the kernels
 # round 0's ROUND behind the window pass (its digit is ROUND % ROUNDS = 0): it returns where the pass chose the
 # digit. A variant of its own, so round 0 without the pass reads no flag before its scores
 AFTER_WINDOW = ROUNDS
@@ -80,6 +82,10 @@ LATE_SLOTS_ROWS = 64
 SLOT_BLOCK = 1024  # keys a conversion program maps
 WINDOW = tl.constexpr(4)  # top digits the window pass counts a chunk (4 x 16-bit counts in an int64: CHUNK < 2^16)
 WINDOW_TOP, WINDOW_DONE = tl.constexpr(5), tl.constexpr(6)  # state: the row's largest top digit, round 0 done
+COOP_BARRIERS = tl.constexpr(8)  # state: the cooperative select's ROUNDS + 1 barrier counters (state 8..12)
+# rows up to which one cooperative launch replaces the select's launches (not under the interpreter: it runs a
+# launch's programs one after another, so a barrier among them would never open)
+COOP_ROWS = 0 if INTERPRET else 2
 
 
 @triton.jit
@@ -140,6 +146,35 @@ def _program(pos_ptr, ws_ptr, k, CHUNK: tl.constexpr):
     return row, c, pos, ws_ptr + row * WS_ROW, (pos < k) | (c * CHUNK > pos)
 
 
+@triton.jit
+def _count_digit(hist, u, vis, prefix, lim, c, D: tl.constexpr, CHUNK: tl.constexpr):
+    """Add digit D of the chunk's visible keys whose higher digits equal `prefix` to the row's histogram `hist`."""
+    if D == 0:  # every visible key matches the empty prefix: counted without a reduction
+        match = vis
+        n_match = tl.minimum(lim + 1 - c * CHUNK, CHUNK)
+    else:
+        match = vis & ((u >> (32 - 8 * D)) == prefix)
+        n_match = tl.sum(match.to(tl.int32), axis=0)
+    digit = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+    if n_match > CHUNK // 16:  # many keys in the bucket (rounds 0 and 1 on the model's rows): a ballot histogram
+        h = tl.histogram(digit, BINS, mask=match)
+        tl.atomic_add(hist + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
+    elif n_match > 0:  # few (later rounds: ~1% of the keys): one atomic each, ~20x fewer instructions
+        tl.atomic_add(hist + digit, 1, mask=match, sem="relaxed")
+
+
+@triton.jit
+def _choose_digit(hist, need):
+    """(the digit of the k-th key among the matching ones, keys still needed at it, whether its bucket is taken
+    whole) from the row's complete 256-bin histogram (read from L2)."""
+    b = tl.arange(0, BINS)
+    h = tl.load(hist + b, cache_modifier=".cg")
+    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+    d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+    new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
+    return d, new_need, new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
+
+
 @triton.jit(do_not_specialize=["n_chunks"])
 def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunks, ROUND: tl.constexpr,
                         CHUNK: tl.constexpr, PDL: tl.constexpr = False):
@@ -165,26 +200,10 @@ def _radix_round_kernel(score_ptr, pos_ptr, ws_ptr, n_cols, k, stride_s, n_chunk
     # the row's last ticket undrawn, its state unwritten and its counter not reset for the next launch
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(score_ptr + row * stride_s, c, lim, CHUNK)
-    if D == 0:  # every visible key matches the empty prefix: counted without a reduction
-        match = vis
-        n_match = tl.minimum(lim + 1 - c * CHUNK, CHUNK)
-    else:
-        match = vis & ((u >> (32 - 8 * D)) == prefix)
-        n_match = tl.sum(match.to(tl.int32), axis=0)
-    digit = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
     hist = ws + D * BINS
-    if n_match > CHUNK // 16:  # many keys in the bucket (rounds 0 and 1 on the model's rows): a ballot histogram
-        h = tl.histogram(digit, BINS, mask=match)
-        tl.atomic_add(hist + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
-    elif n_match > 0:  # few (later rounds: ~1% of the keys): one atomic each, ~20x fewer instructions
-        tl.atomic_add(hist + digit, 1, mask=match, sem="relaxed")
+    _count_digit(hist, u, vis, prefix, lim, c, D, CHUNK)
     if _arrive_last(state, pos, n_chunks, CHUNK):  # the row's histogram is complete: choose this round's digit
-        b = tl.arange(0, BINS)
-        h = tl.load(hist + b, cache_modifier=".cg")
-        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-        d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-        new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
-        resolved = new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
+        d, new_need, resolved = _choose_digit(hist, need)
         tl.store(state, (prefix * 256 + d.to(tl.uint32)).to(tl.int32, bitcast=True))
         tl.store(state + 1, new_need)
         tl.store(state + 2, 24 - 8 * D)
@@ -296,6 +315,15 @@ def _write_chunk(out_at, pt_row, page_size, j, above, eq, taken, ties, SLOTS: tl
     tl.store(out_at + _rank_2d(sel), what, mask=sel == 1)
 
 
+@triton.jit
+def _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o):
+    """(row, chunk, the row's token position, its request's page-table row, its output row) of a writing program."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row)
+    pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
+    return row, tl.program_id(1), pos, pt_row, out_ptr + row * stride_o
+
+
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, SLOTS: tl.constexpr = True,
@@ -305,11 +333,7 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
     in position order until `need` are taken. A chunk visible whole (all but a row's last) takes a path without
     the visibility mask: sm_90 SASS, 16 keys a thread, its masks no longer spill from the predicate registers."""
     grid_dependency_sync(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    pos = tl.load(pos_ptr + row)
-    pt_row = pt_ptr + tl.load(req_ptr + row).to(tl.int64) * stride_pt
-    out_row = out_ptr + row * stride_o
+    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
     if pos < k:
         _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
         return
@@ -318,21 +342,95 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
     key, need, shift = _threshold(ws_ptr + row * WS_ROW)
     cnt = cnt_ptr + (row * n_chunks + c) * 4
     above, ties, above_before, ties_before = tl.load(cnt), tl.load(cnt + 1), tl.load(cnt + 2), tl.load(cnt + 3)
+    _write_selected(score_ptr + row * stride_s, pt_row, out_row, c, pos, n_cols, page_size, key, need, shift, above,
+                    ties, above_before, ties_before, CHUNK, SLOTS)
+
+
+@triton.jit
+def _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, key, need, shift, above, ties, above_before,
+                    ties_before, CHUNK: tl.constexpr, SLOTS: tl.constexpr):
+    """Chunk c's part of the row's selection, given the threshold (key, need, shift) and the chunk's counts (keys
+    above T and at T in it and in the chunks before it): its scores read again from L2 in [CHUNK / 128, 128]."""
     taken = tl.minimum(tl.maximum(need - ties_before, 0), ties)  # this chunk's ties that are taken
-    if above + taken == 0:  # selects nothing: its scores are not read
+    if above + taken > 0:  # a chunk that selects nothing reads no score
+        C: tl.constexpr = 128
+        j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
+        ptrs = row_ptr + j
+        out_at = out_row + above_before + tl.minimum(need, ties_before) - 1
+        lim = _last_visible(pos, n_cols)
+        if c * CHUNK + CHUNK - 1 <= lim:
+            u = _ukey(tl.load(ptrs)) >> shift
+            _write_chunk(out_at, pt_row, page_size, j, u > key, u == key, taken, ties, SLOTS)
+        else:
+            vis = j <= lim
+            u = _ukey(tl.load(ptrs, mask=vis, other=float("-inf"))) >> shift
+            _write_chunk(out_at, pt_row, page_size, j, vis & (u > key), vis & (u == key), taken, ties, SLOTS)
+
+
+@triton.jit
+def _row_barrier(counter, n_active):
+    """Wait until the row's n_active programs have all arrived at this counter (zeroed for the launch). The CTA
+    barrier and the release order every thread's earlier global writes and atomics before the arrival; the
+    acquire orders the others' before what follows. Only for launches whose programs are all resident together
+    (`_coop_select_kernel`)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="release") + 1
+    while arrived < n_active:  # polled with plain L2 reads (not read-modify-writes on the one address)
+        arrived = tl.load(counter, volatile=True)
+    tl.atomic_add(counter, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
+def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """The split radix select in one launch for a few rows (COOP_ROWS): the rounds, the count and the write of
+    `launches` with a barrier among the row's programs between them instead of a launch boundary. Each program
+    reads its chunk's scores once and keeps them; every program chooses each round's digit itself from the row's
+    complete histogram (the same numbers, so the same choice and the same early end); the output equals the
+    launches', bit for bit. Deadlock-free because `launches` takes it only for at most one program an SM (rows x
+    chunks <= the SM count): each program finds an SM once the kernels beside it end, and none of them waits for
+    this one (on the side stream, the select's only consumer joins after it)."""
+    grid_dependency_sync(PDL)
+    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
+    if pos < k:
+        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
         return
-    C: tl.constexpr = 128
-    j = c * CHUNK + (tl.arange(0, CHUNK // C) * C)[:, None] + tl.arange(0, C)[None, :]
-    ptrs = score_ptr + row * stride_s + j
-    out_at = out_row + above_before + tl.minimum(need, ties_before) - 1
+    if c * CHUNK > pos:  # past the position: not one of the row's n_active programs
+        return
+    ws = ws_ptr + row * WS_ROW
+    n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
-    if c * CHUNK + CHUNK - 1 <= lim:
-        u = _ukey(tl.load(ptrs)) >> shift
-        _write_chunk(out_at, pt_row, page_size, j, u > key, u == key, taken, ties, SLOTS)
-    else:
-        vis = j <= lim
-        u = _ukey(tl.load(ptrs, mask=vis, other=float("-inf"))) >> shift
-        _write_chunk(out_at, pt_row, page_size, j, vis & (u > key), vis & (u == key), taken, ties, SLOTS)
+    row_ptr = score_ptr + row * stride_s
+    vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    need = tl.zeros([], dtype=tl.int32) + k
+    shift = tl.zeros([], dtype=tl.int32)
+    done = tl.zeros([], dtype=tl.int32)
+    for D in tl.static_range(DIGITS):
+        if done == 0:
+            _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
+            _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
+            d, need, resolved = _choose_digit(ws + D * BINS, need)
+            prefix = prefix * 256 + d.to(tl.uint32)
+            shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
+            done = resolved.to(tl.int32)
+    key = u >> shift
+    above = tl.sum((vis & (key > prefix)).to(tl.int32), axis=0)
+    ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
+    cnt_row = cnt_ptr + row * n_chunks * 4
+    tl.store(cnt_row + c * 4, above)
+    tl.store(cnt_row + c * 4 + 1, ties)
+    _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
+    above_before = tl.zeros([], dtype=tl.int32)
+    ties_before = tl.zeros([], dtype=tl.int32)
+    for q0 in range(0, c, PREFIX_BLOCK):
+        q = q0 + tl.arange(0, PREFIX_BLOCK)
+        m = q < c
+        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
+        ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
+    _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
+                    above_before, ties_before, CHUNK, True)
 
 
 @triton.jit(do_not_specialize=["stride_pt"])
@@ -355,24 +453,25 @@ def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK,
-                    window: bool = WINDOW_PASS, late_slots: bool | None = None) -> None:
+                    window: bool = WINDOW_PASS, late_slots: bool | None = None, coop: bool | None = None) -> None:
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
-    window: launch the window pass before round 0; late_slots: see `launches` (the output is the same)."""
+    window: launch the window pass before round 0; late_slots, coop: see `launches` (the output is the same)."""
     for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk,
-                                               window, late_slots):
+                                               window, late_slots, coop):
         kernel[grid](*args, **kwargs)
 
 
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
              out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS,
-             late_slots: bool | None = None) -> list[tuple]:
+             late_slots: bool | None = None, coop: bool | None = None) -> list[tuple]:
     """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
     zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
     offline: one variant per chunk size, whatever the row length or page-table width. A token at position
     >= k must see k keys (positions < n_cols, as every caller's are). late_slots: the write stores positions and
-    a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows)."""
+    a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows). coop: one `_coop_select_kernel` launch
+    instead (default: up to COOP_ROWS rows; window and late_slots do not apply to it)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return []
@@ -386,6 +485,14 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
     select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
     late_slots = rows >= LATE_SLOTS_ROWS if late_slots is None else late_slots
+    # one program an SM at most: each then finds an SM once the kernels beside it end, so all are resident together
+    fits = rows * n_chunks <= _sm_count(scores)
+    if coop and not fits:
+        raise ValueError(f"long_row_select: a cooperative launch of {rows} x {n_chunks} programs passes the SM count")
+    if coop if coop is not None else rows <= COOP_ROWS and fits:
+        return [(_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
+                                             page_size, scores.stride(0), page_table.stride(0), out.stride(0),
+                                             n_chunks), launch)]
     return [*([(_top_digit_window_kernel, grid, select, launch)] if window else []),
             *((_radix_round_kernel, grid, select, {"ROUND": AFTER_WINDOW if window and r == 0 else r, **launch})
               for r in range(ROUNDS)),

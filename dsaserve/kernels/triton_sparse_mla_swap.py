@@ -31,12 +31,11 @@ import triton.language as tl
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _slots, _valid_end
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _slots, _valid_end, combine_splits
 from dsaserve.kernels.triton_sparse_mla_tc import (
     _LAYOUT,
     RESCALE_LOG2,
     _cache_view,
-    _combine,
     _gather_rope,
     _out_buffer,
     _rope_bf16,
@@ -240,7 +239,7 @@ def sparse_mla_attention_swap(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cac
     part, lse, grid, args, meta = launch_plan(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, out,
                                               _config(config), _sm_count(q_nope))
     _sparse_mla_swap_kernel[grid](*args, **meta, **pdl_args(q_nope.device))
-    _combine(part, lse, out)
+    combine_splits(part, lse, out)
     return out
 
 

@@ -35,7 +35,7 @@ import triton.language as tl
 from dsaserve.common.kv_layout import FP8_DS_MLA, FP8_E4M3, QUANT_GROUP, KVLayout, get_kv_layout
 from dsaserve.kernels import triton_sparse_mla
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_sparse_mla import LOG2E, _combine_kernel, _slots
+from dsaserve.kernels.triton_sparse_mla import LOG2E, _slots, combine_splits
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, pdl_args, prefetch_rows
 
 TC_MIN_TOKENS = 16  # the dispatcher's switch-over (issue 17: prefill and decode batches >= 16)
@@ -308,16 +308,6 @@ def _split_partials(q_nope: torch.Tensor, out: torch.Tensor, topk_slots: torch.T
     return per_split, splits, slots, part, lse
 
 
-def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge the top-k splits' partials into `out` (`triton_sparse_mla`'s combine kernel); unsplit, nothing."""
-    if part.shape[0] > 1:
-        t, h, dc = out.shape
-        _combine_kernel[(t, h)](part, lse, out, part.shape[0], h, dc, part.stride(0), part.stride(1),
-                                part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                BLOCK_S=triton.next_power_of_2(part.shape[0]), BLOCK_C=triton.next_power_of_2(dc),
-                                num_warps=4, **pdl_args(part.device))
-
-
 def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             layout: KVLayout | str, topk_slots: torch.Tensor, softmax_scale: float,
                             kv_lora_rank: int, out: torch.Tensor | None = None,
@@ -340,7 +330,7 @@ def sparse_mla_attention_tc(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache
                                             _config(layout, config), _sm_count(q_nope))
     for grid, args in launches:
         _sparse_mla_tc_kernel[grid](*args, **meta, **pdl_args(q_nope.device))
-    _combine(part, lse, out)
+    combine_splits(part, lse, out)
     return out
 
 

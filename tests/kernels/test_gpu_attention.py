@@ -238,7 +238,11 @@ def test_sparse_mla_attention_stops_at_each_tokens_last_valid_slot(gen, layout):
     qn = randn(len(lengths), h, dc, gen=gen, dtype=torch.bfloat16)
     qr = randn(len(lengths), h, dr, gen=gen, dtype=torch.bfloat16)
     ref = R.sparse_mla_attention(qn[:-1], qr[:-1], cache, layout, slots[:-1], dc ** -0.5, dc)
-    for conf in ({}, {"splits": 1}, {"splits": 3}):
+    # scan 0: the top-k split statically (no valid-slot scan), the -1 tails masked (their splits not read by the
+    # combine); grouped: the 4-group kernel (kv_lora 512)
+    confs = [{}, {"splits": 1}, {"splits": 3}, {"scan": 0}, {"scan": 0, "splits": 1}, {"scan": 0, "splits": 5}] + (
+        [{"scan": 0, "grouped": "dequant", "block_h": 16}] if dc == 512 else [])
+    for conf in confs:
         poison_free_memory()
         got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, dc ** -0.5, dc, config=conf)
         assert rel(got[:-1], ref) < BF16, f"seed {gen.initial_seed()} {conf}"

@@ -57,7 +57,7 @@ def triton_indexer_long_state(name: str) -> int:
 
 def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K,
                  table_keys: int | None = None, window: bool = True,
-                 late_slots: bool = False) -> tuple[torch.Tensor, ...]:
+                 late_slots: bool = False, coop: bool = False) -> tuple[torch.Tensor, ...]:
     """(split select, row select, the rows' search state) of the same scores, outputs pre-filled with -7 (a column
     left unwritten shows). After every launch each row's arrival counter is back at 0 (the next launch, or a
     graph's next replay, finds it there). table_keys: the page table's width in keys (default: the row's)."""
@@ -68,8 +68,8 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
     table = torch.randperm(n * pages, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)
     got = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
-    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window, late_slots)
-    ws = steps[0][2][2]
+    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window, late_slots, coop)
+    ws = steps[0][2][4 if coop else 2]
     for kernel, grid, args, kwargs in steps:
         kernel[grid](*args, **kwargs)
         assert ws[:, triton_indexer_long.STATE.value + 4].eq(0).all(), f"{kernel.fn.__name__}: a counter not reset"
@@ -102,6 +102,22 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
     # position k takes 64 of 65 keys: its k-th key is near the bottom, below the window: round 0 ran there.)
     window_done = state[2:, triton_indexer_long_state("WINDOW_DONE")].tolist()
     assert window_done == [int(window and (kind != "outlier" or p < WIDTH // 3)) for p in pos[2:].tolist()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a barrier among a launch's programs: the interpreter "
+                    "runs them one after another")
+@pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
+def test_the_cooperative_select_equals_the_row_select(kind):
+    """One launch with barriers among a row's programs (`_coop_select_kernel`, decode's 1-2 rows) writes what the
+    row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once)."""
+    gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 1)
+    pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
+    scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
+    if kind == "round3":
+        scores[:, ::3] = 2.5
+    for _ in range(3):  # again: each launch's barrier counters start from zero
+        got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
+        assert torch.equal(got, want)
 
 
 def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the_rows_chunks():

@@ -25,7 +25,7 @@ from tests.offline_triton import offline_jit  # noqa: E402
 PS, TOPK = 64, 2048
 LONG_KERNELS = (triton_indexer_long._top_digit_window_kernel, triton_indexer_long._radix_round_kernel,
                 triton_indexer_long._chunk_count_kernel, triton_indexer_long._chunk_write_kernel,
-                triton_indexer_long._positions_to_slots_kernel)
+                triton_indexer_long._positions_to_slots_kernel, triton_indexer_long._coop_select_kernel)
 
 
 def _operands(width: int, rows: int = 2) -> tuple[torch.Tensor, ...]:
@@ -55,12 +55,21 @@ def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(mon
         for width in RADIX_WIDTHS:
             for late_slots in (False, True):  # the write stores slots, or positions a last launch maps
                 for kernel, grid, args, kwargs in triton_indexer_long.launches(
-                        *_operands(width), TOPK, PS, chunk, window=True, late_slots=late_slots):
+                        *_operands(width), TOPK, PS, chunk, window=True, late_slots=late_slots, coop=False):
                     kernel.warmup(*args, grid=grid, **kwargs)
+    for chunk in (1024, 2048, 4096):  # decode's 1-2 rows: one cooperative launch while rows x chunks <= the SMs
+        for width, rows in ((512, 2), (513, 2), (2048, 1), (2048, 2), (3168, 1), (4095, 2)):
+            fits = rows * -(-width * PS // chunk) <= 132
+            steps = triton_indexer_long.launches(*_operands(width, rows), TOPK, PS, chunk)
+            assert (steps[0][0] is triton_indexer_long._coop_select_kernel) == fits, (chunk, width, rows)
+            if fits:
+                kernel, grid, args, kwargs = steps[0]
+                kernel.warmup(*args, grid=grid, **kwargs)
     rounds = triton_indexer_long.ROUNDS
     assert _kernel_counts(recorder) == {"_top_digit_window_kernel": len(chunks), "_chunk_count_kernel": len(chunks),
                                         "_radix_round_kernel": rounds * len(chunks),
-                                        "_chunk_write_kernel": 2 * len(chunks), "_positions_to_slots_kernel": 1}
+                                        "_chunk_write_kernel": 2 * len(chunks), "_positions_to_slots_kernel": 1,
+                                        "_coop_select_kernel": 3}
 
 
 def test_the_row_select_compiles_one_variant_per_row_block_whatever_the_page_table_width(monkeypatch, tmp_path):
