@@ -1,5 +1,5 @@
 """Tile sweep of the decode MoE (`fused_moe`'s unsorted swap-AB kernel) at the slice's MoE layer, batch 1-8
-(issue 17: batch-1 decode streams its routed experts at ~3.5 TB/s).
+(issue 17: batch-1 decode streams its routed experts at ~3.5 TB/s); --wide: batch 32-128 (the sorted kernels).
 
 Run on the device:  PYTHONPATH=. python bench/sweep_moe_decode.py --out $OUT [--tokens 1,8]
 Each case is a CUDA graph over `calls` MoE calls, each its own random route over 32 FP8 experts (hidden 6144,
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--wide", action="store_true", help="batch 32-128 decode: the swap-AB and A-operand kernels' "
+                    "block_m / block_n / warps / stages, and the dense prefill path, instead of the unsorted tiles")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -52,12 +54,16 @@ def main() -> None:
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         routes = [_route(t, gen) for _ in range(args.calls)]
         touched = sum(int(ids.unique().numel()) for _, ids in routes) / len(routes)
-        for fused in (True, False):
+        for fused in (False,) if args.wide else (True, False):  # only the unsorted kernel fuses the shared expert
             base = {"fuse_shared": fused}
             want = [MOE.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, config=base) for tw, ids in routes]
-            cases = [("default", base)] + [
+            cases = [("default", base)] + ([
+                (f"{k} bm{bm} bn{bn} w{wp} st{st}", {**base, "kernel": k, "block_m": bm, "block_n": bn, "num_warps": wp,
+                                                      "num_stages": st})
+                for k, bm, bn, wp, st in itertools.product(("swap", "gemm"), (16, 32, 64), (64, 128), (4, 8), (3, 4))
+            ] + [("dense", {**base, "kernel": "dense"})] if args.wide else [
                 (f"bn{bn} w{wp} st{st}", {**base, "block_n": bn, "num_warps": wp, "num_stages": st})
-                for bn, wp, st in itertools.product((32, 64, 128), (4, 8), (3, 4, 6))]
+                for bn, wp, st in itertools.product((32, 64, 128), (4, 8), (3, 4, 6))])
             for tag, conf in cases:
                 try:
                     got = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared, config=conf)
