@@ -61,33 +61,39 @@ def kernel_sequence(fn, steps: int = 5) -> list[tuple[str, float]]:
 
 
 def kernel_timeline(fn, steps: int = 5) -> dict:
-    """One replayed step as a timeline, each launch's median over `steps` steps: its stream, duration, and what it
-    added to the step (`adds`: its end minus the latest end of any kernel that ended before it). Under PDL a
-    kernel starts while its predecessor runs (its programs wait in griddepcontrol.wait), so durations overlap;
-    the `adds` of all kernels sum to the step's span, each kernel charged only for the time it alone kept the
-    GPU busy past everything before it (a side stream's kernel hidden behind the compute stream adds ~0)."""
+    """One replayed step as a timeline, each launch's median over `steps` steps: its stream, start, duration, and
+    what it added to the step (`adds`): its end minus the latest end of any kernel that ended before it. The adds
+    sum to the step's span. On one chain of kernels this is each kernel's own cost (under PDL a kernel starts while
+    its predecessor runs, its programs waiting in griddepcontrol.wait, so durations overlap; the wait is charged to
+    the kernel waited for). Where two streams overlap, an interval goes to the kernel that ended first in it: a
+    side-stream kernel beside the compute stream's is charged the part it ended first in, not ~0; an idle gap
+    goes to the next kernel to end. Launches are matched across steps by (name, occurrence of that name in the
+    step's start order): two streams' kernels that start together may swap places between steps."""
     evs = cuda_events(fn, steps)
     per = len(evs) // steps
-    rows: list[dict] = []
+    rows: dict[tuple[str, int], dict] = {}
     spans = []
     for s in range(steps):
-        step = evs[s * per:(s + 1) * per]
-        t0 = min(ev.time_range.start for ev in step)
-        ends = sorted((ev.time_range.end, i) for i, ev in enumerate(step))
-        adds, last = {}, t0
-        for end, i in ends:
-            adds[i], last = max(0.0, end - last), max(last, end)
+        step = sorted(evs[s * per:(s + 1) * per], key=lambda ev: ev.time_range.start)
+        t0 = step[0].time_range.start
+        last, adds = t0, {}
+        for i in sorted(range(per), key=lambda i: step[i].time_range.end):
+            adds[i], last = max(0.0, step[i].time_range.end - last), max(last, step[i].time_range.end)
         spans.append(last - t0)
+        seen: dict[str, int] = defaultdict(int)
         for i, ev in enumerate(step):
-            rec = (ev.time_range.start - t0, ev.device_time, adds[i], ev.device_resource_id)
-            if s == 0:
-                rows.append({"name": ev.name[:70], "stream": rec[3], "start": [], "dur": [], "adds": []})
-            for key, v in zip(("start", "dur", "adds"), rec[:3], strict=True):
-                rows[i][key].append(v)
-    for r in rows:
-        for key in ("start", "dur", "adds"):
-            r[key] = statistics.median(r[key])
-    return {"span_us": statistics.median(spans), "launches": rows}
+            name = ev.name[:70]
+            key = (name, seen[name])
+            seen[name] += 1
+            row = rows.setdefault(key, {"name": name, "stream": ev.device_resource_id, "start": [], "dur": [],
+                                        "adds": []})
+            for field, v in (("start", ev.time_range.start - t0), ("dur", ev.device_time), ("adds", adds[i])):
+                row[field].append(v)
+    launches = sorted(rows.values(), key=lambda r: statistics.median(r["start"]))
+    for r in launches:
+        for field in ("start", "dur", "adds"):
+            r[field] = statistics.median(r[field])
+    return {"span_us": statistics.median(spans), "launches": launches}
 
 
 def print_timeline(tl: dict, top: int) -> None:

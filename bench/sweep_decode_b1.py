@@ -45,8 +45,8 @@ def tile_configs() -> list[dict]:
                for bh, bk, st, sc in itertools.product((16, 32), (32, 64), (1, 2), (0, 2048))]
     grouped = [{"block_h": bh, "block_k": 64, "num_warps": w, "num_stages": 1, "scan": sc, "grouped": "dequant",
                 "prefetch": False} for bh, w in ((64, 8), (32, 4), (16, 4)) for sc in (0, 2048)]
-    swap = [{"kernel": "swap", "block_k": bk, "num_warps": w} for bk, w in ((128, 8), (64, 4))]
-    return generic + grouped + swap
+    swap_ab = [{"kernel": "swap", "block_k": bk, "num_warps": w} for bk, w in ((128, 8), (64, 4))]
+    return generic + grouped + swap_ab
 
 
 def graph_us(fn, calls: int, reps: int = 20) -> float:

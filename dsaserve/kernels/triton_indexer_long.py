@@ -83,8 +83,8 @@ SLOT_BLOCK = 1024  # keys a conversion program maps
 WINDOW = tl.constexpr(4)  # top digits the window pass counts a chunk (4 x 16-bit counts in an int64: CHUNK < 2^16)
 WINDOW_TOP, WINDOW_DONE = tl.constexpr(5), tl.constexpr(6)  # state: the row's largest top digit, round 0 done
 COOP_BARRIERS = tl.constexpr(8)  # state: the cooperative select's ROUNDS + 1 barrier counters (state 8..12)
-# rows up to which one cooperative launch replaces the select's launches (not under the interpreter: it runs a
-# launch's programs one after another, so a barrier among them would never open)
+# decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
+# interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
 COOP_ROWS = 0 if INTERPRET else 2
 
 
@@ -453,7 +453,7 @@ def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK,
-                    window: bool = WINDOW_PASS, late_slots: bool | None = None, coop: bool | None = None) -> None:
+                    window: bool = WINDOW_PASS, late_slots: bool | None = None, coop: bool = False) -> None:
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
@@ -463,15 +463,28 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
         kernel[grid](*args, **kwargs)
 
 
+def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
+    """Whether a cooperative launch of rows x n_chunks programs is safe: one program an SM at most, so each finds an
+    SM once the kernels beside it end and all are resident together (a GPU shared through MPS with an SM limit is
+    not seen here)."""
+    return rows * n_chunks <= _sm_count(scores)
+
+
+def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> bool:
+    """Decode's choice (`triton_indexer_dispatch`): its 1-2 rows (COOP_ROWS) as one cooperative launch where it fits.
+    A prefill's rows keep the launches (its late slots and window pass; none of its kernels runs beside it)."""
+    return rows <= COOP_ROWS and coop_fits(rows, triton.cdiv(n_cols, chunk), scores)
+
+
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
              out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS,
-             late_slots: bool | None = None, coop: bool | None = None) -> list[tuple]:
+             late_slots: bool | None = None, coop: bool = False) -> list[tuple]:
     """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
     zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
     offline: one variant per chunk size, whatever the row length or page-table width. A token at position
     >= k must see k keys (positions < n_cols, as every caller's are). late_slots: the write stores positions and
     a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows). coop: one `_coop_select_kernel` launch
-    instead (default: up to COOP_ROWS rows; window and late_slots do not apply to it)."""
+    instead (window and late_slots do not apply; an error where `coop_fits` says no or under the interpreter)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return []
@@ -485,11 +498,10 @@ def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Te
     launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
     select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
     late_slots = rows >= LATE_SLOTS_ROWS if late_slots is None else late_slots
-    # one program an SM at most: each then finds an SM once the kernels beside it end, so all are resident together
-    fits = rows * n_chunks <= _sm_count(scores)
-    if coop and not fits:
-        raise ValueError(f"long_row_select: a cooperative launch of {rows} x {n_chunks} programs passes the SM count")
-    if coop if coop is not None else rows <= COOP_ROWS and fits:
+    if coop:
+        if INTERPRET or not coop_fits(rows, n_chunks, scores):
+            raise ValueError(f"long_row_select: a cooperative launch of {rows} x {n_chunks} programs "
+                             f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
         return [(_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
                                              page_size, scores.stride(0), page_table.stride(0), out.stride(0),
                                              n_chunks), launch)]

@@ -106,6 +106,9 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
     pos.copy_(torch.tensor([25000, 1000], device=DEVICE))  # the second token now sees fewer than topk keys
     graph.replay()
     _check_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    first = out.clone()
+    graph.replay()  # again: the cooperative select's barrier counters are zeroed inside the graph, every replay
+    assert torch.equal(out, first)
 
 
 # ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------

@@ -7,6 +7,8 @@ they run under the Triton interpreter (TRITON_INTERPRET=1 DSASERVE_TEST_TRITON_I
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -104,8 +106,8 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
     assert window_done == [int(window and (kind != "outlier" or p < WIDTH // 3)) for p in pos[2:].tolist()]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a barrier among a launch's programs: the interpreter "
-                    "runs them one after another")
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
 def test_the_cooperative_select_equals_the_row_select(kind):
     """One launch with barriers among a row's programs (`_coop_select_kernel`, decode's 1-2 rows) writes what the
@@ -118,6 +120,21 @@ def test_the_cooperative_select_equals_the_row_select(kind):
     for _ in range(3):  # again: each launch's barrier counters start from zero
         got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
         assert torch.equal(got, want)
+
+
+def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
+    """More programs than SMs (or the interpreter, which runs them one by one): an error, never a launch that could
+    wait forever at its first barrier."""
+    from dsaserve.kernels import triton_indexer_long
+
+    n_chunks = 1000
+    scores = torch.empty(1, n_chunks * 128, device=DEVICE)
+    args = (torch.zeros(1, n_chunks * 128 // PS, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64,
+            device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.empty(1, K, dtype=torch.int64,
+            device=DEVICE))
+    assert not triton_indexer_long.cooperative(1, n_chunks * 128, 128, scores)
+    with pytest.raises(ValueError, match="cooperative"):
+        triton_indexer_long.launches(scores, *args, K, PS, 128, coop=True)
 
 
 def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the_rows_chunks():

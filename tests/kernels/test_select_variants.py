@@ -55,15 +55,14 @@ def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(mon
         for width in RADIX_WIDTHS:
             for late_slots in (False, True):  # the write stores slots, or positions a last launch maps
                 for kernel, grid, args, kwargs in triton_indexer_long.launches(
-                        *_operands(width), TOPK, PS, chunk, window=True, late_slots=late_slots, coop=False):
+                        *_operands(width), TOPK, PS, chunk, window=True, late_slots=late_slots):
                     kernel.warmup(*args, grid=grid, **kwargs)
-    for chunk in (1024, 2048, 4096):  # decode's 1-2 rows: one cooperative launch while rows x chunks <= the SMs
+    for chunk in (1024, 2048, 4096):  # decode's 1-2 rows: one cooperative launch where rows x chunks fit the SMs
         for width, rows in ((512, 2), (513, 2), (2048, 1), (2048, 2), (3168, 1), (4095, 2)):
-            fits = rows * -(-width * PS // chunk) <= 132
-            steps = triton_indexer_long.launches(*_operands(width, rows), TOPK, PS, chunk)
-            assert (steps[0][0] is triton_indexer_long._coop_select_kernel) == fits, (chunk, width, rows)
-            if fits:
-                kernel, grid, args, kwargs = steps[0]
+            ops = _operands(width, rows)
+            if triton_indexer_long.coop_fits(rows, -(-width * PS // chunk), ops[0]):
+                (kernel, grid, args, kwargs), = triton_indexer_long.launches(*ops, TOPK, PS, chunk, coop=True)
+                assert kernel is triton_indexer_long._coop_select_kernel
                 kernel.warmup(*args, grid=grid, **kwargs)
     rounds = triton_indexer_long.ROUNDS
     assert _kernel_counts(recorder) == {"_top_digit_window_kernel": len(chunks), "_chunk_count_kernel": len(chunks),
