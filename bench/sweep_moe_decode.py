@@ -61,7 +61,8 @@ def main() -> None:
                 (f"{k} bm{bm} bn{bn} w{wp} st{st}", {**base, "kernel": k, "block_m": bm, "block_n": bn, "num_warps": wp,
                                                       "num_stages": st})
                 for k, bm, bn, wp, st in itertools.product(("swap", "gemm"), (16, 32, 64), (64, 128), (4, 8), (3, 4))
-            ] + [("dense", {**base, "kernel": "dense"})] if args.wide else [
+            ] + [(f"swap pairs-fastest bm{bm}", {**base, "kernel": "swap", "block_m": bm, "pairs_fastest": True})
+                 for bm in (16, 32, 64)] + [("dense", {**base, "kernel": "dense"})] if args.wide else [
                 (f"bn{bn} w{wp} st{st}", {**base, "block_n": bn, "num_warps": wp, "num_stages": st})
                 for bn, wp, st in itertools.product((32, 64, 128), (4, 8), (3, 4, 6))])
             for tag, conf in cases:

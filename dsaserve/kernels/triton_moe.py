@@ -174,11 +174,17 @@ def _moe_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, 
                        stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_bsk,
                        stride_cm, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr,
                        A_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Decode variant of `_moe_gemm_kernel` over `moe_align`'s expert blocks (`_expert_tile`)."""
+                       PAIRS_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Decode variant of `_moe_gemm_kernel` over `moe_align`'s expert blocks (`_expert_tile`). PAIRS_FASTEST: the
+    grid's first axis is the pair blocks, so an expert's blocks that share a weight tile run side by side (its
+    tile read from HBM once, then from L2) instead of one column of n-tiles apart."""
     grid_dependency_sync(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    if PAIRS_FASTEST:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -251,7 +257,7 @@ def _block_m(pairs: int, experts: int) -> int:
 
 
 def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_m, block_n, num_warps, num_stages,
-                  kernel, shared=None, shared_row_base=0):
+                  kernel, shared=None, shared_row_base=0, pairs_fastest=False):
     """One grouped GEMM over the (token, expert) pairs. route: topk_ids (kernel "unsorted") or moe_align's
     (sorted_ids, block_expert, total); a_s: the FP8 activations' scales, or None for bf16 activations.
     shared (kernel "unsorted"): (weight, scale) of the shared expert, run as one more expert whose pairs are the
@@ -277,6 +283,9 @@ def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_
     grid = (triton.cdiv(n, block_n), sorted_ids.numel() // block_m)
     args = (a, a_s, w, w_s, out, tw, sorted_ids, bexp, total, n, k, out.shape[0], a_row_div, n if gated else 0,
             *a_strides, w.stride(0), w.stride(1), *ws, out.stride(0))
+    if kernel == "swap" and pairs_fastest:
+        _moe_skinny_kernel[grid[::-1]](*args, **common, PAIRS_FASTEST=True, **pdl_args(a.device))
+        return
     (_moe_skinny_kernel if kernel == "swap" else _moe_gemm_kernel)[grid](*args, **common, **pdl_args(a.device))
 
 
@@ -302,7 +311,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
-    ("unsorted" | "swap" | "gemm" | "dense") / fuse_shared; for "dense" (`triton_moe_prefill`, the FP8 prefill
+    ("unsorted" | "swap" | "gemm" | "dense") / fuse_shared / pairs_fastest ("swap": pair blocks first in the
+    grid; batch 128's concentrated experts, not measured yet); for "dense" (`triton_moe_prefill`, the FP8 prefill
     default when PREFILL_CONFIG["kernel"] says so) it overrides PREFILL_CONFIG's keys instead. `absent`: ids
     may be E (another rank's expert): no program computes those pairs (the unsorted kernel's experts never
     match E, `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their
@@ -346,7 +356,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
         return prefill(x.contiguous(), w13, w13_scale, w2, w2_scale, topk_weights, route, top_k, add, dense)
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-              "kernel": kernel}
+              "kernel": kernel, "pairs_fastest": cfg.get("pairs_fastest", False)}
     if pairs == 0:
         return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
     route = topk_ids.contiguous() if kernel == "unsorted" else moe_align(topk_ids, e, bm)

@@ -125,6 +125,8 @@ def test_fused_moe_matches_reference(gen, t, fp8):
         other = moe.fused_moe(*args, config=conf)
         b = FP8A if fp8 and conf.get("fp8_act", True) else BF16
         assert rel(other, ref) < b, f"seed {gen.initial_seed()} {conf}"
+    swap = {"kernel": "swap", "block_m": 16}  # the grid's axes swapped: the same tiles, bit for bit
+    assert torch.equal(moe.fused_moe(*args, config={**swap, "pairs_fastest": True}), moe.fused_moe(*args, config=swap))
 
 
 @pytest.mark.parametrize("model", MODELS)
