@@ -24,7 +24,7 @@ from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import reference as R
-from dsaserve.kernels import triton_indexer_long
+from dsaserve.kernels import triton_indexer_coop
 from dsaserve.kernels.registry import get_ops
 
 
@@ -179,8 +179,8 @@ def ab_setting(runner, name: str):
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "select_launches":
-        coop_rows, triton_indexer_long.COOP_ROWS = triton_indexer_long.COOP_ROWS, 0
-        return lambda: setattr(triton_indexer_long, "COOP_ROWS", coop_rows)
+        coop_rows, triton_indexer_coop.COOP_ROWS = triton_indexer_coop.COOP_ROWS, 0
+        return lambda: setattr(triton_indexer_coop, "COOP_ROWS", coop_rows)
     if name == "cublas_small":
         ops.small_linear = R.small_linear
     elif name == "unfused_knorm":

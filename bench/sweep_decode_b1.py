@@ -28,7 +28,7 @@ import torch
 
 from bench.bench_long_select import _graph_time
 from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layout
-from dsaserve.kernels import triton_indexer, triton_indexer_long
+from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_long
 from dsaserve.kernels import triton_sparse_mla as tsm
 from dsaserve.kernels import triton_sparse_mla_swap as swap
 
@@ -87,7 +87,8 @@ def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idi
         sel = torch.empty(t, 2048, dtype=torch.int64, device="cuda")
 
         def select(i, chunk, coop, ref=ref, tables=tables, req=req, pos=pos, sel=sel):
-            triton_indexer_long.long_row_select(ref, tables[0], req, pos, sel, 2048, ps, chunk=chunk, coop=coop)
+            select_rows = triton_indexer_coop.coop_select if coop else triton_indexer_long.long_row_select
+            select_rows(ref, tables[0], req, pos, sel, 2048, ps, chunk=chunk)
             return sel
 
         want = select(0, triton_indexer_long.CHUNK, False).sort(dim=1).values.clone()

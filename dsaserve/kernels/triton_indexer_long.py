@@ -40,8 +40,8 @@ times this design; bench/offline_long_select.py counts its sm_90 instructions of
 Rows whose token sees at most k keys take them all and read no score (the scores kernel skipped them); chunks past
 a token's position return at once. Six launches (+ a memset of the histograms and state), each a pass over the row's
 causal prefix in L2; with the window pass (the default) seven; with late slots one more, over the output only.
-Decode's 1-2 rows take one launch instead (`_coop_select_kernel`: the same passes with a barrier among a row's
-programs between them; 4.3-5.5 us less a call on the H200, bench/RESULTS.md nineteenth session).
+Decode's 1-2 rows take one launch instead (`triton_indexer_coop`: the same passes with a barrier among a row's
+programs between them).
 One compiled variant per chunk size (and round), whatever the row length and the page table: a prefill's rows are
 as long as its context and its page table as wide as its longest request, so the chunk count and the page-table
 stride are not specialised and the count kernel's last program scans the chunks' counts PREFIX_BLOCK at a time (a
@@ -55,9 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_fp8_gemm import _sm_count
 from dsaserve.kernels.triton_indexer import _rank_2d, page_slots
-from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, pdl_args
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 from dsaserve.kernels.variants import SELECT_CHUNK
 
 CHUNK = SELECT_CHUNK  # keys per program: 16 per thread at 8 warps (decode at 1-2 rows: variants.long_select_chunk)
@@ -82,10 +81,6 @@ LATE_SLOTS_ROWS = 64
 SLOT_BLOCK = 1024  # keys a conversion program maps
 WINDOW = tl.constexpr(4)  # top digits the window pass counts a chunk (4 x 16-bit counts in an int64: CHUNK < 2^16)
 WINDOW_TOP, WINDOW_DONE = tl.constexpr(5), tl.constexpr(6)  # state: the row's largest top digit, round 0 done
-COOP_BARRIERS = tl.constexpr(8)  # state: the cooperative select's ROUNDS + 1 barrier counters (state 8..12)
-# decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
-# interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
-COOP_ROWS = 0 if INTERPRET else 2
 
 
 @triton.jit
@@ -367,72 +362,6 @@ def _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, key, ne
             _write_chunk(out_at, pt_row, page_size, j, vis & (u > key), vis & (u == key), taken, ties, SLOTS)
 
 
-@triton.jit
-def _row_barrier(counter, n_active):
-    """Wait until the row's n_active programs have all arrived at this counter (zeroed for the launch). The CTA
-    barrier and the release order every thread's earlier global writes and atomics before the arrival; the
-    acquire orders the others' before what follows. Only for launches whose programs are all resident together
-    (`_coop_select_kernel`)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="release") + 1
-    while arrived < n_active:  # polled with plain L2 reads (not read-modify-writes on the one address)
-        arrived = tl.load(counter, volatile=True)
-    tl.atomic_add(counter, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
-def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """The split radix select in one launch for a few rows (COOP_ROWS): the rounds, the count and the write of
-    `launches` with a barrier among the row's programs between them instead of a launch boundary. Each program
-    reads its chunk's scores once and keeps them; every program chooses each round's digit itself from the row's
-    complete histogram (the same numbers, so the same choice and the same early end); the output equals the
-    launches', bit for bit. Deadlock-free because `launches` takes it only for at most one program an SM (rows x
-    chunks <= the SM count): each program finds an SM once the kernels beside it end, and none of them waits for
-    this one (on the side stream, the select's only consumer joins after it)."""
-    grid_dependency_sync(PDL)
-    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
-    if pos < k:
-        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
-        return
-    if c * CHUNK > pos:  # past the position: not one of the row's n_active programs
-        return
-    ws = ws_ptr + row * WS_ROW
-    n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
-    lim = _last_visible(pos, n_cols)
-    row_ptr = score_ptr + row * stride_s
-    vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    need = tl.zeros([], dtype=tl.int32) + k
-    shift = tl.zeros([], dtype=tl.int32)
-    done = tl.zeros([], dtype=tl.int32)
-    for D in tl.static_range(DIGITS):
-        if done == 0:
-            _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
-            _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
-            d, need, resolved = _choose_digit(ws + D * BINS, need)
-            prefix = prefix * 256 + d.to(tl.uint32)
-            shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
-            done = resolved.to(tl.int32)
-    key = u >> shift
-    above = tl.sum((vis & (key > prefix)).to(tl.int32), axis=0)
-    ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
-    cnt_row = cnt_ptr + row * n_chunks * 4
-    tl.store(cnt_row + c * 4, above)
-    tl.store(cnt_row + c * 4 + 1, ties)
-    _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    for q0 in range(0, c, PREFIX_BLOCK):
-        q = q0 + tl.arange(0, PREFIX_BLOCK)
-        m = q < c
-        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
-        ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
-    _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
-                    above_before, ties_before, CHUNK, True)
-
-
 @triton.jit(do_not_specialize=["stride_pt"])
 def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, stride_pt, stride_o,
                                BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -453,58 +382,45 @@ def _positions_to_slots_kernel(pt_ptr, req_ptr, pos_ptr, out_ptr, k, page_size, 
 
 def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK,
-                    window: bool = WINDOW_PASS, late_slots: bool | None = None, coop: bool = False) -> None:
+                    window: bool = WINDOW_PASS, late_slots: bool | None = None) -> None:
     """out [rows, >= k] (int64) <- the k largest causal scores' physical slots per row, in position order,
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
-    window: launch the window pass before round 0; late_slots, coop: see `launches` (the output is the same)."""
+    window: launch the window pass before round 0; late_slots: see `launches` (the output is the same).
+    Decode's 1-2 rows take `triton_indexer_coop.coop_select` instead (one launch)."""
     for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk,
-                                               window, late_slots, coop):
+                                               window, late_slots):
         kernel[grid](*args, **kwargs)
 
 
-def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
-    """Whether a cooperative launch of rows x n_chunks programs is safe: one program an SM at most, so each finds an
-    SM once the kernels beside it end and all are resident together (a GPU shared through MPS with an SM limit is
-    not seen here)."""
-    return rows * n_chunks <= _sm_count(scores)
-
-
-def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> bool:
-    """Decode's choice (`triton_indexer_dispatch`): its 1-2 rows (COOP_ROWS) as one cooperative launch where it fits.
-    A prefill's rows keep the launches (its late slots and window pass; none of its kernels runs beside it)."""
-    return rows <= COOP_ROWS and coop_fits(rows, triton.cdiv(n_cols, chunk), scores)
+def workspace(scores: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
+    """(the rows' zeroed workspace: histograms, state, counters; the chunks' counts; the grid (rows, chunks); the
+    launch keywords) of a select over `scores` in `chunk`-key chunks, the chunk checked."""
+    if chunk < 128 or chunk > 1 << 15 or chunk & (chunk - 1):  # the window pass packs counts <= CHUNK in 16 bits
+        raise ValueError(f"long_row_select: chunk {chunk} is not a power of two in [128, 32768]")
+    rows, n_chunks = scores.shape[0], triton.cdiv(scores.shape[1], chunk)
+    ws = torch.zeros((rows, WS_ROW.value), dtype=torch.int32, device=scores.device)
+    counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)
+    # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
+    return ws, counts, (rows, n_chunks), {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)),
+                                          **pdl_args(scores.device)}
 
 
 def launches(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
              out: torch.Tensor, k: int, page_size: int, chunk: int = CHUNK, window: bool = WINDOW_PASS,
-             late_slots: bool | None = None, coop: bool = False) -> list[tuple]:
+             late_slots: bool | None = None) -> list[tuple]:
     """`long_row_select`'s launches in order, as (kernel, grid, arguments, keywords), its workspaces allocated and
     zeroed here (so the list runs once: a second run would add to the first's histograms), tests compile them
     offline: one variant per chunk size, whatever the row length or page-table width. A token at position
     >= k must see k keys (positions < n_cols, as every caller's are). late_slots: the write stores positions and
-    a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows). coop: one `_coop_select_kernel` launch
-    instead (window and late_slots do not apply; an error where `coop_fits` says no or under the interpreter)."""
+    a last launch maps them to slots (default: from LATE_SLOTS_ROWS rows)."""
     rows, n_cols = scores.shape
     if rows == 0:
         return []
-    if chunk < 128 or chunk > 1 << 15 or chunk & (chunk - 1):  # the window pass packs counts <= CHUNK in 16 bits
-        raise ValueError(f"long_row_select: chunk {chunk} is not a power of two in [128, 32768]")
-    n_chunks = triton.cdiv(n_cols, chunk)
-    ws = torch.zeros((rows, WS_ROW.value), dtype=torch.int32, device=scores.device)  # histograms, state, arrivals
-    counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)
-    grid = (rows, n_chunks)
-    # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
-    launch = {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)), **pdl_args(scores.device)}
+    ws, counts, grid, launch = workspace(scores, chunk)
+    n_chunks = grid[1]
     select = (scores, positions, ws, n_cols, k, scores.stride(0), n_chunks)
     late_slots = rows >= LATE_SLOTS_ROWS if late_slots is None else late_slots
-    if coop:
-        if INTERPRET or not coop_fits(rows, n_chunks, scores):
-            raise ValueError(f"long_row_select: a cooperative launch of {rows} x {n_chunks} programs "
-                             f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
-        return [(_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, n_cols, k,
-                                             page_size, scores.stride(0), page_table.stride(0), out.stride(0),
-                                             n_chunks), launch)]
     return [*([(_top_digit_window_kernel, grid, select, launch)] if window else []),
             *((_radix_round_kernel, grid, select, {"ROUND": AFTER_WINDOW if window and r == 0 else r, **launch})
               for r in range(ROUNDS)),

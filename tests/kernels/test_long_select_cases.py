@@ -63,14 +63,17 @@ def _select_both(scores: torch.Tensor, pos: torch.Tensor, chunk: int, k: int = K
     """(split select, row select, the rows' search state) of the same scores, outputs pre-filled with -7 (a column
     left unwritten shows). After every launch each row's arrival counter is back at 0 (the next launch, or a
     graph's next replay, finds it there). table_keys: the page table's width in keys (default: the row's)."""
-    from dsaserve.kernels import triton_indexer, triton_indexer_long
+    from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_long
 
     n, width = scores.shape
     pages = (table_keys or width) // PS
     table = torch.randperm(n * pages, device=DEVICE).view(n, -1)
     req = torch.arange(n, device=DEVICE)
     got = torch.full((n, k), -7, dtype=torch.int64, device=DEVICE)
-    steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window, late_slots, coop)
+    if coop:
+        steps = [triton_indexer_coop.launch(scores, table, req, pos, got, k, PS, chunk)]
+    else:
+        steps = triton_indexer_long.launches(scores, table, req, pos, got, k, PS, chunk, window, late_slots)
     ws = steps[0][2][4 if coop else 2]
     for kernel, grid, args, kwargs in steps:
         kernel[grid](*args, **kwargs)
@@ -110,7 +113,7 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
 def test_the_cooperative_select_equals_the_row_select(kind):
-    """One launch with barriers among a row's programs (`_coop_select_kernel`, decode's 1-2 rows) writes what the
+    """One launch with barriers among a row's programs (`triton_indexer_coop`, decode's 1-2 rows) writes what the
     row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once)."""
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 1)
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
@@ -125,16 +128,16 @@ def test_the_cooperative_select_equals_the_row_select(kind):
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
     """More programs than SMs (or the interpreter, which runs them one by one): an error, never a launch that could
     wait forever at its first barrier."""
-    from dsaserve.kernels import triton_indexer_long
+    from dsaserve.kernels import triton_indexer_coop
 
     n_chunks = 1000
     scores = torch.empty(1, n_chunks * 128, device=DEVICE)
     args = (torch.zeros(1, n_chunks * 128 // PS, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64,
             device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.empty(1, K, dtype=torch.int64,
             device=DEVICE))
-    assert not triton_indexer_long.cooperative(1, n_chunks * 128, 128, scores)
+    assert not triton_indexer_coop.cooperative(1, n_chunks * 128, 128, scores)
     with pytest.raises(ValueError, match="cooperative"):
-        triton_indexer_long.launches(scores, *args, K, PS, 128, coop=True)
+        triton_indexer_coop.launch(scores, *args, K, PS, 128)
 
 
 def test_a_token_that_sees_fewer_than_k_keys_gets_all_k_columns_written_past_the_rows_chunks():

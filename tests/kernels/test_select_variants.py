@@ -19,13 +19,13 @@ import torch
 pytest.importorskip("triton")
 
 from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
-from dsaserve.kernels import triton_indexer, triton_indexer_gemm, triton_indexer_long  # noqa: E402
+from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_gemm, triton_indexer_long  # noqa: E402
 from tests.offline_triton import offline_jit  # noqa: E402
 
 PS, TOPK = 64, 2048
 LONG_KERNELS = (triton_indexer_long._top_digit_window_kernel, triton_indexer_long._radix_round_kernel,
                 triton_indexer_long._chunk_count_kernel, triton_indexer_long._chunk_write_kernel,
-                triton_indexer_long._positions_to_slots_kernel, triton_indexer_long._coop_select_kernel)
+                triton_indexer_long._positions_to_slots_kernel, triton_indexer_coop._coop_select_kernel)
 
 
 def _operands(width: int, rows: int = 2) -> tuple[torch.Tensor, ...]:
@@ -60,9 +60,8 @@ def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(mon
     for chunk in (1024, 2048, 4096):  # decode's 1-2 rows: one cooperative launch where rows x chunks fit the SMs
         for width, rows in ((512, 2), (513, 2), (2048, 1), (2048, 2), (3168, 1), (4095, 2)):
             ops = _operands(width, rows)
-            if triton_indexer_long.coop_fits(rows, -(-width * PS // chunk), ops[0]):
-                (kernel, grid, args, kwargs), = triton_indexer_long.launches(*ops, TOPK, PS, chunk, coop=True)
-                assert kernel is triton_indexer_long._coop_select_kernel
+            if triton_indexer_coop.coop_fits(rows, -(-width * PS // chunk), ops[0]):
+                kernel, grid, args, kwargs = triton_indexer_coop.launch(*ops, TOPK, PS, chunk)
                 kernel.warmup(*args, grid=grid, **kwargs)
     rounds = triton_indexer_long.ROUNDS
     assert _kernel_counts(recorder) == {"_top_digit_window_kernel": len(chunks), "_chunk_count_kernel": len(chunks),
