@@ -77,6 +77,8 @@ def test_rope_table_rows_equal_the_per_step_formula():
     table_cos, table_sin = rot.table_rows(pos, torch.bfloat16)  # what the GPU path gathers
     cos, sin = rot(pos, torch.bfloat16)  # what the CPU path computes
     assert torch.equal(table_cos, cos) and torch.equal(table_sin, sin)
+    # one gather, two views: the kernels take them with a unit last stride and (rope_inplace) equal strides
+    assert table_cos.stride() == table_sin.stride() and table_cos.stride(-1) == 1
 
 
 @pytest.mark.parametrize("heads,dim,folds", [(32, 128, True), (16, 32, False)])
