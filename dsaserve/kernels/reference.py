@@ -149,8 +149,12 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
     """Weight-absorbed sparse MLA over the paged latent cache (written into `out` when given).
+
+    defer_combine (the caller's promise that `head_bmm` is the output's only reader): a GPU kernel that split the
+    keys may leave its partials on `out` for `head_bmm` to merge (`triton_sparse_mla.attach_splits`); here, and
+    wherever a kernel did not split, `out` holds the result.
 
     q_nope [T, H, kv_lora_rank] (already multiplied by W_uk), q_rope [T, H, rope], topk_slots [T, K]
     (-1 = skip). score = (q_nope . c + q_rope . k_rope) * scale over the selected slots, softmax, and the

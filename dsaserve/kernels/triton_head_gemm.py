@@ -5,7 +5,9 @@ bmm). At decode each head's product is a GEMV over its own bf16 weight slice (GL
 and W_uv 64 x 512 x 256 = 29 MB per layer), so the op is a weight stream. As a Triton kernel it joins the
 step's PDL chain (`triton_utils`) where cuBLAS's kernels broke it, writes [T, H, N] contiguous (no copy
 before o_proj), and, for the W_uv product, emits o_proj's FP8 input copy (`attach_fp8`): one program
-holds a whole 128-column quantisation group, so the quantiser launch before o_proj goes away.
+holds a whole 128-column quantisation group, so the quantiser launch before o_proj goes away; and, when sparse
+MLA left a 1-2-token call's split partials on the latent (`triton_sparse_mla.attach_splits`), merges them as it
+reads them (their combine launch goes away).
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
 
@@ -16,15 +18,45 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
+from dsaserve.kernels.triton_sparse_mla import FOLD_MAX_T, pending_splits, take_splits
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 
 @triton.jit
-def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, K, N, stride_xt, stride_xh, stride_wh, stride_wk,
-                      QUANT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr = False):
+def _split_weights(lse_ptr, t, h, n_splits, stride_ls, stride_lt, BLOCK_S: tl.constexpr):
+    """Token t's, head h's merge weights over the splits (`triton_sparse_mla._combine_kernel`'s rule): exp2(lse -
+    max), normalised; a split that saw no valid slot (lse -inf) weighs 0."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    return w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+
+
+@triton.jit
+def _merged_block(part_ptr, w0, w1, h, k0, stride_ps, stride_pt, stride_ph, offs_t, offs_k, kmask,
+                  FOLD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
+    """Columns k0 + offs_k of head h's merged latent, [BLOCK_T, BLOCK_K] in `dtype`: each of the FOLD tokens' rows
+    rounded once, as the combine kernel stores them (dead splits not read)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    x = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for tt in tl.static_range(FOLD):
+        w = w0 if tt == 0 else w1
+        tile = tl.load(part_ptr + offs_s[:, None] * stride_ps + tt * stride_pt + h * stride_ph + k0 + offs_k[None, :],
+                       mask=(w > 0)[:, None] & kmask[None, :], other=0.0)
+        row = tl.sum(tile * w[:, None], axis=0).to(dtype).to(tl.float32)
+        x = tl.where(offs_t[:, None] == tt, row[None, :], x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, K, N, n_splits, stride_xt, stride_xh,
+                      stride_wh, stride_wk, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                      QUANT: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[t, h, n] = sum_k x[t, h, k] * w[h, k, n]; program (h, n-block). y is [T, H*N] contiguous; QUANT
-    (BLOCK_N == 128, N % 128 == 0): also its e4m3 copy + one fp32 scale per (token, 128 columns)."""
+    (BLOCK_N == 128, N % 128 == 0): also its e4m3 copy + one fp32 scale per (token, 128 columns). FOLD (1-2: T): x
+    is not read; its rows are merged from sparse MLA's split partials [S, T, H, K] and log-sum-exps [S, T, H]."""
     grid_dependency_sync(PDL)
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -37,9 +69,16 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, K, N, stride_xt, st
     x_ptrs = x_ptr + offs_t[:, None] * stride_xt + h * stride_xh + offs_k[None, :]
     w_ptrs = w_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if FOLD > 0:
+        w0 = _split_weights(lse_ptr, 0, h, n_splits, stride_ls, stride_lt, BLOCK_S)
+        w1 = _split_weights(lse_ptr, FOLD - 1, h, n_splits, stride_ls, stride_lt, BLOCK_S)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
-        x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if FOLD > 0:
+            x = _merged_block(part_ptr, w0, w1, h, k0, stride_ps, stride_pt, stride_ph, offs_t, offs_k, kmask, FOLD,
+                              BLOCK_S, BLOCK_T, BLOCK_K, x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc += tl.dot(x, w)
     y = acc.to(y_ptr.dtype.element_ty)
@@ -58,6 +97,10 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, flatten: bool = False) -> torch.T
     [T, H*N] with flatten (then, at decode size, carrying its FP8 copy for the next GEMM)."""
     t, h, k = x.shape
     n = w.shape[2]
+    pending = pending_splits(x)
+    fold = pending is not None and t <= FOLD_MAX_T and x.dtype == w.dtype and x.stride(-1) == w.stride(-1) == 1
+    if pending is not None and not fold:
+        take_splits(x)
     if t > SMALL_M or x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
         # cuBLAS writes the [T, H, N] rows in place (its C of head h: row stride H*N), so no copy follows the
         # product: bmm(...).transpose(0, 1).reshape copied every W_uv output, 4.3 GB a layer at a 128K prefill
@@ -69,11 +112,14 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, flatten: bool = False) -> torch.T
     fp8 = (torch.empty(t, h * n, dtype=torch.float8_e4m3fn, device=x.device),
            torch.empty(t, h * n // FP8_BLOCK, dtype=torch.float32, device=x.device)) if quant else (y, y)
     block_n = 128 if quant else 64
+    part, lse = pending if fold else (x, x)
     if t:
-        _head_gemm_kernel[(h, triton.cdiv(n, block_n))](x, w, y, *fp8, t, k, n, x.stride(0), x.stride(1), w.stride(0),
-                                                        w.stride(1), QUANT=quant, BLOCK_T=16 if t <= 16 else 32,
-                                                        BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=4,
-                                                        **pdl_args(x.device))
+        _head_gemm_kernel[(h, triton.cdiv(n, block_n))](
+            x, w, y, *fp8, part, lse, t, k, n, part.shape[0] if fold else 1, x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1), *(part.stride()[:3] + lse.stride()[:2] if fold else (0,) * 5), QUANT=quant,
+            FOLD=t if fold else 0, BLOCK_S=triton.next_power_of_2(part.shape[0]) if fold else 1,
+            BLOCK_T=16 if t <= 16 else 32, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=4,
+            **pdl_args(x.device))
     if not flatten:
         return y.view(t, h, n)
     return attach_fp8(y, *fp8) if quant else y

@@ -335,9 +335,11 @@ def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, config: dict | None = None,
+                         defer_combine: bool = False) -> torch.Tensor:
     """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype (`out`, contiguous, when
-    given: the piecewise graphs' buffer).
+    given: the piecewise graphs' buffer). defer_combine: a split call of up to FOLD_MAX_T tokens leaves its
+    partials on `out` (`attach_splits`) instead of merging them: `head_bmm` merges them as it reads them.
 
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / scan (slots a load
     of the valid-slot scan) / grouped
@@ -414,7 +416,37 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
         _sparse_mla_kernel[grid](q_nope, q_rope, c, cs, r, slots, part, lse, h, n_keys,
                                  softmax_scale * LOG2E, dc, dr, *strides, LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
                                  **common, **pdl_args(q_nope.device))
+    if defer_combine and splits > 1 and t <= FOLD_MAX_T:
+        return attach_splits(out, part, lse)
     combine_splits(part, lse, out)
+    return out
+
+
+# ---- a split call's merge left to its consumer -------------------------------------------------------------
+# At 1-2 tokens the merge is a launch of its own (~5 us of a batch-1 step a layer, bench/RESULTS.md nineteenth
+# session) over a few MB of L2-resident partials; W_uv's per-head GEMM (`triton_head_gemm`) reads them instead of
+# the merged latent. Invariant: only an output whose sole reader is `head_bmm` carries the attachment (the
+# caller's `defer_combine`), and every reader that does not merge calls `take_splits` first.
+FOLD_MAX_T = 2
+_SPLITS_ATTR = "_dsaserve_mla_splits"
+
+
+def attach_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Leave a split call's partials [S, T, H, dc] and log-sum-exps [S, T, H] on its (unwritten) output."""
+    setattr(out, _SPLITS_ATTR, (part, lse))
+    return out
+
+
+def pending_splits(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return getattr(out, _SPLITS_ATTR, None)
+
+
+def take_splits(out: torch.Tensor) -> torch.Tensor:
+    """`out` merged (`combine_splits`) if it still carries a split call's partials, the attachment dropped."""
+    pending = pending_splits(out)
+    if pending is not None:
+        combine_splits(*pending, out)
+        delattr(out, _SPLITS_ATTR)
     return out
 
 

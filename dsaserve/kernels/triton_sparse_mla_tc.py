@@ -366,9 +366,10 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tens
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
     """The registry's sparse MLA: tensor-core tiles from TC_MIN_TOKENS tokens on (a step's token count is static
     under CUDA graphs, so each captured bucket keeps one kernel), `triton_sparse_mla`'s split-K flash-decoding
     below (a few tokens cannot fill the GPU with 64-row tiles; that kernel splits the top-k further)."""
     op = sparse_mla_attention_tc if q_nope.shape[0] >= TC_MIN_TOKENS else triton_sparse_mla.sparse_mla_attention
-    return op(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank, out=out)
+    kw = {"defer_combine": defer_combine} if op is triton_sparse_mla.sparse_mla_attention else {}
+    return op(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank, out=out, **kw)

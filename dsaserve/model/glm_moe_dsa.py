@@ -157,11 +157,13 @@ class DsaForCausalLM(nn.Module):
         return self._shapes[mtp]
 
     def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True) -> StepContext:
-        """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture)."""
+        """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture). The cores of
+        a context made here run in one flow with the segments around them (`StepContext.fold_combine`); the
+        piecewise runner makes its cores' contexts itself."""
         cos, sin = self.rotary(batch.positions, self.dtype) if rope else (None, None)
         ops = get_ops(batch.input_ids.device)
         stream = self._indexer_stream(batch, ops) if side_stream else None
-        return StepContext(batch, pool, cos, sin, ops, side_stream=stream)
+        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=True)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
         """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`): GPU

@@ -308,6 +308,37 @@ def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, model, t):
         assert G.cached_fp8(flat) is None
 
 
+@pytest.mark.parametrize("t", [1, 2, 3])
+@pytest.mark.parametrize("model", MODELS)
+def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t):
+    """defer_combine: a split decode of 1-2 tokens leaves its partials on the output (unwritten) and W_uv's head
+    GEMM merges them as it reads them: its product equals the GEMM over the merged latent (one row has a dead
+    split: its -1 tail); 3 tokens (and every other reader, `take_splits`) get the merged output as before."""
+    from dsaserve.kernels import triton_head_gemm as HG
+    from dsaserve.kernels import triton_sparse_mla as S
+
+    cfg = MODELS[model]
+    h, dc, dr, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    k = max(cfg.index_topk, 512)  # enough keys for 8 splits of whole key tiles
+    n_slots = 4 * k
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), "fp8_ds_mla", dc)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    slots[0, k // 2:] = -1
+    qn, qr = randn(t, h, dc, gen=gen, dtype=torch.bfloat16), randn(t, h, dr, gen=gen, dtype=torch.bfloat16)
+    w_uv = randn(h, dc, v, gen=gen, dtype=torch.bfloat16, scale=dc ** -0.5)
+    split = {"splits": 8}  # the small configs would not split by themselves
+    merged = S.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc, config=split)
+    poison_free_memory()
+    left = S.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc, config=split, defer_combine=True)
+    assert (S.pending_splits(left) is not None) == (t <= S.FOLD_MAX_T)
+    got = HG.head_bmm(left, w_uv, flatten=True)
+    want = HG.head_bmm(merged, w_uv, flatten=True)
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
+    assert rel(got, R.head_bmm(R.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc).float(),
+                               w_uv.float(), flatten=True)) < BF16
+    assert torch.equal(S.take_splits(left), merged) and S.pending_splits(left) is None
+
+
 # ---- KV writes -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32", "fp8_e4m3"])
 @pytest.mark.parametrize("model", MODELS)

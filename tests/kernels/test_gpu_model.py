@@ -124,14 +124,29 @@ def _by_expert(route: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
     return route[0].gather(1, order), ids
 
 
+def _merged(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t with the values it stands for: a sparse MLA output whose split partials W_uv's GEMM merges
+    (`triton_sparse_mla.attach_splits`) merged here, apart."""
+    from dsaserve.kernels import triton_sparse_mla as S
+
+    pending = S.pending_splits(t)
+    if pending is None:
+        return t.clone()
+    merged = torch.empty_like(t)
+    S.combine_splits(*pending, merged)
+    return merged
+
+
 def _checked(name: str, fn, bound: float, failures: list[str]):
     """`fn` that also runs the reference op on copies of the same inputs and records where they part."""
     ref = getattr(R, name)
 
     def run(*args, **kw):
-        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        copies = [_merged(a) if isinstance(a, torch.Tensor) else a for a in args]
         want = ref(*copies, **kw)
         out = got = fn(*args, **kw)
+        if name == "sparse_mla_attention":
+            got = _merged(got)
         if name == "moe_route":
             got, want = _by_expert(got), _by_expert(want)
         written = [(a, c) for a, c in zip(args, copies, strict=True)  # in place: RoPE'd x, KV rows

@@ -141,7 +141,7 @@ class MLAAttention(nn.Module):
         if staging is not None:
             cache, layout, slots = staging.stage(ctx.ops, cache, layout, slots, self.kv_lora)
         ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, cache, layout, slots, self.softmax_scale, self.kv_lora,
-                                     out=a.latent)
+                                     out=a.latent, defer_combine=ctx.fold_combine and staging is None)
 
     def post_attention(self, latent: torch.Tensor) -> torch.Tensor:
         """The attended latent through W_uv, then o_proj: [T, hidden] (TP: all-reduced by o_proj)."""
