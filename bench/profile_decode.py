@@ -24,7 +24,7 @@ from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import reference as R
-from dsaserve.kernels import triton_indexer_coop
+from dsaserve.kernels import triton_indexer_coop, triton_sparse_mla
 from dsaserve.kernels.registry import get_ops
 
 
@@ -175,12 +175,17 @@ def ab_setting(runner, name: str):
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
     indexer key's LayerNorm (torch), RoPE and write as three launches (not `indexer_k_norm_write`),
     "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`), "select_launches" the
-    long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows)."""
+    long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows), "no_fold" sparse MLA's split
+    combine as its own launch (not merged by W_uv's head GEMM)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
-    if name == "select_launches":
-        coop_rows, triton_indexer_coop.COOP_ROWS = triton_indexer_coop.COOP_ROWS, 0
-        return lambda: setattr(triton_indexer_coop, "COOP_ROWS", coop_rows)
+    module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
+                    "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0)}
+    if name in module_flags:
+        module, attr, value = module_flags[name]
+        old = getattr(module, attr)
+        setattr(module, attr, value)
+        return lambda: setattr(module, attr, old)
     if name == "cublas_small":
         ops.small_linear = R.small_linear
     elif name == "unfused_knorm":
@@ -195,7 +200,7 @@ def ab_setting(runner, name: str):
                                                         "fuse_shared": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
-                         "select_launches)")
+                         f"{', '.join(module_flags)})")
     return lambda: vars(ops).update(saved)
 
 
@@ -225,7 +230,7 @@ def main() -> None:
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
-                    "default,cublas_small,unfused_knorm,shared_apart,select_launches")
+                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

@@ -1,0 +1,72 @@
+"""Decode kernels for Nsight Compute (issue 17): each launched twice on its own inputs, nothing else from the
+dsaserve kernels, so `ncu --kernel-name regex:...` sees exactly these launches (the second of each is warm).
+
+Run on the device:
+  ncu --clock-control none --kernel-name regex:'^_(index_score|sparse_mla|combine_kernel|moe_|fp8_skinny)' \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats python bench/ncu_decode.py
+The cases are the batch-1 step's items without bytes behind them (bench/RESULTS.md, nineteenth session): the
+indexer's scores of one 128K-key row (the FEW_ROWS tile), sparse MLA at one token over 2048 valid slots and its
+combine, one skinny FP8 GEMM (o_proj, M = 1); and batch 128's MoE (32 experts, routes over the first 12, as the
+slice's dummy router sends them): the swap-AB kernel at its default block_m.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layout
+from dsaserve.kernels import triton_fp8_gemm as G
+from dsaserve.kernels import triton_indexer
+from dsaserve.kernels import triton_moe as MOE
+from dsaserve.kernels import triton_sparse_mla as tsm
+from dsaserve.weights.fp8 import quantize_fp8_block
+
+FP8 = get_kv_layout("fp8_ds_mla")
+
+
+def indexer_scores(keys: int = 131072, ps: int = 64, heads: int = 32, dim: int = 128) -> None:
+    pages = keys // ps
+    cache = encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8)
+    table = torch.randperm(pages, device="cuda").view(1, pages)
+    req, pos = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), keys - 1, device="cuda")
+    q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1, heads, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        triton_indexer.index_scores(q, w, cache, FP8, table, req, pos, ps, **triton_indexer.FEW_ROWS_LONG_TILE)
+
+
+def sparse_mla(valid: int = 2048, heads: int = 64, dc: int = 512, dr: int = 64) -> None:
+    cache = encode_latent(torch.randn(1 << 20, dc + dr, device="cuda"), FP8, dc)
+    slots = torch.full((1, 2048), -1, dtype=torch.int64, device="cuda")
+    slots[:, :valid] = torch.randint(0, 1 << 20, (1, valid), device="cuda")
+    qn = torch.randn(1, heads, dc, device="cuda", dtype=torch.bfloat16)
+    qr = torch.randn(1, heads, dr, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        tsm.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, dc)
+
+
+def skinny(n: int = 6144, k: int = 16384) -> None:
+    w, s = quantize_fp8_block(torch.randn(n, k, device="cuda"))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        G.fp8_linear(x, w, s)
+
+
+def moe_b128(t: int = 128, experts: int = 32, hot: int = 12, h: int = 6144, inter: int = 2048, k: int = 8) -> None:
+    (w13, s13), (w2, s2) = (quantize_fp8_block(torch.randn(experts, 2 * inter, h, device="cuda") * 0.05),
+                            quantize_fp8_block(torch.randn(experts, h, inter, device="cuda") * 0.05))
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(hot, device="cuda")[:k] for _ in range(t)])
+    tw = torch.rand(t, k, device="cuda")
+    for _ in range(2):
+        MOE.fused_moe(x, w13, s13, w2, s2, tw, ids)
+
+
+if __name__ == "__main__":
+    indexer_scores()
+    sparse_mla()
+    skinny()
+    moe_b128()
+    torch.cuda.synchronize()
+    print("ncu_decode: done")
