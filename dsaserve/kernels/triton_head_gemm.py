@@ -57,6 +57,7 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, 
     """y[t, h, n] = sum_k x[t, h, k] * w[h, k, n]; program (h, n-block). y is [T, H*N] contiguous; QUANT
     (BLOCK_N == 128, N % 128 == 0): also its e4m3 copy + one fp32 scale per (token, 128 columns). FOLD (1-2: T): x
     is not read; its rows are merged from sparse MLA's split partials [S, T, H, K] and log-sum-exps [S, T, H]."""
+    tl.static_assert(FOLD <= 2, "FOLD: 1-2 tokens (w0, w1)")
     grid_dependency_sync(PDL)
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)

@@ -156,14 +156,14 @@ class DsaForCausalLM(nn.Module):
             self._shapes[mtp] = forward_shape(layers, self.lm_head, main=mtp < 0)
         return self._shapes[mtp]
 
-    def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True) -> StepContext:
-        """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture). The cores of
-        a context made here run in one flow with the segments around them (`StepContext.fold_combine`); the
-        piecewise runner makes its cores' contexts itself."""
+    def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True,
+                 fold_combine: bool = True) -> StepContext:
+        """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture).
+        fold_combine: the cores run in one flow with the segments around them (`StepContext.fold_combine`)."""
         cos, sin = self.rotary(batch.positions, self.dtype) if rope else (None, None)
         ops = get_ops(batch.input_ids.device)
         stream = self._indexer_stream(batch, ops) if side_stream else None
-        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=True)
+        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=fold_combine)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
         """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`): GPU
@@ -196,7 +196,7 @@ class DsaForCausalLM(nn.Module):
 
     def segment_context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
         """The context segments read (input_ids, positions, out_cache_loc; RoPE rows made by segment 0)."""
-        return self._context(batch, pool, rope=False, side_stream=False)
+        return self._context(batch, pool, rope=False, side_stream=False, fold_combine=False)
 
     def segment(self, i: int, ctx: StepContext, carry: SegmentCarry | None) -> SegmentCarry:
         """Segment i of the main stack, everything between two attention cores: segment 0 = RoPE rows +

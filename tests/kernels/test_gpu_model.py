@@ -194,3 +194,26 @@ def test_mini_forward_on_the_gpu_kernels_matches_the_reference(set_switch, fp8_a
     rows = sum(len(r) for r in ref)
     top1 = sum(int(g.argmax(-1).eq(r.argmax(-1)).sum()) for g, r in zip(got, ref, strict=True))
     assert top1 >= rows - 1, f"{top1} of {rows} greedy tokens agree"
+
+
+def test_mini_decode_merges_sparse_mlas_splits_in_w_uv(monkeypatch):
+    """The mini's top-64 never splits by itself: with 2 splits a call, its 2-token decode steps leave their partials
+    to W_uv's head GEMM (`defer_combine`), which merges them; the logits equal those of the combine launch."""
+    from dsaserve.kernels import triton_head_gemm as HG
+    from dsaserve.kernels import triton_sparse_mla as S
+
+    monkeypatch.setattr(S, "pick_splits", lambda *a: 2)
+    folds = []
+    pending = HG.pending_splits
+    monkeypatch.setattr(HG, "pending_splits", lambda x: folds.append(p := pending(x)) or p)
+    runs = {}
+    with _gpu_ops_here():
+        model, pool = _load(DEVICE, torch.bfloat16, keep_fp8=True)
+        for fold_max in (S.FOLD_MAX_T, 0):
+            monkeypatch.setattr(S, "FOLD_MAX_T", fold_max)
+            folds.clear()
+            runs[fold_max] = _steps(model, pool, DEVICE, [[101, 202]] * DECODE_STEPS)[0]
+            merged = sum(f is not None for f in folds)
+            assert merged == (DECODE_STEPS * len(model.kv_layer_ids) if fold_max else 0), merged
+    for g, w in zip(runs[S.FOLD_MAX_T], runs[0], strict=True):
+        assert rel(g, w) < 1e-3
