@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_args
 
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -99,17 +99,16 @@ def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = Fals
 # registers anyway: it writes the e4m3 copy + scales beside the bf16 output (`triton_elementwise`) and
 # hangs them on the output tensor, so the GEMM skips its own quantiser launch (~30 launches per step).
 # Invariant: only a freshly produced tensor that nobody modifies in place carries the attachment.
-_FP8_ATTR = "_dsaserve_fp8_act"
+_FP8_COPY = TensorNote("_dsaserve_fp8_act")
 
 
 def attach_fp8(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """Remember that (q, s) = `quant_act_fp8(y)` (same rule, same layout)."""
-    setattr(y, _FP8_ATTR, (q, s))
-    return y
+    return _FP8_COPY.attach(y, (q, s))
 
 
 def cached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return getattr(x, _FP8_ATTR, None)
+    return _FP8_COPY.get(x)
 
 
 # ---- the Triton block-scaled GEMM (skinny decode path; FP8-activation fallback for odd shapes) ---------

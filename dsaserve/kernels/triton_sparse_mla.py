@@ -30,7 +30,7 @@ import triton.language as tl
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP32, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
-from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
+from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, opaque_index, pdl_args, prefetch_rows
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 1, FP8_E4M3: 2}  # the kernel's LAYOUT constexpr
 LOG2E = 1.4426950408889634
@@ -428,17 +428,16 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
 # the merged latent. Invariant: only an output whose sole reader is `head_bmm` carries the attachment (the
 # caller's `defer_combine`), and every reader that does not merge calls `take_splits` first.
 FOLD_MAX_T = 2
-_SPLITS_ATTR = "_dsaserve_mla_splits"
+_SPLITS = TensorNote("_dsaserve_mla_splits")
 
 
 def attach_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Leave a split call's partials [S, T, H, dc] and log-sum-exps [S, T, H] on its (unwritten) output."""
-    setattr(out, _SPLITS_ATTR, (part, lse))
-    return out
+    return _SPLITS.attach(out, (part, lse))
 
 
 def pending_splits(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return getattr(out, _SPLITS_ATTR, None)
+    return _SPLITS.get(out)
 
 
 def take_splits(out: torch.Tensor) -> torch.Tensor:
@@ -446,7 +445,7 @@ def take_splits(out: torch.Tensor) -> torch.Tensor:
     pending = pending_splits(out)
     if pending is not None:
         combine_splits(*pending, out)
-        delattr(out, _SPLITS_ATTR)
+        _SPLITS.drop(out)
     return out
 
 

@@ -62,6 +62,24 @@ def prefetch_rows(c_ptr, row, stride_c, ELEM: tl.constexpr, ROW_BYTES: tl.conste
     prefetch_l2(base[:, None] + offs[None, :])
 
 
+class TensorNote:
+    """Tensors hung on a freshly produced tensor for its next reader, under one attribute name (the producer's
+    promise: `triton_fp8_gemm`'s FP8 copy of an activation, `triton_sparse_mla`'s split partials of a latent)."""
+
+    def __init__(self, attr: str):
+        self.attr = attr
+
+    def attach(self, t: torch.Tensor, value: tuple) -> torch.Tensor:
+        setattr(t, self.attr, value)
+        return t
+
+    def get(self, t: torch.Tensor) -> tuple | None:
+        return getattr(t, self.attr, None)
+
+    def drop(self, t: torch.Tensor) -> None:
+        delattr(t, self.attr)
+
+
 @triton.jit
 def grid_dependency_sync(PDL: tl.constexpr):
     """Under PDL: wait for the previous kernel (all of it, writes visible), then let the next one launch."""
