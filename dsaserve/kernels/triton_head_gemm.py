@@ -18,19 +18,8 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, attach_fp8
-from dsaserve.kernels.triton_sparse_mla import FOLD_MAX_T, pending_splits, take_splits
+from dsaserve.kernels.triton_sparse_mla import FOLD_MAX_T, pending_splits, split_weights, take_splits
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
-
-
-@triton.jit
-def _split_weights(lse_ptr, t, h, n_splits, stride_ls, stride_lt, BLOCK_S: tl.constexpr):
-    """Token t's, head h's merge weights over the splits (`triton_sparse_mla._combine_kernel`'s rule): exp2(lse -
-    max), normalised; a split that saw no valid slot (lse -inf) weighs 0."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=offs_s < n_splits, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    return w / tl.maximum(tl.sum(w, axis=0), 1e-30)
 
 
 @triton.jit
@@ -71,8 +60,8 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, 
     w_ptrs = w_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     if FOLD > 0:
-        w0 = _split_weights(lse_ptr, 0, h, n_splits, stride_ls, stride_lt, BLOCK_S)
-        w1 = _split_weights(lse_ptr, FOLD - 1, h, n_splits, stride_ls, stride_lt, BLOCK_S)
+        w0 = split_weights(lse_ptr, 0, h, n_splits, stride_ls, stride_lt, BLOCK_S)
+        w1 = split_weights(lse_ptr, FOLD - 1, h, n_splits, stride_ls, stride_lt, BLOCK_S)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
         if FOLD > 0:

@@ -256,6 +256,18 @@ def _sparse_mla_ds4_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr
 
 
 @triton.jit
+def split_weights(lse_ptr, t, h, n_splits, stride_ls, stride_lt, BLOCK_S: tl.constexpr):
+    """Token t's, head h's merge weights over the splits [BLOCK_S]: exp2(lse - max), normalised; a split that saw
+    no valid slot (lse -inf: the static split's -1 tails) weighs 0 (the combine and W_uv's fold,
+    `triton_head_gemm`, both merge by it)."""
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    return w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+
+
+@triton.jit
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, stride_ot, stride_oh,
                     stride_ls, stride_lt, stride_xt, stride_xh, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
                     PDL: tl.constexpr = False):
@@ -265,11 +277,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, n_heads, dc, stride_os, s
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
-    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=offs_s < n_splits, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    w = split_weights(lse_ptr, t, h, n_splits, stride_ls, stride_lt, BLOCK_S)
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < dc
     o = tl.load(o_ptr + offs_s[:, None] * stride_os + t * stride_ot + h * stride_oh + offs_c[None, :],
