@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common.index_pages import write_rows
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
@@ -81,8 +82,9 @@ def fill_pool(pool, cfg) -> None:
             pool.kv_cache(layer)[slots] = encode_latent(torch.randn(len(slots), cfg.kv_latent_dim, device=slots.device),
                                                         pool.layout, cfg.kv_lora_rank)
             if layer in pool.index_row:
-                pool.index_cache(layer)[slots] = encode_index_k(
-                    torch.randn(len(slots), cfg.index_head_dim, device=slots.device), pool.layout)
+                keys = torch.randn(len(slots), cfg.index_head_dim, device=slots.device)
+                write_rows(pool.index_cache(layer), slots, encode_index_k(keys, pool.layout), pool.layout,
+                           cfg.index_head_dim)
 
 
 def touched_weight_bytes(model, bs: int, expert_bytes: float | None = None) -> float:

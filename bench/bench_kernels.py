@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_gpu import pipelined_time  # back to back, one sync: prefill ops build host tables (no graph)
+from dsaserve.common.index_pages import pack_pages
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
@@ -241,7 +242,8 @@ def _indexer_inputs(t, ctx, cfg, ps=64, one_request=False):
     hi, d = cfg.index_n_heads, cfg.index_head_dim
     n_req = 1 if one_request else t
     pages = -(-ctx // ps)
-    cache = encode_index_k(torch.randn(n_req * pages * ps, d, device=DEV), "fp8_ds_mla")
+    cache = pack_pages(encode_index_k(torch.randn(n_req * pages * ps, d, device=DEV), "fp8_ds_mla"), "fp8_ds_mla", d,
+                       ps)
     table = torch.randperm(n_req * pages, device=DEV).view(n_req, pages)
     if one_request:
         req = torch.zeros(t, dtype=torch.int64, device=DEV)
@@ -440,7 +442,7 @@ def bench_kv_write(cfg, ceil, sweep):
         reps = 32 if t < 1024 else 4  # one tiny launch would time the graph launch, not the kernel
         sec = graph_time([lambda: KVW.mla_kv_write(cache, "fp8_ds_mla", slots, kv_a, w, 1e-5, cos, sin, dc)] * reps)
         record("mla_kv_write", f"T={t}", "triton fused", sec, t * (2 * 576 * 2 + 656 + 8 * dr), 0, "hbm", ceil)
-        icache = torch.zeros(cache.shape[0], 132, dtype=torch.uint8, device=DEV)
+        icache = torch.zeros(cache.shape[0] // 64, 64 * 132, dtype=torch.uint8, device=DEV)  # pages of 64 slots
         k = torch.randn(t, 128, device=DEV, dtype=torch.bfloat16)
         sec = graph_time([lambda: KVW.indexer_k_write(icache, "fp8_ds_mla", slots, k)] * reps)
         record("indexer_k_write", f"T={t}", "triton", sec, t * (256 + 132), 0, "hbm", ceil)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.common.index_pages import pack_pages
 from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layout
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_indexer
@@ -27,13 +28,13 @@ FP8 = get_kv_layout("fp8_ds_mla")
 
 def indexer_scores(keys: int = 131072, ps: int = 64, heads: int = 32, dim: int = 128) -> None:
     pages = keys // ps
-    cache = encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8)
+    cache = pack_pages(encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8), FP8, dim, ps)
     table = torch.randperm(pages, device="cuda").view(1, pages)
     req, pos = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), keys - 1, device="cuda")
     q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(1, heads, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        triton_indexer.index_scores(q, w, cache, FP8, table, req, pos, ps, **triton_indexer.FEW_ROWS_LONG_TILE)
+        triton_indexer.index_scores(q, w, cache, FP8, table, req, pos, ps)
 
 
 def sparse_mla(valid: int = 2048, heads: int = 64, dc: int = 512, dr: int = 64) -> None:

@@ -10,7 +10,8 @@ against the default config's.
 Run on the device (~1-2 min on an H200):  PYTHONPATH=. python bench/sweep_decode_b1.py --out DIR
 Writes sweep_decode_b1.json; prints each case's default beside its fastest config.
 --indexer: instead the full layers' indexer at 1-2 rows past one program's reach (32K, 128K keys): the score
-kernel's tiles (keys a program, warps, stages; each call over its own pages, so the keys come from HBM) and the
+kernel's tiles (`triton_indexer_paged`: keys a tile, stages, tiles a program; each call over its own pages, so the
+keys come from HBM) and the
 split select's chunk size (`triton_indexer_long.long_row_select`, its scores in L2 as after the score kernel),
 each output checked against the default's (8 calls a graph). Writes sweep_decode_b1_indexer.json.
 The slots are int64, as the engine's selection writes them (the sixteenth session's runs used int32 slots: another
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_long_select import _graph_time
+from dsaserve.common.index_pages import pack_pages
 from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_long
 from dsaserve.kernels import triton_sparse_mla as tsm
@@ -59,7 +61,7 @@ def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idi
     rows = []
     for t, ctx in itertools.product((1, 2), (32768, 131072)):
         pages = ctx // ps
-        cache = encode_index_k(torch.randn(calls * t * pages * ps, idim, device="cuda"), FP8)
+        cache = pack_pages(encode_index_k(torch.randn(calls * t * pages * ps, idim, device="cuda"), FP8), FP8, idim, ps)
         tables = torch.randperm(calls * t * pages, device="cuda").view(calls, t, pages)
         req = torch.arange(t, device="cuda")
         pos = torch.full((t,), ctx - 1, device="cuda")
@@ -67,15 +69,14 @@ def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idi
         w = torch.rand(calls, t, ih, device="cuda", dtype=torch.bfloat16)
 
         def scores(i, cfg, q=q, w=w, tables=tables, req=req, pos=pos, cache=cache):
-            return triton_indexer.index_scores(q[i], w[i], cache, FP8, tables[i], req, pos, ps, **cfg)
+            return triton_indexer.index_scores(q[i], w[i], cache, FP8, tables[i], req, pos, ps, tile=cfg)
 
         ref = scores(0, {}).clone()
         res = {"tokens": t, "keys": ctx, "scores_default_us": round(graph_us(lambda i: scores(i, {}), calls), 2),
                "scores": [], "select": []}
-        # one key tile a program (no loop: num_stages does not matter). (q as e4m3 with FP8 dots and several tiles a
-        # program in a pipelined loop were timed here in the nineteenth session: bench/attempts/)
-        for bkv, nw in itertools.product((256, 512, 1024), (4, 8, 16)):
-            cfg = {"block_kv": bkv, "num_warps": nw, "num_stages": 1}
+        # the page-major kernel's tiles (`triton_indexer_paged`): keys a tile, warps, stages, tiles a program
+        for bs, st, blocks in itertools.product((64, 128), (3, 4), (None, 1, 2, 4, 8)):
+            cfg = {"bs": bs, "num_warps": bs // 16, "num_stages": st, "blocks": blocks}
             try:
                 diff = float((scores(0, cfg) - ref).abs().max())
                 us = graph_us(lambda i, cfg=cfg: scores(i, cfg), calls)

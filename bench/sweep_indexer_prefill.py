@@ -27,6 +27,7 @@ import torch
 
 from bench import indexer_topk_evidence as E
 from bench.bench_gpu import pipelined_time
+from dsaserve.common.index_pages import pack_pages
 from dsaserve.common.kv_layout import encode_index_k
 from dsaserve.kernels import triton_indexer_gemm as G
 from dsaserve.kernels import triton_indexer_prefill as PRE
@@ -74,7 +75,7 @@ def fp8_peak(dev: str, n: int) -> float:
 def inputs(t: int, ctx: int, dev: str, heads: int = HEADS, dim: int = DIM) -> tuple:
     """One request: the last t tokens of a ctx-token prompt, keys on randomly permuted pages."""
     pages = -(-ctx // PS)
-    cache = encode_index_k(torch.randn(pages * PS, dim, device=dev), "fp8_ds_mla")
+    cache = pack_pages(encode_index_k(torch.randn(pages * PS, dim, device=dev), "fp8_ds_mla"), "fp8_ds_mla", dim, PS)
     table = torch.randperm(pages, device=dev).view(1, pages)
     req = torch.zeros(t, dtype=torch.int64, device=dev)
     pos = torch.arange(ctx - t, ctx, device=dev)

@@ -79,4 +79,6 @@ class KVPool:
         return self.kv_buffer[self.layer_row[layer]]
 
     def index_cache(self, layer: int) -> torch.Tensor:
-        return self.index_buffer[self.index_row[layer]]
+        """The uint8 [pages, page_size x indexer bytes] pages of one full layer's indexer keys, page-major
+        (`common/index_pages.py`: a page's keys, then their scales)."""
+        return self.index_buffer[self.index_row[layer]].view(-1, self.page_size * self.idx_bpt)

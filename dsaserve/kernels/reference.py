@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import KVLayout, decode_index_k, decode_latent, encode_index_k, encode_latent
 
 FP8_BLOCK = 128
@@ -103,7 +104,7 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Indexer-key write: k [T, D] (k_norm + RoPE applied) encoded into the rows at `slots`."""
-    index_cache.index_copy_(0, slots, encode_index_k(k, layout))
+    index_pages.write_rows(index_cache, slots, encode_index_k(k, layout), layout, k.shape[-1])
 
 
 def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k_raw: torch.Tensor,
@@ -133,7 +134,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
             continue
         pos = torch.arange(n_kv, device=q.device)
         slots = page_table[r, pos // page_size] * page_size + pos % page_size
-        keys = decode_index_k(index_cache.index_select(0, slots), layout).float()  # [n_kv, D]
+        keys = decode_index_k(index_pages.read_rows(index_cache, slots, layout, q.shape[-1]), layout).float()
         qs = q[start:start + n_new].float()  # [n_new, Hi, D]
         scores = torch.einsum("thd,kd->thk", qs, keys).relu()
         scores = torch.einsum("thk,th->tk", scores, head_weights[start:start + n_new].float())

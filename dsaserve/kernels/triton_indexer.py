@@ -23,25 +23,20 @@ import triton
 import triton.language as tl
 
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
-from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
+from dsaserve.kernels import triton_indexer_paged
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 from dsaserve.kernels.variants import FEW_ROWS, ROW_IN_REGS_MAX, SELECT_MAX_ROWS
 
 SCORE_BUDGET = 512 << 20  # bytes of fp32 scores per slice (8K tokens x 16K keys)
-# the score tile of 1-2 decode rows past one select program's reach: H200 sweep (bench/sweep_decode_b1.py
-# --indexer, sixteenth session): one row of 128K keys 18.6 us against 33.7 at 128 keys / 4 warps, 32K 8.6 vs
-# 11.7; two rows 36.0 vs 62.6 and 9.9 vs 20.3 (fewer programs, each loading the token's q once for more keys)
-FEW_ROWS_LONG_TILE = {"block_kv": 512, "num_warps": 8, "num_stages": 2}
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr,
-                        n_heads, head_dim, page_size, max_pages, skip_below,
-                        stride_qt, stride_qh, stride_wt, stride_k, stride_ks, ks_off, stride_pt, stride_ot,
-                        FP8: tl.constexpr, WORDS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_KV: tl.constexpr, PDL: tl.constexpr = False):
-    """WORDS (FP8 keys, head_dim a power of two >= 64, so the words need no mask): keys read as int32 words (4
-    e4m3 values each; a 132-byte row is only 4-byte aligned, so this is the widest safe load) and byte plane j of
-    every word is dotted with query columns j, j+4, ...: the dimension order of a dot product does not matter."""
+def _index_score_kernel(q_ptr, w_ptr, k_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_heads, head_dim, page_size,
+                        max_pages, skip_below, stride_qt, stride_qh, stride_wt, stride_k, stride_pt, stride_ot,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """The plain (bf16 / fp32 debugging) layouts, whose page-major cache is rows of keys: one tile of BLOCK_KV
+    keys a program (the FP8 layouts take `triton_indexer_paged`)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     kb = tl.program_id(1)
@@ -56,31 +51,17 @@ def _index_score_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, 
     req = tl.load(req_ptr + t).to(tl.int64)
     valid = (offs_j <= pos) & (offs_j < max_pages * page_size)
     page = tl.load(pt_ptr + req * stride_pt + offs_j // page_size, mask=valid, other=0)
-    slot = opaque_index((page * page_size + offs_j % page_size).to(tl.int64))  # 132-byte rows: no alignment facts
+    slot = (page * page_size + offs_j % page_size).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < n_heads
-    q_rows = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
-    if WORDS:
-        offs_w = tl.arange(0, BLOCK_D // 4)
-        words = tl.load(kq_ptr + slot[:, None] * stride_k + offs_w[None, :], mask=valid[:, None], other=0)
-        s = tl.zeros([BLOCK_H, BLOCK_KV], dtype=tl.float32)
-        for j in tl.static_range(4):
-            kj = ((words >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            qj = tl.load(q_rows + 4 * offs_w[None, :] + j, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-            s += tl.dot(qj, tl.trans(kj))
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < head_dim
-        k = tl.load(kq_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
-                    other=0.0)
-        if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True)
-        q = tl.load(q_rows + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
-        s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))  # [H, KV], fp32 accumulation
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < head_dim
+    k = tl.load(k_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))  # [H, KV], fp32 accumulation
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=offs_h < n_heads, other=0.0).to(tl.float32)
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    if FP8:
-        score = score * tl.load(ks_ptr + slot * stride_ks + ks_off, mask=valid, other=1.0)
     tl.store(out_ptrs, tl.where(valid, score, float("-inf")))
 
 
@@ -304,43 +285,29 @@ def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k,
                      c_hi, CH)
 
 
-def _views(index_cache: torch.Tensor, layout: KVLayout, head_dim: int):
-    """(key values view, fp32 scale view, stride of each, scale column) for the cache layout."""
-    if layout.plain_dtype is None:  # FP8 keys + one FP32 scale
-        if index_cache.shape[1] != head_dim + 4:
-            raise ValueError(f"indexer_topk: index_cache rows are {index_cache.shape[1]} B, expected {head_dim + 4}")
-        f32 = index_cache.view(torch.float32)  # rows of 132 B = 33 floats; the scale is float 32
-        if head_dim >= 64 and head_dim & (head_dim - 1) == 0:  # int32 words (see _index_score_kernel)
-            i32 = index_cache.view(torch.int32)
-            return i32, f32, i32.stride(0), f32.stride(0), head_dim // 4
-        return index_cache, f32, index_cache.stride(0), f32.stride(0), head_dim // 4
-    typed = index_cache.view(getattr(torch, layout.plain_dtype))
-    return typed, typed, typed.stride(0), typed.stride(0), 0
-
-
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
-                 block_kv: int = 128, skip_below: int = 0, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 skip_below: int = 0, tile: dict | None = None) -> torch.Tensor:
     """[T, max_seq] fp32 causal index scores (-inf where not visible). Rows whose position is below
-    skip_below are left unwritten (the decode selection takes all their keys without reading scores).
-    block_kv / num_warps / num_stages: the tile (bench sweeps)."""
+    skip_below are left unwritten (the decode selection takes all their keys without reading a score). The FP8
+    layouts take `triton_indexer_paged` (tile: its DEFAULT_TILE's keys, bench sweeps), the plain ones
+    `_index_score_kernel`."""
     t, n_heads, head_dim = q.shape
     layout = get_kv_layout(layout, "index_scores: layout")
-    max_seq = page_table.shape[1] * page_size
-    kq, ks, stride_k, stride_ks, ks_off = _views(index_cache, layout, head_dim)
+    if layout.plain_dtype is None:
+        return triton_indexer_paged.paged_index_scores(q, head_weights, index_cache, page_table, req_index,
+                                                       positions, page_size, skip_below, tile)
+    max_seq, block_kv = page_table.shape[1] * page_size, 128
+    rows = index_cache.view(getattr(torch, layout.plain_dtype)).view(-1, head_dim)  # plain pages are rows
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(t, triton.cdiv(max_seq, block_kv) * block_kv, dtype=torch.float32, device=q.device)
     if t == 0:
         return out[:, :max_seq]
-    grid = (t, triton.cdiv(max_seq, block_kv))
-    _index_score_kernel[grid](q, head_weights, kq, ks, page_table, req_index, positions, out,
-                              n_heads, head_dim, page_size, page_table.shape[1], skip_below,
-                              q.stride(0), q.stride(1), head_weights.stride(0), stride_k, stride_ks, ks_off,
-                              page_table.stride(0), out.stride(0),
-                              FP8=layout.plain_dtype is None, WORDS=kq.dtype == torch.int32,
-                              BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
-                              BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv,
-                              num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
+    _index_score_kernel[(t, triton.cdiv(max_seq, block_kv))](
+        q, head_weights, rows, page_table, req_index, positions, out, n_heads, head_dim, page_size,
+        page_table.shape[1], skip_below, q.stride(0), q.stride(1), head_weights.stride(0), rows.stride(0),
+        page_table.stride(0), out.stride(0), BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_KV=block_kv, num_warps=4, **pdl_args(q.device))
     return out[:, :max_seq]
 
 
@@ -372,26 +339,6 @@ def page_slots(pt_row, j, page_size, mask):
     ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
     page = tl.load(pt_row + ju // ps, mask=mask, other=0)
     return page * page_size + (ju % ps).to(tl.int32)
-
-
-@triton.jit
-def fp8_q_scale(amax):
-    """The indexer q's FP8 scale amax / 448 as torch computes it on a GPU: amax x fp32(1 / 448) (a division by a
-    Python scalar is a multiply by its fp32 reciprocal there), amax floored at 1e-12."""
-    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
-
-
-@triton.jit
-def quant_q(x, s, Q_FP8: tl.constexpr):
-    """q / s (s broadcast to x) as e4m3, or fp16 (the bf16 input to 2^-12, in fp16's range whatever q's
-    magnitude): an IEEE division (Triton's `/` is approximate, so a q next to a rounding boundary could land on
-    either side of it), clamped to +-448, round-to-nearest casts."""
-    y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
-    if Q_FP8:
-        op = y.to(tl.float8e4nv)
-    else:
-        op = y.to(tl.float16)
-    return op
 
 
 @triton.jit

@@ -30,27 +30,25 @@ from dsaserve.kernels import (
     triton_indexer_long,
     triton_indexer_prefill,
 )
-from dsaserve.kernels.variants import FEW_ROWS, long_select_chunk
+from dsaserve.kernels.variants import long_select_chunk
 
 
 def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
                page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                page_size: int) -> torch.Tensor:
     """Decode rows past one program's reach: scores (rows below topk skipped: they take every key), then the
-    split radix select, in row slices of at most SCORE_BUDGET bytes of scores. 1-2 rows take their own score
-    tile and select chunk (`triton_indexer.FEW_ROWS_LONG_TILE`, `variants.long_select_chunk`) and one cooperative
-    select launch (`triton_indexer_coop`)."""
+    split radix select, in row slices of at most SCORE_BUDGET bytes of scores. 1-2 rows take their own select
+    chunk (`variants.long_select_chunk`) and one cooperative select launch (`triton_indexer_coop`)."""
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
     step = max(1, triton_indexer.SCORE_BUDGET // (4 * max_seq))
-    tile = triton_indexer.FEW_ROWS_LONG_TILE if t <= FEW_ROWS else {}
     # chunk, late slots and launch kind chosen by the batch, not its slice: a batch's slices compile one variant each
     chunk = long_select_chunk(t, max_seq)
     coop = triton_indexer_coop.cooperative(t, max_seq, chunk, q)
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))
         scores = triton_indexer.index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
-                                             positions[sl], page_size, skip_below=topk, **tile)
+                                             positions[sl], page_size, skip_below=topk)
         if coop:
             triton_indexer_coop.coop_select(scores, page_table, req_index[sl], positions[sl], out[sl], topk, page_size,
                                             chunk)

@@ -7,7 +7,7 @@ alone, for the benchmark) and the operand preparation they share.
   operands: q / s rounded to e4m3 with one s = amax / 448 per (token, head) folded into the head weight
       (s > 0 commutes with the ReLU; DeepGEMM's fp8_mqa_logits takes FP8 q the same way;
       DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 instead), heads padded to a power of two with zero
-      weight. Each request's keys are gathered once from the paged 132-byte rows into a contiguous FP8
+      weight. Each request's keys are gathered once from their pages (`common/index_pages.py`) into a contiguous FP8
       [keys, D] matrix + fp32 scales (~132 B a key: µs, against the GEMM's 8K FLOP a (token, key)), so the
       GEMM's tiles are 16-byte-aligned rows that cp.async streams into shared memory with no byte shuffles.
   scores: one program per (block of BT tokens of one request, run of TPP key tiles); swap-AB MMA
@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.common import envs
+from dsaserve.common import envs, index_pages
 from dsaserve.common.host_lists import to_device
-from dsaserve.common.kv_layout import KVLayout, get_kv_layout
+from dsaserve.common.kv_layout import FP8_DS_MLA, KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_long
-from dsaserve.kernels.triton_indexer import fp8_q_scale, quant_q
+from dsaserve.kernels.triton_indexer_paged import fp8_q_scale, quant_q
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 # bytes of fp32 scores per chunk: 64 MB stays near the L2 between the score GEMM and the one-program row select
@@ -156,9 +156,9 @@ def gather_keys(index_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: l
     base_t = to_device(base, torch.int64, dev)
     req_of = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t, output_size=total)
     j = torch.arange(total, device=dev) - base_t[req_of]
-    slots = page_table[req_of, j // page_size] * page_size + j % page_size
-    rows = index_cache.index_select(0, slots)
-    return rows[:, :d].contiguous(), rows[:, d:d + 4].contiguous().view(torch.float32).view(-1), base_t
+    keys, scales = index_pages.key_views(index_cache, FP8_DS_MLA, d)
+    page, off = page_table[req_of, j // page_size], j % page_size
+    return keys[page, off], scales[page, off], base_t
 
 
 def _blocks(seq_lens: list[int], extend_lens: list[int], tok0: int, tok1: int, bt: int) -> list[int]:

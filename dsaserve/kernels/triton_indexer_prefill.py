@@ -7,7 +7,7 @@ sweeps that request's keys 0..max position in tiles of BN keys:
   scores: q / s rounded to e4m3, one s = amax / 448 per (token, head), folded into the head weight (s > 0
       commutes with the ReLU; DeepGEMM's fp8_mqa_logits also takes FP8 q with the scale in the weights;
       DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 instead: the bf16 input to 2^-12). Keys are FP8
-      straight from the paged 132-byte rows (int32 words in 4 byte planes, as `triton_indexer` reads them).
+      straight from their pages (`common/index_pages.py`; at D = 128 as int32 words in 4 byte planes).
       `tl.dot` swap-AB: keys are the MMA's rows, (token, head) its columns, so a token's head sum stays in a
       thread and its quad (DeepGEMM's sm90 layout), not across warps; ReLU, the weights, the head sum and the
       key scale are the epilogue, and a score leaves registers only as a candidate.
@@ -33,9 +33,11 @@ import triton
 import triton.language as tl
 
 from dsaserve.common import envs
+from dsaserve.common.index_pages import page_size_of
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
-from dsaserve.kernels.triton_indexer import KEY_NEG_INF, _narrow, _order_key32, _thresholds, fp8_q_scale, quant_q
-from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
+from dsaserve.kernels.triton_indexer import KEY_NEG_INF, _narrow, _order_key32, _thresholds
+from dsaserve.kernels.triton_indexer_paged import fp8_q_scale, key_place, quant_q
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 BN = 128  # keys per tile: the MMA's M (two warpgroups of 64 rows)
 NCOL = 128  # MMA N: query tokens per program x heads padded to a power of two (32 heads -> 4 tokens)
@@ -46,7 +48,7 @@ HEAD_DIMS = (32, 64, 128)  # 128: int32 words in 4 byte planes (K = 32 each); 32
 
 
 def supported(layout: KVLayout, head_dim: int) -> bool:
-    """FP8 keys (132-byte-style rows) and a head dim the kernel tiles; other layouts keep `triton_indexer`."""
+    """FP8 keys (D e4m3 + a scale) and a head dim the kernel tiles; other layouts keep `triton_indexer`."""
     return layout.plain_dtype is None and head_dim in HEAD_DIMS
 
 
@@ -75,28 +77,27 @@ def _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4: tl.constexpr, j: t
 
 
 @triton.jit
-def _tile_scores(q0, q1, q2, q3, w, kq_ptr, ks_ptr, pt_row, offs_j, jmask, page_size, stride_k, stride_ks, ks_off,
+def _tile_scores(q0, q1, q2, q3, w, kq_ptr, ks_ptr, pt_row, offs_j, jmask, page_size, page_bytes,
                  BM: tl.constexpr, BN: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr,
                  Q_FP8: tl.constexpr):
     """[BN, BM] scores of one key tile: sum_h w'[t,h] relu(q8[t,h] . k8_j) * key scale_j."""
-    page = tl.load(pt_row + offs_j // page_size, mask=jmask, other=0)
-    slot = opaque_index(page * page_size + offs_j % page_size)  # 132-byte rows: no alignment facts
+    kbyte, sidx = key_place(pt_row, offs_j, jmask, page_size, page_bytes, D)
     acc = tl.zeros([BN, BM * HP], dtype=tl.float32)
     if WORDS:
-        words = tl.load(kq_ptr + slot[:, None] * stride_k + tl.arange(0, D // 4)[None, :], mask=jmask[:, None],
+        words = tl.load(kq_ptr + (kbyte // 4)[:, None] + tl.arange(0, D // 4)[None, :], mask=jmask[:, None],
                         other=0)
         acc = tl.dot(_plane(words, 0, Q_FP8), q0, acc)
         acc = tl.dot(_plane(words, 1, Q_FP8), q1, acc)
         acc = tl.dot(_plane(words, 2, Q_FP8), q2, acc)
         acc = tl.dot(_plane(words, 3, Q_FP8), q3, acc)
     else:
-        kb = tl.load(kq_ptr + slot[:, None] * stride_k + tl.arange(0, D)[None, :], mask=jmask[:, None], other=0)
+        kb = tl.load(kq_ptr + kbyte[:, None] + tl.arange(0, D)[None, :], mask=jmask[:, None], other=0)
         kb = kb.to(tl.float8e4nv, bitcast=True)
         if not Q_FP8:
             kb = kb.to(tl.float16)
         acc = tl.dot(kb, q0, acc)
     s = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * w[None, :], [BN, BM, HP]), axis=2)
-    return s * tl.load(ks_ptr + slot * stride_ks + ks_off, mask=jmask, other=1.0)[:, None]
+    return s * tl.load(ks_ptr + sidx, mask=jmask, other=1.0)[:, None]
 
 
 @triton.jit
@@ -189,8 +190,8 @@ def _compact(bufk_ptr, bufp_ptr, brow, cnt, theta, k, out_ptr, rows, rmask, pt_r
 
 @triton.jit
 def _prefill_topk_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, blk_ptr, bufk_ptr, bufp_ptr,
-                         out_ptr, n_tok, n_heads, k, page_size, max_pages, stride_qt, stride_qh, stride_wt, stride_k,
-                         stride_ks, ks_off, stride_pt, stride_o, HP: tl.constexpr, D: tl.constexpr,
+                         out_ptr, n_tok, n_heads, k, page_size, max_pages, stride_qt, stride_qh, stride_wt,
+                         page_bytes, stride_pt, stride_o, HP: tl.constexpr, D: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, CAP: tl.constexpr, CC: tl.constexpr,
                          WORDS: tl.constexpr, Q_FP8: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -214,7 +215,7 @@ def _prefill_topk_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr,
         q2 = _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4, 2, WORDS)
         q3 = _load_q(q_ptr, ctok, ch, cmask, stride_qt, stride_qh, D4, 3, WORDS)
     # one scale per (token, head) = amax / 448 (kv_layout's FP8 rule), > 0, so it leaves the ReLU and
-    # joins the head weight (`triton_indexer.fp8_q_scale` / `quant_q`: prepare_q's rule; fp16 q because the
+    # joins the head weight (`triton_indexer_paged.fp8_q_scale` / `quant_q`: prepare_q's rule; fp16 q because the
     # interpreter's bf16 dot is broken, its fp16 one is not)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=0), tl.max(tl.abs(q1), axis=0)),
                       tl.maximum(tl.max(tl.abs(q2), axis=0), tl.max(tl.abs(q3), axis=0)))
@@ -236,8 +237,8 @@ def _prefill_topk_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr,
         for j in range(j0, j_end, BN):
             offs_j = j + tl.arange(0, BN)
             jmask = offs_j < n_keys
-            s = _tile_scores(q0, q1, q2, q3, w, kq_ptr, ks_ptr, pt_row, offs_j, jmask, page_size, stride_k,
-                             stride_ks, ks_off, BM, BN, HP, D, WORDS, Q_FP8)
+            s = _tile_scores(q0, q1, q2, q3, w, kq_ptr, ks_ptr, pt_row, offs_j, jmask, page_size, page_bytes, BM,
+                             BN, HP, D, WORDS, Q_FP8)
             key = _order_key32(s)
             cand = jmask[:, None] & (offs_j[:, None] <= rpos[None, :]) & (key > theta[None, :])
             c32 = cand.to(tl.int32)
@@ -291,6 +292,7 @@ def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     bm, cap, words = max(1, conf["ncol"] // hp), conf.get("cap") or capacity(topk, conf["bn"]), d % 128 == 0
     if cap < topk + conf["bn"]:
         raise ValueError(f"prefill_topk: buffer of {cap} entries cannot hold top-{topk} + a {conf['bn']}-key tile")
+    page_size_of(index_cache, layout, d, "prefill_topk")
     qk, w = q if q.stride(-1) == 1 else q.contiguous(), head_weights.float().contiguous()
     kq = index_cache.view(torch.int32) if words else index_cache
     ks = index_cache.view(torch.float32)
@@ -303,8 +305,8 @@ def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
         blk = starts[b0:b0 + per_launch]
         _prefill_topk_kernel[(blk.numel(),)](
             qk, w, kq, ks, page_table, req_index, positions, blk, bufk, bufp, out, t, n_heads, topk, page_size,
-            page_table.shape[1], qk.stride(0), qk.stride(1), w.stride(0), kq.stride(0), ks.stride(0), d // 4,
-            page_table.stride(0), out.stride(0), HP=hp, D=d, BM=bm, BN=conf["bn"], CAP=cap, CC=min(CC, cap),
+            page_table.shape[1], qk.stride(0), qk.stride(1), w.stride(0), index_cache.stride(0), page_table.stride(0),
+            out.stride(0), HP=hp, D=d, BM=bm, BN=conf["bn"], CAP=cap, CC=min(CC, cap),
             WORDS=words, Q_FP8=q_fp8, num_warps=conf["num_warps"], num_stages=conf["num_stages"],
             **pdl_args(q.device))
     return out

@@ -4,7 +4,8 @@
 Owns: the GPU variants of `reference.mla_kv_write` (RMSNorm of the nope part, interleaved RoPE of the rope
 part, the latent returned, and the row encoded into the paged cache at its slot: one Triton program per
 token, one launch, nothing round-trips through memory) and of the indexer-key write (FP8 e4m3 + one FP32
-scale per 128-value key, or plain bf16 / fp32 in the debugging layouts). Quantisation follows the codec of
+scale per 128-value key, or plain bf16 / fp32 in the debugging layouts, at the slot's place in its page:
+`common/index_pages.py`). Quantisation follows the codec of
 `common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
 Slots < 0 are skipped, so padded rows of a captured decode batch write nothing.
 """
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP8_MAX, FP32, QUANT_GROUP, KVLayout, get_kv_layout
 from dsaserve.kernels.triton_elementwise import _rnd
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
@@ -111,17 +113,25 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
 
 
 @triton.jit
-def _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, v, cols, mask, scale,
-               LAYOUT: tl.constexpr):
-    """Values v (fp32) at columns `cols` of an indexer-key row: LAYOUT 0 e4m3 of v / scale (the key's one FP32
-    scale, KVLayout.encode_index_k; the caller stores it), 1 bf16, 2 fp32."""
+def _key_at(slot, page_size, page_bytes, key_bytes):
+    """(byte offset of the slot's key values, its FP32 scale's index) in the page-major indexer cache
+    (`common/index_pages.py`: a page's keys of key_bytes each, then their scales)."""
+    page = slot // page_size
+    off = slot - page * page_size
+    return page * page_bytes + off * key_bytes, (page * page_bytes + page_size * key_bytes) // 4 + off
+
+
+@triton.jit
+def _store_key(c8_ptr, c32_ptr, c16_ptr, kbyte, v, cols, mask, scale, LAYOUT: tl.constexpr):
+    """Values v (fp32) at columns `cols` of an indexer key whose values start at byte kbyte: LAYOUT 0 e4m3 of
+    v / scale (the key's one FP32 scale, KVLayout.encode_index_k; the caller stores it), 1 bf16, 2 fp32."""
     if LAYOUT == 0:
         q = tl.clamp(v / scale, -FP8_MAX_C, FP8_MAX_C).to(tl.float8e4nv)
-        tl.store(c8_ptr + slot * stride_c8 + cols, q.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(c8_ptr + kbyte + cols, q.to(tl.uint8, bitcast=True), mask=mask)
     elif LAYOUT == 1:
-        tl.store(c16_ptr + slot * stride_c16 + cols, v.to(tl.bfloat16), mask=mask)
+        tl.store(c16_ptr + kbyte // 2 + cols, v.to(tl.bfloat16), mask=mask)
     else:
-        tl.store(c32_ptr + slot * stride_c32 + cols, v, mask=mask)
+        tl.store(c32_ptr + kbyte // 4 + cols, v, mask=mask)
 
 
 @triton.jit
@@ -133,19 +143,19 @@ def _key_values(row, d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, stride_c8, stride_c32,
-                          stride_c16, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _index_k_write_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, stride_k, page_size, page_bytes, key_bytes,
+                          LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
         return
-    slot = opaque_index(slot.to(tl.int64))
+    kbyte, sidx = _key_at(slot.to(tl.int64), page_size, page_bytes, key_bytes)
     offs, mask, x = _key_values(k_ptr + t * stride_k, d, BLOCK_D)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX_C
-    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, x, offs, mask, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, kbyte, x, offs, mask, scale, LAYOUT)
     if LAYOUT == 0:
-        tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
+        tl.store(c32_ptr + sidx, scale)
 
 
 @triton.jit
@@ -158,7 +168,7 @@ def _layer_norm_at(row, w_ptr, b_ptr, offs, mask, mean, rstd):
 
 @triton.jit
 def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, half,
-                               eps, stride_k, stride_cos, stride_sin, stride_c8, stride_c32, stride_c16,
+                               eps, stride_k, stride_cos, stride_sin, page_size, page_bytes, key_bytes,
                                INTERLEAVED: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """One token: LayerNorm of its raw key (fp32 stats), RoPE of the first 2*half values (`_rope_kernel`'s
@@ -169,7 +179,7 @@ def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, 
     slot = tl.load(slot_ptr + t)
     if slot < 0:
         return
-    slot = opaque_index(slot.to(tl.int64))
+    kbyte, sidx = _key_at(slot.to(tl.int64), page_size, page_bytes, key_bytes)
     offs, mask, x = _key_values(row, d, BLOCK_D)
     mean = tl.sum(x, axis=0) / d
     diff = tl.where(mask, x - mean, 0.0)
@@ -191,20 +201,21 @@ def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, 
     yr = tl.where(rest, _layer_norm_at(row, w_ptr, b_ptr, offs, rest, mean, rstd), 0.0)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0)), tl.max(tl.abs(yr), axis=0))
     scale = tl.maximum(amax, 1e-12) / FP8_MAX_C
-    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, r1, p, pmask, scale, LAYOUT)
-    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, r2, half + p, pmask, scale, LAYOUT)
-    _store_key(c8_ptr, c32_ptr, c16_ptr, slot, stride_c8, stride_c32, stride_c16, yr, offs, rest, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, kbyte, r1, p, pmask, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, kbyte, r2, half + p, pmask, scale, LAYOUT)
+    _store_key(c8_ptr, c32_ptr, c16_ptr, kbyte, yr, offs, rest, scale, LAYOUT)
     if LAYOUT == 0:
-        tl.store(c32_ptr + slot * stride_c32 + d // 4, scale)
+        tl.store(c32_ptr + sidx, scale)
 
 
-def _index_layout(index_cache: torch.Tensor, layout: KVLayout | str, d: int, who: str) -> int:
-    """The kernels' LAYOUT code of an indexer-key layout; an FP8 cache whose rows do not hold d keys + a scale is an
-    error naming `who`."""
-    code = _INDEX_LAYOUT[get_kv_layout(layout, f"{who}: layout")]
-    if code == 0 and (index_cache.shape[1] != d + 4 or d % 4):
-        raise ValueError(f"{who}: index_cache rows are {index_cache.shape[1]} B, expected {d + 4}")
-    return code
+def _index_layout(index_cache: torch.Tensor, layout: KVLayout | str, d: int, who: str) -> tuple[int, tuple]:
+    """(the kernels' LAYOUT code of an indexer-key layout, (page_size, page bytes, key bytes) of the cache's
+    pages); pages that do not hold whole keys of head dim d are an error naming `who`."""
+    layout = get_kv_layout(layout, f"{who}: layout")
+    if d % 4:
+        raise ValueError(f"{who}: the head dim {d} is not a multiple of 4")
+    ps = index_pages.page_size_of(index_cache, layout, d, who)
+    return _INDEX_LAYOUT[layout], (ps, index_cache.stride(0), index_pages.key_bytes(layout, d))
 
 
 def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k_raw: torch.Tensor,
@@ -213,7 +224,7 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
     """GPU `reference.indexer_k_norm_write`: the key's LayerNorm, RoPE and write in one launch (were a torch
     LayerNorm, a RoPE kernel and the write: three launches a full layer, the first outside the PDL chain)."""
     t, d = k_raw.shape
-    code = _index_layout(index_cache, layout, d, "indexer_k_norm_write")
+    code, place = _index_layout(index_cache, layout, d, "indexer_k_norm_write")
     if t == 0:
         return
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -222,8 +233,8 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
     c8, c32, c16 = _views(index_cache)
     half = rope_dim // 2
     _index_k_norm_write_kernel[(t,)](k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps,
-                                     k_raw.stride(0), cos.stride(0), sin.stride(0), c8.stride(0), c32.stride(0),
-                                     c16.stride(0), INTERLEAVED=interleaved, LAYOUT=code,
+                                     k_raw.stride(0), cos.stride(0), sin.stride(0), *place,
+                                     INTERLEAVED=interleaved, LAYOUT=code,
                                      BLOCK_D=triton.next_power_of_2(d), BLOCK_P=triton.next_power_of_2(max(half, 1)),
                                      num_warps=1, **pdl_args(k_raw.device))
 
@@ -231,10 +242,10 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) into the cache rows at `slots`."""
     t, d = k.shape
-    code = _index_layout(index_cache, layout, d, "indexer_k_write")
+    code, place = _index_layout(index_cache, layout, d, "indexer_k_write")
     if t == 0:
         return
     c8, c32, c16 = _views(index_cache)
     k = k if k.stride(-1) == 1 else k.contiguous()
-    _index_k_write_kernel[(t,)](k, slots, c8, c32, c16, d, k.stride(0), c8.stride(0), c32.stride(0), c16.stride(0),
-                                LAYOUT=code, BLOCK_D=triton.next_power_of_2(d), num_warps=1, **pdl_args(k.device))
+    _index_k_write_kernel[(t,)](k, slots, c8, c32, c16, d, k.stride(0), *place, LAYOUT=code,
+                                BLOCK_D=triton.next_power_of_2(d), num_warps=1, **pdl_args(k.device))

@@ -15,13 +15,15 @@ shows up as NaN. Relative errors are ||got - ref|| / ||ref||; the bounds, and wh
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 import pytest
 import torch
 
-from dsaserve.common.kv_layout import encode_latent
+from dsaserve.common import index_pages
+from dsaserve.common.kv_layout import decode_index_k, encode_index_k, encode_latent
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.kernels import reference as R
 
@@ -114,6 +116,18 @@ def randn(*shape, gen, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
 
 
+def index_cache_of(keys: torch.Tensor, layout, page_size: int) -> torch.Tensor:
+    """The page-major indexer cache holding keys [n, D] (encoded) at slots 0..n-1."""
+    return index_pages.pack_pages(encode_index_k(keys, layout), layout, keys.shape[1], page_size)
+
+
+def index_keys(cache: torch.Tensor, layout, d: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoded keys [n, D] (float32) of `slots` (every slot when None) of a page-major indexer cache."""
+    if slots is None:
+        slots = torch.arange(cache.shape[0] * index_pages.page_size_of(cache, layout, d), device=cache.device)
+    return decode_index_k(index_pages.read_rows(cache, slots, layout, d), layout)
+
+
 def gpu_modules():
     from dsaserve.kernels import triton_fp8_gemm, triton_indexer, triton_kv_write, triton_moe, triton_sparse_mla
 
@@ -173,3 +187,72 @@ def far_rows_case(gen) -> tuple[tuple, int]:
     slots = torch.randint(top, n_slots, (16, k), generator=gen, device=DEVICE)
     qn, qr = randn(16, h, dc, gen=gen, dtype=torch.bfloat16), randn(16, h, dr, gen=gen, dtype=torch.bfloat16)
     return (qn, qr, cache, slots), dc
+
+
+# ---- the indexer q as the kernels round it ------------------------------------------------------------
+@functools.cache
+def _round_q_kernel():
+    """A Triton kernel rounding q / s as the prefill kernel does (the interpreter's e4m3 rounding drops a carry
+    into the exponent, so torch's rounding is not what the kernel computes there). Built on first use: the
+    module imports without Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, DIV_RN: tl.constexpr):
+        c = tl.arange(0, BLOCK)
+        r = tl.program_id(0) * N + c
+        x, s = tl.load(x_ptr + r, mask=c < N), tl.load(s_ptr + tl.program_id(0))
+        y = tl.clamp(tl.div_rn(x, s) if DIV_RN else x / s, -448.0, 448.0)
+        if FP8:
+            tl.store(o_ptr + r, y.to(tl.float8e4nv).to(tl.float32), mask=c < N)
+        else:
+            tl.store(o_ptr + r, y.to(tl.float16).to(tl.float32), mask=c < N)
+
+    return kernel
+
+
+def kernel_q(q, fp8, reciprocal=False):
+    """q as the kernel multiplies it (float64): q / s rounded to e4m3 (or fp16) times s, one s = amax / 448
+    per (token, head). reciprocal: s = amax x fp32(1/448) on any device and an IEEE division by it (the prefill
+    kernels' rule, `triton_indexer_gemm.prepare_q`'s and the streaming kernel's: what torch's `/ 448.0` computes
+    on a GPU), else torch's `/ 448.0` on this device (a division on the CPU) and Triton's approximate one."""
+    x = q.float().contiguous()
+    amax = x.abs().amax(-1).clamp(min=1e-12)
+    scale = amax * (1.0 / 448.0) if reciprocal else amax / 448.0
+    y = torch.empty_like(x)
+    n = x.shape[-1]  # prepare_q: div_rn
+    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=n, BLOCK=1 << (n - 1).bit_length(), FP8=fp8, DIV_RN=reciprocal)
+    return y.double() * scale.double()[..., None]
+
+
+def decode_q(q: torch.Tensor, layout) -> torch.Tensor:
+    """q as the decode score kernel multiplies it (float64): the FP8 layouts' page-major kernel rounds q / s to
+    e4m3 (fp16 with DSASERVE_FP8_ACTIVATIONS=0) with prepare_q's rule; the plain layouts' kernel takes q as it is."""
+    from dsaserve.common import envs
+    from dsaserve.common.kv_layout import get_kv_layout
+
+    if get_kv_layout(layout).plain_dtype:
+        return q.double()
+    return kernel_q(q, envs.DSASERVE_FP8_ACTIVATIONS != "0", reciprocal=True)
+
+
+def sorted_true_scores(sel, q, w, cache, table, req, pos, ps):
+    keys = index_keys(cache, "fp8_ds_mla", q.shape[-1]).double()
+    out = []
+    for t in range(len(pos)):
+        row = sel[t][sel[t] >= 0]
+        out.append(((q[t].double() @ keys[row].t()).relu() * w[t, :, None].double()).sum(0).sort().values)
+    return out
+
+
+def assert_within_q_rounding(got, ref, q, qk, w, cache, table, req, pos, ps, seed: int) -> None:
+    """Every selected true score is within twice the largest score change that rounding q to the kernel's qk
+    makes (the bound for a top-k of perturbed scores): near-ties at the k-th may part, nothing else."""
+    keys = index_keys(cache, "fp8_ds_mla", q.shape[-1]).double()
+    # |score change| <= sum_h |w_h| |dq_h| . |k| = |k| . v, v = sum_h |w_h| |dq_h|: per token, over every key
+    v = (w.double().abs()[..., None] * (qk - q.double()).abs()).sum(1)
+    bound = 2 * (v @ keys.abs().t()).amax(1) + 1e-9
+    for t, (a, b) in enumerate(zip(sorted_true_scores(got, q, w, cache, table, req, pos, ps),
+                                   sorted_true_scores(ref, q, w, cache, table, req, pos, ps), strict=True)):
+        assert a.shape == b.shape and (a - b).abs().max() <= bound[t], f"seed {seed} token {t}"

@@ -7,16 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
-from tests.kernels.gpu_common import BIG, DEVICE, poison_free_memory, randn, requires_gpu_kernels
-from tests.kernels.test_gpu_attention import _check_topk, _indexer_case
-from tests.kernels.test_gpu_indexer_topk import (
-    PREFILL_SHAPES,
-    _assert_position_order,
-    _assert_within_q_rounding,
-    _kernel_q,
-    _prefill_inputs,
+from dsaserve.common.kv_layout import get_kv_layout
+from tests.kernels.gpu_common import (
+    BIG,
+    DEVICE,
+    assert_within_q_rounding,
+    index_keys,
+    kernel_q,
+    poison_free_memory,
+    randn,
+    requires_gpu_kernels,
 )
+from tests.kernels.test_gpu_attention import _check_topk, _indexer_case
+from tests.kernels.test_gpu_indexer_topk import PREFILL_SHAPES, _assert_position_order, _prefill_inputs
 
 pytestmark = requires_gpu_kernels
 
@@ -43,12 +46,12 @@ def test_gemm_topk_selects_the_top_keys_of_its_scores(gen, hi, d, topk, select):
     got = gemm_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext, q_fp8=True,
                     config=_conf(select))
     assert got.shape == (len(pos), topk) and got.dtype == torch.int64
-    q8 = _kernel_q(q, True, reciprocal=True)  # prepare_q's rule
+    q8 = kernel_q(q, True, reciprocal=True)  # prepare_q's rule
     # the FP8 tensor-core dot accumulates with ~13 bits on Hopper (DeepGEMM's finding): on the H200 a picked key
     # scored 1.07e-4 of the row's max below the k-th in float64 (2026-12-01), a near-tie, not a wrong select
     _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed(), tol=2.0 ** -12)
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
-    _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
+    assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
 
 
@@ -63,7 +66,7 @@ def test_gemm_topk_fp16_q_and_causal_edges(gen):
     q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
     w -= 0.3
     got = gemm_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext, q_fp8=False, config=SMALL)
-    _check_topk(got, _kernel_q(q, False, reciprocal=True), w, cache, "fp8_ds_mla", table, req, pos, topk, ps,
+    _check_topk(got, kernel_q(q, False, reciprocal=True), w, cache, "fp8_ds_mla", table, req, pos, topk, ps,
                 gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
     short = req == 1
@@ -83,8 +86,8 @@ def test_chunk_scores_are_the_float64_scores_of_the_rounded_q(gen):
     ops = (*G.prepare_q(q, w, True), *G.gather_keys(cache, table, seq_lens, ext, ps, d))
     ws = torch.full((len(pos), 96), float("nan"), device=DEVICE)
     G.chunk_scores(ops, req, pos, seq_lens, ext, 0, len(pos), ws, skip, conf)
-    keys = decode_index_k(cache, "fp8_ds_mla").double()
-    q8 = _kernel_q(q, True, reciprocal=True)  # prepare_q's rule
+    keys = index_keys(cache, "fp8_ds_mla", q.shape[-1]).double()
+    q8 = kernel_q(q, True, reciprocal=True)  # prepare_q's rule
     for t in range(len(pos)):
         r, p = int(req[t]), int(pos[t])
         j = torch.arange(p + 1, device=DEVICE)

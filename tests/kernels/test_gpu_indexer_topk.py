@@ -5,14 +5,21 @@ model's (GLM-5.3: 32 heads x 128, top-2048, rows up to 202752 keys) only on CUDA
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
-from tests.kernels.gpu_common import BIG, DEVICE, gpu_modules, poison_free_memory, randn, requires_gpu_kernels
-from tests.kernels.test_gpu_attention import _check_topk, _indexer_case, _position_ordered_topk
+from dsaserve.common.kv_layout import get_kv_layout
+from tests.kernels.gpu_common import (
+    BIG,
+    DEVICE,
+    assert_within_q_rounding,
+    gpu_modules,
+    kernel_q,
+    poison_free_memory,
+    randn,
+    requires_gpu_kernels,
+)
+from tests.kernels.test_gpu_attention import _check_kernel_topk, _check_topk, _indexer_case, _position_ordered_topk
 
 pytestmark = requires_gpu_kernels
 
@@ -86,7 +93,7 @@ def test_indexer_topk_long_context_decode_selects_the_reference_keys(gen):
     q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, ext, ps, hi, d)
     assert table.shape[1] * ps > gpu_modules()[1].ROW_IN_REGS_MAX
     got = triton_indexer_dispatch.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps)
-    _check_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    _check_kernel_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -105,7 +112,7 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
     q.copy_(randn(*q.shape, gen=gen, dtype=q.dtype))
     pos.copy_(torch.tensor([25000, 1000], device=DEVICE))  # the second token now sees fewer than topk keys
     graph.replay()
-    _check_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+    _check_kernel_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     first = out.clone()
     graph.replay()  # again: the cooperative select's barrier counters are zeroed inside the graph, every replay
     assert torch.equal(out, first)
@@ -130,49 +137,6 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.cache
-def _round_q_kernel():
-    """A Triton kernel rounding q / s as the prefill kernel does (the interpreter's e4m3 rounding drops a carry
-    into the exponent, so torch's rounding is not what the kernel computes there). Built on first use: the
-    module imports without Triton."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr, DIV_RN: tl.constexpr):
-        r = tl.program_id(0) * N + tl.arange(0, N)
-        x, s = tl.load(x_ptr + r), tl.load(s_ptr + tl.program_id(0))
-        y = tl.clamp(tl.div_rn(x, s) if DIV_RN else x / s, -448.0, 448.0)
-        if FP8:
-            tl.store(o_ptr + r, y.to(tl.float8e4nv).to(tl.float32))
-        else:
-            tl.store(o_ptr + r, y.to(tl.float16).to(tl.float32))
-
-    return kernel
-
-
-def _kernel_q(q, fp8, reciprocal=False):
-    """q as the kernel multiplies it (float64): q / s rounded to e4m3 (or fp16) times s, one s = amax / 448
-    per (token, head). reciprocal: s = amax x fp32(1/448) on any device and an IEEE division by it (the prefill
-    kernels' rule, `triton_indexer_gemm.prepare_q`'s and the streaming kernel's: what torch's `/ 448.0` computes
-    on a GPU), else torch's `/ 448.0` on this device (a division on the CPU) and Triton's approximate one."""
-    x = q.float().contiguous()
-    amax = x.abs().amax(-1).clamp(min=1e-12)
-    scale = amax * (1.0 / 448.0) if reciprocal else amax / 448.0
-    y = torch.empty_like(x)
-    _round_q_kernel()[(scale.numel(),)](x, scale, y, N=x.shape[-1], FP8=fp8, DIV_RN=reciprocal)  # prepare_q: div_rn
-    return y.double() * scale.double()[..., None]
-
-
-def _sorted_true_scores(sel, q, w, cache, table, req, pos, ps):
-    keys = decode_index_k(cache, "fp8_ds_mla").double()
-    out = []
-    for t in range(len(pos)):
-        row = sel[t][sel[t] >= 0]
-        out.append(((q[t].double() @ keys[row].t()).relu() * w[t, :, None].double()).sum(0).sort().values)
-    return out
-
-
 @pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
 def test_prefill_topk_fp8_selects_the_top_keys_of_its_scores(gen, hi, d, topk):
     """FP8 q: the selection is the exact top-k of the scores the kernel computes (q rounded to e4m3, checked
@@ -186,24 +150,12 @@ def test_prefill_topk_fp8_selects_the_top_keys_of_its_scores(gen, hi, d, topk):
     got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
                        q_fp8=True, config=conf)
     assert got.shape == (len(pos), topk) and got.dtype == torch.int64
-    q8 = _kernel_q(q, True, reciprocal=True)  # the streaming kernel quantises q as prepare_q does
+    q8 = kernel_q(q, True, reciprocal=True)  # the streaming kernel quantises q as prepare_q does
     # Hopper's FP8 tensor-core dot accumulates with ~13 bits (as in test_gpu_indexer_gemm): on the H200 picked keys
     # scored 1.0e-4 and 1.9e-4 of the row's max below the k-th in float64 (2026-12-02, two random seeds)
     _check_topk(got, q8, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed(), tol=2.0 ** -12)
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
-    _assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
-
-
-def _assert_within_q_rounding(got, ref, q, qk, w, cache, table, req, pos, ps, seed: int) -> None:
-    """Every selected true score is within twice the largest score change that rounding q to the kernel's qk
-    makes (the bound for a top-k of perturbed scores): near-ties at the k-th may part, nothing else."""
-    keys = decode_index_k(cache, "fp8_ds_mla").double()
-    # |score change| <= sum_h |w_h| |dq_h| . |k| = |k| . v, v = sum_h |w_h| |dq_h|: per token, over every key
-    v = (w.double().abs()[..., None] * (qk - q.double()).abs()).sum(1)
-    bound = 2 * (v @ keys.abs().t()).amax(1) + 1e-9
-    for t, (a, b) in enumerate(zip(_sorted_true_scores(got, q, w, cache, table, req, pos, ps),
-                                   _sorted_true_scores(ref, q, w, cache, table, req, pos, ps), strict=True)):
-        assert a.shape == b.shape and (a - b).abs().max() <= bound[t], f"seed {seed} token {t}"
+    assert_within_q_rounding(got, ref, q, q8, w, cache, table, req, pos, ps, gen.initial_seed())
 
 
 @pytest.mark.parametrize("hi,d,topk", PREFILL_SHAPES)
@@ -218,10 +170,10 @@ def test_prefill_topk_fp16_q_selects_the_reference_keys_in_position_order(gen, h
     q, w, cache, table, req, pos, ps, seq_lens, ext, conf = _prefill_inputs(gen, hi, d, topk)
     got = prefill_topk(q, w, cache, get_kv_layout("fp8_ds_mla"), table, req, pos, topk, ps, seq_lens, ext,
                        q_fp8=False, config=conf)
-    q16 = _kernel_q(q, False, reciprocal=True)
+    q16 = kernel_q(q, False, reciprocal=True)
     _check_topk(got, q16, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     ref = R.indexer_topk(q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, seq_lens, ext)
-    _assert_within_q_rounding(got, ref, q, q16, w, cache, table, req, pos, ps, gen.initial_seed())
+    assert_within_q_rounding(got, ref, q, q16, w, cache, table, req, pos, ps, gen.initial_seed())
     _assert_position_order(got, table, req, pos, seq_lens, ps, gen.initial_seed())
 
 
@@ -253,7 +205,7 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
             ("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"], "stream"),
             ("bf16", [300, 60], [6, 9], [], "gemm"),
             ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"], "gemm"),
-            # 1-2 rows: their own score tile and select chunk (FEW_ROWS_LONG_TILE, variants.long_select_chunk)
+            # 1-2 rows: their own select chunk (variants.long_select_chunk)
             ("fp8_ds_mla", [500], [1], ["long_row_select"], "gemm"),
             ("fp8_ds_mla", [500, 300], [1, 1], ["long_row_select"], "gemm")):
         q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
@@ -268,9 +220,9 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
             assert torch.equal(got, triton_indexer_gemm.gemm_topk(q, w, cache, layout, table, req, pos, topk, ps,
                                                                  seq_lens, ext))
         prefill = want[:1] in (["prefill_topk"], ["gemm_topk"])
-        if DEVICE == "cuda" or prefill:  # the interpreter's bf16 dot (the decode scores) is broken in Triton 3.9
-            _check_topk(got, _kernel_q(q, True, reciprocal=True) if prefill else q, w, cache, layout, table, req, pos,
-                        topk, ps, gen.initial_seed())
+        # the interpreter's bf16 dot (the plain layouts' decode scores) is broken in Triton 3.9
+        if DEVICE == "cuda" or prefill or not get_kv_layout(layout).plain_dtype:
+            _check_kernel_topk(got, q, w, cache, layout, table, req, pos, topk, ps, gen.initial_seed())
 
 
 def _assert_position_order(got, table, req, pos, seq_lens, ps, seed):

@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 
+from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import decode_index_k
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
@@ -155,7 +156,11 @@ def _checked(name: str, fn, bound: float, failures: list[str]):
             if name == "mla_kv_write" and g is args[0]:
                 why = _kv_rows_differ(g, w, lambda rows: args[1].decode_latent(rows, args[-1]))
             elif name == "indexer_k_norm_write" and g is args[0]:
-                why = _kv_rows_differ(g, w, lambda rows: decode_index_k(rows, args[1]), max_frac=1.0)
+                d = args[3].shape[-1]  # k_raw's head dim; the cache's pages as codec rows of every slot
+                every = torch.arange(g.shape[0] * index_pages.page_size_of(g, args[1], d), device=g.device)
+                why = _kv_rows_differ(index_pages.read_rows(g, every, args[1], d),
+                                      index_pages.read_rows(w, every, args[1], d),
+                                      lambda rows: decode_index_k(rows, args[1]), max_frac=1.0)
             else:
                 why = _differ(g, w, bound)
             if why:

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import decode_index_k, decode_latent, encode_index_k, encode_latent
 from dsaserve.kernels import reference as R
 from dsaserve.kernels import registry
@@ -79,7 +80,7 @@ def test_mla_kv_write_normalises_rotates_and_stores_at_the_slots(layout):
 
 def _paged_setup(g, seq_lens, ext, page_size, n_pages, d, layout):
     keys = torch.randn(n_pages * page_size, d, generator=g)
-    cache = encode_index_k(keys, layout)
+    cache = index_pages.pack_pages(encode_index_k(keys, layout), layout, d, page_size)
     max_pages = max(-(-s // page_size) for s in seq_lens)
     perm = torch.randperm(n_pages, generator=g)
     table = perm[: len(seq_lens) * max_pages].view(len(seq_lens), max_pages)
@@ -99,7 +100,7 @@ def test_indexer_topk_matches_brute_force_over_each_tokens_causal_keys(layout):
     q = torch.randn(len(pos), hi, d, generator=g)
     w = torch.rand(len(pos), hi, generator=g)
     got = R.indexer_topk(q, w, cache, layout, table, req, pos, topk, ps, seq_lens, ext)
-    keys = decode_index_k(cache, layout).double()
+    keys = decode_index_k(index_pages.read_rows(cache, torch.arange(16 * ps), layout, d), layout).double()
     for t in range(len(pos)):
         r, p = int(req[t]), int(pos[t])
         scored = []
@@ -209,7 +210,10 @@ def test_registry_rejects_an_unknown_kernel_choice(set_switch):
 
 def test_registry_reference_indexer_k_write_stores_encoded_keys():
     k = torch.randn(3, 32)
-    cache = torch.zeros(6, 36, dtype=torch.uint8)
+    cache = torch.zeros(3, 2 * 36, dtype=torch.uint8)  # 3 pages of 2 slots
     registry.get_ops("cpu").indexer_k_write(cache, "fp8_ds_mla", torch.tensor([4, 1, 2]), k)
-    assert _rel(decode_index_k(cache[[4, 1, 2]], "fp8_ds_mla"), k) < 5e-2
-    assert cache[[0, 3, 5]].eq(0).all()
+    rows = index_pages.read_rows(cache, torch.tensor([4, 1, 2]), "fp8_ds_mla", 32)
+    assert _rel(decode_index_k(rows, "fp8_ds_mla"), k) < 5e-2
+    assert index_pages.read_rows(cache, torch.tensor([0, 3, 5]), "fp8_ds_mla", 32).eq(0).all()
+    # page-major: page 2 holds slot 4's 32 key bytes first, then slot 5's, then their two scales
+    assert cache[2, :32].ne(0).any() and cache[2, 32:64].eq(0).all() and cache[2, 64:68].ne(0).any()

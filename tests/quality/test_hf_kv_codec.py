@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from dsaserve.common.index_pages import read_rows
 from dsaserve.common.kv_layout import get_kv_layout
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.model.forward_batch import contiguous_batch
@@ -60,7 +61,8 @@ def test_the_codec_rounds_what_the_engine_stores_where_it_stores_it(tiny_checkpo
     runner.model(contiguous_batch([PROMPT], [0], [0]), runner.kv_pool)
     n = len(PROMPT)
     ours = layout.decode_latent(runner.kv_pool.kv_cache(0)[:n], attn.kv_lora_rank)
-    keys = layout.decode_index_k(runner.kv_pool.index_cache(0)[:n])
+    keys = layout.decode_index_k(read_rows(runner.kv_pool.index_cache(0), torch.arange(n), layout,
+                                           runner.cfg.index_head_dim))
     assert _far(ours, seen["latent"]) < 1e-3 and _far(keys, seen["index0"]) < 1e-3
     torch.testing.assert_close(ours, seen["latent"], rtol=0.13, atol=1e-6)  # at most one FP8 step (2^-3) apart
     torch.testing.assert_close(keys, seen["index0"], rtol=0.13, atol=1e-6)

@@ -1,0 +1,152 @@
+"""Index scores over the page-major FP8 indexer cache (request path stage 6, full indexer layers): the decode
+score kernel and the addressing every FP8 indexer-cache kernel shares (`common/index_pages.py` is the layout).
+
+Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), `score_tile`, and the jit
+helpers `key_place` (a key's byte offset and its scale's index), `fp8_q_scale` and `quant_q` (q's FP8 rounding,
+shared with the prefill kernels).
+The kernel: one program per (token, run of `blocks` tiles of BS keys of its request). It rounds the token's q
+to e4m3 with one s = amax / 448 a head, folded into the head weight (`triton_indexer_gemm`'s rule, DeepGEMM's
+fp8_mqa_logits; DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 and widens the keys to fp16 exactly), then
+loops over its tiles: the tile's keys are 16-byte-aligned rows of their pages, loaded straight into shared
+memory by the pipelined loop (cp.async, `num_stages` tiles in flight), and one swap-AB MMA
+acc[BS keys, heads] = k8 @ q8^T gives every head's dot at once; ReLU, the weights, the head sum and the key
+scale are the epilogue. Keys past the token's position (causal) or past the page table are -inf, never read.
+Why a loop of tiles, not one tile a program: a program then keeps `num_stages` tiles of HBM reads in flight
+while it multiplies, and q is rounded once per run; the row-layout kernel held one 512-key tile a program at
+254 registers and read its 4-byte-aligned rows at ~0.9 TB/s (bench/RESULTS.md, twentieth session).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.common import envs
+from dsaserve.common.index_pages import page_size_of
+from dsaserve.kernels.triton_fp8_gemm import _sm_count
+from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+
+# tile: BS keys (the MMA's M: 64 a warpgroup), warps, stages; programs of `blocks` tiles, PROGRAMS_PER_SM
+# programs an SM over the batch's rows, at least MIN_BLOCKS tiles each. H200 sweep (2026-12-03, twenty-first
+# session, graph-timed, each call over its own pages): 128 keys / 8 warps / 3 stages best or within 1 % of it
+# everywhere; the best tiles a program 2 at 1 x 32K / 1 x 128K (6.9 / 13.7 us), 4 at 2 x 128K / 8 x 32K
+# (21.0 / 20.9 us), 16 at 32 x 32K / 128 x 8K (63.4 / 63.3 us: 2.2 TB/s), which this rule gives
+DEFAULT_TILE = {"bs": 128, "num_warps": 8, "num_stages": 3}
+PROGRAMS_PER_SM = 4
+MIN_BLOCKS = 2
+
+
+@triton.jit
+def fp8_q_scale(amax):
+    """The indexer q's FP8 scale amax / 448 as torch computes it on a GPU: amax x fp32(1 / 448) (a division by a
+    Python scalar is a multiply by its fp32 reciprocal there), amax floored at 1e-12."""
+    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+
+
+@triton.jit
+def quant_q(x, s, Q_FP8: tl.constexpr):
+    """q / s (s broadcast to x) as e4m3, or fp16 (the bf16 input to 2^-12, in fp16's range whatever q's
+    magnitude): an IEEE division (Triton's `/` is approximate, so a q next to a rounding boundary could land on
+    either side of it), clamped to +-448, round-to-nearest casts."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)
+    if Q_FP8:
+        op = y.to(tl.float8e4nv)
+    else:
+        op = y.to(tl.float16)
+    return op
+
+
+@triton.jit
+def key_place(pt_row, j, mask, page_size, page_bytes, D):
+    """(byte offset of key position j's D e4m3 values, float32 index of its scale) through one request's
+    page-table row, in the page-major cache: a page is page_size keys of D bytes, then their FP32 scales."""
+    page = tl.load(pt_row + j // page_size, mask=mask, other=0).to(tl.int64)
+    off = j % page_size
+    return page * page_bytes + off * D, page * (page_bytes // 4) + (page_size * D) // 4 + off
+
+
+@triton.jit
+def _paged_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_heads, head_dim,
+                        page_size, n_keys, skip_below, page_bytes, blocks, stride_qt, stride_qh, stride_wt,
+                        stride_pt, stride_ot, HP: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+                        Q_FP8: tl.constexpr, PDL: tl.constexpr = False):
+    """Token t's scores of keys [j0, j0 + blocks x BS) -> out[t, j] (fp32); n_keys = the page table's keys."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j0 = tl.program_id(1) * blocks * BS
+    pos = tl.load(pos_ptr + t)
+    if pos < skip_below:  # the selection takes every visible key of this row without reading a score
+        return
+    out_row = out_ptr + t * stride_ot
+    end = tl.minimum(pos + 1, n_keys)  # one past the last key this token sees
+    n_run = tl.minimum(tl.maximum(tl.cdiv(end - j0, BS), 0), blocks)
+    for b in range(n_run, blocks):  # tiles wholly in the token's future
+        tl.store(out_row + j0 + b * BS + tl.arange(0, BS), tl.full([BS], float("-inf"), tl.float32))
+    if n_run == 0:
+        return
+    h = tl.arange(0, HP)
+    hm = h < n_heads
+    d = tl.arange(0, BLOCK_D)
+    dm = d < head_dim
+    x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None] & dm[None, :],
+                other=0.0)
+    x = x.to(tl.float32)
+    s = fp8_q_scale(tl.max(tl.abs(x), axis=1))
+    q = quant_q(x, s[:, None], Q_FP8)  # padded heads: 0 / s = 0
+    w = tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32) * s  # padded heads: weight 0
+    pt_row = pt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pt
+    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    for b in range(n_run):
+        j = j0 + b * BS + tl.arange(0, BS)
+        valid = j < end
+        kbyte, sidx = key_place(pt_row, j, valid, page_size, page_bytes, head_dim)
+        k = tl.load(k8 + kbyte[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        if not Q_FP8:
+            k = k.to(tl.float16)
+        acc = tl.dot(k, tl.trans(q))  # [BS keys, HP heads], fp32
+        score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+        score = score * tl.load(ks_ptr + sidx, mask=valid, other=1.0)
+        tl.store(out_row + j, tl.where(valid, score, float("-inf")))
+
+
+def score_tile(q: torch.Tensor, n_keys: int, tile: dict | None = None) -> dict:
+    """The launch's tile (DEFAULT_TILE, overridden by `tile`) and `blocks`, tiles a program: enough programs for
+    PROGRAMS_PER_SM an SM over the batch's rows, at least MIN_BLOCKS tiles each (fewer only in a short row)."""
+    t, conf = q.shape[0], {**DEFAULT_TILE, **(tile or {})}
+    tiles = triton.cdiv(max(n_keys, 1), conf["bs"])
+    if conf.get("blocks") is None:
+        want = triton.cdiv(t * tiles, PROGRAMS_PER_SM * _sm_count(q))
+        conf["blocks"] = min(tiles, max(MIN_BLOCKS, want))
+    return conf
+
+
+def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
+                       page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
+                       skip_below: int = 0, tile: dict | None = None, q_fp8: bool | None = None) -> torch.Tensor:
+    """[T, n_keys] fp32 causal index scores over the page-major FP8 cache uint8 [pages, page_size x (D + 4)]
+    (-inf where not visible; rows whose position is below skip_below are left unwritten). q [T, H, D] (D a
+    a multiple of 16 up to 256), head_weights [T, H]. tile: `DEFAULT_TILE`'s keys and blocks (bench sweeps); q_fp8:
+    None follows DSASERVE_FP8_ACTIVATIONS."""
+    t, n_heads, d = q.shape
+    if page_size_of(index_cache, "fp8_ds_mla", d, "index_scores") != page_size:
+        raise ValueError(f"index_scores: the cache's pages hold {index_cache.shape[1] // (d + 4)} keys, "
+                         f"page_size is {page_size}")
+    if d % 16 or not 16 <= d <= 256:
+        raise ValueError(f"index_scores: head dim {d} is not a multiple of 16 in 16..256")
+    n_keys = page_table.shape[1] * page_size
+    conf = score_tile(q, n_keys, tile)
+    bs, blocks = conf["bs"], conf["blocks"]
+    per = bs * blocks
+    out = torch.empty(t, triton.cdiv(n_keys, per) * per, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out[:, :n_keys]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    q_fp8 = envs.DSASERVE_FP8_ACTIVATIONS != "0" if q_fp8 is None else q_fp8
+    _paged_score_kernel[(t, triton.cdiv(n_keys, per))](
+        q, head_weights, index_cache, index_cache.view(torch.float32), page_table, req_index, positions, out,
+        n_heads, d, page_size, n_keys, skip_below, index_cache.stride(0), blocks, q.stride(0), q.stride(1),
+        head_weights.stride(0), page_table.stride(0), out.stride(0), HP=max(16, triton.next_power_of_2(n_heads)),
+        BLOCK_D=triton.next_power_of_2(d), BS=bs, Q_FP8=q_fp8, num_warps=conf["num_warps"],
+        num_stages=conf["num_stages"], **pdl_args(q.device))
+    return out[:, :n_keys]
