@@ -24,6 +24,7 @@ from tests.kernels.gpu_common import (
     gpu_modules,
     index_cache_of,
     index_keys,
+    kernel_q,
     poison_free_memory,
     randn,
     rel,
@@ -447,3 +448,24 @@ def test_indexer_k_norm_write_is_layer_norm_rope_and_the_write(gen, layout, mode
     step = 2 ** -3 if layout == "fp8_ds_mla" else 2 ** -7
     assert ((g - r).abs() <= step * torch.maximum(g.abs(), r.abs()) + 2 ** -8 * r.abs().amax(1, keepdim=True)).all()
     assert rel(g, r) < step / 2
+
+
+@pytest.mark.parametrize("q_fp8", [True, False])
+@pytest.mark.parametrize("tile", [{"bs": 64, "num_warps": 4, "blocks": 2}, {}])
+def test_paged_index_scores_are_the_rounded_q_scores_of_each_visible_key(gen, q_fp8, tile):
+    """The page-major decode score kernel: every visible key's score is sum_h w_h relu(q'_h . k) of q as it rounds
+    it (e4m3 or fp16, one scale a head), keys past a token's position -inf, across runs of tiles and pages."""
+    from dsaserve.kernels.triton_indexer_paged import paged_index_scores
+
+    ps, hi, d = 16, 16, 64
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", [150, 70, 300], [1, 2, 1], ps, hi, d)
+    got = paged_index_scores(q, w, cache, table, req, pos, ps, tile=tile, q_fp8=q_fp8)
+    qk = kernel_q(q, q_fp8, reciprocal=True)
+    keys = index_keys(cache, "fp8_ds_mla", d).double()
+    for t in range(len(pos)):
+        p = int(pos[t])
+        j = torch.arange(p + 1, device=DEVICE)
+        slots = table[int(req[t]), j // ps] * ps + j % ps
+        want = ((qk[t] @ keys[slots].t()).relu() * w[t, :, None].double()).sum(0)
+        assert torch.isinf(got[t, p + 1:]).all() and (got[t, p + 1:] < 0).all()
+        assert (got[t, :p + 1].double() - want).abs().max() <= 2.0 ** -12 * want.abs().max() + 1e-6

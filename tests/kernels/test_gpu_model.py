@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsaserve.common import index_pages
-from dsaserve.common.kv_layout import decode_index_k
+from dsaserve.common.kv_layout import decode_index_k, get_kv_layout
 from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels import reference as R
@@ -119,6 +119,19 @@ def _kv_rows_differ(got: torch.Tensor, want: torch.Tensor, decode, max_frac: flo
             f"{g.shape[1]}: {g[r, c]:.6g} vs {w[r, c]:.6g}, row amax {w[r].abs().max():.4g}), {frac:.3f} differ")
 
 
+def _topk_of_rounded_q(got: torch.Tensor, args: tuple) -> str:
+    """'' when every row's selection is the top-k of the scores of q as the FP8 layouts' kernels round it
+    (`decode_q`: e4m3 with one scale a head, the prefill kernels' rule): the float q of the reference parts
+    near-ties at the k-th from it in many rows (a 260-token prefill of the mini: 92-133 of 260 on the H200)."""
+    from tests.kernels.test_gpu_attention import _check_kernel_topk
+
+    try:
+        _check_kernel_topk(got, *args[:9], 0)
+    except AssertionError as e:
+        return f"a selected key below the k-th score of the rounded q ({e})"
+    return ""
+
+
 def _by_expert(route: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_route's (weights, ids) with each row ordered by expert id (both sides leave the order unspecified)."""
     ids, order = route[1].sort(-1)
@@ -161,6 +174,8 @@ def _checked(name: str, fn, bound: float, failures: list[str]):
                 why = _kv_rows_differ(index_pages.read_rows(g, every, args[1], d),
                                       index_pages.read_rows(w, every, args[1], d),
                                       lambda rows: decode_index_k(rows, args[1]), max_frac=1.0)
+            elif name == "indexer_topk" and not get_kv_layout(args[3]).plain_dtype and g is got:
+                why = _topk_of_rounded_q(got, args)
             else:
                 why = _differ(g, w, bound)
             if why:
