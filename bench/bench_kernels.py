@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_gpu import pipelined_time  # back to back, one sync: prefill ops build host tables (no graph)
-from dsaserve.common.index_pages import pack_pages
+from dsaserve.common.index_pages import key_views, pack_pages
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.config import load_config
 from dsaserve.kernels import reference as R
@@ -291,8 +291,9 @@ def _deep_gemm_peer(q, w, cache, ctx, t):
         import deep_gemm
     except ImportError:
         return None
-    k8 = cache[:ctx, :128].contiguous().view(torch.float8_e4m3fn)
-    ks = cache[:ctx, 128:].contiguous().view(torch.float32).view(-1)
+    keys, scales = key_views(cache, "fp8_ds_mla", 128)  # pages in position order: table[0] is arange
+    k8 = keys.reshape(-1, 128)[:ctx].contiguous().view(torch.float8_e4m3fn)
+    ks = scales.reshape(-1)[:ctx].contiguous()
     q8 = q.to(torch.float8_e4m3fn)
     ke = torch.arange(ctx - t + 1, ctx + 1, dtype=torch.int32, device=DEV)
     return pipelined_time(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), w, torch.zeros_like(ke), ke), steps=5)

@@ -27,7 +27,7 @@ import torch
 
 from bench import indexer_topk_evidence as E
 from bench.bench_gpu import pipelined_time
-from dsaserve.common.index_pages import pack_pages
+from dsaserve.common.index_pages import pack_pages, read_rows
 from dsaserve.common.kv_layout import encode_index_k
 from dsaserve.kernels import triton_indexer_gemm as G
 from dsaserve.kernels import triton_indexer_prefill as PRE
@@ -144,7 +144,8 @@ class Truth:
         from dsaserve.common.kv_layout import decode_index_k
 
         j = torch.arange(ctx, device=pos.device)
-        keys = decode_index_k(cache.index_select(0, table[0, j // PS] * PS + j % PS), "fp8_ds_mla").double()
+        rows = read_rows(cache, table[0, j // PS] * PS + j % PS, "fp8_ds_mla", q.shape[-1])
+        keys = decode_index_k(rows, "fp8_ds_mla").double()
         q8, w8 = G.prepare_q(q, w, True)
         h = q.shape[1]
         self.rows = [r for r in torch.linspace(0, len(pos) - 1, SAMPLES).long().tolist() if int(pos[r]) >= TOPK]

@@ -2,7 +2,7 @@
 the page-major placement every reader and writer of the indexer cache shares, and the torch gathers and scatters
 by slot that the reference kernels, the tests and the benchmarks use.
 
-Owns: `row_bytes`, `page_size_of`, `key_views`, `read_rows`, `write_rows`, `pack_pages`.
+Owns: `row_bytes`, `key_bytes`, `page_size_of`, `key_views`, `read_rows`, `write_rows`, `pack_pages`.
 One layer's indexer cache is uint8 [pages, page_size x row bytes]. In the FP8 layouts a page holds its keys first
 (page_size x D e4m3 bytes: slot offset o at byte o x D), then their FP32 scales (at page_size x D + 4 o):
 DeepGEMM's paged layout (`fp8_paged_mqa_logits`). It is the same 132 B a token as rows of key + scale, but every
@@ -55,12 +55,19 @@ def key_views(cache: torch.Tensor, layout: KVLayout | str, d: int) -> tuple[torc
     return keys, cache[:, ps * kb:].view(torch.float32)
 
 
+def _place(keys: torch.Tensor, slots: torch.Tensor, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) of each slot; a negative slot is an error (it would wrap to the last page)."""
+    if slots.numel() and int(slots.min()) < 0:
+        raise ValueError(f"{who}: slot {int(slots.min())} is negative")
+    return slots // keys.shape[1], slots % keys.shape[1]
+
+
 def read_rows(cache: torch.Tensor, slots: torch.Tensor, layout: KVLayout | str, d: int) -> torch.Tensor:
     """The codec rows [n, row bytes] of `slots` (a copy)."""
     import torch
 
     keys, scales = key_views(cache, layout, d)
-    page, off = slots // keys.shape[1], slots % keys.shape[1]
+    page, off = _place(keys, slots, "read_rows")
     if scales is None:
         return keys[page, off]
     return torch.cat([keys[page, off], scales[page, off].view(-1, 1).view(torch.uint8)], dim=1)
@@ -71,7 +78,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, lay
     import torch
 
     keys, scales = key_views(cache, layout, d)
-    page, off = slots // keys.shape[1], slots % keys.shape[1]
+    page, off = _place(keys, slots, "write_rows")
     keys[page, off] = rows[:, :keys.shape[2]]
     if scales is not None:
         scales[page, off] = rows[:, keys.shape[2]:].contiguous().view(torch.float32).view(-1)

@@ -103,7 +103,7 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, 
 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k: torch.Tensor) -> None:
-    """Indexer-key write: k [T, D] (k_norm + RoPE applied) encoded into the rows at `slots`."""
+    """Indexer-key write: k [T, D] (k_norm + RoPE applied) encoded at `slots` of the page-major cache."""
     index_pages.write_rows(index_cache, slots, encode_index_k(k, layout), layout, k.shape[-1])
 
 

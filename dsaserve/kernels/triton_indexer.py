@@ -1,11 +1,13 @@
 """GPU DSA indexer top-k: `indexer_topk` (request path stage 6, full indexer layers).
 
 Owns: the GPU variant of `reference.indexer_topk`, built to run inside a captured decode graph:
-  1. a Triton scoring kernel over the paged indexer cache, grid (token, key block): keys at positions
-     0..max_seq-1 of the token's request (max_seq = page_table.shape[1] * page_size, a static bound the
-     graph runner fixes per bucket), FP8 keys widened to BF16 in-kernel, q . k on tensor cores, then
-     sum_h w[t,h] * relu(.) times the key's FP32 scale (scale > 0 commutes with relu); keys past the
-     token's position (causal) and past the page table are written as -inf, never read;
+  1. scores over the paged indexer cache (`index_scores`): keys at positions 0..max_seq-1 of the token's request
+     (max_seq = page_table.shape[1] * page_size, a static bound the graph runner fixes per bucket),
+     sum_h w[t,h] * relu(q_h . k) times the key's FP32 scale (scale > 0 commutes with relu); keys past the
+     token's position (causal) and past the page table are written as -inf, never read. FP8 keys:
+     `triton_indexer_paged` (whole pages into a pipelined FP8 MMA, q rounded to e4m3 with one scale a head
+     folded into its weight, as the prefill kernels round it); the plain debugging layouts: `_index_score_kernel`
+     (bf16 q . k);
   2. selection: decode-size batches use a Triton kernel (a row that sees <= topk keys takes them all;
      otherwise a 4-way interpolation search, in registers up to 16K keys, finds the k-th largest score, then one
      compacting pass writes physical slots); large prefill slices use torch.topk + a page-table gather.

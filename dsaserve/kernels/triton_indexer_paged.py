@@ -115,9 +115,9 @@ def score_tile(q: torch.Tensor, n_keys: int, tile: dict | None = None) -> dict:
     PROGRAMS_PER_SM an SM over the batch's rows, at least MIN_BLOCKS tiles each (fewer only in a short row)."""
     t, conf = q.shape[0], {**DEFAULT_TILE, **(tile or {})}
     tiles = triton.cdiv(max(n_keys, 1), conf["bs"])
-    if conf.get("blocks") is None:
-        want = triton.cdiv(t * tiles, PROGRAMS_PER_SM * _sm_count(q))
-        conf["blocks"] = min(tiles, max(MIN_BLOCKS, want))
+    if conf.get("blocks") is None:  # then the row's runs balanced: no run of padding tiles past its keys
+        want = min(tiles, max(MIN_BLOCKS, triton.cdiv(t * tiles, PROGRAMS_PER_SM * _sm_count(q))))
+        conf["blocks"] = triton.cdiv(tiles, triton.cdiv(tiles, want))
     return conf
 
 

@@ -240,7 +240,7 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:
-    """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) into the cache rows at `slots`."""
+    """Write indexer keys k [T, D] (LayerNorm + RoPE already applied) at `slots` of the page-major cache."""
     t, d = k.shape
     code, place = _index_layout(index_cache, layout, d, "indexer_k_write")
     if t == 0:

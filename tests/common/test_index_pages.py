@@ -41,3 +41,9 @@ def test_write_rows_touches_only_its_slots():
 def test_a_cache_that_is_not_whole_keys_is_refused():
     with pytest.raises(ValueError, match="index_cache.*page_size x 36"):
         ip.page_size_of(torch.zeros(2, 100, dtype=torch.uint8), "fp8_ds_mla", 32)
+
+
+def test_a_negative_slot_is_refused_not_wrapped():
+    cache = torch.zeros(2, 4 * 36, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="slot -1"):
+        ip.read_rows(cache, torch.tensor([3, -1]), "fp8_ds_mla", 32)
