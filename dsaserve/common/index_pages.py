@@ -35,12 +35,16 @@ def key_bytes(layout: KVLayout | str, d: int) -> int:
     return d * layout.plain_bytes if layout.plain_bytes else d
 
 
-def page_size_of(cache: torch.Tensor, layout: KVLayout | str, d: int, who: str = "index_cache") -> int:
-    """Slots a page of `cache` holds; an error naming `who` unless it is uint8 [pages, page_size x row bytes]."""
+def page_size_of(cache: torch.Tensor, layout: KVLayout | str, d: int, who: str = "index_cache",
+                 expect: int | None = None) -> int:
+    """Slots a page of `cache` holds; an error naming `who` unless it is uint8 [pages, page_size x row bytes]
+    (and, with `expect`, unless page_size is the caller's: a reader told another page size would misread)."""
     rb = row_bytes(layout, d)
     if cache.dim() != 2 or cache.shape[1] % rb or cache.shape[1] == 0:
         raise ValueError(f"{who}: indexer cache pages must be [pages, page_size x {rb}] bytes for head dim {d}, "
                          f"got {tuple(cache.shape)}")
+    if expect is not None and cache.shape[1] // rb != expect:
+        raise ValueError(f"{who}: the cache's pages hold {cache.shape[1] // rb} keys, page_size is {expect}")
     return cache.shape[1] // rb
 
 

@@ -147,9 +147,7 @@ def gather_keys(index_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: l
     """(keys [n, D] uint8 (e4m3 bytes), scales [n] fp32, base [requests] int64): request r's key j is row
     base[r] + j. Requests with no new token gather nothing."""
     dev = index_cache.device
-    if index_pages.page_size_of(index_cache, FP8_DS_MLA, d, "gather_keys") != page_size:
-        raise ValueError(f"gather_keys: the cache's pages hold {index_cache.shape[1] // (d + 4)} keys, "
-                         f"page_size is {page_size}")
+    index_pages.page_size_of(index_cache, FP8_DS_MLA, d, "gather_keys", expect=page_size)
     lens = [s if e else 0 for s, e in zip(seq_lens, extend_lens, strict=True)]
     base = [0]
     for n in lens[:-1]:

@@ -125,13 +125,11 @@ def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache:
                        page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
                        skip_below: int = 0, tile: dict | None = None, q_fp8: bool | None = None) -> torch.Tensor:
     """[T, n_keys] fp32 causal index scores over the page-major FP8 cache uint8 [pages, page_size x (D + 4)]
-    (-inf where not visible; rows whose position is below skip_below are left unwritten). q [T, H, D] (D a
+    (-inf where not visible; rows whose position is below skip_below are left unwritten). q [T, H, D] (D
     a multiple of 16 up to 256), head_weights [T, H]. tile: `DEFAULT_TILE`'s keys and blocks (bench sweeps); q_fp8:
     None follows DSASERVE_FP8_ACTIVATIONS."""
     t, n_heads, d = q.shape
-    if page_size_of(index_cache, "fp8_ds_mla", d, "index_scores") != page_size:
-        raise ValueError(f"index_scores: the cache's pages hold {index_cache.shape[1] // (d + 4)} keys, "
-                         f"page_size is {page_size}")
+    page_size_of(index_cache, "fp8_ds_mla", d, "index_scores", expect=page_size)
     if d % 16 or not 16 <= d <= 256:
         raise ValueError(f"index_scores: head dim {d} is not a multiple of 16 in 16..256")
     n_keys = page_table.shape[1] * page_size

@@ -292,9 +292,7 @@ def prefill_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
     bm, cap, words = max(1, conf["ncol"] // hp), conf.get("cap") or capacity(topk, conf["bn"]), d % 128 == 0
     if cap < topk + conf["bn"]:
         raise ValueError(f"prefill_topk: buffer of {cap} entries cannot hold top-{topk} + a {conf['bn']}-key tile")
-    if page_size_of(index_cache, layout, d, "prefill_topk") != page_size:
-        raise ValueError(f"prefill_topk: the cache's pages hold {index_cache.shape[1] // (d + 4)} keys, "
-                         f"page_size is {page_size}")
+    page_size_of(index_cache, layout, d, "prefill_topk", expect=page_size)
     qk, w = q if q.stride(-1) == 1 else q.contiguous(), head_weights.float().contiguous()
     kq = index_cache.view(torch.int32) if words else index_cache
     ks = index_cache.view(torch.float32)

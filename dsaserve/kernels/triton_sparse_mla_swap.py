@@ -250,8 +250,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     (a step's token count is static under CUDA graphs, so each captured bucket keeps one kernel), the split-K
     flash-decoding kernel below it (a few tokens cannot fill the GPU with 64-head programs) and for latents
     outside 64..512."""
-    swap = q_nope.shape[0] >= SWAP_MIN_TOKENS and supports(q_nope.shape[-1])
-    op = sparse_mla_attention_swap if swap else triton_sparse_mla.sparse_mla_attention
-    kw = {"defer_combine": defer_combine} if op is triton_sparse_mla.sparse_mla_attention else {}
-    return op(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank, out=out, **kw)
+    args = (q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank)
+    if q_nope.shape[0] >= SWAP_MIN_TOKENS and supports(q_nope.shape[-1]):
+        return sparse_mla_attention_swap(*args, out=out)  # merges its own splits: nothing to defer
+    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine)
 

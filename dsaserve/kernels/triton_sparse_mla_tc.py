@@ -370,6 +370,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     """The registry's sparse MLA: tensor-core tiles from TC_MIN_TOKENS tokens on (a step's token count is static
     under CUDA graphs, so each captured bucket keeps one kernel), `triton_sparse_mla`'s split-K flash-decoding
     below (a few tokens cannot fill the GPU with 64-row tiles; that kernel splits the top-k further)."""
-    op = sparse_mla_attention_tc if q_nope.shape[0] >= TC_MIN_TOKENS else triton_sparse_mla.sparse_mla_attention
-    kw = {"defer_combine": defer_combine} if op is triton_sparse_mla.sparse_mla_attention else {}
-    return op(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank, out=out, **kw)
+    args = (q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank)
+    if q_nope.shape[0] >= TC_MIN_TOKENS:
+        return sparse_mla_attention_tc(*args, out=out)  # merges its own splits: nothing to defer
+    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine)
