@@ -175,11 +175,14 @@ def ab_setting(runner, name: str):
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
     indexer key's LayerNorm (torch), RoPE and write as three launches (not `indexer_k_norm_write`),
     "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`), "select_launches" the
-    long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows), "no_fold" sparse MLA's split
+    long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows; implies "score_apart"),
+    "score_apart" the FP8 cache's 1-2 long rows scored by their own launch before the cooperative select (not
+    both in one launch), "no_fold" sparse MLA's split
     combine as its own launch (not merged by W_uv's head GEMM)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
+                    "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0)}
     if name in module_flags:
         module, attr, value = module_flags[name]

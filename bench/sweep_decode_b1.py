@@ -13,7 +13,9 @@ Writes sweep_decode_b1.json; prints each case's default beside its fastest confi
 kernel's tiles (`triton_indexer_paged`: keys a tile, stages, tiles a program; each call over its own pages, so the
 keys come from HBM) and the
 split select's chunk size (`triton_indexer_long.long_row_select`, its scores in L2 as after the score kernel),
-each output checked against the default's (8 calls a graph). Writes sweep_decode_b1_indexer.json.
+each output checked against the default's (8 calls a graph); and the score kernel + cooperative select against the
+fused launch of both (`triton_indexer_coop.coop_score_select`) at each chunk that fits, each over its call's own
+pages, the slots checked equal. Writes sweep_decode_b1_indexer.json.
 The slots are int64, as the engine's selection writes them (the sixteenth session's runs used int32 slots: another
 compiled variant of the same kernels).
 """
@@ -33,6 +35,7 @@ from dsaserve.common.kv_layout import encode_index_k, encode_latent, get_kv_layo
 from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_long
 from dsaserve.kernels import triton_sparse_mla as tsm
 from dsaserve.kernels import triton_sparse_mla_swap as swap
+from dsaserve.kernels.variants import fused_select_chunk, long_select_chunk
 
 H, DC, DR, TOPK = 64, 512, 64, 2048
 FP8 = get_kv_layout("fp8_ds_mla")
@@ -99,6 +102,30 @@ def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idi
             same = bool(torch.equal(select(0, chunk, coop).sort(dim=1).values, want))
             us = graph_us(lambda i, c=chunk, co=coop: select(i, c, co), calls)
             res["select"].append({"chunk": chunk, "coop": coop, "us": round(us, 2), "same_slots": same})
+        # scores + cooperative select (two launches, the chunk they take) against the one fused launch at each chunk,
+        # both over each call's own pages
+        def apart(i, q=q, w=w, tables=tables, req=req, pos=pos, sel=sel, chunk=long_select_chunk(t, ctx)):
+            triton_indexer_coop.coop_select(scores(i, {}), tables[i], req, pos, sel, 2048, ps, chunk)
+            return sel
+
+        def fused(i, chunk, stages=None, q=q, w=w, tables=tables, req=req, pos=pos, sel=sel, cache=cache):
+            triton_indexer_coop.coop_score_select(q[i], w[i], cache, tables[i], req, pos, sel, 2048, ps, chunk,
+                                                  stages=stages)
+            return sel
+
+        want0 = apart(0).clone()
+        res["apart_us"] = round(graph_us(apart, calls), 2)
+        res["fused"] = []
+        for chunk, stages in itertools.product((256, 512, 1024, 2048, 4096), (3, 6)):
+            if not triton_indexer_coop.coop_fits(t, -(-ctx // chunk), q):
+                continue
+            same = bool(torch.equal(fused(0, chunk, stages), want0))
+            us = graph_us(lambda i, c=chunk, st=stages: fused(i, c, st), calls)
+            res["fused"].append({"chunk": chunk, "stages": stages, "us": round(us, 2), "same_slots": same,
+                                 "default": chunk == fused_select_chunk(t, ctx) and stages == 3})
+        print(f"T={t} keys {ctx}: scores + select {res['apart_us']} us; fused "
+              + ", ".join(f"chunk {c['chunk']}/st{c['stages']}{'*' if c['default'] else ''} {c['us']} us"
+                          f"{'' if c['same_slots'] else ' DIFFERENT'}" for c in res["fused"]), flush=True)
         best = min((c for c in res["scores"] if "us" in c), key=lambda c: c["us"])
         print(f"T={t} keys {ctx}: scores default {res['scores_default_us']} us, best {best}; select "
               + ", ".join(f"chunk {c['chunk']}{' coop' if c['coop'] else ''} {c['us']} us"

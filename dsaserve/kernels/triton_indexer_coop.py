@@ -3,9 +3,14 @@
 Owns: `coop_select`, the same top-k as `triton_indexer_long.long_row_select` (its radix rounds, count and write,
 bit for bit) as one `_coop_select_kernel` launch: a barrier among a row's programs stands where the launches had a
 launch boundary, every program keeps its chunk's keys in registers and chooses each round's digit itself from the
-row's complete histogram. `cooperative` is decode's choice (`triton_indexer_dispatch`): its 1-2 rows where every
-program can be resident at once. H200, graph-timed (bench/RESULTS.md, nineteenth session): one row of 32K keys
-16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17.4-19.5 -> 12.8-14.6 and 22.8-24.1 -> 18.1-19.3.
+row's complete histogram; and `coop_score_select`, the paged score kernel's scores and that select in one
+`_coop_score_select_kernel` launch over the page-major FP8 cache (each program scores its own chunk, then selects
+over it). `cooperative` and `fused` are decode's choices (`triton_indexer_dispatch`): 1-2 rows where every program
+can be resident at once, fused up to FUSED_MAX_CHUNK-key chunks. H200, graph-timed (bench/RESULTS.md): the select,
+one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17.4-19.5 -> 12.8-14.6 and
+22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
+two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
+stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
 """
 
 from __future__ import annotations
@@ -25,17 +30,25 @@ from dsaserve.kernels.triton_indexer_long import (
     _chunk_keys,
     _count_digit,
     _last_visible,
-    _write_all_visible,
     _write_selected,
-    _writer,
+    _writer_role,
     workspace,
 )
+from dsaserve.kernels.triton_indexer_paged import DEFAULT_TILE, q_meta, rounded_q, score_tiles
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
 # interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
 COOP_ROWS = 0 if INTERPRET else 2
+# decode rows up to which the FP8 cache's scores and select are that one launch (`fused`); 0: the score kernel, then
+# the cooperative select (the A/B's "score_apart")
+FUSED_ROWS = COOP_ROWS
+# the largest fused chunk taken (4 score tiles a program). H200, graph-timed, keys from HBM (bench/RESULTS.md,
+# twenty-second session): 1 x 32K keys 17.1 us fused (256-key chunks) against 21.0 for the two launches, 2 x 32K 23.0
+# (512) against 26.8; but 1 x 128K 33.2 (1024) against 32.3 and 2 x 128K 52.0 (2048) against 43.1: one program an
+# SM keeps too few tiles in flight for its chunk's keys, where the score kernel runs four an SM
+FUSED_MAX_CHUNK = 512
 
 
 @triton.jit
@@ -52,27 +65,16 @@ def _row_barrier(counter, n_active):
     tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
-def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """The split radix select in one launch for a few rows (COOP_ROWS): the rounds, the count and the write of
-    `launches` with a barrier among the row's programs between them instead of a launch boundary. Each program
-    reads its chunk's scores once and keeps them; every program chooses each round's digit itself from the row's
-    complete histogram (the same numbers, so the same choice and the same early end); the output equals the
-    launches', bit for bit. Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x
-    chunks <= the SM count): each program finds an SM once the kernels beside it end, and none of them waits for
-    this one (on the side stream, the select's only consumer joins after it)."""
-    grid_dependency_sync(PDL)
-    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
-    if pos < k:
-        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
-        return
-    if c * CHUNK > pos:  # past the position: not one of the row's n_active programs
-        return
+@triton.jit
+def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
+                  CHUNK: tl.constexpr):
+    """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
+    barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
+    kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
+    so the same choice and the same early end); the output equals the launches', bit for bit."""
     ws = ws_ptr + row * WS_ROW
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
-    row_ptr = score_ptr + row * stride_s
     vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
     prefix = tl.zeros([], dtype=tl.uint32)
     need = tl.zeros([], dtype=tl.int32) + k
@@ -104,6 +106,45 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                     above_before, ties_before, CHUNK, True)
 
 
+@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
+def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
+    Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
+    count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
+    side stream, the select's only consumer joins after it)."""
+    grid_dependency_sync(PDL)
+    row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
+                                                        n_chunks, k, page_size, CHUNK)
+    if active:  # (a chunk past the position is not one of the row's n_active programs)
+        _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
+                      n_chunks, CHUNK)
+
+
+@triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
+def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr,
+                              out_ptr, n_heads, head_dim, n_cols, k, page_size, page_bytes, stride_qt, stride_qh,
+                              stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
+    the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
+    runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
+    its threads' stores before those loads), so no barrier among programs guards the scores."""
+    grid_dependency_sync(PDL)
+    row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
+                                                        n_chunks, k, page_size, CHUNK)
+    if active:
+        row_ptr = score_ptr + row * stride_s
+        j0 = c * CHUNK
+        end = tl.minimum(pos + 1, n_cols)
+        q, w = rounded_q(q_ptr, w_ptr, row, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D, Q_FP8)
+        score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
+                    page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
+        tl.debug_barrier()
+        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK)
+
+
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
     """Whether a cooperative launch of rows x n_chunks programs is safe: one program an SM at most, so each finds an
     SM once the kernels beside it end and all are resident together (a GPU shared through MPS with an SM limit is
@@ -115,6 +156,13 @@ def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> boo
     """Decode's choice (`triton_indexer_dispatch`): its 1-2 rows (COOP_ROWS) as one cooperative launch where it fits.
     A prefill's rows keep the launches (its late slots and window pass; none of its kernels runs beside it)."""
     return rows <= COOP_ROWS and coop_fits(rows, triton.cdiv(n_cols, chunk), scores)
+
+
+def fused(rows: int, n_cols: int, chunk: int, like: torch.Tensor) -> bool:
+    """Decode's choice for 1-2 rows over the page-major FP8 cache: scores and select in one cooperative launch
+    (`coop_score_select`) where it fits and its chunk is at most FUSED_MAX_CHUNK keys."""
+    return (rows <= min(FUSED_ROWS, COOP_ROWS) and chunk <= FUSED_MAX_CHUNK
+            and coop_fits(rows, triton.cdiv(n_cols, chunk), like))
 
 
 def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -135,4 +183,42 @@ def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch
     """`triton_indexer_long.long_row_select`'s output in one launch (rows of one program an SM at most)."""
     if scores.shape[0]:
         kernel, grid, args, kw = launch(scores, page_table, req_index, positions, out, k, page_size, chunk)
+        kernel[grid](*args, **kw)
+
+
+def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
+                        page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                        k: int, page_size: int, chunk: int, q_fp8: bool | None = None,
+                        stages: int | None = None) -> tuple:
+    """`coop_score_select`'s one launch as (kernel, grid, arguments, keywords): its score buffer (chunk-aligned,
+    each program writes and reads only its own chunk's) and workspace allocated here; the same refusals as
+    `launch`. stages: score tiles in flight (default the score kernel's; bench sweeps)."""
+    n_cols = page_table.shape[1] * page_size
+    meta = q_meta(index_cache, q, page_size, "coop_score_select", q_fp8)
+    if chunk % DEFAULT_TILE["bs"]:
+        raise ValueError(f"coop_score_select: chunk {chunk} is not a multiple of the score tile's "
+                         f"{DEFAULT_TILE['bs']} keys")
+    scores = torch.empty(q.shape[0], triton.cdiv(n_cols, chunk) * chunk, dtype=torch.float32, device=q.device)
+    ws, counts, grid, kw = workspace(scores, chunk)
+    if INTERPRET or not coop_fits(*grid, scores):
+        raise ValueError(f"coop_score_select: a cooperative launch of {grid[0]} x {grid[1]} programs "
+                         f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
+            ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
+            q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"],
+                                                   "num_warps": DEFAULT_TILE["num_warps"],
+                                                   "num_stages": stages or DEFAULT_TILE["num_stages"]}
+
+
+def coop_score_select(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
+                      page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+                      k: int, page_size: int, chunk: int, q_fp8: bool | None = None,
+                      stages: int | None = None) -> None:
+    """out [rows, >= k] <- `paged_index_scores` + `long_row_select` of a few rows, in one launch (rows x chunks <=
+    the SM count; the page-major FP8 cache): the same slots, bit for bit."""
+    if q.shape[0]:
+        kernel, grid, args, kw = score_select_launch(q, head_weights, index_cache, page_table, req_index, positions,
+                                                     out, k, page_size, chunk, q_fp8, stages)
         kernel[grid](*args, **kw)

@@ -30,17 +30,23 @@ from dsaserve.kernels import (
     triton_indexer_long,
     triton_indexer_prefill,
 )
-from dsaserve.kernels.variants import long_select_chunk
+from dsaserve.kernels.variants import fused_select_chunk, long_select_chunk
 
 
 def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
                page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
                page_size: int) -> torch.Tensor:
     """Decode rows past one program's reach: scores (rows below topk skipped: they take every key), then the
-    split radix select, in row slices of at most SCORE_BUDGET bytes of scores. 1-2 rows take their own select
-    chunk (`variants.long_select_chunk`) and one cooperative select launch (`triton_indexer_coop`)."""
+    split radix select, in row slices of at most SCORE_BUDGET bytes of scores. 1-2 rows over the FP8 cache take
+    both in one cooperative launch (`triton_indexer_coop.coop_score_select`, `variants.fused_select_chunk`);
+    over the plain layouts, their own select chunk (`variants.long_select_chunk`) and one cooperative select."""
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
+    fused = fused_select_chunk(t, max_seq)
+    if layout.plain_dtype is None and triton_indexer_coop.fused(t, max_seq, fused, q):
+        triton_indexer_coop.coop_score_select(q, head_weights, index_cache, page_table, req_index, positions, out, topk,
+                                              page_size, fused)
+        return out
     step = max(1, triton_indexer.SCORE_BUDGET // (4 * max_seq))
     # chunk, late slots and launch kind chosen by the batch, not its slice: a batch's slices compile one variant each
     chunk = long_select_chunk(t, max_seq)

@@ -319,6 +319,18 @@ def _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o):
     return row, tl.program_id(1), pos, pt_row, out_ptr + row * stride_o
 
 
+@triton.jit
+def _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o, n_chunks, k, page_size,
+                 CHUNK: tl.constexpr):
+    """`_writer`'s (row, chunk, position, page-table row, output row) and whether this program selects: a token that
+    sees at most k keys has its chunk's columns of every visible key written here (`_write_all_visible`); a chunk
+    past the position has nothing to do."""
+    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
+    if pos < k:
+        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
+    return row, c, pos, pt_row, out_row, (pos >= k) & (c * CHUNK <= pos)
+
+
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, SLOTS: tl.constexpr = True,
@@ -328,17 +340,14 @@ def _chunk_write_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
     in position order until `need` are taken. A chunk visible whole (all but a row's last) takes a path without
     the visibility mask: sm_90 SASS, 16 keys a thread, its masks no longer spill from the predicate registers."""
     grid_dependency_sync(PDL)
-    row, c, pos, pt_row, out_row = _writer(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o)
-    if pos < k:
-        _write_all_visible(pt_row, out_row, c, n_chunks, pos, k, page_size, CHUNK)
-        return
-    if c * CHUNK > pos:
-        return
-    key, need, shift = _threshold(ws_ptr + row * WS_ROW)
-    cnt = cnt_ptr + (row * n_chunks + c) * 4
-    above, ties, above_before, ties_before = tl.load(cnt), tl.load(cnt + 1), tl.load(cnt + 2), tl.load(cnt + 3)
-    _write_selected(score_ptr + row * stride_s, pt_row, out_row, c, pos, n_cols, page_size, key, need, shift, above,
-                    ties, above_before, ties_before, CHUNK, SLOTS)
+    row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
+                                                        n_chunks, k, page_size, CHUNK)
+    if active:
+        key, need, shift = _threshold(ws_ptr + row * WS_ROW)
+        cnt = cnt_ptr + (row * n_chunks + c) * 4
+        above, ties, above_before, ties_before = tl.load(cnt), tl.load(cnt + 1), tl.load(cnt + 2), tl.load(cnt + 3)
+        _write_selected(score_ptr + row * stride_s, pt_row, out_row, c, pos, n_cols, page_size, key, need, shift,
+                        above, ties, above_before, ties_before, CHUNK, SLOTS)
 
 
 @triton.jit

@@ -1,9 +1,10 @@
 """Index scores over the page-major FP8 indexer cache (request path stage 6, full indexer layers): the decode
 score kernel and the addressing every FP8 indexer-cache kernel shares (`common/index_pages.py` is the layout).
 
-Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), `score_tile`, and the jit
-helpers `key_place` (a key's byte offset and its scale's index), `fp8_q_scale` and `quant_q` (q's FP8 rounding,
-shared with the prefill kernels).
+Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), `score_tile`, `q_meta`, and the
+jit helpers `key_place` (a key's byte offset and its scale's index), `fp8_q_scale` and `quant_q` (q's FP8 rounding,
+shared with the prefill kernels), `rounded_q` and `score_tiles` (the kernel's body, shared with the fused score +
+select launch, `triton_indexer_coop`).
 The kernel: one program per (token, run of `blocks` tiles of BS keys of its request). It rounds the token's q
 to e4m3 with one s = amax / 448 a head, folded into the head weight (`triton_indexer_gemm`'s rule, DeepGEMM's
 fp8_mqa_logits; DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 and widens the keys to fp16 exactly), then
@@ -67,6 +68,43 @@ def key_place(pt_row, j, mask, page_size, page_bytes, D):
 
 
 @triton.jit
+def rounded_q(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP: tl.constexpr,
+              BLOCK_D: tl.constexpr, Q_FP8: tl.constexpr):
+    """(token t's q [HP, BLOCK_D] rounded to e4m3 (fp16 without Q_FP8) with one scale a head, its head weights
+    [HP] fp32 with that scale folded in); padded heads and dims are 0."""
+    h = tl.arange(0, HP)
+    hm = h < n_heads
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=hm[:, None] & (d < head_dim)[None, :], other=0.0).to(tl.float32)
+    s = fp8_q_scale(tl.max(tl.abs(x), axis=1))
+    q = quant_q(x, s[:, None], Q_FP8)  # padded heads: 0 / s = 0
+    return q, tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32) * s  # padded heads: weight 0
+
+
+@triton.jit
+def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size, page_bytes, head_dim,
+                BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr):
+    """out_row[j] for keys j of the n_run BS-key tiles from j0 (-inf from `end` on, those keys never read): each
+    tile's keys straight from their pages, one MMA acc[BS keys, heads] = k8 @ q^T, then ReLU, the weights, the
+    head sum and the key's scale."""
+    d = tl.arange(0, BLOCK_D)
+    dm = d < head_dim
+    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    for b in range(n_run):
+        j = j0 + b * BS + tl.arange(0, BS)
+        valid = j < end
+        kbyte, sidx = key_place(pt_row, j, valid, page_size, page_bytes, head_dim)
+        k = tl.load(k8 + kbyte[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        if not Q_FP8:
+            k = k.to(tl.float16)
+        acc = tl.dot(k, tl.trans(q))  # [BS keys, HP heads], fp32
+        score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
+        score = score * tl.load(ks_ptr + sidx, mask=valid, other=1.0)
+        tl.store(out_row + j, tl.where(valid, score, float("-inf")))
+
+
+@triton.jit
 def _paged_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_heads, head_dim,
                         page_size, n_keys, skip_below, page_bytes, blocks, stride_qt, stride_qh, stride_wt,
                         stride_pt, stride_ot, HP: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
@@ -85,29 +123,10 @@ def _paged_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, o
         tl.store(out_row + j0 + b * BS + tl.arange(0, BS), tl.full([BS], float("-inf"), tl.float32))
     if n_run == 0:
         return
-    h = tl.arange(0, HP)
-    hm = h < n_heads
-    d = tl.arange(0, BLOCK_D)
-    dm = d < head_dim
-    x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None] & dm[None, :],
-                other=0.0)
-    x = x.to(tl.float32)
-    s = fp8_q_scale(tl.max(tl.abs(x), axis=1))
-    q = quant_q(x, s[:, None], Q_FP8)  # padded heads: 0 / s = 0
-    w = tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32) * s  # padded heads: weight 0
+    q, w = rounded_q(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D, Q_FP8)
     pt_row = pt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pt
-    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    for b in range(n_run):
-        j = j0 + b * BS + tl.arange(0, BS)
-        valid = j < end
-        kbyte, sidx = key_place(pt_row, j, valid, page_size, page_bytes, head_dim)
-        k = tl.load(k8 + kbyte[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-        if not Q_FP8:
-            k = k.to(tl.float16)
-        acc = tl.dot(k, tl.trans(q))  # [BS keys, HP heads], fp32
-        score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
-        score = score * tl.load(ks_ptr + sidx, mask=valid, other=1.0)
-        tl.store(out_row + j, tl.where(valid, score, float("-inf")))
+    score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size, page_bytes, head_dim, BLOCK_D, BS,
+                Q_FP8)
 
 
 def score_tile(q: torch.Tensor, n_keys: int, tile: dict | None = None) -> dict:
@@ -121,6 +140,16 @@ def score_tile(q: torch.Tensor, n_keys: int, tile: dict | None = None) -> dict:
     return conf
 
 
+def q_meta(index_cache: torch.Tensor, q: torch.Tensor, page_size: int, who: str, q_fp8: bool | None) -> dict:
+    """The score tiles' q constexprs (HP, BLOCK_D, Q_FP8), the cache's page size and q's head dim checked."""
+    n_heads, d = q.shape[1:]
+    page_size_of(index_cache, "fp8_ds_mla", d, who, expect=page_size)
+    if d % 16 or not 16 <= d <= 256:
+        raise ValueError(f"{who}: head dim {d} is not a multiple of 16 in 16..256")
+    return {"HP": max(16, triton.next_power_of_2(n_heads)), "BLOCK_D": triton.next_power_of_2(d),
+            "Q_FP8": envs.DSASERVE_FP8_ACTIVATIONS != "0" if q_fp8 is None else q_fp8}
+
+
 def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
                        page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
                        skip_below: int = 0, tile: dict | None = None, q_fp8: bool | None = None) -> torch.Tensor:
@@ -129,9 +158,7 @@ def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache:
     a multiple of 16 up to 256), head_weights [T, H]. tile: `DEFAULT_TILE`'s keys and blocks (bench sweeps); q_fp8:
     None follows DSASERVE_FP8_ACTIVATIONS."""
     t, n_heads, d = q.shape
-    page_size_of(index_cache, "fp8_ds_mla", d, "index_scores", expect=page_size)
-    if d % 16 or not 16 <= d <= 256:
-        raise ValueError(f"index_scores: head dim {d} is not a multiple of 16 in 16..256")
+    meta = q_meta(index_cache, q, page_size, "index_scores", q_fp8)
     n_keys = page_table.shape[1] * page_size
     conf = score_tile(q, n_keys, tile)
     bs, blocks = conf["bs"], conf["blocks"]
@@ -140,11 +167,9 @@ def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache:
     if t == 0:
         return out[:, :n_keys]
     q = q if q.stride(-1) == 1 else q.contiguous()
-    q_fp8 = envs.DSASERVE_FP8_ACTIVATIONS != "0" if q_fp8 is None else q_fp8
     _paged_score_kernel[(t, triton.cdiv(n_keys, per))](
         q, head_weights, index_cache, index_cache.view(torch.float32), page_table, req_index, positions, out,
         n_heads, d, page_size, n_keys, skip_below, index_cache.stride(0), blocks, q.stride(0), q.stride(1),
-        head_weights.stride(0), page_table.stride(0), out.stride(0), HP=max(16, triton.next_power_of_2(n_heads)),
-        BLOCK_D=triton.next_power_of_2(d), BS=bs, Q_FP8=q_fp8, num_warps=conf["num_warps"],
-        num_stages=conf["num_stages"], **pdl_args(q.device))
+        head_weights.stride(0), page_table.stride(0), out.stride(0), BS=bs, num_warps=conf["num_warps"],
+        num_stages=conf["num_stages"], **meta, **pdl_args(q.device))
     return out[:, :n_keys]

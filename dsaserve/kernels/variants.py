@@ -30,6 +30,9 @@ CORE_WIDTH_ALIGN = 16  # pages: the eager core's page tables are padded to a mul
 ROW_SWEEP = 512  # the sparse MLA split count varies with rows up to 2 x SMs (H200: 132 SMs)
 SELECT_CHUNK = 4096  # keys a program of the split radix select takes (16 a thread at 8 warps)
 FEW_ROWS = 2  # decode rows up to which long rows take their own score tile, select chunk and warp count
+# programs the fused score + select launch of a few long rows aims at (`fused_select_chunk`): one an SM of the
+# H200's 132 (a launch past the GPU's SM count falls back to scores + select: `triton_indexer_coop.coop_fits`)
+FUSED_PROGRAMS = 128
 
 
 def core_width(pages: int) -> int:
@@ -52,6 +55,16 @@ def long_select_chunk(rows: int, keys: int) -> int:
     return max(1024, min(SELECT_CHUNK, 1 << max(0, (rows * keys // 64).bit_length() - 1)))
 
 
+def fused_select_chunk(rows: int, keys: int) -> int:
+    """The fused score + select launch's chunk (a constexpr) for `rows` decode rows of `keys`: the smallest power of
+    two from 256 keys (two score tiles) that keeps rows x chunks within FUSED_PROGRAMS, so the scores spread over
+    as many SMs as the cooperative launch may hold."""
+    chunk = 256
+    while rows * -(-keys // chunk) > FUSED_PROGRAMS and chunk < SELECT_CHUNK:
+        chunk *= 2
+    return chunk
+
+
 def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
     """The indexer selection's compiled variant for `rows` tokens over a batch `pages` wide."""
     keys = core_width(pages) * page_size
@@ -61,7 +74,8 @@ def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
         return ("prefill", rows % 16 == 0)
     if keys <= ROW_IN_REGS_MAX:
         return ("select_regs", _pow2(keys))
-    return ("select_chunks", rows <= FEW_ROWS, long_select_chunk(rows, keys))
+    few = rows <= FEW_ROWS
+    return ("select_chunks", few, long_select_chunk(rows, keys), fused_select_chunk(rows, keys) if few else 0)
 
 
 def attention_row_class(rows: int) -> int:

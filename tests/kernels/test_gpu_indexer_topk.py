@@ -118,6 +118,48 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
     assert torch.equal(out, first)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a cooperative launch: its barriers never open under the interpreter")
+@pytest.mark.parametrize("seq_lens,keys", [([32768], "normal"), ([131072], "normal"), ([202752], "normal"),
+                                           ([32768, 131000], "normal"), ([40000, 1500], "normal"),
+                                           ([70000], "repeated"), ([20000, 9000], "repeated")])
+def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys):
+    """`coop_score_select` (decode's 1-2 rows over the FP8 cache) writes the slots the paged score kernel and the
+    cooperative select write, bit for bit, at every fused chunk the model's context reaches (1 row: 256 to 2048
+    keys; 2 rows: 512 to 4096): the same score tiles, each program reading back only its own chunk. "repeated":
+    every page holds the same 64 keys, so ties at the k-th key span every chunk; a token that sees fewer than
+    top-k keys takes them all; positions land mid-chunk."""
+    from dsaserve.kernels import triton_indexer_coop, triton_indexer_paged
+    from dsaserve.kernels.variants import fused_select_chunk
+
+    ps, hi, d, topk = 64, 32, 128, 2048
+    q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, [1] * len(seq_lens), ps, hi, d)
+    if keys == "repeated":
+        cache.copy_(cache[:1].expand_as(cache))
+    pos[0] -= 777  # mid-chunk, not at the row's end
+    n_cols = table.shape[1] * ps
+    chunk = fused_select_chunk(len(pos), n_cols)
+    got = torch.full((len(pos), topk), -7, dtype=torch.int64, device=DEVICE)
+    triton_indexer_coop.coop_score_select(q, w, cache, table, req, pos, got, topk, ps, chunk)
+    scores = triton_indexer_paged.paged_index_scores(q, w, cache, table, req, pos, ps, skip_below=topk)
+    want = torch.full_like(got, -7)
+    triton_indexer_coop.coop_select(scores, table, req, pos, want, topk, ps, chunk)
+    assert torch.equal(got, want), f"seed {gen.initial_seed()} chunk {chunk}"
+    if keys == "normal":
+        _check_kernel_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
+
+
+def test_the_fused_chunk_spreads_a_few_rows_over_the_launch_and_stays_a_power_of_two():
+    from dsaserve.kernels.variants import FUSED_PROGRAMS, SELECT_CHUNK, fused_select_chunk
+
+    for rows in (1, 2):
+        for keys in (16448, 32768, 65536, 131072, 202752):
+            chunk = fused_select_chunk(rows, keys)
+            assert chunk & (chunk - 1) == 0 and 256 <= chunk <= SELECT_CHUNK
+            assert rows * -(-keys // chunk) <= FUSED_PROGRAMS
+            assert chunk == 256 or rows * -(-keys // (chunk // 2)) > FUSED_PROGRAMS  # the smallest that fits
+    assert fused_select_chunk(1, 32768) == 256 and fused_select_chunk(1, 131072) == 1024
+
+
 # ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------
 # (heads, head dim, topk) of GLM-5.3, glm-5.3-mini and glm-5.3-tiny; the interpreter takes GLM-5.3's heads
 # with a small top-k. (bn, cap) force a compaction every few tiles where the default buffer would hold it all.
@@ -186,6 +228,7 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
     from dsaserve.common import envs
     from dsaserve.kernels import triton_indexer as idx
     from dsaserve.kernels import (
+        triton_indexer_coop,
         triton_indexer_dispatch,
         triton_indexer_gemm,
         triton_indexer_long,
@@ -194,20 +237,24 @@ def test_indexer_topk_dispatches_by_batch_shape_and_row_length(gen, monkeypatch)
 
     calls = []
     for mod, name in ((triton_indexer_prefill, "prefill_topk"), (triton_indexer_long, "long_row_select"),
-                      (triton_indexer_gemm, "gemm_topk")):
+                      (triton_indexer_gemm, "gemm_topk"), (triton_indexer_coop, "coop_score_select"),
+                      (triton_indexer_coop, "coop_select")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     monkeypatch.setattr(idx, "SELECT_MAX_ROWS", 8)
     monkeypatch.setattr(idx, "ROW_IN_REGS_MAX", 256)
     ps, hi, d, topk = 16, 16, 32, 24
+    few = ["coop_score_select"] if DEVICE == "cuda" else ["long_row_select"]
     for layout, seq_lens, ext, want, switch in (
             ("fp8_ds_mla", [300, 60], [6, 9], ["gemm_topk", "long_row_select"], "gemm"),
             ("fp8_ds_mla", [300, 60], [6, 9], ["prefill_topk"], "stream"),
             ("bf16", [300, 60], [6, 9], [], "gemm"),
             ("fp8_ds_mla", [300, 40, 500], [1, 1, 1], ["long_row_select"], "gemm"),
-            # 1-2 rows: their own select chunk (variants.long_select_chunk)
-            ("fp8_ds_mla", [500], [1], ["long_row_select"], "gemm"),
-            ("fp8_ds_mla", [500, 300], [1, 1], ["long_row_select"], "gemm")):
+            # 1-2 rows: scores and select in one cooperative launch on a GPU (the interpreter runs no barrier:
+            # scores, then the select's launches in their own chunk, variants.long_select_chunk)
+            ("fp8_ds_mla", [500], [1], few, "gemm"),
+            ("fp8_ds_mla", [500, 300], [1, 1], few, "gemm"),
+            ("bf16", [500], [1], ["coop_select"] if DEVICE == "cuda" else ["long_row_select"], "gemm")):
         q, w, cache, table, req, pos = _indexer_case(gen, layout, seq_lens, ext, ps, hi, d)
         calls.clear()
         with envs.override(DSASERVE_INDEXER_PREFILL=switch):

@@ -20,12 +20,14 @@ pytest.importorskip("triton")
 
 from dsaserve.engine.kernel_precompile import SpecRecorder  # noqa: E402
 from dsaserve.kernels import triton_indexer, triton_indexer_coop, triton_indexer_gemm, triton_indexer_long  # noqa: E402
+from dsaserve.kernels.variants import fused_select_chunk  # noqa: E402
 from tests.offline_triton import offline_jit  # noqa: E402
 
 PS, TOPK = 64, 2048
 LONG_KERNELS = (triton_indexer_long._top_digit_window_kernel, triton_indexer_long._radix_round_kernel,
                 triton_indexer_long._chunk_count_kernel, triton_indexer_long._chunk_write_kernel,
-                triton_indexer_long._positions_to_slots_kernel, triton_indexer_coop._coop_select_kernel)
+                triton_indexer_long._positions_to_slots_kernel, triton_indexer_coop._coop_select_kernel,
+                triton_indexer_coop._coop_score_select_kernel)
 
 
 def _operands(width: int, rows: int = 2) -> tuple[torch.Tensor, ...]:
@@ -63,11 +65,21 @@ def test_the_radix_select_compiles_one_variant_of_each_kernel_per_chunk_size(mon
             if triton_indexer_coop.coop_fits(rows, -(-width * PS // chunk), ops[0]):
                 kernel, grid, args, kwargs = triton_indexer_coop.launch(*ops, TOPK, PS, chunk)
                 kernel.warmup(*args, grid=grid, **kwargs)
+    fused = set()  # decode's 1-2 rows over the FP8 cache: scores and select in one launch, a variant per chunk
+    for width, rows in ((257, 1), (512, 2), (513, 2), (2048, 1), (2048, 2), (3168, 1), (3168, 2), (4095, 1)):
+        _, table, req, pos, out = _operands(width, rows)
+        chunk = fused_select_chunk(rows, width * PS)
+        q, w = torch.zeros(rows, 32, 128, dtype=torch.bfloat16), torch.zeros(rows, 32)
+        cache = torch.zeros(width + 1, PS * 132, dtype=torch.uint8)
+        kernel, grid, args, kwargs = triton_indexer_coop.score_select_launch(q, w, cache, table, req, pos, out, TOPK,
+                                                                             PS, chunk)
+        kernel.warmup(*args, grid=grid, **kwargs)
+        fused.add(chunk)
     rounds = triton_indexer_long.ROUNDS
     assert _kernel_counts(recorder) == {"_top_digit_window_kernel": len(chunks), "_chunk_count_kernel": len(chunks),
                                         "_radix_round_kernel": rounds * len(chunks),
                                         "_chunk_write_kernel": 2 * len(chunks), "_positions_to_slots_kernel": 1,
-                                        "_coop_select_kernel": 3}
+                                        "_coop_select_kernel": 3, "_coop_score_select_kernel": len(fused)}
 
 
 def test_the_row_select_compiles_one_variant_per_row_block_whatever_the_page_table_width(monkeypatch, tmp_path):
