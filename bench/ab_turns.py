@@ -34,14 +34,16 @@ def order(rounds: int) -> list[str]:
     return [code for r in range(rounds) for code in pairs[r % 2]]
 
 
-def steps(bench_json: dict) -> dict[tuple[int, int], float]:
-    """(batch, context) -> ms a decode step, from one bench_gpu.json."""
-    return {(int(r["bs"]), int(r["ctx"])): float(r["step_ms"]) for r in bench_json["decode"]}
+def steps(bench_json: dict, key: str = "step_ms") -> dict[tuple[int, int], float]:
+    """(batch, context) -> ms a decode step (key "roofline_ms": its bound in the same run), from one bench_gpu.json."""
+    return {(int(r["bs"]), int(r["ctx"])): float(r[key]) for r in bench_json["decode"] if key in r}
 
 
-def summary(runs: list[tuple[str, dict[tuple[int, int], float]]]) -> dict:
-    """Per (batch, context): each version's steps, the mean new - old (runs paired in turn order), and each
-    version's mean cost over the same run's smallest context of that batch."""
+def summary(runs: list[tuple[str, dict[tuple[int, int], float]]],
+            bounds: list[dict[tuple[int, int], float]] | None = None) -> dict:
+    """Per (batch, context): each version's steps, the mean new - old (runs paired in turn order), each version's
+    mean cost over the same run's smallest context of that batch, and (with `bounds`, each run's rooflines) each
+    step's ratio to its own run's bound."""
     out = {}
     keys = sorted({k for _, s in runs for k in s})
     olds = [s for code, s in runs if code == "old"]
@@ -55,12 +57,17 @@ def summary(runs: list[tuple[str, dict[tuple[int, int], float]]]) -> dict:
         for code, group in (("old", olds), ("new", news)):
             over = [1e3 * (s[(bs, ctx)] - s[(bs, base)]) for s in group if (bs, ctx) in s and (bs, base) in s]
             row[f"{code}_over_{base}_us"] = [round(x, 1) for x in over]
+        if bounds is not None:
+            for code in ("old", "new"):
+                row[f"{code}_ratio"] = [round(s[(bs, ctx)] / b[(bs, ctx)], 3)
+                                        for (c, s), b in zip(runs, bounds, strict=True)
+                                        if c == code and (bs, ctx) in s and (bs, ctx) in b]
         out[f"{bs}x{ctx}"] = row
     return out
 
 
-def run_turn(code: str, tree: Path, args, out_dir: Path) -> dict[tuple[int, int], float]:
-    """One bench_gpu run of `tree` -> its decode steps ({} when it failed: its log is kept)."""
+def run_turn(code: str, tree: Path, args, out_dir: Path) -> dict:
+    """One bench_gpu run of `tree` -> its bench_gpu.json ({} when it failed: its log is kept)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (args.site, str(tree)) if p)}
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(tree / "bench" / "bench_gpu.py"), "--skip-hf", "--batches", args.batches,
@@ -69,7 +76,7 @@ def run_turn(code: str, tree: Path, args, out_dir: Path) -> dict[tuple[int, int]
             proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=args.timeout)
             found = Path(tmp) / "bench_gpu.json"
             if proc.returncode == 0 and found.exists():
-                return steps(json.loads(found.read_text()))
+                return json.loads(found.read_text())
             (out_dir / f"failed_{code}.log").write_text(proc.stdout[-4000:] + proc.stderr[-4000:])
         except subprocess.TimeoutExpired:
             (out_dir / f"failed_{code}.log").write_text(f"timed out after {args.timeout} s")
@@ -91,11 +98,13 @@ def main() -> None:
         raise SystemExit(f"--old: {old} needs dsaserve/ and bench/bench_gpu.py")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = []
+    runs, bounds = [], []
     for code in order(args.rounds):
-        runs.append((code, run_turn(code, old if code == "old" else ROOT, args, out_dir)))
+        found = run_turn(code, old if code == "old" else ROOT, args, out_dir)
+        runs.append((code, steps(found) if found else {}))
+        bounds.append(steps(found, "roofline_ms") if found else {})
         print(code, {f"{b}x{c}": ms for (b, c), ms in runs[-1][1].items()}, flush=True)
-    result = {"order": [c for c, _ in runs], "summary": summary(runs)}
+    result = {"order": [c for c, _ in runs], "summary": summary(runs, bounds)}
     (out_dir / "ab_turns.json").write_text(json.dumps(result, indent=1))
     for key, row in result["summary"].items():
         print(key, json.dumps(row))

@@ -7,8 +7,9 @@ import pytest
 from bench import ab_turns
 
 
-def _run(*steps_ms):
-    return {"decode": [{"bs": 1, "ctx": c, "step_ms": ms} for c, ms in zip((1024, 32768), steps_ms, strict=True)]}
+def _run(*steps_ms, bound=1.0):
+    return {"decode": [{"bs": 1, "ctx": c, "step_ms": ms, "roofline_ms": bound}
+                       for c, ms in zip((1024, 32768), steps_ms, strict=True)]}
 
 
 def test_turns_put_each_version_first_equally_often():
@@ -30,3 +31,11 @@ def test_a_failed_turn_leaves_the_others_paired():
     runs = [("old", ab_turns.steps(_run(1.6, 1.7))), ("new", {})]
     s = ab_turns.summary(runs)
     assert s["1x32768"]["new_minus_old_us"] is None and s["1x32768"]["new_ms"] == [None]
+
+
+def test_each_step_is_divided_by_its_own_runs_bound():
+    found = [("old", _run(1.6, 1.7, bound=1.2)), ("new", _run(1.5, 1.65, bound=1.1))]
+    s = ab_turns.summary([(c, ab_turns.steps(r)) for c, r in found],
+                         [ab_turns.steps(r, "roofline_ms") for _, r in found])
+    assert s["1x32768"]["old_ratio"] == pytest.approx([1.7 / 1.2], abs=1e-3)
+    assert s["1x32768"]["new_ratio"] == pytest.approx([1.65 / 1.1], abs=1e-3)
