@@ -59,9 +59,8 @@ def summary(runs: list[tuple[str, dict[tuple[int, int], float]]],
             row[f"{code}_over_{base}_us"] = [round(x, 1) for x in over]
         if bounds is not None:
             for code in ("old", "new"):
-                row[f"{code}_ratio"] = [round(s[(bs, ctx)] / b[(bs, ctx)], 3)
-                                        for (c, s), b in zip(runs, bounds, strict=True)
-                                        if c == code and (bs, ctx) in s and (bs, ctx) in b]
+                row[f"{code}_ratio"] = [round(s[(bs, ctx)] / b[(bs, ctx)], 3) if (bs, ctx) in s and (bs, ctx) in b
+                                        else None for (c, s), b in zip(runs, bounds, strict=True) if c == code]
         out[f"{bs}x{ctx}"] = row
     return out
 

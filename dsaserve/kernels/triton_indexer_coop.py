@@ -36,6 +36,7 @@ from dsaserve.kernels.triton_indexer_long import (
 )
 from dsaserve.kernels.triton_indexer_paged import DEFAULT_TILE, q_meta, rounded_q, score_tiles
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync
+from dsaserve.kernels.variants import FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
@@ -44,11 +45,6 @@ COOP_ROWS = 0 if INTERPRET else 2
 # decode rows up to which the FP8 cache's scores and select are that one launch (`fused`); 0: the score kernel, then
 # the cooperative select (the A/B's "score_apart")
 FUSED_ROWS = COOP_ROWS
-# the largest fused chunk taken (4 score tiles a program). H200, graph-timed, keys from HBM (bench/RESULTS.md,
-# twenty-second session): 1 x 32K keys 17.1 us fused (256-key chunks) against 21.0 for the two launches, 2 x 32K 23.0
-# (512) against 26.8; but 1 x 128K 33.2 (1024) against 32.3 and 2 x 128K 52.0 (2048) against 43.1: one program an
-# SM keeps too few tiles in flight for its chunk's keys, where the score kernel runs four an SM
-FUSED_MAX_CHUNK = 512
 
 
 @triton.jit
@@ -56,7 +52,7 @@ def _row_barrier(counter, n_active):
     """Wait until the row's n_active programs have all arrived at this counter (zeroed for the launch). The CTA
     barrier and the release order every thread's earlier global writes and atomics before the arrival; the
     acquire orders the others' before what follows. Only for launches whose programs are all resident together
-    (`_coop_select_kernel`)."""
+    (`_coop_select_kernel`, `_coop_score_select_kernel`)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="release") + 1
     while arrived < n_active:  # polled with plain L2 reads (not read-modify-writes on the one address)
@@ -165,15 +161,21 @@ def fused(rows: int, n_cols: int, chunk: int, like: torch.Tensor) -> bool:
             and coop_fits(rows, triton.cdiv(n_cols, chunk), like))
 
 
+def _refuse_unless_resident(grid: tuple[int, int], like: torch.Tensor, who: str) -> None:
+    """An error where `coop_fits` says no or under the interpreter: never a launch that could wait forever at its
+    first barrier."""
+    if INTERPRET or not coop_fits(*grid, like):
+        raise ValueError(f"{who}: a cooperative launch of {grid[0]} x {grid[1]} programs "
+                         f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
+
+
 def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
            out: torch.Tensor, k: int, page_size: int, chunk: int) -> tuple:
     """`coop_select`'s one launch as (kernel, grid, arguments, keywords), its workspace zeroed here (tests compile
     it offline); an error where `coop_fits` says no or under the interpreter (never a launch that could wait forever
     at its first barrier)."""
     ws, counts, grid, kw = workspace(scores, chunk)
-    if INTERPRET or not coop_fits(*grid, scores):
-        raise ValueError(f"long_row_select: a cooperative launch of {grid[0]} x {grid[1]} programs "
-                         f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
+    _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]), kw)
 
@@ -200,9 +202,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
                          f"{DEFAULT_TILE['bs']} keys")
     scores = torch.empty(q.shape[0], triton.cdiv(n_cols, chunk) * chunk, dtype=torch.float32, device=q.device)
     ws, counts, grid, kw = workspace(scores, chunk)
-    if INTERPRET or not coop_fits(*grid, scores):
-        raise ValueError(f"coop_score_select: a cooperative launch of {grid[0]} x {grid[1]} programs "
-                         f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
+    _refuse_unless_resident(grid, scores, "coop_score_select")
     q = q if q.stride(-1) == 1 else q.contiguous()
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),

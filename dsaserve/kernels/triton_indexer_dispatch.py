@@ -11,7 +11,8 @@ Owns: the routing, nothing else.
       (one FP8 GEMM with a streaming top-k);
   decode batches whose static row bound (page_table.shape[1] * page_size, fixed per CUDA-graph bucket) passes
       triton_indexer.ROW_IN_REGS_MAX keys -> `triton_indexer.index_scores` + `triton_indexer_long` (the rows
-      split over programs);
+      split over programs), 1-2 rows `triton_indexer_coop` (the select in one cooperative launch; over the FP8
+      cache up to 64K keys a row, the scores in that launch too);
   everything else -> `triton_indexer.indexer_topk` (scores + one program per row; torch.topk for prefill with
       bf16 / fp32 debugging keys; no scores at all when max_seq <= topk).
 The thresholds are read from `triton_indexer` at call time. No host sync on the decode paths.
@@ -38,14 +39,15 @@ def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.T
                page_size: int) -> torch.Tensor:
     """Decode rows past one program's reach: scores (rows below topk skipped: they take every key), then the
     split radix select, in row slices of at most SCORE_BUDGET bytes of scores. 1-2 rows over the FP8 cache take
-    both in one cooperative launch (`triton_indexer_coop.coop_score_select`, `variants.fused_select_chunk`);
-    over the plain layouts, their own select chunk (`variants.long_select_chunk`) and one cooperative select."""
+    both in one cooperative launch (`triton_indexer_coop.coop_score_select`) up to `variants.FUSED_MAX_CHUNK`-key
+    chunks (one row up to 64K keys, two up to 32K); past that, and over the plain layouts, their own select chunk
+    (`variants.long_select_chunk`) and one cooperative select launch."""
     t, max_seq = q.shape[0], page_table.shape[1] * page_size
     out = torch.empty((t, topk), dtype=torch.int64, device=q.device)
-    fused = fused_select_chunk(t, max_seq)
-    if layout.plain_dtype is None and triton_indexer_coop.fused(t, max_seq, fused, q):
+    fused_chunk = fused_select_chunk(t, max_seq)
+    if layout.plain_dtype is None and triton_indexer_coop.fused(t, max_seq, fused_chunk, q):
         triton_indexer_coop.coop_score_select(q, head_weights, index_cache, page_table, req_index, positions, out, topk,
-                                              page_size, fused)
+                                              page_size, fused_chunk)
         return out
     step = max(1, triton_indexer.SCORE_BUDGET // (4 * max_seq))
     # chunk, late slots and launch kind chosen by the batch, not its slice: a batch's slices compile one variant each

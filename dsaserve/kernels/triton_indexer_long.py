@@ -396,7 +396,8 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
     -1 padded for tokens that see fewer than k keys. scores [rows, n_cols] fp32 (rows of tokens whose
     position is below k may be unwritten: they are not read). No host sync: capturable in a CUDA graph.
     window: launch the window pass before round 0; late_slots: see `launches` (the output is the same).
-    Decode's 1-2 rows take `triton_indexer_coop.coop_select` instead (one launch)."""
+    Decode's 1-2 rows take `triton_indexer_coop` instead (one launch: `coop_select`, or over the FP8 cache with
+    their scores, `coop_score_select`)."""
     for kernel, grid, args, kwargs in launches(scores, page_table, req_index, positions, out, k, page_size, chunk,
                                                window, late_slots):
         kernel[grid](*args, **kwargs)

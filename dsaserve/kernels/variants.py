@@ -13,7 +13,8 @@ select its chunk count, unspecialised (tests/kernels/test_select_variants.py), s
   the recorded spec list); else the Triton
   selection for up to SELECT_MAX_ROWS rows with its block = the keys rounded up to a power of two (in registers
   up to ROW_IN_REGS_MAX keys, split into `long_select_chunk` chunks beyond: their size and the score tile change
-  at 2 rows); above, the prefill kernel (`triton_indexer_gemm`: its token arguments are not specialised, its
+  at 2 rows; 1-2 rows over the FP8 cache score and select in one launch in `fused_select_chunk` chunks up to
+  FUSED_MAX_CHUNK keys); above, the prefill kernel (`triton_indexer_gemm`: its token arguments are not specialised, its
   workspace width is a multiple of 128; the fallback `triton_indexer_prefill` takes the token count as an
   integer argument: Triton compiles a variant for a count divisible by 16 and one for the rest, and the H200
   bench at 8K prompts compiled after Up until both were warmed).
@@ -33,6 +34,11 @@ FEW_ROWS = 2  # decode rows up to which long rows take their own score tile, sel
 # programs the fused score + select launch of a few long rows aims at (`fused_select_chunk`): one an SM of the
 # H200's 132 (a launch past the GPU's SM count falls back to scores + select: `triton_indexer_coop.coop_fits`)
 FUSED_PROGRAMS = 128
+# the largest fused chunk taken (4 score tiles a program). H200, graph-timed, keys from HBM (bench/RESULTS.md,
+# twenty-second session): 1 x 32K keys 17.1 us fused (256-key chunks) against 21.0 for the two launches, 2 x 32K 23.0
+# (512) against 26.8; but 1 x 128K 33.2 (1024) against 32.3 and 2 x 128K 52.0 (2048) against 43.1: one program an
+# SM keeps too few tiles in flight for its chunk's keys, where the score kernel runs four an SM
+FUSED_MAX_CHUNK = 512
 
 
 def core_width(pages: int) -> int:
@@ -74,8 +80,10 @@ def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
         return ("prefill", rows % 16 == 0)
     if keys <= ROW_IN_REGS_MAX:
         return ("select_regs", _pow2(keys))
-    few = rows <= FEW_ROWS
-    return ("select_chunks", few, long_select_chunk(rows, keys), fused_select_chunk(rows, keys) if few else 0)
+    # the fused chunk only where decode takes it (the FP8 cache; the plain layouts and GPUs with fewer SMs than
+    # FUSED_PROGRAMS take scores + select at the long chunk, also in the class)
+    fused = fused_select_chunk(rows, keys) if rows <= FEW_ROWS else 0
+    return ("select_chunks", rows <= FEW_ROWS, long_select_chunk(rows, keys), fused if fused <= FUSED_MAX_CHUNK else 0)
 
 
 def attention_row_class(rows: int) -> int:

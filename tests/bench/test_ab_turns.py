@@ -39,3 +39,10 @@ def test_each_step_is_divided_by_its_own_runs_bound():
                          [ab_turns.steps(r, "roofline_ms") for _, r in found])
     assert s["1x32768"]["old_ratio"] == pytest.approx([1.7 / 1.2], abs=1e-3)
     assert s["1x32768"]["new_ratio"] == pytest.approx([1.65 / 1.1], abs=1e-3)
+
+
+def test_a_run_without_a_bound_keeps_its_place_in_the_ratios():
+    found = [("old", _run(1.6, 1.7, bound=1.2)), ("new", _run(1.5, 1.65, bound=1.1))]
+    bounds = [ab_turns.steps(found[0][1], "roofline_ms"), {}]
+    s = ab_turns.summary([(c, ab_turns.steps(r)) for c, r in found], bounds)
+    assert s["1x32768"]["new_ratio"] == [None] and s["1x32768"]["old_ratio"] == pytest.approx([1.7 / 1.2], abs=1e-3)

@@ -25,8 +25,9 @@ from dsaserve.engine.warmup_plan import (
 from dsaserve.kernels.variants import CORE_WIDTH_ALIGN, SELECT_MAX_ROWS, core_width
 
 # (max_num_batched_tokens, max_running_requests, max pages per request, index_topk): GLM-5.3 served with the
-# defaults (202752-token context), a long-chunk deployment, the tiny test config
-CONFIGS = [(2048, 128, 3168, 2048), (8192, 256, 3168, 2048), (512, 16, 64, 8)]
+# defaults (202752-token context), a long-chunk deployment, the tiny test config, a 70K-token context (its two-row
+# selection classes: the fused launch's chunk limit falls inside it)
+CONFIGS = [(2048, 128, 3168, 2048), (8192, 256, 3168, 2048), (512, 16, 64, 8), (2048, 128, 1100, 2048)]
 
 
 @pytest.mark.parametrize("max_tokens,max_rows,max_pages,topk", CONFIGS)

@@ -124,10 +124,10 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
                                            ([70000], "repeated"), ([20000, 9000], "repeated")])
 def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys):
     """`coop_score_select` (decode's 1-2 rows over the FP8 cache) writes the slots the paged score kernel and the
-    cooperative select write, bit for bit, at every fused chunk the model's context reaches (1 row: 256 to 2048
-    keys; 2 rows: 512 to 4096): the same score tiles, each program reading back only its own chunk. "repeated":
-    every page holds the same 64 keys, so ties at the k-th key span every chunk; a token that sees fewer than
-    top-k keys takes them all; positions land mid-chunk."""
+    cooperative select write, bit for bit, at the fused chunks these contexts give (1 row: 256 to 2048 keys;
+    2 rows: 512 to 2048, past what decode takes, FUSED_MAX_CHUNK): the same score tiles, each program reading back
+    only its own chunk. "repeated": every page holds the same 64 keys, so ties at the k-th key span every chunk; a
+    token that sees fewer than top-k keys takes them all; positions land mid-chunk."""
     from dsaserve.kernels import triton_indexer_coop, triton_indexer_paged
     from dsaserve.kernels.variants import fused_select_chunk
 
@@ -146,18 +146,6 @@ def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys
     assert torch.equal(got, want), f"seed {gen.initial_seed()} chunk {chunk}"
     if keys == "normal":
         _check_kernel_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
-
-
-def test_the_fused_chunk_spreads_a_few_rows_over_the_launch_and_stays_a_power_of_two():
-    from dsaserve.kernels.variants import FUSED_PROGRAMS, SELECT_CHUNK, fused_select_chunk
-
-    for rows in (1, 2):
-        for keys in (16448, 32768, 65536, 131072, 202752):
-            chunk = fused_select_chunk(rows, keys)
-            assert chunk & (chunk - 1) == 0 and 256 <= chunk <= SELECT_CHUNK
-            assert rows * -(-keys // chunk) <= FUSED_PROGRAMS
-            assert chunk == 256 or rows * -(-keys // (chunk // 2)) > FUSED_PROGRAMS  # the smallest that fits
-    assert fused_select_chunk(1, 32768) == 256 and fused_select_chunk(1, 131072) == 1024
 
 
 # ---- prefill: FP8 GEMM + streaming top-k -----------------------------------------------------------
