@@ -156,9 +156,8 @@ def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> boo
 
 def fused(rows: int, n_cols: int, chunk: int, like: torch.Tensor) -> bool:
     """Decode's choice for 1-2 rows over the page-major FP8 cache: scores and select in one cooperative launch
-    (`coop_score_select`) where it fits and its chunk is at most FUSED_MAX_CHUNK keys."""
-    return (rows <= min(FUSED_ROWS, COOP_ROWS) and chunk <= FUSED_MAX_CHUNK
-            and coop_fits(rows, triton.cdiv(n_cols, chunk), like))
+    (`coop_score_select`) where the cooperative select would be taken and the chunk is at most FUSED_MAX_CHUNK keys."""
+    return rows <= FUSED_ROWS and chunk <= FUSED_MAX_CHUNK and cooperative(rows, n_cols, chunk, like)
 
 
 def _refuse_unless_resident(grid: tuple[int, int], like: torch.Tensor, who: str) -> None:

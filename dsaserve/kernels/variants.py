@@ -82,8 +82,9 @@ def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:
         return ("select_regs", _pow2(keys))
     # the fused chunk only where decode takes it (the FP8 cache; the plain layouts and GPUs with fewer SMs than
     # FUSED_PROGRAMS take scores + select at the long chunk, also in the class)
-    fused = fused_select_chunk(rows, keys) if rows <= FEW_ROWS else 0
-    return ("select_chunks", rows <= FEW_ROWS, long_select_chunk(rows, keys), fused if fused <= FUSED_MAX_CHUNK else 0)
+    few = rows <= FEW_ROWS
+    fused = fused_select_chunk(rows, keys) if few else 0
+    return ("select_chunks", few, long_select_chunk(rows, keys), fused if fused <= FUSED_MAX_CHUNK else 0)
 
 
 def attention_row_class(rows: int) -> int:
