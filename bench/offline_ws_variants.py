@@ -27,6 +27,9 @@ from bench.offline_sm90 import type_of
 from dsaserve.kernels import gluon_sparse_mla as G
 from dsaserve.kernels import gluon_sparse_mla_ws as W
 
+# the decode-schedule fp8 kernel's switch combinations (gluon_sparse_mla_dec_fp8.DEFAULT_SWITCHES is "pin-early")
+DEC_CANDIDATES = {"plain": {"PIN": False}, "pin": {"PIN": True}, "pin-early": {"PIN": True, "EARLY_ROWS": True}}
+
 
 def _lines(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2).strip()) for m in
@@ -37,19 +40,21 @@ def _op(ins: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", ins).split(" ")[0]
 
 
-def partitions(sass: str) -> dict[str, dict[str, int]]:
+WS_PARTS = {216: ("WG0", "WG1"), 72: ("producer",)}  # setmaxnreg -> partitions, in warp_specialize's order
+DEC_PARTS = {192: ("WG0",), 160: ("WG1",), 152: ("producer",)}  # gluon_sparse_mla_dec_fp8
+
+
+def partitions(sass: str, parts: dict[int, tuple[str, ...]] | None = None) -> dict[str, dict[str, int]]:
     """Per consumer / producer partition: local (spill) bytes and the round loop's instructions, STL, LDL, HGMMA."""
     lines = _lines(sass)
     cuts = [i for i, (_, ins) in enumerate(lines) if "USETMAXREG" in ins] + [len(lines)]
-    out, consumers = {}, 0
+    out, seen = {}, {}
     for lo, hi in zip(cuts, cuts[1:], strict=False):
         seg, regs = lines[lo:hi], int(re.search(r"0x([0-9a-f]+)\s*$", lines[lo][1]).group(1), 16)
-        if regs == 216:
-            name, consumers = f"WG{consumers}", consumers + 1
-        elif regs == 72:
-            name = "producer"
-        else:
+        names = (parts or WS_PARTS).get(regs, ())
+        if seen.get(regs, 0) >= len(names):
             continue
+        name, seen[regs] = names[seen.get(regs, 0)], seen.get(regs, 0) + 1
         slots = set()
         for _, ins in seg:
             if _op(ins).split(".")[0] in ("STL", "LDL"):
@@ -66,12 +71,13 @@ def partitions(sass: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def report(name: str, splits: int | None, sass_dir: Path | None, fp8: bool = False) -> str:
+def report(name: str, splits: int | None, sass_dir: Path | None, fp8: bool = False, dec: bool = False) -> str:
     t = 4096
     qn, qr = torch.zeros(t, 64, 512, dtype=torch.bfloat16), torch.zeros(t, 64, 64, dtype=torch.bfloat16)
     rows = torch.zeros(8192, G.FP8_ROW, dtype=torch.uint8) if fp8 else torch.zeros(8192, 576, dtype=torch.bfloat16)
     slots = torch.zeros(t, 2048, dtype=torch.int32)
-    cfg = {**G.DEFAULT, "ws": True, "splits": splits, "ws_variant": W.CANDIDATES[name]}
+    cfg = {**G.DEFAULT, "ws": "dec" if dec else True, "splits": splits,
+           "ws_variant": DEC_CANDIDATES[name] if dec else W.CANDIDATES[name]}
     kernel, _, _, _, args, meta = G.launch_plan(qn, qr, rows, slots, 0.06, torch.empty_like(qn), cfg, 132)
     compiled = compile_sm90(kernel, args, meta, type_of)
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,7 +87,7 @@ def report(name: str, splits: int | None, sass_dir: Path | None, fp8: bool = Fal
         sass_dir.mkdir(parents=True, exist_ok=True)
         (sass_dir / f"{name}.sass").write_text(sass)
     parts = " | ".join(f"{p} {v['local_B']:3d} B local, loop {v['loop']} instr (STL {v['STL']} LDL {v['LDL']} "
-                       f"HGMMA {v['HGMMA']})" for p, v in partitions(sass).items())
+                       f"HGMMA {v['HGMMA']})" for p, v in partitions(sass, DEC_PARTS if dec else None).items())
     return (f"{name:20s} spill st/ld {spill[0]:>3s}/{spill[1]:<3s} B smem {compiled.metadata.shared / 1024:.1f} KB"
             f" | {parts}")
 
@@ -92,10 +98,12 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=None, help="top-k splits (default: unsplit, as prefill)")
     ap.add_argument("--sass", type=Path, default=None, help="a folder for each variant's SASS")
     ap.add_argument("--fp8", action="store_true", help="the fp8_ds_mla kernel (gluon_sparse_mla_ws_fp8: PIN only)")
+    ap.add_argument("--dec", action="store_true", help="the decode-schedule fp8 kernel (gluon_sparse_mla_dec_fp8)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for name in (args.only or ("ws,pin" if args.fp8 else ",".join(W.CANDIDATES))).split(","):
-        print(report(name, args.splits, args.sass, args.fp8), flush=True)
+    default = ",".join(DEC_CANDIDATES) if args.dec else "ws,pin" if args.fp8 else ",".join(W.CANDIDATES)
+    for name in (args.only or default).split(","):
+        print(report(name, args.splits, args.sass, args.fp8 or args.dec, args.dec), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ and over a bf16 cache of the same rows, each with its rows in HBM (a pool far pa
 are) and in L2 (a pool of a few MB that every token's slots pick from).
 
 Reading the 2 x 2: fp8 against bf16 in L2 is the dequantisation's cost (bf16 rows carry no scales, twice the
-bytes); HBM against L2 is the gather's. Each cell is timed with `do_bench` (split 1: one program a token, as
+bytes); HBM against L2 is the gather's. Each cell is timed as CUDA graph replays (`do_bench_cudagraph`; --eager:
+`do_bench`, whose ~100 us a call from Python hid the kernels at 1024 keys) (split 1: one program a token, as
 `pick_splits` gives at 128 tokens), TFLOP/s over the valid keys (2 x 64 heads x (2 x 512 + 64) a key).
 
 Run on the device:  PYTHONPATH=. python bench/probe_sparse_mla_b128.py --out DIR
@@ -18,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from bench.sweep_decode_splits import DC, DR, FP8, H, case
 from dsaserve.common.kv_layout import encode_latent
@@ -26,6 +27,7 @@ from dsaserve.kernels import gluon_sparse_mla as G
 
 HBM_ROWS, L2_ROWS = 1 << 21, 1 << 14  # 1.4 GB / 10.7 MB of fp8 rows (2.4 GB / 18.9 MB as bf16)
 KERNELS = {"fp8-single": ("fp8", {"ws": False}), "fp8-ws": ("fp8", {"ws": True}),
+           "fp8-dec": ("fp8", {"ws": "dec"}), "fp8-dec-late": ("fp8", {"ws": "dec", "ws_variant": {"PIN": True}}),
            "bf16-single": ("bf16", {"ws": False}), "bf16-ws": ("bf16", {"ws": True})}
 
 
@@ -42,7 +44,11 @@ def pools(rows: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="probe-out")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", default="128", help="token counts, comma-separated")
+    ap.add_argument("--splits", type=int, default=1, help="top-k splits (0: launch_plan's pick)")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--eager", action="store_true", help="time launches from Python (do_bench), not graph replays: "
+                    "at ~100 us a call the host's launch path, not the kernel, can be what is timed")
     ap.add_argument("--valid", default="2048,1024")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args()
@@ -50,24 +56,28 @@ def main() -> None:
     where = {"hbm": (HBM_ROWS, pools(HBM_ROWS))} if args.ncu else {"hbm": (HBM_ROWS, pools(HBM_ROWS)),
                                                                    "l2": (L2_ROWS, pools(L2_ROWS))}
     rows = []
-    for valid in map(int, args.valid.split(",")):
-        flop = 2.0 * H * (2 * DC + DR) * args.tokens * valid
+    for tokens, valid in ((int(t), int(v)) for t in args.tokens.split(",") for v in args.valid.split(",")):
+        flop = 2.0 * H * (2 * DC + DR) * tokens * valid
         for place, (n_rows, pool) in where.items():
-            slots, qn, qr = case(args.tokens, valid, n_rows)
-            for name, (kind, cfg) in KERNELS.items():
+            slots, qn, qr = case(tokens, valid, n_rows)
+            for name in args.kernels.split(","):
+                kind, cfg = KERNELS[name]
                 if args.ncu and name.endswith("-ws"):
                     continue
                 out = torch.empty_like(qn)
 
                 def call(rows_in=pool[kind], cfg=cfg, slots=slots, qn=qn, qr=qr, out=out):
-                    return G.sparse_mla_attention_gluon(qn, qr, rows_in, slots, 0.04, out, {"splits": 1, **cfg})
+                    return G.sparse_mla_attention_gluon(qn, qr, rows_in, slots, 0.04, out,
+                                                        {"splits": args.splits or None, **cfg})
                 if args.ncu:
                     call()
                     call()
                     continue
-                ms = do_bench(call, warmup=10, rep=60)
-                res = {"tokens": args.tokens, "valid": valid, "rows": place, "kernel": name, "us": round(ms * 1e3, 1),
-                       "tflops": round(flop / ms / 1e9, 1)}
+                call()
+                ms = do_bench(call, warmup=10, rep=60) if args.eager else do_bench_cudagraph(call, rep=60)
+                res = {"tokens": tokens, "valid": valid, "rows": place, "kernel": name, "splits": args.splits,
+                       "timing": "eager" if args.eager else "graph",
+                       "us": round(ms * 1e3, 1), "tflops": round(flop / ms / 1e9, 1)}
                 rows.append(res)
                 print(res, flush=True)
         if args.ncu:

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.kernels import gluon_sparse_mla, triton_indexer_coop, triton_sparse_mla
 from dsaserve.kernels import reference as R
-from dsaserve.kernels import triton_indexer_coop, triton_sparse_mla
 from dsaserve.kernels.registry import get_ops
 
 
@@ -178,12 +178,14 @@ def ab_setting(runner, name: str):
     long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows; implies "score_apart"),
     "score_apart" the FP8 cache's 1-2 long rows scored by their own launch before the cooperative select (not
     both in one launch), "no_fold" sparse MLA's split
-    combine as its own launch (not merged by W_uv's head GEMM)."""
+    combine as its own launch (not merged by W_uv's head GEMM), "fp8_single" the fp8 cache's 16+ token calls on the
+    single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
-                    "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0)}
+                    "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
+                    "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
     if name in module_flags:
         module, attr, value = module_flags[name]
         old = getattr(module, attr)
@@ -233,7 +235,7 @@ def main() -> None:
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
-                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold")
+                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

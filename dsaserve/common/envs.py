@@ -84,8 +84,9 @@ SWITCHES: dict[str, Switch] = {
         True, _on_unless_zero, "'0': sparse MLA over bf16 rows (a prefill's staged rows, the bf16 cache) runs the "
         "Triton kernel, not the Gluon one (kernels/gluon_sparse_mla.py; the A/B for issue 17)"),
     "DSASERVE_SPARSE_MLA_WS": Switch(
-        True, _on_unless_zero, "'0': the Gluon sparse MLA over bf16 rows runs its single-partition kernel, not the "
-        "warp-specialised one (kernels/gluon_sparse_mla_ws.py; the A/B for issue 17)"),
+        True, _on_unless_zero, "'0': the Gluon sparse MLA runs its single-partition kernels, not the "
+        "warp-specialised ones (over bf16 rows kernels/gluon_sparse_mla_ws.py, over the fp8 cache "
+        "kernels/gluon_sparse_mla_dec_fp8.py; the A/B for issue 17)"),
     "DSASERVE_MOE_PREFILL_GEMM": Switch(
         None, lambda raw: raw.strip().lower() or None, "'triton' / 'cublas': the FP8 MoE prefill's expert GEMMs "
         "(kernels/triton_moe_prefill.py's grouped GEMM, or a block-scaled cuBLAS GEMM an expert: "

@@ -4,8 +4,9 @@ request path stage 6, attention).
 Owns: `sparse_mla_attention_gluon`, the same op as `reference.sparse_mla_attention` (weight-absorbed: scores on the
 latent = nope + rope, output the attention-weighted nope latent) over bf16 rows (a prefill's staged rows, the
 bf16 cache) or the fp8_ds_mla cache, `launch_plan` (which kernel a call launches: for unsplit bf16-row calls from
-WS_MIN_TOKENS the warp-specialised one of `gluon_sparse_mla_ws`, else this module's) and the dispatcher
-`sparse_mla_attention`; the kernels' shared prologue is `gluon_common`'s.
+WS_MIN_TOKENS the warp-specialised one of `gluon_sparse_mla_ws`, over the fp8 cache the decode-schedule one of
+`gluon_sparse_mla_dec_fp8`, else this module's) and the dispatcher `sparse_mla_attention`; the kernels' shared
+prologue is `gluon_common`'s.
 Why Gluon and not Triton: Triton gives a dot whose result feeds another dot all warps along M, so with 64 heads
 as M both warpgroups of an 8-warp program computed the same S (53 % of the FLOPs run twice; offline sm_90 compile
 of `triton_sparse_mla`'s kernel). Gluon takes the layouts as written, after FlashMLA's sparse kernels:
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from dsaserve.common import envs
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, KVLayout, get_kv_layout
+from dsaserve.kernels import gluon_sparse_mla_dec_fp8 as dec_fp8
 from dsaserve.kernels import gluon_sparse_mla_ws as ws
 from dsaserve.kernels import gluon_sparse_mla_ws_fp8 as ws_fp8
 from dsaserve.kernels import triton_sparse_mla as tsm
@@ -55,10 +57,12 @@ LOG2E = 1.4426950408889634
 # the warp-specialised kernel from the prefill staging's 512 tokens, unsplit: under them (one program an SM, few
 # blocks each) its fixed cost made it 0.80-0.89x the single-partition kernel at 128-256 tokens (bench/RESULTS.md)
 WS_MIN_TOKENS = 512
-# The warp-specialised fp8 kernel runs only when a call's cfg "ws" is True. On the H200 it took 0.91-0.95x the
-# single-partition kernel's time at 128-256 tokens in the isolated sweep (random rows of a 1.4 GB pool:
-# bench/sweep_decode_splits.py), but in the slice's batch-128 decode step it was even (replay 3.567 vs 3.579 ms,
-# its kernel time 673 vs 642 us under PDL: bench/RESULTS.md), so the simpler kernel stays the default.
+# The fp8 cache's kernel when a call names none (cfg "ws" None): "dec", FlashMLA's decode schedule
+# (gluon_sparse_mla_dec_fp8.py: 128 tokens x 2048 keys from HBM 121.6 us against the single-partition kernel's 188 and
+# the warp-specialised fp8 kernel's 171, graph-timed: bench/RESULTS.md, twenty-third session), or "single" (that kernel;
+# bench/profile_decode.py --ab fp8_single; DSASERVE_SPARSE_MLA_WS=0 too). The warp-specialised fp8 kernel of the
+# prefill schedule (gluon_sparse_mla_ws_fp8.py) runs only when a call's cfg "ws" is True.
+FP8_DEFAULT = "dec"
 GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: the split-K Triton kernel
 # kv_lora and rope (constexpr so the kernels read them); BLOCK_H, heads a program: gluon_common
 DC, DR = tl.constexpr(512), tl.constexpr(64)
@@ -321,7 +325,15 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     head = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
             q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0))
     meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
-    if rows.dtype == torch.uint8 and bk == 64 and cfg["ws"] is True:
+    fp8_ws = cfg["ws"] if cfg["ws"] is not None else "dec" if FP8_DEFAULT == "dec" and envs.DSASERVE_SPARSE_MLA_WS \
+        else False
+    if rows.dtype == torch.uint8 and bk == 64 and fp8_ws == "dec":
+        # FlashMLA's decode schedule over the fp8 cache (gluon_sparse_mla_dec_fp8.py) and its switches
+        given = cfg["ws_variant"] if cfg["ws_variant"] is not None else dec_fp8.DEFAULT_SWITCHES
+        switches = dec_fp8.variant(given)
+        kernel, args = dec_fp8._sparse_mla_dec_fp8_kernel, (*head, dec_fp8.ROPE.value, slots.stride(0), *strides)
+        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
+    elif rows.dtype == torch.uint8 and bk == 64 and fp8_ws is True:
         # the warp-specialised fp8 kernel (gluon_sparse_mla_ws_fp8.py): of the switches, PIN and L2_AHEAD
         given = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws_fp8.DEFAULT_SWITCHES
         switches = {k: v for k, v in ws.variant(given).items() if k in ("PIN", "L2_AHEAD")}

@@ -42,11 +42,12 @@ def test_small_split_or_switched_off_calls_take_the_single_partition_kernel(t, c
     assert _name(plan) == "_sparse_mla_gluon_kernel" and plan[5]["num_warps"] == 8
 
 
-def test_the_switch_turns_the_warp_specialised_kernel_off(monkeypatch):
+def test_the_switch_turns_the_warp_specialised_kernels_off(monkeypatch):
     monkeypatch.setenv("DSASERVE_SPARSE_MLA_WS", "0")
     envs.reload()
     try:
         assert _name(_plan(4096)) == "_sparse_mla_gluon_kernel"
+        assert _name(_plan(128, torch.uint8)) == "_sparse_mla_fp8_kernel"
     finally:
         monkeypatch.delenv("DSASERVE_SPARSE_MLA_WS")
         envs.reload()
@@ -58,8 +59,12 @@ def test_forcing_it_takes_split_calls_too_and_the_fp8_cache_keeps_its_kernel():
     assert _name(_plan(4096, torch.uint8, ws=False)) == "_sparse_mla_fp8_kernel"
 
 
-def test_the_fp8_cache_keeps_its_single_partition_kernel_unless_the_warp_specialised_one_is_asked_for():
-    assert _name(_plan(4096, torch.uint8)) == _name(_plan(128, torch.uint8)) == "_sparse_mla_fp8_kernel"
+def test_the_fp8_cache_takes_the_decode_schedule_unless_another_kernel_is_asked_for(monkeypatch):
+    assert _name(_plan(4096, torch.uint8)) == _name(_plan(16, torch.uint8)) == "_sparse_mla_dec_fp8_kernel"
+    monkeypatch.setattr(G, "FP8_DEFAULT", "single")  # profile_decode's --ab fp8_single
+    assert _name(_plan(128, torch.uint8)) == "_sparse_mla_fp8_kernel"
+    monkeypatch.undo()
+    assert _name(_plan(128, torch.uint8, block_k=32)) == "_sparse_mla_fp8_kernel"  # 64-key blocks only
     kernel, part, lse, grid, args, meta = _plan(128, torch.uint8, ws=True)
     assert _name((kernel,)) == "_sparse_mla_ws_fp8_kernel"
     assert meta == {"SPLIT": grid[2] > 1, "num_warps": 4, "maxnreg": 168, **G.ws_fp8.DEFAULT_SWITCHES}
@@ -85,3 +90,19 @@ def test_the_warp_specialised_kernels_switches_reach_the_launch_and_unknown_ones
         _plan(4096, ws_variant={"FIXED": True})
     kernel_args = G.ws._sparse_mla_ws_kernel.arg_names
     assert all(name in kernel_args for name in G.ws.VARIANTS)  # every switch is a constexpr of the kernel
+
+
+def test_the_decode_schedule_is_asked_for_by_name_over_the_fp8_cache():
+    """cfg ws "dec": `gluon_sparse_mla_dec_fp8` (4 warps, the whole register file split 192 / 160 / 152), its
+    switches (DEFAULT_SWITCHES unless named); bf16 rows never take it."""
+    kernel, part, lse, grid, args, meta = _plan(128, torch.uint8, ws="dec", splits=1)
+    assert _name((kernel,)) == "_sparse_mla_dec_fp8_kernel" and grid == (128, 1, 1)
+    assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168, **G.dec_fp8.DEFAULT_SWITCHES}
+    kernel, part, lse, grid, args, meta = _plan(32, torch.uint8, ws="dec", splits=4, ws_variant={"EARLY_ROWS": False})
+    assert meta["SPLIT"] and meta["EARLY_ROWS"] is False and "PIN" not in meta and grid[2] == 4
+    assert _name(_plan(4096, ws="dec")) != "_sparse_mla_dec_fp8_kernel"
+
+
+def test_the_decode_schedules_unknown_switches_are_refused():
+    with pytest.raises(ValueError, match="unknown switches"):
+        _plan(128, torch.uint8, ws="dec", ws_variant={"P1_MODE": 1})
