@@ -3,6 +3,7 @@ without a GPU: spills and main-loop instructions of each partition, which ptxas 
 
 Run with the device's Triton (3.6):  PYTHONPATH=<triton 3.6 site-packages>:. python bench/offline_ws_variants.py
   [--only a,b] [--splits 4] [--sass DIR] [--fp8: the fp8_ds_mla kernel, gluon_sparse_mla_ws_fp8]
+  [--dec: the decode-schedule fp8 kernel, gluon_sparse_mla_dec_fp8, its DEC_CANDIDATES; partitions by its DEC_REGS]
 Each variant's launch comes from `gluon_sparse_mla.launch_plan` on CPU tensors (4096 tokens, top-2048), compiled for
 GPUTarget("cuda", 90, 32) (bench/offline_compile.py); the SASS is cut into partitions at each USETMAXREG
 (setmaxnreg): the two 216-register consumers (WG0, then WG1: warp_specialize's order) and the 72-register producer.
@@ -25,6 +26,7 @@ import torch
 from bench.offline_compile import BIN, compile_sm90, ptxas
 from bench.offline_sm90 import type_of
 from dsaserve.kernels import gluon_sparse_mla as G
+from dsaserve.kernels import gluon_sparse_mla_dec_fp8 as DEC
 from dsaserve.kernels import gluon_sparse_mla_ws as W
 
 # the decode-schedule fp8 kernel's switch combinations (gluon_sparse_mla_dec_fp8.DEFAULT_SWITCHES is "pin-early")
@@ -41,7 +43,7 @@ def _op(ins: str) -> str:
 
 
 WS_PARTS = {216: ("WG0", "WG1"), 72: ("producer",)}  # setmaxnreg -> partitions, in warp_specialize's order
-DEC_PARTS = {192: ("WG0",), 160: ("WG1",), 152: ("producer",)}  # gluon_sparse_mla_dec_fp8
+DEC_PARTS = dict(zip(DEC.DEC_REGS, (("WG0",), ("WG1",), ("producer",)), strict=True))  # gluon_sparse_mla_dec_fp8
 
 
 def partitions(sass: str, parts: dict[int, tuple[str, ...]] | None = None) -> dict[str, dict[str, int]]:

@@ -68,7 +68,9 @@ GLUON_MIN_TOKENS = 16  # under it a token's 64-head tile cannot fill the GPU: th
 DC, DR = tl.constexpr(512), tl.constexpr(64)
 # (Issuing a tile's S before waiting for the previous O wgmma, so the tensor cores run both back to back: 1.00x in
 # prefill, 0.88-0.91x at 32-64 tokens on the H200, bench/RESULTS.md: not kept.)
-# ws None: launch_plan's rule; ws_variant: the warp-specialised kernel's switches (gluon_sparse_mla_ws.VARIANTS)
+# ws None: launch_plan's rule, True / False: a warp-specialised kernel or not, "dec" (the fp8 cache only): the decode
+# schedule; ws_variant: the chosen warp-specialised kernel's switches (gluon_sparse_mla_ws.VARIANTS, or
+# gluon_sparse_mla_dec_fp8.SWITCHES)
 DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None, "ws_variant": None}
 WAVE_FILL = 0.7  # the share of a wave of programs the fewest splits must reach (`pick_splits`)
 
@@ -324,6 +326,9 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     head = (q_nope, q_rope, rows, slots, part, lse, h, n_keys, softmax_scale * LOG2E, q_nope.stride(0),
             q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), rows.stride(0))
+    if cfg["ws"] not in (None, True, False, "dec") or (cfg["ws"] == "dec" and rows.dtype != torch.uint8):
+        raise ValueError(f"sparse_mla_attention_gluon: cfg ws is None, True, False or (over the fp8 cache) 'dec'; "
+                         f"got {cfg['ws']!r} over {rows.dtype} rows")
     meta = {"SPLIT": splits > 1, "BLOCK_K": bk, "num_warps": 8}
     fp8_ws = cfg["ws"] if cfg["ws"] is not None else "dec" if FP8_DEFAULT == "dec" and envs.DSASERVE_SPARSE_MLA_WS \
         else False
@@ -359,8 +364,9 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
     (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
     checked the rest: `sparse_mla_attention` dispatches here). `config` (bench/tuning only)
-    overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (True / False: the
-    warp-specialised kernel or not; over the fp8 cache only True takes it), ws_variant (its switches)."""
+    overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (True / False: a
+    warp-specialised kernel or not; over the fp8 cache True is the prefill schedule's, "dec" the decode schedule's,
+    which None takes too), ws_variant (its switches)."""
     width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
     if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
         raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "

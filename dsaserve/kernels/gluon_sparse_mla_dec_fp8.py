@@ -1,14 +1,16 @@
 """Hopper sparse MLA over the fp8_ds_mla cache in FlashMLA's decode schedule (issue 17; request path stage 6,
 attention): one token's 64 heads over its top-k rows (e4m3 nope, four FP32 scales, bf16 rope) at kv_lora 512, rope
-64. The fp8 cache's default Gluon kernel (`gluon_sparse_mla.FP8_DEFAULT`): decode batches from 16 tokens.
+64. The fp8 cache's default Gluon kernel (`gluon_sparse_mla.FP8_DEFAULT`): every call over the cache from 16
+tokens, decode batches (measured at 16-128 tokens) and the prefill chunks that read the cache itself (those
+`prefill_staging` does not stage; tested up to 1000 tokens, not timed).
 
 Owns: `_sparse_mla_dec_fp8_kernel`, `DEC_REGS`, its switches (`SWITCHES`, `DEFAULT_SWITCHES`, `variant`).
 Why a second warp-specialised fp8 kernel: `gluon_sparse_mla_ws_fp8` keeps the prefill schedule (both consumer
 warpgroups compute S, 216 registers each), so its producer has 72 registers and stages each half block's bytes
 through that half's own shared memory (cp.async, wait, shared load, dequant, store, one half in flight): at 128
-tokens x 2048 keys it took 180 us (202 TFLOP/s) where its consumers over bf16 rows took 110 (bench/RESULTS.md,
-twenty-second session). Here the three warpgroups split the work as FlashMLA's sm90 sparse fp8 decode kernel does
-(DeepSeek's; written in Gluon here):
+tokens x 2048 keys it takes 171 us (213 TFLOP/s, graph-timed) where its consumers over bf16 rows take 102
+(bench/RESULTS.md, twenty-second and twenty-third sessions). Here the three warpgroups split the work as
+FlashMLA's sm90 sparse fp8 decode kernel does (DeepSeek's; written in Gluon here):
   WG0 (192 registers): for each 64-key block, S [64 heads, 64 keys] = Q K^T + Q_rope R^T (m64n64 wgmma from
       shared memory), the online softmax, P (bf16) and the block's rescale factors into shared memory for WG1,
       then O[:, 0:256] += P V[:, 0:256] with P from registers;
@@ -21,7 +23,8 @@ The rows are loaded and held as 32-bit words: as bytes, each took a register of 
 sm_90: 2.2 KB of spills, 1040 byte permutes), now 24 B. A word's four e4m3 become bf16 in inline PTX (e4m3 -> f16
 -> f32, exact; times the row's FP32 scale; rounded once to bf16: the other fp8 kernels' rounding) and are stored
 through word views of the bf16 buffers (the same 128-byte swizzle, the same bytes).
-Shared memory is the ws kernels' (`gluon_sparse_mla_ws._setup`: Q 64 KB + Q_rope 8 + two key blocks 2 x 72 + P 8),
+Shared memory is the ws kernels' (`gluon_sparse_mla_ws._setup`: Q 64 KB + Q_rope 8 + two key blocks 2 x 72 + P 8
+and the fp8 ws kernel's 1 KB scale ring, unused here: 225.6 of 227 KB),
 reused: m_s carries WG0's rescale factors, p1_s its P, bias_s the two buffers' slot bias. Numerics: bf16 operands,
 fp32 accumulation, P rounded to bf16 once, as the other kernels; the softmax's maximum moves a block at a time
 (the ws kernels move it a round of two), so outputs match theirs within rounding, not bit for bit. Row offsets
@@ -30,14 +33,16 @@ reference, the single-partition fp8 kernel and the bf16 ws kernel over the dequa
 """
 
 # (no `from __future__ import annotations`: Gluon reads the annotations)
-import triton.language as tl
 
 from dsaserve.kernels.gluon_common import HAVE_GLUON
+from dsaserve.kernels.gluon_sparse_mla_ws import P0 as P_READY  # the ws kernels' P exchange barriers, reused
+from dsaserve.kernels.gluon_sparse_mla_ws import P1 as P_FREE
+from dsaserve.kernels.gluon_sparse_mla_ws_fp8 import ROPE, SCALES  # byte offsets in an fp8_ds_mla row
 
-# registers of WG0, WG1 (the kernel's warp_specialize list; offline tools read them here); the producer, the
-# default partition, gets the rest of 3 x 4 warps x 168 (the launch's maxnreg, `gluon_sparse_mla_ws.WS_MAXNREG`):
-# 504 - 192 - 160 = 152, FlashMLA's split
-DEC_REGS = (192, 160)
+# registers of WG0, WG1 (the kernel's warp_specialize list, a literal there: Gluon reads no tuple global) and the
+# producer, the default partition, which gets the rest of 3 x 4 warps x 168 (the launch's maxnreg,
+# `gluon_sparse_mla_ws.WS_MAXNREG`): 504 - 192 - 160 = 152, FlashMLA's split. bench/offline_ws_variants.py reads it.
+DEC_REGS = (192, 160, 152)
 # the switches launch_plan passes when a call names none (the H200, 128 tokens x 2048 keys from HBM, bench/RESULTS.md
 # twenty-third session: 121.5 us against 134.6 without EARLY_ROWS): PIN (the wgmma descriptors of Q, Q_rope and P
 # through an opaque per-block index, as the ws kernels) and EARLY_ROWS (the producer's slots loaded a block early)
@@ -53,9 +58,6 @@ def variant(switches: dict) -> dict:
     return dict(switches)
 
 
-SCALES = tl.constexpr(512)  # byte offsets in an fp8_ds_mla row: the four FP32 scales, then the bf16 rope
-ROPE = tl.constexpr(528)
-P_READY, P_FREE = tl.constexpr(10), tl.constexpr(11)  # gluon_sparse_mla_ws's P0 / P1 barriers, reused
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -80,6 +82,7 @@ if HAVE_GLUON:
         _s_left,
         _s_right,
         _setup,
+        _slots,
     )
 
     # a block's 64 rows as 32-bit words (four e4m3 bytes, or two bf16): held as bytes, every byte took a register of
@@ -117,12 +120,6 @@ if HAVE_GLUON:
     def _bias(a):
         """bias_s [128] as the two buffers' [2, 64] slot bias (0 or -inf)."""
         return a.bias_s._reinterpret(gl.float32, [2, 64], a.bias_s.layout)  # (a layout may drop a leading dim)
-
-    @gluon.jit
-    def _slots(a, start):
-        """The slots [start, start + 64) along GRP_L's rows (-1 past k1)."""
-        offs = start + gl.arange(0, BK, layout=gl.SliceLayout(1, GRP_L))
-        return gl.load(a.slots + offs, mask=offs < a.k1, other=-1)
 
     @gluon.jit
     def _fetch(a, sl):
@@ -173,9 +170,9 @@ if HAVE_GLUON:
         were fetched into while block i - 1 was put; block i + 1's fetch is issued right after. EARLY_ROWS: block
         i + 2's slots are loaded then too (a block early: their latency is off the path from a slot to its row's
         bytes)."""
-        g0, g1, g2, g3, s0, s1, s2, s3, rope, ok = _fetch(a, _slots(a, a.k0))
+        g0, g1, g2, g3, s0, s1, s2, s3, rope, ok = _fetch(a, _slots(a, a.k0, GRP_L))
         if a.EARLY_ROWS:
-            nxt = _slots(a, a.k0 + BK)
+            nxt = _slots(a, a.k0 + BK, GRP_L)
         for i in range(_n_blocks(a)):
             b = i & 1
             ph = ((i >> 1) & 1) ^ 1  # a fresh mbarrier passes a wait on phase 1
@@ -184,9 +181,9 @@ if HAVE_GLUON:
             _put(a, b, g0, g1, g2, g3, s0, s1, s2, s3, rope, ok)
             if a.EARLY_ROWS:
                 g0, g1, g2, g3, s0, s1, s2, s3, rope, ok = _fetch(a, nxt)
-                nxt = _slots(a, a.k0 + (i + 2) * BK)
+                nxt = _slots(a, a.k0 + (i + 2) * BK, GRP_L)
             else:
-                g0, g1, g2, g3, s0, s1, s2, s3, rope, ok = _fetch(a, _slots(a, a.k0 + (i + 1) * BK))
+                g0, g1, g2, g3, s0, s1, s2, s3, rope, ok = _fetch(a, _slots(a, a.k0 + (i + 1) * BK, GRP_L))
 
     @gluon.jit
     def _wg0(a):

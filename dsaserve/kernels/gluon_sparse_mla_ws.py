@@ -29,7 +29,8 @@ roles, descriptors kept from being hoisted and spilled (PIN: none spilled), the 
 and L2 prefetch of later rounds' rows (the gather-bound long contexts); shared memory has no room for a third
 block. What runs by default is DEFAULT_SWITCHES (measured fastest on the H200): fixed roles (WG0 buffer 0, WG1
 buffer 1, through an opaque zero so nothing is hoisted), PIN and P1 stored before its wgmma. `_setup` is also the
-prologue of `gluon_sparse_mla_ws_fp8` (the same consumers over the fp8 cache).
+prologue of `gluon_sparse_mla_ws_fp8` (the same consumers over the fp8 cache) and `gluon_sparse_mla_dec_fp8` (the
+decode schedule over it); the latter reuses the consumers' wgmma helpers and epilogue too.
 Row offsets are 64-bit. No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it
 with the reference and the single-partition kernel.
 """
@@ -428,7 +429,8 @@ if HAVE_GLUON:
                stride_lt, SPLIT: gl.constexpr, P1_MODE: gl.constexpr, FIXED_ROLES: gl.constexpr,
                EARLY_ROWS: gl.constexpr, L2_AHEAD: gl.constexpr, PIN: gl.constexpr, FP8: gl.constexpr):
         """A program's shared memory, barriers, Q and key range: (the `_Args` every partition reads, and for FP8
-        (`gluon_sparse_mla_ws_fp8`) the key blocks' int8 view and the scale ring). FP8: the key blocks are an int8
+        (`gluon_sparse_mla_ws_fp8`, `gluon_sparse_mla_dec_fp8`) the key blocks' int8 view and the scale ring, which
+        the decode schedule leaves unused). FP8: the key blocks are an int8
         [8, 16 KB] allocation seen as the bf16 blocks, a 2 x 2 x 64 scale ring follows P1's buffer, and the ready
         barriers take the producer's one arrival, not each of its threads' cp.async arrival."""
         t = gl.program_id(0).to(gl.int64)

@@ -1,8 +1,8 @@
 """Which Gluon sparse MLA kernel a call launches (`gluon_sparse_mla.launch_plan`, no GPU needed: the plan is built on
 CPU tensors, nothing launched): the warp-specialised kernel for unsplit calls from WS_MIN_TOKENS tokens over bf16
 rows, the single-partition one below that, for split top-k and when DSASERVE_SPARSE_MLA_WS is 0; over the fp8_ds_mla
-cache the single-partition fp8 kernel unless cfg "ws" asks for the warp-specialised fp8 one; the launch's
-registers and warps as the warp-specialised schedule needs them, its A/B switches (cfg["ws_variant"]) passed as
+cache the decode-schedule kernel (gluon_sparse_mla_dec_fp8) unless cfg "ws" or that switch asks for another; the
+launch's registers and warps as the warp-specialised schedule needs them, its A/B switches (cfg["ws_variant"]) passed as
 constexprs (DEFAULT_SWITCHES when a call names none); decode splits."""
 
 from __future__ import annotations
@@ -100,9 +100,15 @@ def test_the_decode_schedule_is_asked_for_by_name_over_the_fp8_cache():
     assert meta == {"SPLIT": False, "num_warps": 4, "maxnreg": 168, **G.dec_fp8.DEFAULT_SWITCHES}
     kernel, part, lse, grid, args, meta = _plan(32, torch.uint8, ws="dec", splits=4, ws_variant={"EARLY_ROWS": False})
     assert meta["SPLIT"] and meta["EARLY_ROWS"] is False and "PIN" not in meta and grid[2] == 4
-    assert _name(_plan(4096, ws="dec")) != "_sparse_mla_dec_fp8_kernel"
+    with pytest.raises(ValueError, match="fp8 cache"):  # bf16 rows have no decode-schedule kernel
+        _plan(4096, ws="dec")
+    with pytest.raises(ValueError, match="'ws'|ws is"):
+        _plan(128, torch.uint8, ws="fast")
 
 
-def test_the_decode_schedules_unknown_switches_are_refused():
+def test_the_decode_schedules_unknown_switches_are_refused_and_the_known_ones_are_its_constexprs():
     with pytest.raises(ValueError, match="unknown switches"):
         _plan(128, torch.uint8, ws="dec", ws_variant={"P1_MODE": 1})
+    assert set(G.dec_fp8.DEFAULT_SWITCHES) <= set(G.dec_fp8.SWITCHES)
+    kernel_args = G.dec_fp8._sparse_mla_dec_fp8_kernel.arg_names
+    assert all(name in kernel_args for name in G.dec_fp8.SWITCHES)
