@@ -53,10 +53,10 @@ def partitions(sass: str, parts: dict[int, tuple[str, ...]] | None = None) -> di
     out, seen = {}, {}
     for lo, hi in zip(cuts, cuts[1:], strict=False):
         seg, regs = lines[lo:hi], int(re.search(r"0x([0-9a-f]+)\s*$", lines[lo][1]).group(1), 16)
-        names = (parts or WS_PARTS).get(regs, ())
-        if seen.get(regs, 0) >= len(names):
+        names, k = (parts or WS_PARTS).get(regs, ()), seen.get(regs, 0)
+        if k >= len(names):
             continue
-        name, seen[regs] = names[seen.get(regs, 0)], seen.get(regs, 0) + 1
+        name, seen[regs] = names[k], k + 1
         slots = set()
         for _, ins in seg:
             if _op(ins).split(".")[0] in ("STL", "LDL"):

@@ -307,6 +307,12 @@ if HAVE_GLUON:
 FP8_ROW = 512 + 4 * 4 + 2 * 64  # fp8_ds_mla bytes a row at kv_lora 512, rope 64
 
 
+def _ws_meta(splits: int, switches: dict) -> dict:
+    """A warp-specialised kernel's launch: 4 warps (its default partition) and the whole register file
+    (`gluon_sparse_mla_ws.WS_MAXNREG`; warp_specialize adds the worker warpgroups), its switches as constexprs."""
+    return {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
+
+
 def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, topk_slots: torch.Tensor,
                 softmax_scale: float, out: torch.Tensor, cfg: dict, sms: int):
     """(kernel, partials [splits, T, H, DC], lse, grid, kernel args, constexprs) of one call, nothing launched
@@ -335,15 +341,14 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
     if rows.dtype == torch.uint8 and bk == 64 and fp8_ws == "dec":
         # FlashMLA's decode schedule over the fp8 cache (gluon_sparse_mla_dec_fp8.py) and its switches
         given = cfg["ws_variant"] if cfg["ws_variant"] is not None else dec_fp8.DEFAULT_SWITCHES
-        switches = dec_fp8.variant(given)
         kernel, args = dec_fp8._sparse_mla_dec_fp8_kernel, (*head, dec_fp8.ROPE.value, slots.stride(0), *strides)
-        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
+        meta = _ws_meta(splits, dec_fp8.variant(given))
     elif rows.dtype == torch.uint8 and bk == 64 and fp8_ws is True:
         # the warp-specialised fp8 kernel (gluon_sparse_mla_ws_fp8.py): of the switches, PIN and L2_AHEAD
         given = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws_fp8.DEFAULT_SWITCHES
         switches = {k: v for k, v in ws.variant(given).items() if k in ("PIN", "L2_AHEAD")}
         kernel, args = ws_fp8._sparse_mla_ws_fp8_kernel, (*head, ws_fp8.ROPE.value, slots.stride(0), *strides)
-        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **switches}
+        meta = _ws_meta(splits, switches)
     elif rows.dtype == torch.uint8:
         kernel, args = _sparse_mla_fp8_kernel, (*head, slots.stride(0), *strides)
     elif bk == 64 and (cfg["ws"] if cfg["ws"] is not None else
@@ -351,7 +356,7 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
         # the warp-specialised kernel (gluon_sparse_mla_ws.py), by default for unsplit prefill-sized calls only
         kernel, args = ws._sparse_mla_ws_kernel, (*head, DC.value, slots.stride(0), *strides)
         switches = cfg["ws_variant"] if cfg["ws_variant"] is not None else ws.DEFAULT_SWITCHES
-        meta = {"SPLIT": splits > 1, "num_warps": 4, "maxnreg": ws.WS_MAXNREG, **ws.variant(switches)}
+        meta = _ws_meta(splits, ws.variant(switches))
     else:
         kernel, args = _sparse_mla_gluon_kernel, (*head, DC.value, slots.stride(0), *strides)
         meta["STAGES"] = cfg["num_stages"]
