@@ -114,23 +114,28 @@ def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
 
 
-def bench_decode(runner, ceilings, batches, contexts) -> list[dict]:
+def bench_decode(runner, ceilings, batches, contexts, tokens: str = "distinct") -> list[dict]:
+    """tokens: "distinct" (each row its own token, as a serving batch's requests), "same" (token 1 in every row:
+    the runs before 2026-12-04), "both" (batches over 1 row both ways, each row marked `same_token`)."""
     rows = []
-    for ctx in contexts:
-        for bs in batches:
-            pages = -(-(ctx + 1) // runner.page_size)
-            if bs * pages > runner.num_pages:
-                rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
-                continue
-            batch = dummy_decode(bs, ctx, runner.page_size, "cpu")  # a host batch, as the engine hands over
-            fold_device_expert_counts(reset=True)
-            t = cuda_time(lambda b=batch: runner.forward(b), iters=20, warmup=3)
-            touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run
-            need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
-            bound = need["total"] / ceilings["copy_bytes_per_s"]
-            rows.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "roofline_ms": bound * 1e3, "ratio": t / bound,
-                         "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
-                         "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]})
+    for ctx, bs, same in ((c, b, s) for c in contexts for b in batches
+                          for s in ((False, True) if tokens == "both" and b > 1 else (tokens == "same",))):
+        pages = -(-(ctx + 1) // runner.page_size)
+        if bs * pages > runner.num_pages:
+            rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
+            continue
+        vocab = 0 if same else runner.cfg.vocab_size
+        batch = dummy_decode(bs, ctx, runner.page_size, "cpu", vocab)  # a host batch, as the engine hands over
+        fold_device_expert_counts(reset=True)
+        t = cuda_time(lambda b=batch: runner.forward(b), iters=20, warmup=3)
+        touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run
+        need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
+        bound = need["total"] / ceilings["copy_bytes_per_s"]
+        piped = pipelined_time(lambda b=batch: runner.forward(b))  # the overlap scheduler's steady state
+        rows.append({"bs": bs, "ctx": ctx, "same_token": same, "step_ms": t * 1e3, "roofline_ms": bound * 1e3,
+                     "ratio": t / bound, "overlapped_ms": piped * 1e3, "overlapped_ratio": piped / bound,
+                     "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
+                     "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]})
     return rows
 
 
@@ -225,6 +230,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--prefill", default="8192,32768")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--tokens", choices=("distinct", "same", "both"), default="distinct",
+                    help="decode rows' tokens: each its own (a serving batch), token 1 in all (the runs before "
+                    "2026-12-04: identical rows route alike, so a batch touches few experts), or both")
     ap.add_argument("--hf-cases", default="1x1024,1x4096,32x1024", help="HF decode cases, BSxCTX")
     args = ap.parse_args()
     out = Path(args.out)
@@ -246,10 +254,10 @@ def main() -> None:
     dump()
     result["first_vs_steady"] = first_vs_steady(runner, max(int(x) for x in args.prefill.split(",")))
     fill_pool(runner.kv_pool, runner.cfg)
-    result["decode"] = bench_decode(runner, ceilings, batches, contexts)
+    result["decode"] = bench_decode(runner, ceilings, batches, contexts, args.tokens)
     dump()
-    print("decode", [(d["bs"], d["ctx"], round(d.get("step_ms", -1), 3), round(d.get("ratio", -1), 2))
-                     for d in result["decode"]], flush=True)
+    print("decode", [(d["bs"], d["ctx"], round(d.get("step_ms", -1), 3), round(d.get("ratio", -1), 2),
+                      round(d.get("overlapped_ms", -1), 3)) for d in result["decode"]], flush=True)
     result["prefill"] = bench_prefill(runner, ceilings, [int(x) for x in args.prefill.split(",")])
     from dsaserve.common.counters import COUNTERS
 
@@ -267,11 +275,12 @@ def main() -> None:
 def print_table(r: dict) -> None:
     print(f"\ncopy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {r['ceilings']['bf16_flops'] / 1e12:.0f} "
           f"TFLOP/s, fp8 {r['ceilings']['fp8_flops'] / 1e12:.0f} TFLOP/s")
-    print("decode: bs ctx | ms/step | roofline ms | ratio | tok/s")
+    print("decode: bs ctx | ms/step | roofline ms | ratio | tok/s | overlapped ms/step | ratio")
     for d in r["decode"]:
         if "step_ms" in d:
-            print(f"  {d['bs']:4d} {d['ctx']:6d} | {d['step_ms']:8.3f} | {d['roofline_ms']:8.3f} | {d['ratio']:5.2f} | "
-                  f"{d['tokens_per_s']:9.1f}")
+            bs = f"{d['bs']:4d}{'s' if d.get('same_token') else ' '}"
+            print(f"  {bs} {d['ctx']:6d} | {d['step_ms']:8.3f} | {d['roofline_ms']:8.3f} | {d['ratio']:5.2f} | "
+                  f"{d['tokens_per_s']:9.1f} | {d['overlapped_ms']:8.3f} | {d['overlapped_ratio']:5.2f}")
     for p in r["prefill"]:
         print(f"prefill {p['tokens']}: {p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s, roofline "
               f"{p['roofline_s']:.3f}s ratio {p['ratio']:.2f}")

@@ -59,11 +59,17 @@ def dummy_prefill(tokens: int, page_size: int, vocab: int, device, max_len: int 
                             page_size).to(device)
 
 
-def dummy_decode(bs: int, context: int, page_size: int, device) -> ForwardBatch:
-    """bs requests, each with `context` tokens already cached in its own page range, decoding one token."""
+def dummy_decode(bs: int, context: int, page_size: int, device, vocab_size: int = 0) -> ForwardBatch:
+    """bs requests, each with `context` tokens already cached in its own page range, decoding one token.
+
+    vocab_size > 0: each request decodes its own token (a seeded draw), as the distinct requests of a serving
+    batch do, so the routers spread the batch over the experts; 0: every request decodes token 1 (identical rows
+    route alike: a batch of 128 touched ~12 of 32 experts a layer on the slice, bench/RESULTS.md)."""
     pages = -(-(context + 1) // page_size)
     bases = [r * pages * page_size for r in range(bs)]
-    return contiguous_batch([[1]] * bs, [context] * bs, bases, page_size).to(device)
+    tokens = (torch.randint(1, vocab_size, (bs,), generator=torch.Generator().manual_seed(bs)).tolist()
+              if vocab_size > 0 else [1] * bs)
+    return contiguous_batch([[t] for t in tokens], [context] * bs, bases, page_size).to(device)
 
 
 def indexer_score_budget() -> int:
@@ -95,7 +101,8 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     try:
         model(as_gather_step(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device,
                                            cfg.max_position_embeddings), dp_world), scratch)
-        model(as_gather_step(dummy_decode(min(max_decode_bs, pages // 2), 1, page, device), dp_world), scratch)
+        decode = dummy_decode(min(max_decode_bs, pages // 2), 1, page, device, cfg.vocab_size)
+        model(as_gather_step(decode, dp_world), scratch)
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
