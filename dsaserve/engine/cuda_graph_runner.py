@@ -84,7 +84,10 @@ class CudaGraphRunner:
             self.host_inputs = self.host_inputs.pin_memory()
         self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
         self.host_np = self._views(self.host_inputs.numpy())  # numpy writes: ~10x less host time than torch's
-        self.staged = torch.cuda.Event() if dev.type == "cuda" else None  # after the last replay: staging read
+        # Recorded once the last step's copy has read the pinned twin: a node of each graph beside its copy
+        # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
+        # replays) waits for that step's copy, not for the whole step
+        self.staged = torch.cuda.Event(external=True) if dev.type == "cuda" else None
         # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
         # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
         self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
@@ -161,14 +164,26 @@ class CudaGraphRunner:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
         try:
             with lean_capture(graph, self.pool_handle, stream):
+                branch = None
                 if self.copy_in_graph:
                     self._copy_staged(bs)
+                    branch = self._record_staged_beside(stream)
                 if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
                     resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
                 logits, _ = self.model(self._static_batch(bs), self.pool)
+                if branch is not None:
+                    stream.wait_stream(branch)  # the branch joins at the end: nothing of the step waits on it
         finally:
             COUNTERS.enabled = enabled
         return graph, logits
+
+    def _record_staged_beside(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """Inside a capture, after the copy: `staged`'s record node on a branch of its own (off the step's
+        chain of kernels); the branch's stream, which the capture must join before it ends."""
+        branch = torch.cuda.Stream(stream.device)
+        branch.wait_stream(stream)
+        self.staged.record(branch)
+        return branch
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it
@@ -198,7 +213,6 @@ class CudaGraphRunner:
             self._load_host(batch if not batch.input_ids.is_cuda else batch.to("cpu"), bs, bucket)
         g = self.graphs[bucket]
         g.graph.replay()
-        self.staged.record()
         self._count(batch, g)
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
         if batch.logits_indices.numel() == bs:  # every row, in order
@@ -208,7 +222,7 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        if self.staged is not None:  # the previous replay has read the buffer (long since, in a synchronous step)
+        if self.staged is not None:  # the previous step's copy has read the buffer (its step may still run)
             self.staged.synchronize()
         ids, pos, req, lens, out, table = self.host_np
         ids[:bs] = batch.input_ids.numpy()
@@ -220,6 +234,8 @@ class CudaGraphRunner:
         self._reset_padding(bs, bucket, host=True)  # only this bucket's padding rows are read
         if not self.copy_in_graph:
             self._copy_staged(bucket)
+            if self.staged is not None:
+                self.staged.record()
 
     def _copy_staged(self, bucket: int) -> None:
         """The per-token rows and the bucket's page-table rows: host staging -> the graph's inputs."""

@@ -67,6 +67,31 @@ def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(set_swit
     assert (replayed - eager).norm() / eager.norm() < 1e-2  # same kernels; a race would be far off
 
 
+def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits():
+    """Back-to-back replays (overlap scheduling's order): a step's host batch is staged once the step before has
+    copied its own (the `staged` event beside each graph's copy), not once it has finished. With the device held
+    busy every step below is staged before the one before it has started: staging too early would overwrite
+    the pinned inputs before their copy, and the steps would read each other's tokens."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
+    prompts, bases = [[5, 6, 7] * 30, [11, 12] * 40, [3] * 150], [0, 4 * 64, 8 * 64]
+    runner.forward(contiguous_batch(prompts, [0] * 3, bases, runner.page_size))
+    lens = [len(p) for p in prompts]
+    steps = [contiguous_batch([[21 + i], [40 + 3 * i], [90 - i]], lens, bases, runner.page_size) for i in range(4)]
+    one_at_a_time = []
+    for step in steps:
+        one_at_a_time.append(runner.forward(step).clone())
+        torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of device time queued before the first step
+    queued = [runner.forward(step).clone() for step in steps]  # each clone is queued behind its replay
+    torch.cuda.synchronize()
+    for i, (want, got) in enumerate(zip(one_at_a_time, queued, strict=True)):
+        assert (got - want).norm() / want.norm() < 1e-3, f"step {i}"
+    assert (one_at_a_time[0] - one_at_a_time[1]).norm() / one_at_a_time[0].norm() > 1e-2  # the steps differ
+
+
 def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch):
     """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
     stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150
