@@ -31,6 +31,13 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 PREFILL_MIN_PAIRS = 4096  # T*k pairs from which the A-operand (prefill) kernel replaces the swap-AB one
 UNSORTED_MAX_PAIRS = 256  # T*k pairs up to which the swap-AB kernel needs no moe_align (ids in registers)
+# Decode batches of BUSY_EXPERT_PAIRS..2x that many pairs an expert (uniform routing): the A-operand kernel at 64 x
+# 128 tiles takes the sorted path of FP8 experts. H200, 128 tokens over 32 experts: 397.3 vs the swap-AB kernel's
+# 440.5 us (bench/RESULTS.md, twenty-fourth session). Busier experts (prefill chunks under PREFILL_MIN_PAIRS) keep
+# the swap-AB kernel, unmeasured there, whose per-pair sums are the unsorted kernel's to the bit; bf16 experts' tiles
+# so would need 320 KB of shared memory
+BUSY_EXPERT_PAIRS = 32
+BUSY_CONFIG = {"kernel": "gemm", "block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 4}
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
@@ -252,8 +259,11 @@ def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.c
 
 
 def _block_m(pairs: int, experts: int) -> int:
+    """The sorted kernels' pair block: the mean pairs an expert rounded up, so a routing's busier experts do not
+    spill into a second block (H200, 64 tokens over 32 experts, 16 an expert: 32-pair blocks 367.9 us against 16-pair
+    388.6, bench/RESULTS.md twenty-fourth session)."""
     per_expert = pairs / max(experts, 1)
-    return 16 if per_expert <= 16 else (32 if per_expert <= 32 else 64)
+    return 16 if per_expert < 16 else (32 if per_expert <= 32 else 64)
 
 
 def _grouped_gemm(a, a_s, w, w_s, out, tw, route, n, k, a_row_div, gated, block_m, block_n, num_warps, num_stages,
@@ -304,6 +314,23 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
         raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
 
 
+def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = None) -> dict:
+    """`fused_moe`'s kernel and tiles for `pairs` (token, expert) pairs over `experts` local experts, `config`
+    (bench/tuning) over them. H200 sweeps (bench/RESULTS.md): decode = swap-AB kernel with FP8 activations
+    (T=1: 150 us vs 195-250 us for the bf16-activation kernels; T=32: 394 vs 494 us), up to UNSORTED_MAX_PAIRS
+    finding each expert's pairs itself (no align launches); busy experts (BUSY_EXPERT_PAIRS) the A-operand
+    kernel's wide tiles; prefill = the dense path (or the A-operand kernel, 64x64 tiles, for bf16 activations)."""
+    cfg = {"block_m": _block_m(pairs, experts), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
+           "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap", "fuse_shared": True}
+    if fp8 and pairs > UNSORTED_MAX_PAIRS and BUSY_EXPERT_PAIRS * experts <= pairs < 2 * BUSY_EXPERT_PAIRS * experts:
+        cfg.update(BUSY_CONFIG)
+    if pairs >= PREFILL_MIN_PAIRS:
+        dense_ok = fp8 and (config or {}).get("fp8_act", True)  # the dense path takes FP8 activations only
+        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
+                   kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
+    return {**cfg, **(config or {})}
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False,
@@ -326,17 +353,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     e, two_i, h = w13.shape
     inter = two_i // 2
     pairs = t * top_k
-    # H200 sweep (bench/RESULTS.md): decode = swap-AB kernel with FP8 activations (T=1: 150 us vs 195-250 us
-    # for the bf16-activation kernels; T=32: 394 vs 494 us); prefill = A-operand kernel, 64x64 tiles.
-    # Up to UNSORTED_MAX_PAIRS pairs the swap-AB kernel finds each expert's pairs itself (no align launches)
     fp8 = w13_scale is not None
-    cfg = {"block_m": _block_m(pairs, e), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
-           "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap", "fuse_shared": True}
-    if pairs >= PREFILL_MIN_PAIRS:
-        dense_ok = fp8 and (config or {}).get("fp8_act", True)  # the dense path takes FP8 activations only
-        cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
-                   kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
-    cfg.update(config or {})
+    cfg = launch_config(pairs, e, fp8, config)
     if shared is not None:
         if add is not None:
             raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
