@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.kernels.registry import get_ops
+
 
 def resolve_placeholders_(input_ids: torch.Tensor, future_token_ids: torch.Tensor) -> None:
     """In place, on the device: every input id -1-j becomes future_token_ids[j]; real ids (>= 0) stay.
-    No host sync and no data-dependent shape, so it is captured into the CUDA graphs as it is."""
-    rows = (-1 - input_ids).clamp_(min=0)  # real ids read row 0 and are not taken
-    torch.where(input_ids < 0, future_token_ids.index_select(0, rows), input_ids, out=input_ids)
+    No host sync and no data-dependent shape, so it is captured into the CUDA graphs as it is (one Triton
+    launch on the GPU, `reference.resolve_placeholders`' torch ops elsewhere)."""
+    get_ops(input_ids.device).resolve_placeholders(input_ids, future_token_ids)

@@ -190,6 +190,13 @@ def remap_slots(slots: torch.Tensor, page_map: torch.Tensor, page_size: int) -> 
     return torch.where((s >= 0) & (page >= 0), page * page_size + s % page_size, -1).to(slots.dtype)
 
 
+def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor) -> None:
+    """In place: every input id -1-j becomes future_token_ids[j] (overlap scheduling's placeholder, engine/overlap.py);
+    real ids (>= 0) stay. No host sync and no data-dependent shape (capturable)."""
+    rows = (-1 - input_ids).clamp_(min=0)  # real ids read row 0 and are not taken
+    torch.where(input_ids < 0, future_token_ids.index_select(0, rows), input_ids, out=input_ids)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear without bias over a dense weight (`Linear` not kept FP8: the indexer's bf16 weights_proj; the
     reference path's dequantised projections): x @ W^T in x.dtype."""

@@ -34,7 +34,8 @@ SPARSE_MLA_SWAP_AB = False
 FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations bf16 (exact, slower)
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_k_norm_write", "indexer_topk", "sparse_mla_attention", "moe_route",
-       "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots")
+       "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots",
+       "resolve_placeholders")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -104,6 +105,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "add_rms_norm": (triton_elementwise.add_rms_norm, "triton residual add + RMSNorm"),
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
+        "resolve_placeholders": (triton_elementwise.resolve_placeholders, "triton one-launch placeholder ids"),
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),

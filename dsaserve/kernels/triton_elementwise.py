@@ -1,11 +1,12 @@
 """GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
-and in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches).
+in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches) and the overlap
+scheduler's placeholder ids resolved (five torch kernels a step before).
 
-Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul` and
-`reference.rope_inplace`. Each takes its reference's rounding steps (fp32 math, a rounding to the
-activation dtype wherever the torch ops round), so the two differ only in the order of a sum and in
-the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also carry their FP8 copy for the next
-GEMM (`triton_fp8_gemm.attach_fp8`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
+Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul`,
+`reference.rope_inplace` and `reference.resolve_placeholders`. Each takes its reference's rounding steps
+(fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two differ only in the
+order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also carry their FP8
+copy for the next GEMM (`triton_fp8_gemm.attach_fp8`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
 each was 5-8 kernels (H200 profile, bench/RESULTS.md), which cost time and leave ~1 µs gaps between them.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
@@ -174,3 +175,26 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
                                                   INTERLEAVED=interleaved, BLOCK_P=triton.next_power_of_2(r // 2),
                                                   BLOCK_H=block_h, **pdl_args(x.device))
     return x
+
+
+RESOLVE_BLOCK = 128  # ids a program: a decode batch in one
+
+
+@triton.jit
+def _resolve_kernel(ids_ptr, future_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency_sync(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+    late = ids < 0
+    resolved = tl.load(future_ptr + tl.where(late, -1 - ids, 0), mask=(offs < n) & late, other=0)
+    tl.store(ids_ptr + offs, tl.where(late, resolved, ids), mask=(offs < n) & late)
+
+
+def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor) -> None:
+    """GPU `reference.resolve_placeholders`: one launch (input_ids contiguous, 1-D)."""
+    if input_ids.dim() != 1 or input_ids.stride(0) != 1 or input_ids.dtype != future_token_ids.dtype:
+        raise ValueError("resolve_placeholders: input_ids must be 1-D, contiguous and of future_token_ids' dtype")
+    n = input_ids.numel()
+    if n:  # one block size for every batch: three specialisations in all (n = 1, n % 16 == 0, other)
+        _resolve_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](input_ids, future_token_ids, n, BLOCK=RESOLVE_BLOCK,
+                                                          **pdl_args(input_ids.device))

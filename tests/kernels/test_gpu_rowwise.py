@@ -30,6 +30,22 @@ def test_rms_norm_and_residual_add_match_reference(gen, n, dtype):
     torch.testing.assert_close(y, ref_y, **tol)
 
 
+@pytest.mark.parametrize("n", [1, 37, 3000])  # one decode row; a batch; over one program's 1024 ids
+def test_resolve_placeholders_matches_reference(gen, n):
+    """Every id -1-j becomes future[j], real ids stay, bit for bit the torch ops (overlap scheduling's placeholders)."""
+    from dsaserve.kernels import triton_elementwise as E
+
+    future = torch.randint(0, 50_000, (256,), generator=gen, device=gen.device).to(DEVICE)
+    ids = torch.randint(0, 50_000, (n,), generator=gen, device=gen.device).to(DEVICE)
+    late = torch.rand(n, generator=gen, device=gen.device).to(DEVICE) < 0.5
+    ids = torch.where(late, -1 - torch.randint(0, 256, (n,), generator=gen, device=gen.device).to(DEVICE), ids)
+    got, want = ids.clone(), ids.clone()
+    E.resolve_placeholders(got, future)
+    R.resolve_placeholders(want, future)
+    assert torch.equal(got, want) and (got >= 0).all()
+    assert torch.equal(got[~late], ids[~late])
+
+
 @pytest.mark.parametrize("inter", [2500, 128, 1024])  # an odd width; mini's experts and dense MLP
 def test_silu_and_mul_matches_reference(gen, inter):
     from dsaserve.kernels import triton_elementwise as E
