@@ -21,9 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
+from dsaserve.common import envs
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
-from dsaserve.kernels import gluon_sparse_mla, triton_indexer_coop, triton_sparse_mla
+from dsaserve.kernels import gluon_sparse_mla, triton_indexer_coop, triton_moe, triton_sparse_mla
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
 
@@ -179,10 +180,17 @@ def ab_setting(runner, name: str):
     "score_apart" the FP8 cache's 1-2 long rows scored by their own launch before the cooperative select (not
     both in one launch), "no_fold" sparse MLA's split
     combine as its own launch (not merged by W_uv's head GEMM), "fp8_single" the fp8 cache's 16+ token calls on the
-    single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`)."""
+    single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`), "moe_swap" busy experts'
+    decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "fp32_head" float32 logits out of the lm_head's
+    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
+    if name == "fp32_head":
+        override = envs.override(DSASERVE_FP32_LM_HEAD="1")
+        override.__enter__()
+        return lambda: override.__exit__(None, None, None)
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
+                    "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
@@ -205,13 +213,14 @@ def ab_setting(runner, name: str):
                                                         "fuse_shared": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
-                         f"{', '.join(module_flags)})")
+                         f"fp32_head, {', '.join(module_flags)})")
     return lambda: vars(ops).update(saved)
 
 
 def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str, list[float]]:
-    """ms of the replayed step under each setting, in one process: the graphs captured again for each, the
-    settings taken in turn `rounds` times (a drift of the machine spreads over all of them)."""
+    """ms of the replayed step under each setting, synchronous and back to back ("<setting> overlapped"), in one
+    process: the graphs captured again for each, the settings taken in turn `rounds` times (a drift of the machine
+    spreads over all of them)."""
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(rounds):
         for name in settings:
@@ -219,6 +228,7 @@ def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str,
             try:
                 runner.graphs.capture()
                 times[name].append(cuda_time(lambda: runner.forward(batch)) * 1e3)
+                times[f"{name} overlapped"].append(pipelined_time(lambda: runner.forward(batch)) * 1e3)
             finally:
                 undo()
     runner.graphs.capture()
@@ -235,7 +245,7 @@ def main() -> None:
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
-                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single")
+                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")
@@ -252,7 +262,7 @@ def main() -> None:
     report = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}
     for ctx in contexts:
         for bs in batches:
-            batch = dummy_decode(bs, ctx, runner.page_size, "cpu")  # a host batch, as the engine hands over
+            batch = dummy_decode(bs, ctx, runner.page_size, "cpu", runner.cfg.vocab_size)  # a host batch, as served
             step = cuda_time(lambda b=batch: runner.forward(b))
             piped = pipelined_time(lambda b=batch: runner.forward(b))
             host = host_phases(runner, batch)
