@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsaserve.engine.memory_profile import CompileCache, dummy_prefill
+from dsaserve.engine.memory_profile import CompileCache, dummy_decode, dummy_prefill
 
 
 @pytest.mark.parametrize("tokens,max_len", [(2304, 2048), (2048, 2048), (130, 100), (70, None)])
@@ -16,6 +16,19 @@ def test_dummy_prefill_keeps_positions_inside_the_rope_table_and_its_pages(token
     assert int(b.positions.max()) < (max_len or tokens)
     assert b.out_cache_loc.unique().numel() == tokens  # one slot per token
     assert int(b.out_cache_loc.max()) < -(-tokens // 64) * 64  # within the pages one request would take
+
+
+def test_dummy_decode_rows_decode_their_own_tokens_unless_asked_for_token_1():
+    """A serving batch's requests decode different tokens, so the routers spread them over the experts: the
+    benchmarks' batch-128 rows touched 36 of 96 experts with token 1 in every row, 96 with their own tokens."""
+    b = dummy_decode(128, 1000, 64, "cpu", vocab_size=5000)
+    ids = b.input_ids.tolist()
+    assert len(set(ids)) > 100 and all(1 <= t < 5000 for t in ids)
+    assert ids == dummy_decode(128, 1000, 64, "cpu", vocab_size=5000).input_ids.tolist()  # seeded: runs compare
+    assert b.positions.tolist() == [1000] * 128
+    assert dummy_decode(128, 1000, 64, "cpu").input_ids.tolist() == [1] * 128
+    pages = -(-1001 // 64)  # each request's slots in its own page range
+    assert [int(s) // (64 * pages) for s in b.out_cache_loc] == list(range(128))
 
 
 def test_compile_cache_accepts_a_triton_cache_dir_that_does_not_exist_yet(tmp_path, monkeypatch, caplog):
