@@ -118,25 +118,30 @@ def bench_decode(runner, ceilings, batches, contexts, tokens: str = "distinct") 
     """tokens: "distinct" (each row its own token, as a serving batch's requests), "same" (token 1 in every row:
     the runs before 2026-12-04), "both" (batches over 1 row both ways, each row marked `same_token`)."""
     rows = []
-    for ctx, bs, same in ((c, b, s) for c in contexts for b in batches
-                          for s in ((False, True) if tokens == "both" and b > 1 else (tokens == "same",))):
-        pages = -(-(ctx + 1) // runner.page_size)
-        if bs * pages > runner.num_pages:
-            rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
-            continue
-        vocab = 0 if same else runner.cfg.vocab_size
-        batch = dummy_decode(bs, ctx, runner.page_size, "cpu", vocab)  # a host batch, as the engine hands over
-        fold_device_expert_counts(reset=True)
-        t = cuda_time(lambda b=batch: runner.forward(b), iters=20, warmup=3)
-        touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run
-        need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
-        bound = need["total"] / ceilings["copy_bytes_per_s"]
-        piped = pipelined_time(lambda b=batch: runner.forward(b))  # the overlap scheduler's steady state
-        rows.append({"bs": bs, "ctx": ctx, "same_token": same, "step_ms": t * 1e3, "roofline_ms": bound * 1e3,
-                     "ratio": t / bound, "overlapped_ms": piped * 1e3, "overlapped_ratio": piped / bound,
-                     "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
-                     "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]})
+    for ctx in contexts:
+        for bs in batches:
+            if bs * -(-(ctx + 1) // runner.page_size) > runner.num_pages:
+                rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
+                continue
+            modes = (False, True) if tokens == "both" and bs > 1 else (tokens == "same",)
+            rows += [_decode_row(runner, ceilings, bs, ctx, same) for same in modes]
     return rows
+
+
+def _decode_row(runner, ceilings, bs: int, ctx: int, same: bool) -> dict:
+    """One decode case: its synchronous and overlapped step against the bytes it touched."""
+    vocab = 0 if same else runner.cfg.vocab_size
+    batch = dummy_decode(bs, ctx, runner.page_size, "cpu", vocab)  # a host batch, as the engine hands over
+    fold_device_expert_counts(reset=True)
+    t = cuda_time(lambda: runner.forward(batch), iters=20, warmup=3)
+    touched = fold_device_expert_counts(reset=True)  # over the 23 steps just run
+    need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
+    bound = need["total"] / ceilings["copy_bytes_per_s"]
+    piped = pipelined_time(lambda: runner.forward(batch))  # the overlap scheduler's steady state
+    return {"bs": bs, "ctx": ctx, "same_token": same, "step_ms": t * 1e3, "roofline_ms": bound * 1e3,
+            "ratio": t / bound, "overlapped_ms": piped * 1e3, "overlapped_ratio": piped / bound,
+            "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
+            "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]}
 
 
 def prefill_flops(cfg, n: int) -> float:

@@ -172,7 +172,8 @@ def decode_rows(runner, ceil, link, layout, batches, contexts, sweep: dict | Non
             if max(mine, 1) * pages > runner.num_pages:
                 rows.append({"bs": bs, "ctx": ctx, "skipped": "pool too small"})
                 continue
-            batch = dummy_decode(mine, ctx, runner.page_size, "cpu", runner.cfg.vocab_size) if mine else None
+            seed = mine + 7919 * state.rank if state.dp_attention else None  # DP ranks: their own requests
+            batch = dummy_decode(mine, ctx, runner.page_size, "cpu", runner.cfg.vocab_size, seed) if mine else None
             step = (lambda b=batch: runner.forward(b)) if mine else runner.forward_idle
             fold_device_expert_counts(reset=True)
             if g.size > 1:

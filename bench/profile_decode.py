@@ -9,6 +9,7 @@ share; "sum of kernels" beside the replay time shows how much of the step is gap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import re
@@ -147,9 +148,8 @@ def kernel_sources(fn, pattern: str, top: int = 12) -> list[dict]:
 
 def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
     """Median host µs of a replayed step's parts: the batch checks, staging (+ the H2D copy call when it is
-    not inside the graph), the graph launch call (the GPU idles through these three in a synchronous
-    step), and the event recorded after the launch (hidden behind the running graph). Each rep starts
-    after a sync, so no launch queue is full."""
+    not inside the graph) and the graph launch call: the GPU idles through them in a synchronous step. Each rep
+    starts after a sync, so no launch queue is full."""
     g = runner.graphs
     bs = batch.batch_size
     bucket = next(b for b in g.buckets if b >= bs)
@@ -163,9 +163,7 @@ def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
         t2 = time.perf_counter()
         g.graphs[bucket].graph.replay()
         t3 = time.perf_counter()
-        g.staged.record()
-        t4 = time.perf_counter()
-        for name, dt in (("check", t1 - t0), ("stage", t2 - t1), ("graph_launch", t3 - t2), ("event_after", t4 - t3)):
+        for name, dt in (("check", t1 - t0), ("stage", t2 - t1), ("graph_launch", t3 - t2)):
             times[name].append(dt * 1e6)
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in times.items()}
@@ -186,9 +184,9 @@ def ab_setting(runner, name: str):
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
-        override = envs.override(DSASERVE_FP32_LM_HEAD="1")
-        override.__enter__()
-        return lambda: override.__exit__(None, None, None)
+        stack = contextlib.ExitStack()
+        stack.enter_context(envs.override(DSASERVE_FP32_LM_HEAD="1"))
+        return stack.close
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
@@ -244,8 +242,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
-    ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): "
-                    "default,cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,fp32_head")
+    ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
+                    "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

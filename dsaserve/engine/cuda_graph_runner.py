@@ -136,10 +136,11 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         self._reset_padding(0)
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
+        branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
         self.capture_retries = 0
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
             static, (graph, logits), _, retried = capture_bucket(
-                lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream), warm_each or i == 0)
+                lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream, branch), warm_each or i == 0)
             warm_each = warm_each or bool(static)  # collectives: their counts are each bucket's own
             self.capture_retries += retried
             if self.pool_handle is None:
@@ -158,32 +159,27 @@ class CudaGraphRunner:
         COUNTERS.restore(before)  # startup work is not traffic
         return static
 
-    def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream,
+                     branch: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
         try:
             with lean_capture(graph, self.pool_handle, stream):
-                branch = None
                 if self.copy_in_graph:
                     self._copy_staged(bs)
-                    branch = self._record_staged_beside(stream)
-                if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
-                    resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-                logits, _ = self.model(self._static_batch(bs), self.pool)
-                if branch is not None:
-                    stream.wait_stream(branch)  # the branch joins at the end: nothing of the step waits on it
+                    branch.wait_stream(stream)
+                    self.staged.record(branch)  # a node beside the step's kernels, after the copy
+                try:
+                    if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
+                        resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
+                    logits, _ = self.model(self._static_batch(bs), self.pool)
+                finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
+                    if self.copy_in_graph:
+                        stream.wait_stream(branch)
         finally:
             COUNTERS.enabled = enabled
         return graph, logits
-
-    def _record_staged_beside(self, stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """Inside a capture, after the copy: `staged`'s record node on a branch of its own (off the step's
-        chain of kernels); the branch's stream, which the capture must join before it ends."""
-        branch = torch.cuda.Stream(stream.device)
-        branch.wait_stream(stream)
-        self.staged.record(branch)
-        return branch
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it

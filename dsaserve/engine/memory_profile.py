@@ -59,16 +59,18 @@ def dummy_prefill(tokens: int, page_size: int, vocab: int, device, max_len: int 
                             page_size).to(device)
 
 
-def dummy_decode(bs: int, context: int, page_size: int, device, vocab_size: int = 0) -> ForwardBatch:
+def dummy_decode(bs: int, context: int, page_size: int, device, vocab_size: int = 0,
+                 seed: int | None = None) -> ForwardBatch:
     """bs requests, each with `context` tokens already cached in its own page range, decoding one token.
 
-    vocab_size > 0: each request decodes its own token (a seeded draw), as the distinct requests of a serving
-    batch do, so the routers spread the batch over the experts; 0: every request decodes token 1 (identical rows
-    route alike: a batch of 128 touched ~12 of 32 experts a layer on the slice, bench/RESULTS.md)."""
+    vocab_size > 0: each request decodes its own token (a draw seeded by `seed`, default bs: DP-attention ranks
+    pass their own), as the distinct requests of a serving batch do, so the routers spread the batch over the
+    experts; 0: every request decodes token 1 (identical rows route alike: a batch of 128 touched ~12 of 32
+    experts a layer on the slice, bench/RESULTS.md)."""
     pages = -(-(context + 1) // page_size)
     bases = [r * pages * page_size for r in range(bs)]
-    tokens = (torch.randint(1, vocab_size, (bs,), generator=torch.Generator().manual_seed(bs)).tolist()
-              if vocab_size > 0 else [1] * bs)
+    draw = torch.Generator().manual_seed(bs if seed is None else seed)
+    tokens = torch.randint(1, vocab_size, (bs,), generator=draw).tolist() if vocab_size > 0 else [1] * bs
     return contiguous_batch([[t] for t in tokens], [context] * bs, bases, page_size).to(device)
 
 

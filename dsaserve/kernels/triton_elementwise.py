@@ -185,15 +185,17 @@ def _resolve_kernel(ids_ptr, future_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
     grid_dependency_sync(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-    late = ids < 0
-    resolved = tl.load(future_ptr + tl.where(late, -1 - ids, 0), mask=(offs < n) & late, other=0)
-    tl.store(ids_ptr + offs, tl.where(late, resolved, ids), mask=(offs < n) & late)
+    late = (ids < 0) & (offs < n)
+    resolved = tl.load(future_ptr + tl.where(late, -1 - ids, 0), mask=late, other=0)
+    tl.store(ids_ptr + offs, resolved, mask=late)
 
 
 def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor) -> None:
-    """GPU `reference.resolve_placeholders`: one launch (input_ids contiguous, 1-D)."""
-    if input_ids.dim() != 1 or input_ids.stride(0) != 1 or input_ids.dtype != future_token_ids.dtype:
-        raise ValueError("resolve_placeholders: input_ids must be 1-D, contiguous and of future_token_ids' dtype")
+    """GPU `reference.resolve_placeholders`: one launch (both 1-D and contiguous, one dtype). A placeholder -1-j
+    must have j < len(future_token_ids), as the engine's sample rows do (no bounds check on the device)."""
+    if any(t.dim() != 1 or t.stride(0) != 1 for t in (input_ids, future_token_ids)) or \
+            input_ids.dtype != future_token_ids.dtype:
+        raise ValueError("resolve_placeholders: input_ids and future_token_ids must be 1-D, contiguous, one dtype")
     n = input_ids.numel()
     if n:  # one block size for every batch: three specialisations in all (n = 1, n % 16 == 0, other)
         _resolve_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](input_ids, future_token_ids, n, BLOCK=RESOLVE_BLOCK,

@@ -259,9 +259,10 @@ def _combine_k_kernel(x_ptr, y_ptr, add_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.c
 
 
 def _block_m(pairs: int, experts: int) -> int:
-    """The sorted kernels' pair block: the mean pairs an expert rounded up, so a routing's busier experts do not
-    spill into a second block (H200, 64 tokens over 32 experts, 16 an expert: 32-pair blocks 367.9 us against 16-pair
-    388.6, bench/RESULTS.md twenty-fourth session)."""
+    """The pair block of the swap-AB kernels (sorted and unsorted) by the mean pairs an expert: under 16 -> 16, up to
+    32 -> 32, else 64. A mean of exactly 16 takes 32-pair blocks, so a routing's busier experts do not spill into a
+    second block (H200, 64 tokens over 32 experts: 367.9 us against 388.6 with 16-pair blocks, bench/RESULTS.md
+    twenty-fourth session)."""
     per_expert = pairs / max(experts, 1)
     return 16 if per_expert < 16 else (32 if per_expert <= 32 else 64)
 
@@ -314,21 +315,26 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_ids):
         raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
 
 
-def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = None) -> dict:
-    """`fused_moe`'s kernel and tiles for `pairs` (token, expert) pairs over `experts` local experts, `config`
-    (bench/tuning) over them. H200 sweeps (bench/RESULTS.md): decode = swap-AB kernel with FP8 activations
-    (T=1: 150 us vs 195-250 us for the bf16-activation kernels; T=32: 394 vs 494 us), up to UNSORTED_MAX_PAIRS
-    finding each expert's pairs itself (no align launches); busy experts (BUSY_EXPERT_PAIRS) the A-operand
-    kernel's wide tiles; prefill = the dense path (or the A-operand kernel, 64x64 tiles, for bf16 activations)."""
+def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = None, absent: bool = False) -> dict:
+    """`fused_moe`'s kernel and tiles for `pairs` (token, expert) pairs over `experts` local experts, `config` (the
+    registry's fp8_act switch; benches and tuning) over them. H200 sweeps (bench/RESULTS.md): decode = swap-AB kernel
+    with FP8 activations (T=1: 150 us vs 195-250 us for the bf16-activation kernels; T=32: 394 vs 494 us), up to
+    UNSORTED_MAX_PAIRS finding each expert's pairs itself (no align launches); busy experts (BUSY_EXPERT_PAIRS) the
+    A-operand kernel's wide tiles, measured with FP8 activations only, where the caller names no kernel and no
+    pair is another rank's (`absent`: the pairs count other ranks' experts' too, so their mean here says nothing);
+    prefill = the dense path (or the A-operand kernel, 64x64 tiles, for bf16 activations)."""
+    config = config or {}
     cfg = {"block_m": _block_m(pairs, experts), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
            "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap", "fuse_shared": True}
-    if fp8 and pairs > UNSORTED_MAX_PAIRS and BUSY_EXPERT_PAIRS * experts <= pairs < 2 * BUSY_EXPERT_PAIRS * experts:
+    busy = BUSY_EXPERT_PAIRS * experts <= pairs < 2 * BUSY_EXPERT_PAIRS * experts
+    if (busy and fp8 and config.get("fp8_act", True) and "kernel" not in config and not absent
+            and pairs > UNSORTED_MAX_PAIRS):
         cfg.update(BUSY_CONFIG)
     if pairs >= PREFILL_MIN_PAIRS:
-        dense_ok = fp8 and (config or {}).get("fp8_act", True)  # the dense path takes FP8 activations only
+        dense_ok = fp8 and config.get("fp8_act", True)  # the dense path takes FP8 activations only
         cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
                    kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
-    return {**cfg, **(config or {})}
+    return {**cfg, **config}
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
@@ -337,10 +343,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
               shared: SharedExpert | None = None) -> torch.Tensor:
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
-    `config` (bench/tuning only) overrides block_m / block_n / num_warps / num_stages / fp8_act / kernel
-    ("unsorted" | "swap" | "gemm" | "dense") / fuse_shared / pairs_fastest ("swap": pair blocks first in the
-    grid; H200, 128 tokens over all 32 experts: 422.7 vs 430.7 us, inside the spread; bench/RESULTS.md twentieth
-    session); for "dense" (`triton_moe_prefill`, the FP8 prefill
+    `config` (the registry's fp8_act switch; benches, tuning) overrides block_m / block_n / num_warps / num_stages /
+    fp8_act / kernel ("unsorted" | "swap" | "gemm" | "dense") / fuse_shared / pairs_fastest ("swap": pair blocks
+    first in the grid; H200, 128 tokens over all 32 experts: 422.7 vs 430.7 us, inside the spread; bench/RESULTS.md
+    twentieth session); for "dense" (`triton_moe_prefill`, the FP8 prefill
     default when PREFILL_CONFIG["kernel"] says so) it overrides PREFILL_CONFIG's keys instead. `absent`: ids
     may be E (another rank's expert): no program computes those pairs (the unsorted kernel's experts never
     match E, `moe_align` sorts them past its total, the dense path's combine finds no row for them) and their
@@ -354,7 +360,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     inter = two_i // 2
     pairs = t * top_k
     fp8 = w13_scale is not None
-    cfg = launch_config(pairs, e, fp8, config)
+    cfg = launch_config(pairs, e, fp8, config, absent)
     if shared is not None:
         if add is not None:
             raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")

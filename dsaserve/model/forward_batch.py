@@ -22,7 +22,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64: new tokens of the request in this step
     page_table: torch.Tensor  # [B, max_pages] int64: physical page ids (slot = page * page_size + offset)
     out_cache_loc: torch.Tensor  # [T] int64: KV slot written by each new token
-    logits_indices: torch.Tensor  # [L] int64, increasing: which of the T tokens produce logits (last of each chunk)
+    logits_indices: torch.Tensor  # [L] int64: which of the T tokens produce logits (last of each chunk)
     page_size: int = 64
     # host-side copies the reference kernels loop over (avoid device syncs in hot paths)
     seq_lens_cpu: list[int] | None = None

@@ -247,7 +247,7 @@ class DsaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [L, V] fp32 for batch.logits_indices, pre-norm-free final hidden [T, H])."""
         hidden = self.forward_hidden(batch, pool)
-        logits = self.compute_logits(_logit_rows(hidden, batch.logits_indices))
+        logits = self.compute_logits(_logit_rows(hidden, batch))
         count_step(self.forward_shape(), pool, batch)
         return logits, hidden
 
@@ -260,12 +260,14 @@ class DsaForCausalLM(nn.Module):
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         ctx = self._context(batch, pool)
         h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
-        logits = self.compute_logits(_logit_rows(h, batch.logits_indices))
+        logits = self.compute_logits(_logit_rows(h, batch))
         count_step(self.forward_shape(k), pool, batch)
         return logits
 
 
-def _logit_rows(hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-    """The rows that produce logits. Batches list them in increasing order, so as many as there are rows means every
-    row as it is: no gather launch (a decode step's case)."""
-    return hidden if logits_indices.numel() == hidden.shape[0] else hidden[logits_indices]
+def _logit_rows(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The rows that produce logits. A decode batch (one token a request, by the host's lengths) whose every row
+    produces logits lists them as 0..T-1, so its hidden rows go as they are: no gather launch."""
+    idx, ext = batch.logits_indices, batch.extend_lens_cpu
+    every_row = idx.numel() == hidden.shape[0] and ext is not None and all(n == 1 for n in ext)
+    return hidden if every_row else hidden[idx]

@@ -1,7 +1,7 @@
 """Which kernel and tiles `fused_moe` takes for a batch (`triton_moe.launch_config`, on the CPU: nothing launched):
 the unsorted swap-AB kernel up to UNSORTED_MAX_PAIRS pairs, the sorted swap-AB kernel above, the A-operand kernel's
-wide tiles once the experts are busy (BUSY_EXPERT_PAIRS an expert), the dense prefill path from PREFILL_MIN_PAIRS;
-a caller's config over all of it."""
+wide tiles once the experts are busy (BUSY_EXPERT_PAIRS an expert; FP8 activations, no kernel named, no other rank's
+pairs), the dense prefill path from PREFILL_MIN_PAIRS; a caller's config over all of it."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ def test_prefill_sized_batches_take_the_dense_path_and_bf16_activations_the_gemm
     assert M.launch_config(M.PREFILL_MIN_PAIRS, 32, True, {"fp8_act": False})["kernel"] == "gemm"
 
 
+def test_busy_tiles_only_where_measured_fp8_activations_no_kernel_named_no_other_ranks_pairs():
+    busy = M.BUSY_EXPERT_PAIRS * 32
+    assert M.launch_config(busy, 32, True, {"fuse_shared": False})["kernel"] == "gemm"
+    assert M.launch_config(busy, 32, True, {"fp8_act": False})["kernel"] == "swap"  # DSASERVE_FP8_ACTIVATIONS=0
+    assert M.launch_config(busy, 32, True, absent=True)["kernel"] == "swap"  # EP: the pairs count other ranks'
+
+
 def test_a_callers_config_wins():
     cfg = M.launch_config(1024, 32, True, {"kernel": "swap", "block_m": 16})
-    assert cfg["kernel"] == "swap" and cfg["block_m"] == 16 and cfg["num_warps"] == M.BUSY_CONFIG["num_warps"]
+    assert cfg["kernel"] == "swap" and cfg["block_m"] == 16 and cfg["num_warps"] == 4 and cfg["block_n"] == 64
