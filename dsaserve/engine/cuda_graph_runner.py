@@ -211,7 +211,7 @@ class CudaGraphRunner:
         g.graph.replay()
         self._count(batch, g)
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
-        if batch.logits_indices.numel() == bs:  # every row, in order
+        if batch.samples_every_token:
             return g.logits[:bs]
         return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True))
 

@@ -324,16 +324,15 @@ def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = Non
     pair is another rank's (`absent`: the pairs count other ranks' experts' too, so their mean here says nothing);
     prefill = the dense path (or the A-operand kernel, 64x64 tiles, for bf16 activations)."""
     config = config or {}
+    fp8_act = fp8 and config.get("fp8_act", True)  # what the busy tiles and the dense path were measured with
     cfg = {"block_m": _block_m(pairs, experts), "block_n": 64, "num_warps": 4, "num_stages": 4, "fp8_act": fp8,
            "kernel": "unsorted" if pairs <= UNSORTED_MAX_PAIRS else "swap", "fuse_shared": True}
-    busy = BUSY_EXPERT_PAIRS * experts <= pairs < 2 * BUSY_EXPERT_PAIRS * experts
-    if (busy and fp8 and config.get("fp8_act", True) and "kernel" not in config and not absent
-            and pairs > UNSORTED_MAX_PAIRS):
+    busy = pairs > UNSORTED_MAX_PAIRS and BUSY_EXPERT_PAIRS * experts <= pairs < 2 * BUSY_EXPERT_PAIRS * experts
+    if busy and fp8_act and "kernel" not in config and not absent:
         cfg.update(BUSY_CONFIG)
     if pairs >= PREFILL_MIN_PAIRS:
-        dense_ok = fp8 and config.get("fp8_act", True)  # the dense path takes FP8 activations only
         cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
-                   kernel=PREFILL_CONFIG["kernel"] if dense_ok else "gemm")
+                   kernel=PREFILL_CONFIG["kernel"] if fp8_act else "gemm")
     return {**cfg, **config}
 
 

@@ -45,6 +45,13 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
 
+    @property
+    def samples_every_token(self) -> bool:
+        """A decode batch (one new token a request, by the host's lengths: never a sync) whose every token produces
+        logits: its logits rows are then 0..T-1 in order, the step's rows as they are."""
+        ext = self.extend_lens_cpu
+        return ext is not None and self.logits_indices.numel() == self.num_tokens and all(n == 1 for n in ext)
+
     def host_lens(self) -> tuple[list[int], list[int]]:
         if self.seq_lens_cpu is None:
             self.seq_lens_cpu = self.seq_lens.tolist()

@@ -266,8 +266,5 @@ class DsaForCausalLM(nn.Module):
 
 
 def _logit_rows(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """The rows that produce logits. A decode batch (one token a request, by the host's lengths) whose every row
-    produces logits lists them as 0..T-1, so its hidden rows go as they are: no gather launch."""
-    idx, ext = batch.logits_indices, batch.extend_lens_cpu
-    every_row = idx.numel() == hidden.shape[0] and ext is not None and all(n == 1 for n in ext)
-    return hidden if every_row else hidden[idx]
+    """The rows that produce logits: a decode batch's hidden rows as they are (no gather launch)."""
+    return hidden if batch.samples_every_token else hidden[batch.logits_indices]

@@ -35,10 +35,10 @@ def test_resolve_placeholders_matches_reference(gen, n):
     """Every id -1-j becomes future[j], real ids stay, bit for bit the torch ops (overlap scheduling's placeholders)."""
     from dsaserve.kernels import triton_elementwise as E
 
-    future = torch.randint(0, 50_000, (256,), generator=gen, device=gen.device).to(DEVICE)
-    ids = torch.randint(0, 50_000, (n,), generator=gen, device=gen.device).to(DEVICE)
-    late = torch.rand(n, generator=gen, device=gen.device).to(DEVICE) < 0.5
-    ids = torch.where(late, -1 - torch.randint(0, 256, (n,), generator=gen, device=gen.device).to(DEVICE), ids)
+    future = torch.randint(0, 50_000, (256,), generator=gen, device=DEVICE)
+    ids = torch.randint(0, 50_000, (n,), generator=gen, device=DEVICE)
+    late = torch.rand(n, generator=gen, device=DEVICE) < 0.5
+    ids = torch.where(late, -1 - torch.randint(0, 256, (n,), generator=gen, device=DEVICE), ids)
     got, want = ids.clone(), ids.clone()
     E.resolve_placeholders(got, future)
     R.resolve_placeholders(want, future)
