@@ -28,6 +28,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import gluon_sparse_mla, triton_indexer_coop, triton_moe, triton_sparse_mla
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
+from dsaserve.model.layers import moe
 
 
 def cuda_events(fn, steps: int) -> list:
@@ -179,7 +180,8 @@ def ab_setting(runner, name: str):
     both in one launch), "no_fold" sparse MLA's split
     combine as its own launch (not merged by W_uv's head GEMM), "fp8_single" the fp8 cache's 16+ token calls on the
     single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`), "moe_swap" busy experts'
-    decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "fp32_head" float32 logits out of the lm_head's
+    decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "count_inline" the experts-touched count in
+    the step's chain (not on the side stream), "fp32_head" float32 logits out of the lm_head's
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
@@ -189,6 +191,7 @@ def ab_setting(runner, name: str):
         return stack.close
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
+                    "count_inline": (moe, "COUNT_BESIDE", False),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
@@ -243,7 +246,8 @@ def main() -> None:
     ap.add_argument("--sources", default="", help="a regex of kernel names: print the torch ops of an eager step "
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
-                    "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,fp32_head")
+                    "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
+                    "fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

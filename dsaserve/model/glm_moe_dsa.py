@@ -21,7 +21,7 @@ from dsaserve.distributed.parallel_state import get_parallel_state, validate_for
 from dsaserve.kernels.registry import get_ops
 from dsaserve.kernels.variants import SELECT_MAX_ROWS
 from dsaserve.model.forward_batch import ForwardBatch
-from dsaserve.model.layers.context import PagedKV, StepContext
+from dsaserve.model.layers.context import PagedKV, StepContext, join_side_stream
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import AttentionInputs, MLAAttention
@@ -187,6 +187,7 @@ class DsaForCausalLM(nn.Module):
         for i in range(self.cfg.num_hidden_layers):
             self.attention_core(i, ctx, carry.attn)
             carry = self.segment(i + 1, ctx, carry)
+        join_side_stream(ctx)
         return carry.hidden
 
     # ---- the forward as segments between attention cores (engine/piecewise_runner.py) -----------
@@ -260,6 +261,7 @@ class DsaForCausalLM(nn.Module):
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         ctx = self._context(batch, pool)
         h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
+        join_side_stream(ctx)
         logits = self.compute_logits(_logit_rows(h, batch))
         count_step(self.forward_shape(k), pool, batch)
         return logits

@@ -114,3 +114,31 @@ def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_sw
     one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
     for got in (overlapped, replayed):
         assert (got - one_stream).norm() / one_stream.norm() < 1e-2
+
+
+def test_experts_touched_counted_on_the_side_stream_equal_the_one_stream_count(set_switch):
+    """Decode-size steps count the distinct experts they route to on the indexer's side stream (off the chain of
+    kernels the step waits for), eagerly and inside the replayed graph; with every kernel on one stream the
+    count is the same. Four rows of different tokens route to more experts than one row does."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+    from dsaserve.model.layers.moe import fold_device_expert_counts
+
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
+    prompts, bases = [[3, 4] * 40, [9] * 100, [7, 8, 9] * 30, [5] * 70], [0, 4 * 64, 8 * 64, 12 * 64]
+    runner.forward(contiguous_batch(prompts, [0] * 4, bases, runner.page_size))
+    step = contiguous_batch([[21], [22], [300], [401]], [len(p) for p in prompts], bases, runner.page_size)
+
+    def touched(run) -> float:
+        fold_device_expert_counts(reset=True)
+        run()
+        torch.cuda.synchronize()
+        return fold_device_expert_counts(reset=True)["moe_experts_touched"]
+
+    side = touched(lambda: runner.model(step.to("cuda"), runner.kv_pool))
+    replayed = touched(lambda: runner.forward(step))
+    set_switch("DSASERVE_OVERLAP_INDEXER", "0")
+    one_stream = touched(lambda: runner.model(step.to("cuda"), runner.kv_pool))
+    single = touched(lambda: runner.model(contiguous_batch([[21]], [len(prompts[0])], bases[:1], runner.page_size)
+                                          .to("cuda"), runner.kv_pool))
+    assert side == replayed == one_stream > single > 0

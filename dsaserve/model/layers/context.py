@@ -7,7 +7,7 @@ model names the interface instead of importing the engine above it), and the per
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,3 +42,14 @@ class StepContext:
     # sparse MLA may leave a split decode's partials on its output for W_uv's head GEMM to merge: the core and the
     # layer's close run in one flow (not under piecewise graphs, whose segments read the output from a buffer)
     fold_combine: bool = False
+    # tensors side-stream work reads after the main stream is done with them (the experts-touched count's ids):
+    # held until the forward joins the side stream (`DsaForCausalLM.forward_hidden`)
+    side_reads: list[torch.Tensor] = field(default_factory=list)
+
+
+def join_side_stream(ctx: StepContext) -> None:
+    """The end of a forward: the current stream waits for the side stream's work (a graph capture must join every
+    stream it forked; the counters read it), after which the tensors that work read may be freed."""
+    if ctx.side_stream is not None:
+        torch.cuda.current_stream().wait_stream(ctx.side_stream)
+    ctx.side_reads.clear()

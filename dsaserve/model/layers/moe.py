@@ -89,6 +89,9 @@ class Router(nn.Module):
                                  c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
 
 
+COUNT_BESIDE = True  # the experts-touched count on the side stream where a step has one (False: A/B, bisecting)
+
+
 class Experts(nn.Module):
     """E routed experts stacked: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. Under EP / MoE-TP,
     E and I are this rank's (`placement`); the loader skips other ranks' experts."""
@@ -134,10 +137,12 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(self.w13.data.to(dtype), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.data.to(dtype), requires_grad=False)
 
-    def _count_touched(self, ids: torch.Tensor) -> None:
+    def _count_touched(self, ids: torch.Tensor, ctx: StepContext) -> None:
         """Distinct routed experts read this forward (`moe_experts_touched`, and their bytes). On the CPU
         counted at once; on a GPU accumulated on the device (no sync, and it replays inside CUDA graphs)
-        and folded into the counters when they are read (`DEVICE_EXPERT_COUNTERS`)."""
+        and folded into the counters when they are read (`DEVICE_EXPERT_COUNTERS`). With a side stream
+        (decode sizes) the count runs there, off the chain of kernels the step waits for: in line it added
+        2.7 us a MoE layer at batch 1 and 7 at batch 128 (bench/RESULTS.md, twenty-fourth session)."""
         if ids.device.type == "cpu":
             if COUNTERS.enabled:
                 n = int(ids.unique().numel())
@@ -147,14 +152,21 @@ class Experts(nn.Module):
         if self.touched is None:
             self.touched = torch.zeros((), dtype=torch.int64, device=ids.device)
             DEVICE_EXPERT_COUNTERS.append(self)
-        get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
+        side = getattr(ctx, "side_stream", None) if COUNT_BESIDE else None
+        if side is None:
+            get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
+            return
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            get_ops(ids.device).count_distinct(ids, self.w13.shape[0], self.touched)
+        ctx.side_reads.append(ids)  # its memory is not reused before the step joins the side stream
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ctx: StepContext,
                 add: torch.Tensor | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
         """The routed sum (+ add, summed in the same kernel on the GPU; or + the `shared` expert, which the GPU
         kernel runs as one more expert at decode sizes)."""
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
-        self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids)
+        self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids, ctx)
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add,
                                  absent=local is not None, shared=shared)
 
