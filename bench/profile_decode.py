@@ -25,7 +25,13 @@ from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings
 from dsaserve.common import envs
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
-from dsaserve.kernels import gluon_sparse_mla, triton_indexer_coop, triton_moe, triton_sparse_mla
+from dsaserve.kernels import (
+    gluon_sparse_mla,
+    triton_indexer_coop,
+    triton_moe,
+    triton_moe_route,
+    triton_sparse_mla,
+)
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.layers import moe
@@ -192,6 +198,7 @@ def ab_setting(runner, name: str):
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
                     "count_inline": (moe, "COUNT_BESIDE", False),
+                    "router_cublas": (triton_moe_route, "TILE_GEMM_MAX_T", 0),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}

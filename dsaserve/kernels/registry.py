@@ -91,16 +91,17 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
     if device.type == "cuda":  # the split GEMMs' shared counters: made here, never first inside a graph capture
         triton_fp8_gemm.split_counters(device)
+    gemv_t, tile_t = triton_moe_route.ROUTER_GEMV_MAX_T, triton_moe_route.TILE_GEMM_MAX_T
     ops = _reference_ops()
     ops.update({
         "fp8_linear": (linear, gemm),
         "fused_moe": (fused_moe, moe),
         "moe_route": (triton_moe_route.moe_route, "triton fused sigmoid + group-limited top-k + normalise"),
         "count_distinct": (triton_moe_route.count_distinct, "triton one-program count"),
-        "router_logits": (triton_moe_route.router_logits,
-                          f"triton fp32 GEMV (T<={triton_moe_route.ROUTER_GEMV_MAX_T}), else cuBLAS"),
+        "router_logits": (triton_moe_route.router_logits, f"triton fp32 GEMV (T<={gemv_t}), split-K tiles of "
+                          f"exact bf16 products (T<={tile_t}, bf16-valued weight), else cuBLAS"),
         "small_linear": (triton_moe_route.small_linear,
-                         f"triton fp32 GEMV (T<={triton_moe_route.ROUTER_GEMV_MAX_T}), else cuBLAS"),
+                         f"triton fp32 GEMV (T<={gemv_t}), split-K tiles (T<={tile_t}), else cuBLAS"),
         "rms_norm": (triton_elementwise.rms_norm, "triton row kernel"),
         "add_rms_norm": (triton_elementwise.add_rms_norm, "triton residual add + RMSNorm"),
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),

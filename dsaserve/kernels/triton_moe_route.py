@@ -1,12 +1,13 @@
 """GPU MoE routing: the router GEMV and `moe_route`, one launch each (request path stage 6, MoE layers);
 the same GEMV serves `small_linear` (the indexer's weights_proj).
 
-Owns: the GPU variant of `reference.router_logits` (decode sizes: fp32 dot products in one launch,
-where x.float() + cuBLAS's GEMV were three per layer) and of `reference.moe_route`: sigmoid scores, the
-correction bias steering selection only, group-limited top-k (a group's score is the sum of its two best
-biased scores), the chosen scores normalised and scaled. One program per token holds all E experts in
-registers. As torch ops the same math was ~15 launches per MoE layer (~35 µs at batch 1 even inside a
-CUDA graph, bench/RESULTS.md).
+Owns: the GPU variant of `reference.router_logits` (decode sizes: fp32 dot products in one launch, where
+x.float() + cuBLAS's GEMV were three per layer; 33-256 tokens: split-K tiles on tensor cores, exact bf16 products
+of the router's weight as the checkpoint stores it, summed in fp32) and of `reference.moe_route`: sigmoid
+scores, the correction bias steering selection only, group-limited top-k (a group's score is the sum of its two
+best biased scores), the chosen scores normalised and scaled. One program per token holds all E experts in
+registers. As torch ops the same math was ~15 launches per MoE layer (~35 µs at batch 1 even inside a CUDA
+graph, bench/RESULTS.md).
 Ties pick the lower expert index; torch.topk leaves tie order unspecified, so only exact ties can differ.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
@@ -17,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
+from dsaserve.kernels.triton_fp8_gemm import num_sms
+from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_args
 
 
 @triton.jit
@@ -60,9 +62,90 @@ def _row_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> 
     return out
 
 
+@triton.jit
+def _tile_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, k_per_split, stride_x, stride_w, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """part[s, t, e] = sum over split s's K range of x[t, k] * w[e, k]: 16-bit operands (w as stored, or fp32
+    holding 16-bit values, cast exactly) on tensor cores, fp32 sums; program (token block, expert block, split)."""
+    grid_dependency_sync(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    offs_k = split * k_per_split + tl.arange(0, BLOCK_K)
+    tmask, emask = offs_t < T, offs_e < E
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    w_ptrs = w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=tmask[:, None], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=emask[:, None], other=0.0).to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(part_ptr + (split * T + offs_t[:, None]) * E + offs_e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, n, splits, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """out.flat[i] = the sum of part[s].flat[i] over the splits (one load of them all, a fixed tree order), in
+    out's dtype (one rounding)."""
+    grid_dependency_sync(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.arange(0, BLOCK_S)
+    tile = tl.load(part_ptr + s[:, None] * n + offs[None, :], mask=(s[:, None] < splits) & (offs[None, :] < n),
+                   other=0.0)
+    tl.store(out_ptr + offs, tl.sum(tile, axis=0).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
+TILE_GEMM_MAX_T = 256  # tokens up to which the tiled kernels run past the GEMV (batch-128 decode: cuBLAS's sgemm,
+# or a split-K GEMM and its reduce, plus x.float(): 9-11 us a layer, bench/RESULTS.md twenty-fourth session)
+_SIXTEEN_BIT = TensorNote("_dsaserve_sixteen_bit")  # on an fp32 weight: whether bf16 holds it exactly
+
+
+def _holds_bf16(weight: torch.Tensor) -> bool:
+    """An fp32 weight whose values are all bf16 (the router's: widened from the checkpoint's bf16), checked once
+    per weight outside a CUDA-graph capture (a sync); inside one an unchecked weight counts as not."""
+    if weight.dtype != torch.float32:
+        return False
+    known = _SIXTEEN_BIT.get(weight)
+    if known is None:
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        known = (bool(torch.equal(weight.to(torch.bfloat16).float(), weight)),)
+        _SIXTEEN_BIT.attach(weight, known)
+    return known[0]
+
+
+def _tile_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [T, K] @ weight [E, K]^T -> [T, E] out_dtype for ROUTER_GEMV_MAX_T < T <= TILE_GEMM_MAX_T: split K over
+    about one program an SM, the splits' fp32 partials summed in order by a second launch. x in bf16 / fp16 and
+    the weight in x's dtype, or fp32 holding bf16 values with a bf16 x; else None."""
+    t, k = x.shape
+    e = weight.shape[0]
+    sixteen = x.dtype in (torch.bfloat16, torch.float16) and (
+        weight.dtype == x.dtype or (x.dtype == torch.bfloat16 and _holds_bf16(weight)))
+    if not ROUTER_GEMV_MAX_T < t <= TILE_GEMM_MAX_T or not sixteen or k % 64 or x.stride(-1) != 1 or \
+            weight.stride(-1) != 1:
+        return None
+    block_t, block_e = 64, min(64, max(16, triton.next_power_of_2(e)))
+    tiles = triton.cdiv(t, block_t) * triton.cdiv(e, block_e)
+    blocks = k // 64
+    sms = num_sms(x.device.index if x.is_cuda else None)
+    splits = max((d for d in range(1, blocks + 1) if blocks % d == 0 and d * tiles <= sms and d <= 32), default=1)
+    part = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
+    _tile_partial_kernel[(triton.cdiv(t, block_t), triton.cdiv(e, block_e), splits)](
+        x, weight, part, t, e, k // splits, x.stride(0), weight.stride(0), BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=64, num_warps=4, num_stages=3, **pdl_args(x.device))
+    out = torch.empty(t, e, dtype=out_dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(t * e, 64),)](part, out, t * e, splits, BLOCK_S=triton.next_power_of_2(splits),
+                                                 BLOCK=64, num_warps=4, **pdl_args(x.device))
+    return out
+
+
 def router_logits(x: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
     """GPU `reference.router_logits`: x [T, H] (any float dtype) @ weight_f32 [E, H]^T -> [T, E] fp32."""
     out = _row_gemv(x, weight_f32, torch.float32) if weight_f32.dtype == torch.float32 else None
+    if out is None:
+        out = _tile_gemm(x, weight_f32, torch.float32)
     return torch.nn.functional.linear(x.float(), weight_f32.float()) if out is None else out
 
 
@@ -75,6 +158,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     split-K GEMM and its reduce (two launches, 5.6 us a full layer at batch 1). Else cuBLAS."""
     few = x.dtype == weight.dtype and weight.dim() == 2 and weight.shape[0] <= SMALL_LINEAR_MAX_ROWS
     out = _row_gemv(x, weight, x.dtype) if few and x.dim() == 2 else None
+    if out is None and few and x.dim() == 2:
+        out = _tile_gemm(x, weight, x.dtype)
     return torch.nn.functional.linear(x, weight) if out is None else out
 
 

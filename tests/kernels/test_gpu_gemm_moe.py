@@ -322,24 +322,32 @@ def test_moe_route_matches_reference(gen, t, e, k, groups, keep):
     assert torch.allclose(got_w.gather(1, order_got.indices), ref_w.gather(1, order_ref.indices), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("t", [1, 7, 40])
+@pytest.mark.parametrize("bf16_valued", [False, True])
+@pytest.mark.parametrize("t", [1, 7, 40, 128, 256])
 @pytest.mark.parametrize("model", MODELS)
-def test_router_logits_match_reference_in_fp32(gen, model, t):
+def test_router_logits_match_reference_in_fp32(gen, model, t, bf16_valued):
+    """fp32 sums of x @ w^T. From 33 tokens a weight of bf16 values (the router's, widened from the checkpoint)
+    takes the tiled kernel on tensor cores (exact products), any other fp32 weight cuBLAS."""
     from dsaserve.kernels import triton_moe_route as RT
 
     e, h = MODELS[model].n_routed_experts, MODELS[model].hidden_size
     x = randn(t, h, gen=gen, dtype=torch.bfloat16)
     w = randn(e, h, gen=gen, scale=h ** -0.5)
+    if bf16_valued:
+        w = w.bfloat16().float()
     got = RT.router_logits(x, w)
     assert got.dtype == torch.float32 and got.shape == (t, e)
     torch.testing.assert_close(got, R.router_logits(x, w), rtol=1e-5, atol=1e-5)
+    tiled = RT._tile_gemm(x, w, torch.float32)
+    assert (tiled is not None) == (bf16_valued and RT.ROUTER_GEMV_MAX_T < t <= RT.TILE_GEMM_MAX_T)
 
 
-@pytest.mark.parametrize("t", [1, 7, 40])
+@pytest.mark.parametrize("t", [1, 7, 40, 128, 300])
 @pytest.mark.parametrize("model", MODELS)
 def test_small_linear_is_the_bf16_projection(gen, model, t):
     """The indexer's weights_proj (bf16 [Hi, H]) as one GEMV at decode sizes: fp32 sums rounded once to bf16, so
-    within one bf16 rounding of the fp32 product, whatever order cuBLAS sums in; from 33 rows it is cuBLAS's."""
+    within one bf16 rounding of the fp32 product, whatever order cuBLAS sums in; 33-256 rows a tiled split-K
+    kernel's; past them cuBLAS's."""
     from dsaserve.kernels import triton_moe_route as RT
 
     hi, h = MODELS[model].index_n_heads, MODELS[model].hidden_size
@@ -349,5 +357,7 @@ def test_small_linear_is_the_bf16_projection(gen, model, t):
     exact = x.float() @ w.float().t()
     assert got.dtype == torch.bfloat16 and got.shape == (t, hi)
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
-    if t > RT.ROUTER_GEMV_MAX_T:
+    if t > RT.TILE_GEMM_MAX_T:
         assert torch.equal(got, R.small_linear(x, w))
+    else:
+        assert t <= RT.ROUTER_GEMV_MAX_T or RT._tile_gemm(x, w, x.dtype) is not None
