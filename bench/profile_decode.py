@@ -187,7 +187,8 @@ def ab_setting(runner, name: str):
     combine as its own launch (not merged by W_uv's head GEMM), "fp8_single" the fp8 cache's 16+ token calls on the
     single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`), "moe_swap" busy experts'
     decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "count_inline" the experts-touched count in
-    the step's chain (not on the side stream), "fp32_head" float32 logits out of the lm_head's
+    the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
+    cuBLAS (not the split-K tiles), "fp32_head" float32 logits out of the lm_head's
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
@@ -243,6 +244,36 @@ def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str,
     return dict(times)
 
 
+def profiled(runner, batch, case: dict, args) -> None:
+    """A case's kernel tables (replayed and eager), and with the flags its timeline, launch sequence and sources:
+    what needs torch's profiler (after every case's timings: `main`). Prints the case."""
+    step, piped, bound = case["replay_ms"] / 1e3, case["pipelined_ms"] / 1e3, case["roofline_ms"] / 1e3
+    replay_rows, replay_sum = kernel_table(lambda b=batch: runner.forward(b))
+    on_device = batch.to(runner.device)
+    eager_rows, eager_sum = kernel_table(lambda b=on_device: runner.model(b, runner.kv_pool))
+    case.update(replay_kernel_sum_ms=replay_sum / 1e3, eager_kernel_sum_ms=eager_sum / 1e3,
+                replay_kernels=replay_rows, eager_kernels=eager_rows)
+    print(f"\n== bs {case['bs']} ctx {case['ctx']}: replay {step * 1e3:.3f} ms, roofline {bound * 1e3:.3f} ms "
+          f"({step / bound:.2f}x); back-to-back {piped * 1e3:.3f} ms ({piped / bound:.2f}x); "
+          f"kernels in replay {replay_sum / 1e3:.3f} ms, eager {eager_sum / 1e3:.3f} ms")
+    print("host before the GPU starts (µs):", {k: round(v, 1) for k, v in case["host_us"].items()})
+    rows = replay_rows if replay_rows else eager_rows
+    print(f"{'us/step':>9} {'n':>4}  kernel ({'replay' if replay_rows else 'eager'})")
+    for name, t, n in rows[: args.top]:
+        print(f"{t:9.1f} {n:4d}  {name}")
+    if "ab" in case:
+        print("A/B replay ms:", {k: [round(v, 4) for v in vs] for k, vs in case["ab"].items()})
+    if args.timeline:
+        case["timeline"] = kernel_timeline(lambda b=batch: runner.forward(b))
+        print_timeline(case["timeline"], args.top)
+    if args.sequence:
+        case["sequence"] = kernel_sequence(lambda b=on_device: runner.model(b, runner.kv_pool))
+    if args.sources:
+        case["sources"] = kernel_sources(lambda b=on_device: runner.model(b, runner.kv_pool), args.sources)
+        for src in case["sources"]:
+            print(f"  {src['ms'] * 1e3:8.1f} us {src['kernels']:4d}x  {src['op']} {src['shapes']}  at {src['at']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="glm-5.3-slice")
@@ -254,7 +285,7 @@ def main() -> None:
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
-                    "fp32_head")
+                    "router_cublas,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")
@@ -269,42 +300,22 @@ def main() -> None:
                          cuda_graph_max_bs=max(batches), max_model_len=max(contexts) + 64, chunked_prefill_size=2048)
     fill_pool(runner.kv_pool, runner.cfg)
     report = {"ceilings": ceilings, "impls": runner.manifest().get("kernels"), "cases": []}
-    for ctx in contexts:
-        for bs in batches:
-            batch = dummy_decode(bs, ctx, runner.page_size, "cpu", runner.cfg.vocab_size)  # a host batch, as served
-            step = cuda_time(lambda b=batch: runner.forward(b))
-            piped = pipelined_time(lambda b=batch: runner.forward(b))
-            host = host_phases(runner, batch)
-            bound = decode_bytes(runner, bs, ctx)["total"] / ceilings["copy_bytes_per_s"]
-            replay_rows, replay_sum = kernel_table(lambda b=batch: runner.forward(b))
-            on_device = batch.to(runner.device)
-            eager_rows, eager_sum = kernel_table(lambda b=on_device: runner.model(b, runner.kv_pool))
-            case = {"bs": bs, "ctx": ctx, "replay_ms": step * 1e3, "pipelined_ms": piped * 1e3, "host_us": host,
-                    "roofline_ms": bound * 1e3,
-                    "replay_kernel_sum_ms": replay_sum / 1e3, "eager_kernel_sum_ms": eager_sum / 1e3,
-                    "replay_kernels": replay_rows, "eager_kernels": eager_rows}
-            report["cases"].append(case)
-            print(f"\n== bs {bs} ctx {ctx}: replay {step * 1e3:.3f} ms, roofline {bound * 1e3:.3f} ms "
-                  f"({step / bound:.2f}x); back-to-back {piped * 1e3:.3f} ms ({piped / bound:.2f}x); "
-                  f"kernels in replay {replay_sum / 1e3:.3f} ms, eager {eager_sum / 1e3:.3f} ms")
-            print("host before the GPU starts (µs):", {k: round(v, 1) for k, v in host.items()})
-            rows = replay_rows if replay_rows else eager_rows
-            print(f"{'us/step':>9} {'n':>4}  kernel ({'replay' if replay_rows else 'eager'})")
-            for name, t, n in rows[: args.top]:
-                print(f"{t:9.1f} {n:4d}  {name}")
-            if args.ab:
-                case["ab"] = ab_replays(runner, batch, args.ab.split(","))
-                print("A/B replay ms:", {k: [round(v, 4) for v in vs] for k, vs in case["ab"].items()})
-            if args.timeline:
-                case["timeline"] = kernel_timeline(lambda b=batch: runner.forward(b))
-                print_timeline(case["timeline"], args.top)
-            if args.sequence:
-                case["sequence"] = kernel_sequence(lambda b=on_device: runner.model(b, runner.kv_pool))
-            if args.sources:
-                case["sources"] = kernel_sources(lambda b=on_device: runner.model(b, runner.kv_pool), args.sources)
-                for src in case["sources"]:
-                    print(f"  {src['ms'] * 1e3:8.1f} us {src['kernels']:4d}x  {src['op']} {src['shapes']}  "
-                          f"at {src['at']}")
+    # Every case's timings first: once torch's profiler has run in a process, CUPTI stays attached and each graph
+    # launch costs the host more (the H200's b1 launch: 31 us before, 140 after), so a synchronous step timed after
+    # a profiled case ran 200 us slower than its back-to-back one (bench/RESULTS.md, twenty-fifth session)
+    cases = [(bs, ctx, dummy_decode(bs, ctx, runner.page_size, "cpu", runner.cfg.vocab_size))  # host batches
+             for ctx in contexts for bs in batches]
+    for bs, ctx, batch in cases:
+        step = cuda_time(lambda b=batch: runner.forward(b))
+        piped = pipelined_time(lambda b=batch: runner.forward(b))
+        bound = decode_bytes(runner, bs, ctx)["total"] / ceilings["copy_bytes_per_s"]
+        case = {"bs": bs, "ctx": ctx, "replay_ms": step * 1e3, "pipelined_ms": piped * 1e3,
+                "host_us": host_phases(runner, batch), "roofline_ms": bound * 1e3}
+        if args.ab:
+            case["ab"] = ab_replays(runner, batch, args.ab.split(","))
+        report["cases"].append(case)
+    for (_, _, batch), case in zip(cases, report["cases"], strict=True):
+        profiled(runner, batch, case, args)
     (out / "profile_decode.json").write_text(json.dumps(report, indent=1, default=float))
 
 
