@@ -342,6 +342,22 @@ def test_router_logits_match_reference_in_fp32(gen, model, t, bf16_valued):
     assert (tiled is not None) == (bf16_valued and RT.ROUTER_GEMV_MAX_T < t <= RT.TILE_GEMM_MAX_T)
 
 
+@pytest.mark.parametrize("t,e,h", [(128, 32, 6144), (256, 256, 6144), (33, 256, 7168), (200, 64, 7168)])
+def test_router_and_weights_proj_tiles_at_the_served_configs_shapes(gen, t, e, h):
+    """The split-K tiles at the slice's (32 experts), GLM-5.3's (256) and DeepSeek-V3.2's (hidden 7168) router
+    shapes and an indexer's 64 heads: expert blocks of 32 and 64 rows, which the tiny configs (8 experts) do not
+    reach. fp32 sums of exact bf16 products (the router); one bf16 rounding of them (weights_proj)."""
+    from dsaserve.kernels import triton_moe_route as RT
+
+    x = randn(t, h, gen=gen, dtype=torch.bfloat16)
+    w = randn(e, h, gen=gen, scale=h ** -0.5).bfloat16()
+    tiled = RT._tile_gemm(x, w.float(), torch.float32)
+    assert tiled is not None
+    torch.testing.assert_close(tiled, R.router_logits(x, w.float()), rtol=1e-5, atol=1e-5)
+    got = RT.small_linear(x, w)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().t(), rtol=2 ** -8, atol=1e-6)
+
+
 @pytest.mark.parametrize("t", [1, 7, 40, 128, 300])
 @pytest.mark.parametrize("model", MODELS)
 def test_small_linear_is_the_bf16_projection(gen, model, t):
