@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_fp8_gemm import num_sms
+from dsaserve.kernels.triton_fp8_gemm import even_split, num_sms
 from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_args
 
 
@@ -117,10 +117,12 @@ def _holds_bf16(weight: torch.Tensor) -> bool:
 
 def _tile_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
     """x [T, K] @ weight [E, K]^T -> [T, E] out_dtype for ROUTER_GEMV_MAX_T < T <= TILE_GEMM_MAX_T: split K over
-    about one program an SM, the splits' fp32 partials summed in order by a second launch. x in bf16 / fp16 and
+    about one program an SM, the splits' fp32 partials summed in a fixed order by a second launch. x in bf16 / fp16 and
     the weight in x's dtype, or fp32 holding bf16 values with a bf16 x; else None."""
     t, k = x.shape
     e = weight.shape[0]
+    # the weight's check comes before the row-count test on purpose: any eager call past ROUTER_GEMV_MAX_T rows (a
+    # warm-up, the memory profile) settles it, so a CUDA-graph capture of 33-256 rows finds it known
     sixteen = x.dtype in (torch.bfloat16, torch.float16) and (
         weight.dtype == x.dtype or (x.dtype == torch.bfloat16 and _holds_bf16(weight)))
     if not ROUTER_GEMV_MAX_T < t <= TILE_GEMM_MAX_T or not sixteen or k % 64 or x.stride(-1) != 1 or \
@@ -129,8 +131,7 @@ def _tile_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) ->
     block_t, block_e = 64, min(64, max(16, triton.next_power_of_2(e)))
     tiles = triton.cdiv(t, block_t) * triton.cdiv(e, block_e)
     blocks = k // 64
-    sms = num_sms(x.device.index if x.is_cuda else None)
-    splits = max((d for d in range(1, blocks + 1) if blocks % d == 0 and d * tiles <= sms and d <= 32), default=1)
+    splits = even_split(blocks, min(32, num_sms(x.device.index if x.is_cuda else None) // tiles))
     part = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     _tile_partial_kernel[(triton.cdiv(t, block_t), triton.cdiv(e, block_e), splits)](
         x, weight, part, t, e, k // splits, x.stride(0), weight.stride(0), BLOCK_T=block_t, BLOCK_E=block_e,

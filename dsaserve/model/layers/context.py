@@ -43,7 +43,7 @@ class StepContext:
     # layer's close run in one flow (not under piecewise graphs, whose segments read the output from a buffer)
     fold_combine: bool = False
     # tensors side-stream work reads after the main stream is done with them (the experts-touched count's ids):
-    # held until the forward joins the side stream (`DsaForCausalLM.forward_hidden`)
+    # held until the forward joins the side stream (`join_side_stream`, at the end of each forward)
     side_reads: list[torch.Tensor] = field(default_factory=list)
 
 
