@@ -188,8 +188,10 @@ def ab_setting(runner, name: str):
     single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`), "moe_swap" busy experts'
     decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "count_inline" the experts-touched count in
     the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
-    cuBLAS (not the split-K tiles), "fp32_head" float32 logits out of the lm_head's
-    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
+    cuBLAS (not the split-K tiles), "mla1:k=v/k=v" one token's sparse MLA tile overridden
+    (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
+    "fp32_head" float32 logits out of the lm_head's GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float
+    copy."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -203,6 +205,12 @@ def ab_setting(runner, name: str):
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
+    if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
+        conf = {k: int(v) if v.lstrip("-").isdigit() else v
+                for k, v in (kv.split("=", 1) for kv in name[5:].split("/"))}
+        old_conf = dict(triton_sparse_mla.ONE_TOKEN_CONFIG)
+        triton_sparse_mla.ONE_TOKEN_CONFIG.update(conf)
+        return lambda: (triton_sparse_mla.ONE_TOKEN_CONFIG.clear(), triton_sparse_mla.ONE_TOKEN_CONFIG.update(old_conf))
     if name in module_flags:
         module, attr, value = module_flags[name]
         old = getattr(module, attr)
@@ -285,7 +293,7 @@ def main() -> None:
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
-                    "router_cublas,fp32_head")
+                    "router_cublas,mla1:k=v/k=v,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

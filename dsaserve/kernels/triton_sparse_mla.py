@@ -315,6 +315,10 @@ def cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int, who:
     return typed, typed, typed, typed.stride(0), 0, 0, typed.stride(0), dc
 
 
+# overrides of one token's config (the batch-1 decode step's tile; bench/profile_decode.py's "mla1:" A/B settings)
+ONE_TOKEN_CONFIG: dict = {}
+
+
 @functools.lru_cache(maxsize=4)
 def _env_config(raw: str) -> dict:
     """DSASERVE_SPARSE_MLA_CONFIG: a JSON object of known config keys (the error names the switch); parsed once
@@ -390,6 +394,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
            "scan": max(16, min(2048, triton.next_power_of_2(n_keys)))}
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
+    if t == 1:
+        cfg.update(ONE_TOKEN_CONFIG)
     cfg.update(config or {})
     bh, bk = cfg["block_h"], cfg["block_k"]
     head_blocks = triton.cdiv(h, bh)
