@@ -157,7 +157,7 @@ def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
     """Median host µs of a replayed step's parts: the batch checks, staging (+ the H2D copy call when it is
     not inside the graph) and the graph launch call: the GPU idles through them in a synchronous step. Each rep
     starts after a sync, so no launch queue is full."""
-    g = runner.graphs
+    g = runner.graphs.runner_for(batch)  # the width class the batch replays
     bs = batch.batch_size
     bucket = next(b for b in g.buckets if b >= bs)
     times: dict[str, list[float]] = defaultdict(list)
@@ -190,8 +190,9 @@ def ab_setting(runner, name: str):
     the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
     cuBLAS (not the split-K tiles), "mla1:k=v/k=v" one token's sparse MLA tile overridden
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
-    "fp32_head" float32 logits out of the lm_head's GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float
-    copy."""
+    "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
+    narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
+    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -205,6 +206,9 @@ def ab_setting(runner, name: str):
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
+    if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
+        runner.graphs.runner_for = lambda batch: runner.graphs.widest
+        return lambda: vars(runner.graphs).pop("runner_for")
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         conf = {k: int(v) if v.lstrip("-").isdigit() else v
                 for k, v in (kv.split("=", 1) for kv in name[5:].split("/"))}
@@ -293,7 +297,7 @@ def main() -> None:
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
-                    "router_cublas,mla1:k=v/k=v,fp32_head")
+                    "router_cublas,mla1:k=v/k=v,wide_graphs,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

@@ -85,6 +85,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = _arg("largest decode batch captured in a CUDA graph (default: "
                                          "--max-running-requests, so every decode batch the scheduler forms has one)")
     disable_cuda_graph: bool = _arg("run every step eagerly (no decode or piecewise CUDA graphs)", False)
+    disable_narrow_decode_graphs: bool = _arg(
+        "capture the decode graphs at --max-model-len's page-table width only, not also at the indexer top-k's "
+        "(which a decode batch of requests within index_topk tokens replays: no long-row selection, a narrow "
+        "page-table copy)", False)
     disable_piecewise_cuda_graph: bool = _arg("run steps with a prefill part (mixed prefill + decode, prefill "
                                               "chunks) eagerly instead of on piecewise CUDA graphs", False)
     piecewise_cuda_graph_tokens: str | None = _arg(
@@ -152,7 +156,8 @@ class EngineArgs:
                              f"--max-num-batched-tokens {self.max_num_batched_tokens}")
         if self.piecewise_cuda_graph_tokens is not None:
             parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
-        for name in ("enable_prefix_caching", "disable_cuda_graph", "disable_piecewise_cuda_graph"):
+        for name in ("enable_prefix_caching", "disable_cuda_graph", "disable_piecewise_cuda_graph",
+                     "disable_narrow_decode_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}: must be a boolean, got {getattr(self, name)!r}")
         if self.disable_overlap_schedule is not None and not isinstance(self.disable_overlap_schedule, bool):

@@ -28,6 +28,7 @@ from dsaserve.distributed.parallel_state import initialize_model_parallel, local
 from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine import kernel_precompile
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
+from dsaserve.engine.decode_graphs import DecodeGraphs, width_classes
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
@@ -113,7 +114,7 @@ class ModelRunner(RunnerStartup):
         self.chunked_prefill_size, self.cuda_graph_max_bs = args.chunk_size, args.graph_max_bs
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
         self.profile: MemoryProfile | None = None
-        self.graphs: CudaGraphRunner | None = None
+        self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseRunner | None = None
         self.warmed_prefill: list[int] = []
         self.warmed: dict[str, Any] = {}
@@ -256,13 +257,16 @@ class ModelRunner(RunnerStartup):
         runner.capture(warm_each=not self._preload_hit())
         return runner
 
-    def _capture_decode(self) -> CudaGraphRunner:
+    def _capture_decode(self) -> DecodeGraphs:
         max_pages = -(-self.max_model_len // PAGE_SIZE)
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.cuda_graph_max_bs, max_pages, self.kv_pool.sink_page,
-                                 self.future_token_ids, moe_gather=self._dp_gather_graphs)
+        widths = width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE,
+                               narrow=not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs)
+        graphs = DecodeGraphs(lambda pages: CudaGraphRunner(
+            self.model, self.kv_pool, self.cuda_graph_max_bs, pages, self.kv_pool.sink_page, self.future_token_ids,
+            moe_gather=self._dp_gather_graphs), widths)
         # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
-        runner.capture(warm_each=not self._preload_hit())
-        return runner
+        graphs.capture(warm_each=not self._preload_hit())
+        return graphs
 
     def _load_tokenizer(self):
         """The checkpoint's tokenizer (offline Engine: prompts as text); the server's processes read their own."""

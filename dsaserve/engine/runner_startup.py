@@ -157,6 +157,7 @@ class RunnerStartup:
                 "kv_pool_ledger": self._ledger_pool_prediction(),
                 "kernels": describe_kernels(self.device),
                 "cuda_graph": {"buckets": sorted(self.graphs.graphs) if self.graphs else [],
+                               "page_table_widths": self.graphs.widths if self.graphs else [],
                                "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,

@@ -67,6 +67,28 @@ def test_graph_replay_of_a_host_batch_equals_the_eager_step_without_pdl(set_swit
     assert (replayed - eager).norm() / eager.norm() < 1e-2  # same kernels; a race would be far off
 
 
+def test_short_and_long_decode_batches_replay_their_width_class_and_give_the_eager_logits():
+    """Decode graphs in two page-table width classes (engine/decode_graphs.py): glm-5.3-mini's top-64 is one page,
+    so a step whose requests hold at most 64 keys replays the narrow class (the indexer takes every key, no long-row
+    selection), a longer one the class captured at max_model_len; each gives the eager step's logits."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    runner = ModelRunner.from_kwargs("glm-5.3-mini", dtype="bfloat16", device="cuda", num_pages=40,
+                                     cuda_graph_max_bs=4, max_model_len=1024)
+    assert runner.graphs.widths == [1, 16]
+    assert runner.manifest()["cuda_graph"]["page_table_widths"] == [1, 16]
+    for prompts, width in (([[5, 6, 7] * 15, [11] * 20, [3] * 62], 1), ([[5, 6, 7] * 15, [11] * 300, [3] * 62], 16)):
+        bases = [0, 8 * 64, 16 * 64]
+        runner.forward(contiguous_batch(prompts, [0] * 3, bases, runner.page_size))  # prefill, eager
+        step = contiguous_batch([[21], [22], [23]], [len(p) for p in prompts], bases, runner.page_size)
+        assert runner.graphs.runner_for(step) is runner.graphs.runners[width]
+        replayed = runner.forward(step).float().clone()
+        eager, _ = runner.model(step.to("cuda"), runner.kv_pool)
+        assert not replayed.isnan().any()
+        assert (replayed - eager.float()).norm() / eager.float().norm() < 1e-2, f"width {width}"
+
+
 @pytest.mark.parametrize("h2d_in_graph", ["1", "0"])
 def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits(set_switch, h2d_in_graph):
     """Back-to-back replays (overlap scheduling's order): a step's host batch is staged once the step before has
