@@ -39,7 +39,7 @@ class DecodeGraphs:
     the manifest's fields; those of one bucket set are the widest runner's)."""
 
     def __init__(self, make_runner: Callable[[int], CudaGraphRunner], widths: list[int]):
-        self.runners = {w: make_runner(w) for w in sorted(widths)}
+        self.runners = {w: make_runner(w) for w in sorted(widths)}  # narrowest first (`runner_for` relies on it)
         self.widest = self.runners[max(self.runners)]
         self.max_bs, self.buckets = self.widest.max_bs, self.widest.buckets
 
@@ -69,16 +69,15 @@ class DecodeGraphs:
         a warm run is retried after one), since the widest class's warm runs did the step's other first-use work
         (H200, glm-5.3-slice: the narrow class warmed bucket by bucket added 9 s to a cold start's capture)."""
         buckets = self.widest.capture(warm_each)
-        for _, runner in sorted(self.runners.items(), reverse=True):
-            if runner is not self.widest:
-                runner.pool_handle = self.widest.pool_handle
-                runner.capture(warm_each=False)
+        for width in reversed(self.widths[:-1]):
+            self.runners[width].pool_handle = self.widest.pool_handle
+            self.runners[width].capture(warm_each=False)
         return buckets
 
     def runner_for(self, batch: ForwardBatch) -> CudaGraphRunner:
         """The narrowest class whose width holds the batch's page table (the widest if none: its fallback says why)."""
         width = batch.page_table.shape[1]
-        return next((r for w, r in sorted(self.runners.items()) if w >= width), self.widest)
+        return next((r for w, r in self.runners.items() if w >= width), self.widest)  # narrowest first
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         return self.runner_for(batch).fallback_reason(batch, bucket)
