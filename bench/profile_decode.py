@@ -29,6 +29,7 @@ from dsaserve.kernels import (
     gluon_sparse_mla,
     triton_indexer_coop,
     triton_moe,
+    triton_moe_align,
     triton_moe_route,
     triton_sparse_mla,
 )
@@ -176,6 +177,18 @@ def host_phases(runner, batch, reps: int = 30) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def _key_values(spec: str) -> dict:
+    """"k=v/k=v" -> {k: v}, integer values as int."""
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in (kv.split("=", 1) for kv in spec.split("/"))}
+
+
+def _override(table: dict, conf: dict):
+    """Update a module's config dict in place; return the undo."""
+    old = dict(table)
+    table.update(conf)
+    return lambda: (table.clear(), table.update(old))
+
+
 def ab_setting(runner, name: str):
     """Apply one --ab setting to the runner's GPU ops or model and return its undo: "default" nothing,
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
@@ -192,7 +205,9 @@ def ab_setting(runner, name: str):
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
     "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
     narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
-    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy."""
+    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy, "busy:k=v/k=v" busy experts' decode MoE
+    tiles overridden (`triton_moe.BUSY_CONFIG`; g2_-prefixed keys GEMM2's own, e.g. busy:g2_block_n=64),
+    "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -205,16 +220,17 @@ def ab_setting(runner, name: str):
                     "router_cublas": (triton_moe_route, "TILE_GEMM_MAX_T", 0),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
-                    "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single")}
+                    "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single"),
+                    "align_launches": (triton_moe_align, "ONE_LAUNCH_PAIRS", 0)}
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
-        conf = {k: int(v) if v.lstrip("-").isdigit() else v
-                for k, v in (kv.split("=", 1) for kv in name[5:].split("/"))}
-        old_conf = dict(triton_sparse_mla.ONE_TOKEN_CONFIG)
-        triton_sparse_mla.ONE_TOKEN_CONFIG.update(conf)
-        return lambda: (triton_sparse_mla.ONE_TOKEN_CONFIG.clear(), triton_sparse_mla.ONE_TOKEN_CONFIG.update(old_conf))
+        return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))
+    if name.startswith("busy:"):  # e.g. busy:num_stages=3/g2_block_n=64: busy experts' decode MoE tiles
+        conf = _key_values(name[5:])
+        gemm2 = {k[3:]: conf.pop(k) for k in list(conf) if k.startswith("g2_")}
+        return _override(triton_moe.BUSY_CONFIG, {**conf, **({"gemm2": gemm2} if gemm2 else {})})
     if name in module_flags:
         module, attr, value = module_flags[name]
         old = getattr(module, attr)
@@ -297,7 +313,7 @@ def main() -> None:
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
-                    "router_cublas,mla1:k=v/k=v,wide_graphs,fp32_head")
+                    "router_cublas,mla1:k=v/k=v,busy:k=v/k=v,align_launches,wide_graphs,fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

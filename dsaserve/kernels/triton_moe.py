@@ -36,8 +36,12 @@ UNSORTED_MAX_PAIRS = 256  # T*k pairs up to which the swap-AB kernel needs no mo
 # 440.5 us (bench/RESULTS.md, twenty-fourth session). Busier experts (prefill chunks under PREFILL_MIN_PAIRS) keep
 # the swap-AB kernel, unmeasured there, whose per-pair sums are the unsorted kernel's to the bit; bf16 experts' tiles
 # so would need 320 KB of shared memory
+# GEMM1 (gate and up, K = hidden) on 64-column tiles of 4 warps, GEMM2 (K = 2048) on 128 x 8 warps: H200, 128 tokens
+# over 32 experts, 209.3 + 114.3 us against 216.7 + 114.3 with 128 x 8 warps for both (bench/probe_moe_b128.py,
+# twenty-seventh session)
 BUSY_EXPERT_PAIRS = 32
-BUSY_CONFIG = {"kernel": "gemm", "block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 4}
+BUSY_CONFIG = {"kernel": "gemm", "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4,
+               "gemm2": {"block_n": 128, "num_warps": 8, "num_stages": 4}}
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
@@ -352,6 +356,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     rows of the per-pair output are zeros, so the combine adds nothing for them. `shared`: at decode sizes
     (the unsorted kernel) one more expert of both GEMMs, its row summed by the combine in fp32 with the routed
     ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere `shared.run` (its module's own path), added.
+    `config["gemm2"]`: GEMM2's own block_n / num_warps / num_stages (its K is the expert width, not hidden).
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -381,6 +386,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     bm, bn, kernel = cfg["block_m"], cfg["block_n"], cfg["kernel"]
     launch = {"block_m": bm, "block_n": bn, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
               "kernel": kernel, "pairs_fastest": cfg.get("pairs_fastest", False)}
+    launch2 = {**launch, **cfg.get("gemm2", {}), "block_m": bm}  # GEMM2's own tiles over the same expert blocks
     if pairs == 0:
         return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
     route = topk_ids.contiguous() if kernel == "unsorted" else moe_align(topk_ids, e, bm)
@@ -398,7 +404,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     # per-pair rows, summed in fp32 below; absent pairs' rows are never written: zeros
     out = (torch.zeros if absent else torch.empty)(rows, h, dtype=act_dtype, device=x.device)
     tw = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch, shared=sh2)
+    _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch2, shared=sh2)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(h), 1024)
     add = add.contiguous() if add is not None else None

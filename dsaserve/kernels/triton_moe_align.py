@@ -11,6 +11,8 @@ Owns: the three Triton kernels behind `triton_moe.moe_align` and the prefill rou
 Stable, as the torch version was (`moe_align_torch`, kept as the spec and the CPU fallback): pairs of an
 expert keep their order. Every size is static (CUDA-graph capturable); the torch version took ~12 launches
 and a device sort (368 us for 32K pairs on the H200), this is 4 launches (one fill) of a few us each.
+Up to ONE_LAUNCH_PAIRS pairs (decode batches) `_align_one_kernel` does all of it in one program, each pair's
+slot from an atomic increment: the same runs, blocks and total, an expert's pairs in the atomics' order.
 Bins: experts 0..E-1, E (an absent expert's pairs: one last run past the total), E+1 (a chunk's tail).
 """
 
@@ -20,9 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import INTERPRET
+from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, pdl_args
 
 ALIGN_CHUNK = 1024  # pairs a count / scatter program sorts (a bitonic sort of 1024 int32 in registers)
+# pairs up to which one program does all of it (`_align_one_kernel`, slots by atomics: one launch and no sort,
+# where the three kernels and the fill took 19.6-20.4 us at 128 tokens x top-8 on the H200, and one program that
+# sorted 18.5: bench/RESULTS.md, twenty-seventh session); one binary for every such size (decode batches 33-256)
+ONE_LAUNCH_PAIRS = 2048
 ALIGN_BLOCK_BINS = 16384  # (M block, bin) comparisons a scatter program makes to find its blocks' experts
 
 
@@ -135,11 +141,44 @@ def _align_scatter_kernel(ids_ptr, base_ptr, pend_ptr, sorted_ptr, pos_ptr, bexp
     tl.store(bexp_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
 
 
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _align_one_kernel(ids_ptr, next_ptr, pend_ptr, total_ptr, sorted_ptr, pos_ptr, bexp_ptr, n, num_experts,
+                      max_blocks, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """The three kernels' work for n <= CHUNK pairs in one program, each pair's slot taken with an atomic
+    increment of its expert's next free slot (no sort): the order of an expert's pairs among its slots is the
+    atomics' (not stable), which changes no GEMM output (each pair's row is computed from its own activation row
+    alone) and no combine (it reads pairs by pos)."""
+    grid_dependency_sync(PDL)
+    idx = tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + idx, mask=idx < n, other=BINS - 1).to(tl.int32)
+    counts = tl.histogram(e, BINS)
+    bins = tl.arange(0, BINS)
+    live = bins <= num_experts
+    padded = tl.where(live, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    tl.store(pend_ptr + bins, tl.where(live, pend, 2**30))
+    tl.store(total_ptr, tl.sum(tl.where(bins < num_experts, padded, 0), axis=0))
+    tl.store(next_ptr + bins, pend - padded)
+    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):  # padding slots hold n (no pair)
+        tl.store(sorted_ptr + s0 + idx, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=s0 + idx < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # the run starts and the fill before any thread's atomics and scatter (other threads' stores)
+    keep = (idx < n) & (e <= num_experts)
+    dest = tl.atomic_add(next_ptr + e, 1, mask=keep, sem="relaxed")
+    tl.store(sorted_ptr + dest, idx, mask=keep)
+    tl.store(pos_ptr + idx, tl.where(e < num_experts, dest, -1), mask=keep)
+    for b0 in range(0, max_blocks, NB):
+        blocks = b0 + tl.arange(0, NB)
+        expert = tl.sum((pend[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
+
+
 def align_route(topk_ids: torch.Tensor, num_experts: int,
                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids, block_expert, total, pos, ends): `moe_align`'s three outputs, pos [T*k] int32, the slot of
     each pair in sorted_ids (-1 for an absent expert's pair, id num_experts), and ends [E] int32, where each
-    expert's padded run ends (expert e's rows are [ends[e-1], ends[e]), ends[-1] = total)."""
+    expert's padded run ends (expert e's rows are [ends[e-1], ends[e]), ends[-1] = total). Up to ONE_LAUNCH_PAIRS
+    pairs an expert's run holds its pairs in no fixed order (`_align_one_kernel`); above, in pair order."""
     flat = topk_ids.reshape(-1).contiguous()
     n = flat.numel()
     dev = flat.device
@@ -153,9 +192,15 @@ def align_route(topk_ids: torch.Tensor, num_experts: int,
     base = torch.empty_like(counts)
     pend = torch.empty(bins, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     pos = torch.empty(n, dtype=torch.int32, device=dev)
     bexp = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    if 0 < n <= ONE_LAUNCH_PAIRS:
+        sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+        _align_one_kernel[(1,)](flat, base, pend, total, sorted_ids, pos, bexp, n, num_experts, max_blocks,
+                                BINS=bins, CHUNK=ONE_LAUNCH_PAIRS, BLOCK_M=block_m, NB=64, num_warps=8,
+                                **pdl_args(dev))
+        return sorted_ids, bexp, total, pos, pend[:num_experts]
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     if chunks:
         _align_count_kernel[(chunks,)](flat, counts, n, BINS=bins, CHUNK=chunk)
     cb = max(1, 8192 // bins)
