@@ -207,7 +207,8 @@ def ab_setting(runner, name: str):
     narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy, "busy:k=v/k=v" busy experts' decode MoE
     tiles overridden (`triton_moe.BUSY_CONFIG`; g2_-prefixed keys GEMM2's own, e.g. busy:g2_block_n=64),
-    "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`)."""
+    "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`),
+    "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -244,12 +245,17 @@ def ab_setting(runner, name: str):
             ops.rope_inplace(k[..., :rope], cos, sin, interleaved)
             saved["indexer_k_write"](cache, layout, slots, k)
         ops.indexer_k_norm_write = apart
+    elif name == "shared_inline":
+        base = saved["fused_moe"]
+        ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
+                                                        "shared_beside": False})
     elif name == "shared_apart":
         base = saved["fused_moe"]  # the registry's own partial (bf16 activations) keeps its config
         ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
                                                         "fuse_shared": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
+                         "shared_inline, "
                          f"fp32_head, {', '.join(module_flags)})")
     return lambda: vars(ops).update(saved)
 
@@ -313,7 +319,8 @@ def main() -> None:
                     "that launched them (the aten kernels of a replayed graph break its PDL chain)")
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
-                    "router_cublas,mla1:k=v/k=v,busy:k=v/k=v,align_launches,wide_graphs,fp32_head")
+                    "router_cublas,mla1:k=v/k=v,busy:k=v/k=v,align_launches,shared_inline,wide_graphs,"
+                    "fp32_head")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

@@ -251,10 +251,10 @@ class SharedExpert(NamedTuple):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              add: torch.Tensor | None = None, absent: bool = False, shared: SharedExpert | None = None
-              ) -> torch.Tensor:
+              add: torch.Tensor | None = None, absent: bool = False, shared: SharedExpert | None = None,
+              side_stream: object = None) -> torch.Tensor:
     """Routed experts: sum_k w[t,k] * down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t,k] (+ add, e.g. the
-    shared expert's output, after the sum is rounded to x.dtype).
+    shared expert's output, after the sum is rounded to x.dtype). `side_stream`: the GPU op's (unused here).
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; FP8 with block scales, or dense when the
     scales are None (the CPU path dequantises once at load). `absent`: ids may be E — a pair whose expert

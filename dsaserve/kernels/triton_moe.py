@@ -340,10 +340,31 @@ def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = Non
     return {**cfg, **config}
 
 
+def _shared_beside(shared: SharedExpert, x: torch.Tensor,
+                   side: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """The shared expert's output (its module's own path: two cuBLAS GEMMs at batch 33-128) and, with a side
+    stream, the event its work there ends at: it then overlaps the routed experts' launches (their GEMMs leave
+    it SMs as their waves drain), where in line its under-filled GEMMs ran alone: H200, the slice's batch-64 step
+    2.842-2.844 ms against 2.887-2.891 overlapped, batch 128 3.203-3.208 against 3.188-3.222 (bench/RESULTS.md,
+    twenty-seventh session). The output is marked used by the current stream, so the allocator keeps its memory
+    until that stream's combine has read it (in a graph capture, to the capture's end: T x hidden bf16 a MoE
+    layer more in the graph pool)."""
+    if side is None:
+        return shared.run(x), None
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = shared.run(x)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    out.record_stream(main)
+    return out, ready
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
               w2_scale: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               add: torch.Tensor | None = None, config: dict | None = None, absent: bool = False,
-              shared: SharedExpert | None = None) -> torch.Tensor:
+              shared: SharedExpert | None = None, side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """GPU `reference.fused_moe`: x [T, H] -> sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ add) in x.dtype.
 
     `config` (the registry's fp8_act switch; benches, tuning) overrides block_m / block_n / num_warps / num_stages /
@@ -357,6 +378,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     (the unsorted kernel) one more expert of both GEMMs, its row summed by the combine in fp32 with the routed
     ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere `shared.run` (its module's own path), added.
     `config["gemm2"]`: GEMM2's own block_n / num_warps / num_stages (its K is the expert width, not hidden).
+    `side_stream`: where a shared expert that is not fused runs (`_shared_beside`), beside the router's work and
+    the routed GEMMs, joined before the combine (config "shared_beside": False keeps it in line).
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape
@@ -365,14 +388,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     pairs = t * top_k
     fp8 = w13_scale is not None
     cfg = launch_config(pairs, e, fp8, config, absent)
+    add_ready = None
     if shared is not None:
         if add is not None:
             raise ValueError("fused_moe: give the shared expert as `shared` or its output as `add`, not both")
         fuse = (cfg["fuse_shared"] and cfg["kernel"] == "unsorted" and fp8 and cfg["fp8_act"] and pairs > 0
                 and all(sh.shape == w.shape[1:] and sh.stride() == w.stride()[1:]  # read with the experts' strides
                         for sh, w in zip(shared[:4], (w13, w13_scale, w2, w2_scale), strict=True)))
-        if not fuse:
-            add, shared = shared.run(x), None
+        if not fuse:  # beside: only where the combine below reads it (it waits there)
+            beside_ok = cfg.get("shared_beside", True) and cfg["kernel"] != "dense" and pairs > 0 and x.is_cuda
+            beside = side_stream if beside_ok else None
+            (add, add_ready), shared = _shared_beside(shared, x, beside), None
     if cfg["kernel"] == "dense":  # dense grouped GEMMs over permuted rows (FP8 experts, FP8 activations)
         if not (fp8 and cfg["fp8_act"]):
             raise ValueError("fused_moe: kernel 'dense' needs FP8 experts and FP8 activations")
@@ -407,6 +433,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     _grouped_gemm(*activations(act), w2, w2_scale, out, tw, route, h, inter, 1, False, **launch2, shared=sh2)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(h), 1024)
+    if add_ready is not None:
+        torch.cuda.current_stream().wait_event(add_ready)
     add = add.contiguous() if add is not None else None
     _combine_k_kernel[(t, triton.cdiv(h, block))](out, y, y if add is None else add, h, TOP_K=top_k, BLOCK=block,
                                                   HAS_ADD=add is not None, SHARED=shared is not None,

@@ -164,3 +164,23 @@ def test_experts_touched_counted_on_the_side_stream_equal_the_one_stream_count(s
     single = touched(lambda: runner.model(contiguous_batch([[21]], [len(prompts[0])], bases[:1], runner.page_size)
                                           .to("cuda"), runner.kv_pool))
     assert side == replayed == one_stream > single > 0
+
+
+def test_unfused_shared_expert_on_the_side_stream_gives_the_one_stream_logits(set_switch):
+    """Decode batches past the unsorted MoE kernel's sizes (here 160 rows of top-2: 320 pairs) run the shared
+    expert apart, on the side stream beside the routed experts, joined before their combine; with every kernel
+    on one stream the step's logits are the same (the same kernels: bit for bit)."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    rows = 160
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=200,
+                                     cuda_graph_max_bs=1)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(20)] for i in range(rows)]
+    bases = [i * runner.page_size for i in range(rows)]
+    runner.forward(contiguous_batch(prompts, [0] * rows, bases, runner.page_size))
+    step = contiguous_batch([[i + 21] for i in range(rows)], [len(p) for p in prompts], bases, runner.page_size)
+    beside = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    set_switch("DSASERVE_OVERLAP_INDEXER", "0")
+    one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    assert torch.isfinite(beside).all() and torch.equal(beside, one_stream)

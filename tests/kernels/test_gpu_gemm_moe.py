@@ -306,6 +306,45 @@ def test_fused_moe_runs_the_shared_expert_as_one_more_expert(gen, t):
         moe.fused_moe(x, w13, s13, w2, s2, tw, ids, add=x, shared=shared)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams: a CUDA device")
+@pytest.mark.parametrize("capture", [False, True])
+def test_fused_moe_runs_an_unfused_shared_expert_on_the_side_stream(gen, capture):
+    """Past the unsorted kernel's sizes the shared expert runs apart (`shared.run`); given a side stream it runs
+    there, joined before the combine: bit for bit the in-line result, eagerly and replayed from a CUDA graph."""
+    from dsaserve.kernels import triton_elementwise as EW
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.kernels.reference import SharedExpert
+
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    t = moe.UNSORTED_MAX_PAIRS // k + 24  # past the fused sizes
+    x, w13, s13, w2, s2, tw, ids = _moe_inputs(gen, t, e, h, inter, k)
+    (g13, t13), (g2, t2) = quantize_fp8_block(randn(2 * inter, h, gen=gen, scale=0.05)), \
+        quantize_fp8_block(randn(h, inter, gen=gen, scale=0.05))
+    ran = []
+    shared = SharedExpert(g13, t13, g2, t2, lambda v: ran.append(torch.cuda.current_stream()) or G.fp8_linear(
+        EW.silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
+    side = torch.cuda.Stream()
+    inline = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared)
+    if not capture:
+        got = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side)
+    else:
+        graph, warm = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side)
+        torch.cuda.current_stream().wait_stream(warm)
+        with torch.cuda.graph(graph):
+            out = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side)
+        graph.replay()
+        got = out.clone()
+    torch.cuda.synchronize()
+    assert ran[-1] == side, "the shared expert did not run on the side stream"
+    assert torch.equal(got, inline), f"seed {gen.initial_seed()}"
+    off = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side, config={"shared_beside": False})
+    assert ran[-1] != side and torch.equal(off, inline)
+
+
 ROUTES = sorted({(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1), (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)}
                 | {(7, c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group) for c in MODELS.values()})
 

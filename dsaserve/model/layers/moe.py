@@ -167,8 +167,10 @@ class Experts(nn.Module):
         kernel runs as one more expert at decode sizes)."""
         weights, ids, local = local_routes(weights, ids, self.placement)  # global -> this rank's expert ids
         self._count_touched(ids if local is None else ids[local] if ids.device.type == "cpu" else ids, ctx)
+        side = getattr(ctx, "side_stream", None)  # where an unfused shared expert overlaps the routed ones
+        beside = {"side_stream": side} if shared is not None and side is not None else {}
         return ctx.ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, ids, add=add,
-                                 absent=local is not None, shared=shared)
+                                 absent=local is not None, shared=shared, **beside)
 
 
 DEVICE_EXPERT_COUNTERS: list[Experts] = []
