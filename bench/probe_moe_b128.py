@@ -5,8 +5,8 @@ Run on the device:  PYTHONPATH=. python bench/probe_moe_b128.py --out $OUT [--to
 Each case is a CUDA graph over `calls` routes (each its own random draw of TOP_K experts a token over all 32, as a
 trained router spreads a batch), so the experts stream from HBM. Printed: µs a call, the expert bytes it must read
 over that time, and that rate over the pure-read ceiling of the same run (`measure_ceilings`' read_Bps); "whole":
-fused_moe with the shared expert fused (the sorted kernel's expert E) or apart, the expert sort in one launch or
-four; each output's relative difference from the default's (whole) or the shipped tiles' (GEMMs).
+fused_moe with the shared expert (apart: past the unsorted kernel's sizes), the expert sort in one launch or four;
+each output's relative difference from the default's (whole) or the shipped tiles' (GEMMs).
 """
 
 from __future__ import annotations
@@ -88,19 +88,20 @@ def main() -> None:
     shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
     sh_bytes = g13.numel() + g2.numel() + 4 * (t13.numel() + t2.numel())
     want = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared)
+    one_launch_pairs = A.ONE_LAUNCH_PAIRS
     for tag, one_launch in (("default (one-launch sort)", True), ("four-launch sort", False)):
-        A.ONE_LAUNCH_PAIRS = 2048 if one_launch else 0
+        A.ONE_LAUNCH_PAIRS = one_launch_pairs if one_launch else 0
         got = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared)
         diff = float(((got.float() - want.float()).norm() / want.float().norm()).item())
         report("whole", tag, graph_time([lambda tw=tw, ids=ids: MOE.fused_moe(x, w13, s13, w2, s2, tw, ids,
                                                                                shared=shared)
                                          for tw, ids in routes]), b13 + b2 + sh_bytes, diff)
-    A.ONE_LAUNCH_PAIRS = 2048
+    A.ONE_LAUNCH_PAIRS = one_launch_pairs
     for tag, one_launch in (("one launch", True), ("four launches", False)):
-        A.ONE_LAUNCH_PAIRS = 2048 if one_launch else 0
+        A.ONE_LAUNCH_PAIRS = one_launch_pairs if one_launch else 0
         report("align", f"moe_align bm{bm} {tag}",
                graph_time([lambda ids=ids: MOE.moe_align(ids, E, bm) for _, ids in routes]), 0)
-    A.ONE_LAUNCH_PAIRS = 2048
+    A.ONE_LAUNCH_PAIRS = one_launch_pairs
     report("quant", "quant_act_fp8 x", graph_time([lambda: G.quant_act_fp8(x)] * len(routes)), 0)
     report("quant", "quant_act_fp8 act", graph_time([lambda a=a: G.quant_act_fp8(a) for a in acts]), 0)
     ref1 = [a.clone() for a in acts]

@@ -193,7 +193,8 @@ def ab_setting(runner, name: str):
     """Apply one --ab setting to the runner's GPU ops or model and return its undo: "default" nothing,
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
     indexer key's LayerNorm (torch), RoPE and write as three launches (not `indexer_k_norm_write`),
-    "shared_apart" the shared expert as its own GEMMs (not one more expert of `fused_moe`), "select_launches" the
+    "shared_apart" the shared expert as its own GEMMs in the step's chain (not one more expert of `fused_moe`, nor
+    on the side stream), "select_launches" the
     long-row select as its 7-8 launches (not the one cooperative launch of 1-2 rows; implies "score_apart"),
     "score_apart" the FP8 cache's 1-2 long rows scored by their own launch before the cooperative select (not
     both in one launch), "no_fold" sparse MLA's split
@@ -231,6 +232,7 @@ def ab_setting(runner, name: str):
     if name.startswith("busy:"):  # e.g. busy:num_stages=3/g2_block_n=64: busy experts' decode MoE tiles
         conf = _key_values(name[5:])
         gemm2 = {k[3:]: conf.pop(k) for k in list(conf) if k.startswith("g2_")}
+        gemm2 = {**triton_moe.BUSY_CONFIG.get("gemm2", {}), **gemm2}
         return _override(triton_moe.BUSY_CONFIG, {**conf, **({"gemm2": gemm2} if gemm2 else {})})
     if name in module_flags:
         module, attr, value = module_flags[name]
@@ -252,7 +254,7 @@ def ab_setting(runner, name: str):
     elif name == "shared_apart":
         base = saved["fused_moe"]  # the registry's own partial (bf16 activations) keeps its config
         ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
-                                                        "fuse_shared": False})
+                                                        "fuse_shared": False, "shared_beside": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
                          "shared_inline, "

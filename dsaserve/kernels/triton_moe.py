@@ -51,7 +51,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     Returns sorted_ids [max_blocks * block_m] int32 (pair index t*k+j, or T*k for padding), expert of each
     block [max_blocks] int32, and the padded total [1] int32 (blocks at or past it are skipped). Pairs of id
     num_experts (an absent expert's, `fused_moe(absent=True)`) sort into one last run past the total: no
-    GEMM block reads or writes them. Stable: an expert's pairs keep their order (`triton_moe_align`).
+    GEMM block reads or writes them. An expert's pairs keep their order past `triton_moe_align.ONE_LAUNCH_PAIRS`
+    pairs; up to it they fill the expert's run in no fixed order (no consumer depends on it).
     """
     return align_route(topk_ids, num_experts, block_m)[:3]
 
@@ -337,6 +338,8 @@ def launch_config(pairs: int, experts: int, fp8: bool, config: dict | None = Non
     if pairs >= PREFILL_MIN_PAIRS:
         cfg.update(block_m=64, block_n=64, num_warps=4, num_stages=4,
                    kernel=PREFILL_CONFIG["kernel"] if fp8_act else "gemm")
+    if "gemm2" not in config and {"block_n", "num_warps", "num_stages"} & config.keys():
+        cfg.pop("gemm2", None)  # the caller's tiles are both GEMMs'
     return {**cfg, **config}
 
 
@@ -344,11 +347,11 @@ def _shared_beside(shared: SharedExpert, x: torch.Tensor,
                    side: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """The shared expert's output (its module's own path: two cuBLAS GEMMs at batch 33-128) and, with a side
     stream, the event its work there ends at: it then overlaps the routed experts' launches (their GEMMs leave
-    it SMs as their waves drain), where in line its under-filled GEMMs ran alone: H200, the slice's batch-64 step
-    2.842-2.844 ms against 2.887-2.891 overlapped, batch 128 3.203-3.208 against 3.188-3.222 (bench/RESULTS.md,
-    twenty-seventh session). The output is marked used by the current stream, so the allocator keeps its memory
-    until that stream's combine has read it (in a graph capture, to the capture's end: T x hidden bf16 a MoE
-    layer more in the graph pool)."""
+    it SMs as their waves drain), where in line its under-filled GEMMs ran alone. H200, the slice's steps under
+    overlap scheduling, beside against in line: batch 64 2.842-2.844 ms against 2.887-2.891, batch 128
+    3.203-3.208 against 3.188-3.222: equal (bench/RESULTS.md, twenty-seventh session). The output is marked used
+    by the current stream, so the allocator keeps its memory until that stream's combine has read it (in a graph
+    capture, to the capture's end: T x hidden bf16 a MoE layer more in the graph pool)."""
     if side is None:
         return shared.run(x), None
     main = torch.cuda.current_stream()
@@ -378,8 +381,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     (the unsorted kernel) one more expert of both GEMMs, its row summed by the combine in fp32 with the routed
     ones (two skinny GEMMs and a SiLU launch fewer a layer); elsewhere `shared.run` (its module's own path), added.
     `config["gemm2"]`: GEMM2's own block_n / num_warps / num_stages (its K is the expert width, not hidden).
-    `side_stream`: where a shared expert that is not fused runs (`_shared_beside`), beside the router's work and
-    the routed GEMMs, joined before the combine (config "shared_beside": False keeps it in line).
+    `side_stream`: where a shared expert that is not fused runs (`_shared_beside`), beside the expert sort and the
+    routed GEMMs, joined before the combine (config "shared_beside": False keeps it in line).
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_ids)
     t, top_k = topk_ids.shape

@@ -1,6 +1,6 @@
 """GPU `moe_align`: sort (token, expert) pairs by expert, each expert's run padded to BLOCK_M (issue 17).
 
-Owns: the three Triton kernels behind `triton_moe.moe_align` and the prefill route's inverse permutation.
+Owns: the Triton kernels behind `triton_moe.moe_align` and the prefill route's inverse permutation.
   1. count (`_align_count_kernel`, one program a CHUNK of pairs): the chunk's histogram over the experts;
   2. scan (`_align_scan_kernel`, one program): per-expert totals, padded run starts, and for every (chunk,
      expert) the slot its first pair goes to, minus the pair's place in the chunk's expert-sorted order;
@@ -8,9 +8,10 @@ Owns: the three Triton kernels behind `triton_moe.moe_align` and the prefill rou
      registers (`tl.sort`), so pair p of the sorted chunk lands at base[chunk, expert] + p; also writes
      pos[pair] = its slot (-1 for an absent expert's pair) and, in programs past the chunks' count too,
      the expert of each BLOCK_M block.
-Stable, as the torch version was (`moe_align_torch`, kept as the spec and the CPU fallback): pairs of an
-expert keep their order. Every size is static (CUDA-graph capturable); the torch version took ~12 launches
-and a device sort (368 us for 32K pairs on the H200), this is 4 launches (one fill) of a few us each.
+Stable past ONE_LAUNCH_PAIRS, as the torch version was (`moe_align_torch`, kept as the spec and the CPU
+fallback): pairs of an expert keep their order. Every size is static (CUDA-graph capturable); the torch version
+took ~12 launches and a device sort (368 us for 32K pairs on the H200), this is 4 launches (one fill) of a few
+us each.
 Up to ONE_LAUNCH_PAIRS pairs (decode batches) `_align_one_kernel` does all of it in one program, each pair's
 slot from an atomic increment: the same runs, blocks and total, an expert's pairs in the atomics' order.
 Bins: experts 0..E-1, E (an absent expert's pairs: one last run past the total), E+1 (a chunk's tail).
@@ -148,7 +149,7 @@ def _align_one_kernel(ids_ptr, next_ptr, pend_ptr, total_ptr, sorted_ptr, pos_pt
     """The three kernels' work for n <= CHUNK pairs in one program, each pair's slot taken with an atomic
     increment of its expert's next free slot (no sort): the order of an expert's pairs among its slots is the
     atomics' (not stable), which changes no GEMM output (each pair's row is computed from its own activation row
-    alone) and no combine (it reads pairs by pos)."""
+    alone) and no combine (decode's reads pair t*k + j of token t, prefill's by pos)."""
     grid_dependency_sync(PDL)
     idx = tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + idx, mask=idx < n, other=BINS - 1).to(tl.int32)
@@ -185,21 +186,22 @@ def align_route(topk_ids: torch.Tensor, num_experts: int,
     if not (flat.is_cuda or INTERPRET):  # CPU tensors outside the interpreter (offline compiles, tools)
         return _route_torch(flat, num_experts, block_m)
     max_blocks = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m)
-    chunk = ALIGN_CHUNK
-    chunks = triton.cdiv(n, chunk)
     bins = triton.next_power_of_2(num_experts + 2)
-    counts = torch.empty(max(chunks, 1), bins, dtype=torch.int32, device=dev)
-    base = torch.empty_like(counts)
     pend = torch.empty(bins, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     pos = torch.empty(n, dtype=torch.int32, device=dev)
     bexp = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     if 0 < n <= ONE_LAUNCH_PAIRS:
         sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-        _align_one_kernel[(1,)](flat, base, pend, total, sorted_ids, pos, bexp, n, num_experts, max_blocks,
+        next_slot = torch.empty(bins, dtype=torch.int32, device=dev)
+        _align_one_kernel[(1,)](flat, next_slot, pend, total, sorted_ids, pos, bexp, n, num_experts, max_blocks,
                                 BINS=bins, CHUNK=ONE_LAUNCH_PAIRS, BLOCK_M=block_m, NB=64, num_warps=8,
                                 **pdl_args(dev))
         return sorted_ids, bexp, total, pos, pend[:num_experts]
+    chunk = ALIGN_CHUNK
+    chunks = triton.cdiv(n, chunk)
+    counts = torch.empty(max(chunks, 1), bins, dtype=torch.int32, device=dev)
+    base = torch.empty_like(counts)
     sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     if chunks:
         _align_count_kernel[(chunks,)](flat, counts, n, BINS=bins, CHUNK=chunk)

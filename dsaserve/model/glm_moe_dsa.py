@@ -166,8 +166,9 @@ class DsaForCausalLM(nn.Module):
         return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=fold_combine)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
-        """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`): GPU
-        kernels and decode-size batches only (the Triton selection; a prefill's scores fill the GPU alone).
+        """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`), and MoE layers
+        their experts-touched count and an unfused shared expert (`Experts.forward`): GPU kernels and decode-size
+        batches only (the Triton selection; a prefill's scores fill the GPU alone).
         DSASERVE_OVERLAP_INDEXER=0 keeps everything on one stream (A/B, bisecting)."""
         if not ops.graph_safe or not envs.DSASERVE_OVERLAP_INDEXER:
             return None

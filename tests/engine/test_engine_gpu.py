@@ -166,13 +166,17 @@ def test_experts_touched_counted_on_the_side_stream_equal_the_one_stream_count(s
     assert side == replayed == one_stream > single > 0
 
 
-def test_unfused_shared_expert_on_the_side_stream_gives_the_one_stream_logits(set_switch):
+def test_unfused_shared_expert_on_the_side_stream_gives_the_one_stream_logits(set_switch, monkeypatch):
     """Decode batches past the unsorted MoE kernel's sizes (here 160 rows of top-2: 320 pairs) run the shared
     expert apart, on the side stream beside the routed experts, joined before their combine; with every kernel
     on one stream the step's logits are the same (the same kernels: bit for bit)."""
     from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.kernels import triton_moe
     from dsaserve.model.forward_batch import contiguous_batch
 
+    sides = []
+    beside = triton_moe._shared_beside
+    monkeypatch.setattr(triton_moe, "_shared_beside", lambda sh, x, side: sides.append(side) or beside(sh, x, side))
     rows = 160
     runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=200,
                                      cuda_graph_max_bs=1)
@@ -180,7 +184,9 @@ def test_unfused_shared_expert_on_the_side_stream_gives_the_one_stream_logits(se
     bases = [i * runner.page_size for i in range(rows)]
     runner.forward(contiguous_batch(prompts, [0] * rows, bases, runner.page_size))
     step = contiguous_batch([[i + 21] for i in range(rows)], [len(p) for p in prompts], bases, runner.page_size)
-    beside = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    sides.clear()
+    got = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
+    assert sides and all(s is not None for s in sides), "the shared expert did not go to the side stream"
     set_switch("DSASERVE_OVERLAP_INDEXER", "0")
     one_stream = runner.model(step.to("cuda"), runner.kv_pool)[0].float()
-    assert torch.isfinite(beside).all() and torch.equal(beside, one_stream)
+    assert torch.isfinite(got).all() and torch.equal(got, one_stream)

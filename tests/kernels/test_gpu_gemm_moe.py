@@ -343,6 +343,8 @@ def test_fused_moe_runs_an_unfused_shared_expert_on_the_side_stream(gen, capture
     assert torch.equal(got, inline), f"seed {gen.initial_seed()}"
     off = moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side, config={"shared_beside": False})
     assert ran[-1] != side and torch.equal(off, inline)
+    moe.fused_moe(x, w13, s13, w2, s2, tw, ids, shared=shared, side_stream=side, config={"kernel": "dense"})
+    assert ran[-1] != side, "the dense path's own combine does not wait for the side stream: in line"
 
 
 ROUTES = sorted({(1, 32, 8, 1, 1), (37, 256, 8, 8, 4), (5, 8, 2, 1, 1), (3, 64, 6, 8, 3), (2, 160, 8, 1, 1)}

@@ -1,5 +1,6 @@
 """`triton_moe_align` (the expert sort of the MoE paths) against its torch spec `moe_align_torch`: the same
-sorted_ids, block experts and total bit for bit (stable), over several chunks and scan tiles, skewed routing
+sorted_ids (bit for bit past ONE_LAUNCH_PAIRS; up to it each expert's run holds the same pairs), block experts
+and total, over several chunks and scan tiles, skewed routing
 with experts nobody chose, absent experts (id E), and the inverse permutation pos.
 Set-up: tests/kernels/gpu_common.py."""
 
@@ -28,7 +29,7 @@ def _run_sorted(sorted_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("t,e,k,bm,chunk", [(1, 4, 1, 16, 1024), (37, 6, 3, 16, 1024), (90, 32, 8, 128, 64),
-                                            (160, 256, 8, 64, 32), (128, 32, 8, 64, 1024)])
+                                            (160, 256, 8, 64, 32), (128, 32, 8, 64, 1024), (256, 32, 8, 64, 1024)])
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_align_route_equals_the_torch_sort(gen, monkeypatch, t, e, k, bm, chunk, skewed, one_launch):

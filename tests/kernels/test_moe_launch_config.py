@@ -35,6 +35,15 @@ def test_busy_experts_take_the_wide_a_operand_tiles(experts):
         assert M.launch_config(2 * busy, experts, True)["kernel"] == "swap"
 
 
+def test_a_callers_tiles_are_both_gemms_unless_it_names_gemm2s():
+    busy = M.BUSY_EXPERT_PAIRS * 32
+    assert "gemm2" in M.launch_config(busy, 32, True)  # the busy tiles: GEMM2 on its own
+    tiles = M.launch_config(busy, 32, True, {"block_n": 128, "num_warps": 8})
+    assert "gemm2" not in tiles and tiles["block_n"] == 128  # one set of tiles for both
+    own = {"block_n": 32}
+    assert M.launch_config(busy, 32, True, {"num_warps": 8, "gemm2": own})["gemm2"] == own
+
+
 def test_bf16_experts_keep_the_swap_kernel_when_busy():
     assert M.launch_config(M.BUSY_EXPERT_PAIRS * 32, 32, False)["kernel"] == "swap"
 

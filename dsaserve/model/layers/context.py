@@ -37,7 +37,9 @@ class StepContext:
     sin: torch.Tensor | None
     ops: types.SimpleNamespace
     topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
-    side_stream: torch.cuda.Stream | None = None  # full layers' indexer selection overlaps the q path here
+    # full layers' indexer selection overlaps the q path here; the experts-touched count and an unfused shared
+    # expert (decode batches past the unsorted MoE kernel) overlap the routed experts
+    side_stream: torch.cuda.Stream | None = None
     staging: Any = None  # prefill_staging.for_step's decision for this step (None: not made yet, False: none)
     # sparse MLA may leave a split decode's partials on its output for W_uv's head GEMM to merge: the core and the
     # layer's close run in one flow (not under piecewise graphs, whose segments read the output from a buffer)
