@@ -88,23 +88,40 @@ def _align_count_kernel(ids_ptr, counts_ptr, n, BINS: tl.constexpr, CHUNK: tl.co
     tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(e, BINS))
 
 
+@triton.jit
+def _write_runs(counts, pend_ptr, total_ptr, num_experts, BINS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each bin's run padded to BLOCK_M from its pair count: stores pend (where each run ends; bins past the absent
+    expert's a large value) and total (where expert E-1's run ends); returns (padded, pend)."""
+    bins = tl.arange(0, BINS)
+    live = bins <= num_experts  # experts and the absent bin; the tail bin never lands anywhere
+    padded = tl.where(live, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    pend = tl.cumsum(padded, axis=0)
+    tl.store(pend_ptr + bins, tl.where(live, pend, 2**30))
+    tl.store(total_ptr, tl.sum(tl.where(bins < num_experts, padded, 0), axis=0))
+    return padded, pend
+
+
+@triton.jit
+def _write_block_experts(pend, bexp_ptr, blocks, num_experts, max_blocks, BLOCK_M: tl.constexpr):
+    """The expert of each BLOCK_M block: searchsorted(pend, its first slot, right=True), the runs ending at or
+    before that slot (blocks past the total: the last expert's, never run)."""
+    expert = tl.sum((pend[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(bexp_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
+
+
 @triton.jit(do_not_specialize=["num_chunks"])
 def _align_scan_kernel(counts_ptr, base_ptr, pend_ptr, total_ptr, num_chunks, num_experts,
                        BINS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr):
     """base[c, e] = start of e's padded run + e's pairs in chunks before c - pairs before e's in chunk c;
     pend[e] = end of e's padded run (bins past E: a large value); total = end of expert E-1's run."""
     bins = tl.arange(0, BINS)
-    live = bins <= num_experts  # experts and the absent bin; the tail bin never lands anywhere
     offs_c = tl.arange(0, CB)
     totals = tl.zeros([BINS], dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
         rows = c0 + offs_c
         tile = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=rows[:, None] < num_chunks, other=0)
         totals += tl.sum(tile, axis=0)
-    padded = tl.where(live, (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    pend = tl.cumsum(padded, axis=0)
-    tl.store(pend_ptr + bins, tl.where(live, pend, 2**30))
-    tl.store(total_ptr, tl.sum(tl.where(bins < num_experts, padded, 0), axis=0))
+    padded, pend = _write_runs(totals, pend_ptr, total_ptr, num_experts, BINS, BLOCK_M)
     run = pend - padded  # e's next free slot past the chunks done
     for c0 in range(0, num_chunks, CB):
         rows = c0 + offs_c
@@ -133,13 +150,8 @@ def _align_scatter_kernel(ids_ptr, base_ptr, pend_ptr, sorted_ptr, pos_ptr, bexp
         dest = tl.load(base_ptr + c * BINS + se, mask=keep, other=0) + idx
         tl.store(sorted_ptr + dest, pair, mask=keep)
         tl.store(pos_ptr + pair, tl.where(se < num_experts, dest, -1), mask=keep)
-    blocks = c * NB + tl.arange(0, NB)
-    bins = tl.arange(0, BINS)
-    pend = tl.load(pend_ptr + bins)
-    starts = blocks * BLOCK_M
-    # searchsorted(pend, start, right=True): the runs ending at or before the block's first slot
-    expert = tl.sum((pend[None, :] <= starts[:, None]).to(tl.int32), axis=1)
-    tl.store(bexp_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
+    pend = tl.load(pend_ptr + tl.arange(0, BINS))
+    _write_block_experts(pend, bexp_ptr, c * NB + tl.arange(0, NB), num_experts, max_blocks, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["n", "max_blocks"])
@@ -153,14 +165,8 @@ def _align_one_kernel(ids_ptr, next_ptr, pend_ptr, total_ptr, sorted_ptr, pos_pt
     grid_dependency_sync(PDL)
     idx = tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + idx, mask=idx < n, other=BINS - 1).to(tl.int32)
-    counts = tl.histogram(e, BINS)
-    bins = tl.arange(0, BINS)
-    live = bins <= num_experts
-    padded = tl.where(live, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    pend = tl.cumsum(padded, axis=0)
-    tl.store(pend_ptr + bins, tl.where(live, pend, 2**30))
-    tl.store(total_ptr, tl.sum(tl.where(bins < num_experts, padded, 0), axis=0))
-    tl.store(next_ptr + bins, pend - padded)
+    padded, pend = _write_runs(tl.histogram(e, BINS), pend_ptr, total_ptr, num_experts, BINS, BLOCK_M)
+    tl.store(next_ptr + tl.arange(0, BINS), pend - padded)
     for s0 in range(0, max_blocks * BLOCK_M, CHUNK):  # padding slots hold n (no pair)
         tl.store(sorted_ptr + s0 + idx, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=s0 + idx < max_blocks * BLOCK_M)
     tl.debug_barrier()  # the run starts and the fill before any thread's atomics and scatter (other threads' stores)
@@ -169,9 +175,7 @@ def _align_one_kernel(ids_ptr, next_ptr, pend_ptr, total_ptr, sorted_ptr, pos_pt
     tl.store(sorted_ptr + dest, idx, mask=keep)
     tl.store(pos_ptr + idx, tl.where(e < num_experts, dest, -1), mask=keep)
     for b0 in range(0, max_blocks, NB):
-        blocks = b0 + tl.arange(0, NB)
-        expert = tl.sum((pend[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(bexp_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
+        _write_block_experts(pend, bexp_ptr, b0 + tl.arange(0, NB), num_experts, max_blocks, BLOCK_M)
 
 
 def align_route(topk_ids: torch.Tensor, num_experts: int,
