@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 
 from bench.bench_kernels import graph_time, measure_ceilings
-from bench.sweep_moe_decode import INTER, TOP_K, E, H, _route
+from bench.sweep_moe_decode import INTER, TOP_K, E, H, _route, slice_experts
 from dsaserve.kernels import triton_fp8_gemm as G
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_moe_align as A
-from dsaserve.kernels.reference import SharedExpert
-from dsaserve.kernels.triton_elementwise import silu_and_mul
-from dsaserve.weights.fp8 import quantize_fp8_block
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.float() - want.float()).norm() / want.float().norm()).item())
 
 
 def _gemm_cases(stage: str) -> list[tuple[str, dict]]:
@@ -49,8 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    (w13, s13), (w2, s2) = (quantize_fp8_block(torch.randn(E, 2 * INTER, H, device="cuda") * 0.05),
-                            quantize_fp8_block(torch.randn(E, H, INTER, device="cuda") * 0.05))
+    w13, s13, w2, s2, shared, expert_bytes = slice_experts()
     ceilings = measure_ceilings()
     print({k: round(v / 1e12, 3) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
     t = args.tokens
@@ -83,16 +83,13 @@ def main() -> None:
         MOE._grouped_gemm(*xq, w13, s13, act, None, route, INTER, H, TOP_K, True, **launch)
     actq = [G.quant_act_fp8(a) for a in acts]
 
-    (g13, t13), (g2, t2) = (quantize_fp8_block(torch.randn(2 * INTER, H, device="cuda") * 0.05),
-                            quantize_fp8_block(torch.randn(H, INTER, device="cuda") * 0.05))
-    shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
-    sh_bytes = g13.numel() + g2.numel() + 4 * (t13.numel() + t2.numel())
+    sh_bytes = expert_bytes  # the shared expert has one routed expert's shape
     want = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared)
     one_launch_pairs = A.ONE_LAUNCH_PAIRS
     for tag, one_launch in (("default (one-launch sort)", True), ("four-launch sort", False)):
         A.ONE_LAUNCH_PAIRS = one_launch_pairs if one_launch else 0
         got = MOE.fused_moe(x, w13, s13, w2, s2, *routes[0], shared=shared)
-        diff = float(((got.float() - want.float()).norm() / want.float().norm()).item())
+        diff = _rel(got, want)
         report("whole", tag, graph_time([lambda tw=tw, ids=ids: MOE.fused_moe(x, w13, s13, w2, s2, tw, ids,
                                                                                shared=shared)
                                          for tw, ids in routes]), b13 + b2 + sh_bytes, diff)
@@ -118,12 +115,13 @@ def main() -> None:
             lc = {"block_m": bm, **{k: conf[k] for k in ("block_n", "num_warps", "num_stages", "kernel")}}
             try:
                 call(0, lc)
-                diff = float(((dst[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item())
+                diff = _rel(dst[0], ref[0])
                 sec = graph_time([lambda i=i, f=call, c=lc: f(i, c) for i in range(len(routes))])
             except Exception as exc:  # noqa: BLE001 - a config that does not fit is a data point
                 print(t, stage, tag, "failed", repr(exc)[:160], flush=True)
                 continue
             report(stage, tag, sec, nbytes, diff, conf)
+
 
 if __name__ == "__main__":
     main()

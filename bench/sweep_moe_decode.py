@@ -35,6 +35,17 @@ def _route(t: int, gen: torch.Generator, hot: int = E) -> tuple[torch.Tensor, to
     return torch.rand(t, TOP_K, generator=gen, device="cuda"), ids
 
 
+def slice_experts() -> tuple:
+    """The slice MoE layer's FP8 experts and shared expert (random weights, cuda): (w13, s13, w2, s2, shared,
+    bytes of one expert with its scales)."""
+    (w13, s13), (w2, s2) = (quantize_fp8_block(torch.randn(E, 2 * INTER, H, device="cuda") * 0.05),
+                            quantize_fp8_block(torch.randn(E, H, INTER, device="cuda") * 0.05))
+    (g13, t13), (g2, t2) = (quantize_fp8_block(torch.randn(2 * INTER, H, device="cuda") * 0.05),
+                            quantize_fp8_block(torch.randn(H, INTER, device="cuda") * 0.05))
+    shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
+    return w13, s13, w2, s2, shared, 3 * H * INTER + 4 * (s13[0].numel() + s2[0].numel())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -47,12 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    (w13, s13), (w2, s2) = (quantize_fp8_block(torch.randn(E, 2 * INTER, H, device="cuda") * 0.05),
-                            quantize_fp8_block(torch.randn(E, H, INTER, device="cuda") * 0.05))
-    (g13, t13), (g2, t2) = (quantize_fp8_block(torch.randn(2 * INTER, H, device="cuda") * 0.05),
-                            quantize_fp8_block(torch.randn(H, INTER, device="cuda") * 0.05))
-    shared = SharedExpert(g13, t13, g2, t2, lambda v: G.fp8_linear(silu_and_mul(G.fp8_linear(v, g13, t13)), g2, t2))
-    expert_bytes = 3 * H * INTER + 4 * (s13[0].numel() + s2[0].numel())
+    w13, s13, w2, s2, shared, expert_bytes = slice_experts()
     ceilings = measure_ceilings()
     rows = []
     for t, hot in itertools.product((int(v) for v in args.tokens.split(",")), (int(v) for v in args.hot.split(","))):
