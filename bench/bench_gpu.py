@@ -105,12 +105,24 @@ def touched_weight_bytes(model, bs: int, expert_bytes: float | None = None) -> f
     return total + (expert_bytes or 0.0) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
+def indexer_query_bytes(model) -> float:
+    """Bytes of the indexer's query-side weights (wq_b, weights_proj) over the main stack's full layers."""
+    full = [layer.self_attn.indexer for layer in model.model.layers[: model.cfg.num_hidden_layers]]
+    return sum(ix.wq_b.disk_bytes + ix.weights_proj.disk_bytes for ix in full if ix is not None)
+
+
 def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -> dict:
+    """What a decode step must read. Rows within the top-k (their pages hold at most index_topk keys) take every
+    key: no indexer key is scored and no query made (wq_b, weights_proj), so neither is counted (until the
+    twenty-eighth session the bound counted both at every context)."""
     cfg, pool = runner.cfg, runner.kv_pool
     n_full = len(cfg.full_indexer_layers)
     w = touched_weight_bytes(runner.model, bs, expert_bytes)
     kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
-    idx = bs * (ctx + 1) * pool.idx_bpt * n_full
+    every_key = -(-(ctx + 1) // runner.page_size) * runner.page_size <= cfg.index_topk
+    idx = 0 if every_key else bs * (ctx + 1) * pool.idx_bpt * n_full
+    if every_key:
+        w -= indexer_query_bytes(runner.model)
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
 
 

@@ -35,6 +35,7 @@ from dsaserve.kernels import (
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
+from dsaserve.model.layers import indexer as indexer_module
 from dsaserve.model.layers import moe
 
 
@@ -209,7 +210,9 @@ def ab_setting(runner, name: str):
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy, "busy:k=v/k=v" busy experts' decode MoE
     tiles overridden (`triton_moe.BUSY_CONFIG`; g2_-prefixed keys GEMM2's own, e.g. busy:g2_block_n=64),
     "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`),
-    "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream)."""
+    "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream),
+    "idx_queries" a batch within the top-k computing its indexer queries anyway
+    (`indexer.SKIP_QUERIES_FOR_ALL_KEYS`)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -223,7 +226,8 @@ def ab_setting(runner, name: str):
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single"),
-                    "align_launches": (triton_moe_align, "ONE_LAUNCH_PAIRS", 0)}
+                    "align_launches": (triton_moe_align, "ONE_LAUNCH_PAIRS", 0),
+                    "idx_queries": (indexer_module, "SKIP_QUERIES_FOR_ALL_KEYS", False)}
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
@@ -322,7 +326,7 @@ def main() -> None:
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
                     "router_cublas,mla1:k=v/k=v,busy:k=v/k=v,align_launches,shared_inline,wide_graphs,"
-                    "fp32_head")
+                    "fp32_head,idx_queries")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

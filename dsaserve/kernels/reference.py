@@ -117,33 +117,40 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout, slots: tor
     indexer_k_write(index_cache, layout, slots, k)
 
 
-def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout,
-                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
-                 page_size: int, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+def indexer_topk(q: torch.Tensor | None, head_weights: torch.Tensor | None, index_cache: torch.Tensor,
+                 layout: KVLayout, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+                 topk: int, page_size: int, seq_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
     """DSA lightning indexer: per query token, the top-k causal keys of its request, as physical slots.
 
     q [T, Hi, D] (RoPE applied), head_weights [T, Hi] (weights_proj output x Hi^-0.5 x D^-0.5, i.e. both
     HF scales folded: relu(s*x) = s*relu(x) for s > 0). Keys are positions 0..positions[t] of request
     req_index[t]; score_j = sum_h w[t,h] * relu(q[t,h] . k_j). Returns [T, topk] int64 slots, -1 padded
     when fewer than topk keys are visible. Tokens are request-major (ForwardBatch order).
+    q and head_weights None: requests of at most topk keys (`StepContext.all_keys`), every key a token sees in
+    position order, no scores.
     """
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    out = torch.full((positions.shape[0], topk), -1, dtype=torch.int64, device=positions.device)
     start = 0
     for r, (n_kv, n_new) in enumerate(zip(seq_lens, extend_lens, strict=True)):
         if n_new == 0:
             continue
-        pos = torch.arange(n_kv, device=q.device)
+        pos = torch.arange(n_kv, device=positions.device)
         slots = page_table[r, pos // page_size] * page_size + pos % page_size
+        unseen = pos[None, :] > positions[start:start + n_new, None]  # causal: keys past the token's position
+        if q is None:
+            if n_kv > topk:
+                raise ValueError(f"indexer_topk: no queries, but request {r} has {n_kv} keys, past top-{topk}")
+            out[start:start + n_new, :n_kv] = slots.expand(n_new, -1).masked_fill(unseen, -1)
+            start += n_new
+            continue
         keys = decode_index_k(index_pages.read_rows(index_cache, slots, layout, q.shape[-1]), layout).float()
         qs = q[start:start + n_new].float()  # [n_new, Hi, D]
         scores = torch.einsum("thd,kd->thk", qs, keys).relu()
         scores = torch.einsum("thk,th->tk", scores, head_weights[start:start + n_new].float())
-        qpos = positions[start:start + n_new]
-        scores = scores.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))
+        scores = scores.masked_fill(unseen, float("-inf"))
         k = min(topk, n_kv)
         vals, idx = scores.topk(k, dim=-1)
-        sel = slots[idx].masked_fill(vals == float("-inf"), -1)
-        out[start:start + n_new, :k] = sel
+        out[start:start + n_new, :k] = slots[idx].masked_fill(vals == float("-inf"), -1)
         start += n_new
     return out
 

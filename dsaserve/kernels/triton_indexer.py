@@ -380,7 +380,7 @@ def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch
                  extend_lens: list[int] | None = None) -> torch.Tensor:
     """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (seq/extend lens unused)."""
     layout = get_kv_layout(layout, "indexer_topk: layout")
-    t = q.shape[0]
+    t = req_index.shape[0]
     max_seq = page_table.shape[1] * page_size
     k = min(topk, max_seq)
     # slices start at multiples of 16 rows: their int64 position / request pointers stay 16-byte aligned, so

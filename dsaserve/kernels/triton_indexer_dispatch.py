@@ -67,14 +67,17 @@ def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.T
     return out
 
 
-def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
-                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
-                 page_size: int, seq_lens: list[int] | None = None,
+def indexer_topk(q: torch.Tensor | None, head_weights: torch.Tensor | None, index_cache: torch.Tensor,
+                 layout: KVLayout | str, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+                 topk: int, page_size: int, seq_lens: list[int] | None = None,
                  extend_lens: list[int] | None = None) -> torch.Tensor:
-    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded."""
+    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (q and head_weights None: a batch
+    within the top-k, every key)."""
     layout = get_kv_layout(layout, "indexer_topk: layout")
-    t, max_seq = q.shape[0], page_table.shape[1] * page_size
+    t, max_seq = req_index.shape[0], page_table.shape[1] * page_size
     if max_seq > topk:
+        if q is None:
+            raise ValueError(f"indexer_topk: no queries, but rows reach {max_seq} keys, past top-{topk}")
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # prefill builds a host block table
         prefill = t > triton_indexer.SELECT_MAX_ROWS and not capturing
         if (prefill and envs.DSASERVE_INDEXER_PREFILL == "gemm"

@@ -21,7 +21,7 @@ from dsaserve.distributed.parallel_state import get_parallel_state, validate_for
 from dsaserve.kernels.registry import get_ops
 from dsaserve.kernels.variants import SELECT_MAX_ROWS
 from dsaserve.model.forward_batch import ForwardBatch
-from dsaserve.model.layers.context import PagedKV, StepContext, join_side_stream
+from dsaserve.model.layers.context import PagedKV, StepContext, join_side_stream, takes_every_key
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import AttentionInputs, MLAAttention
@@ -159,11 +159,14 @@ class DsaForCausalLM(nn.Module):
     def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True,
                  fold_combine: bool = True) -> StepContext:
         """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture).
-        fold_combine: the cores run in one flow with the segments around them (`StepContext.fold_combine`)."""
+        fold_combine: the cores run in one flow with the segments around them (`StepContext.fold_combine`); only
+        then may a batch within the top-k skip its indexer queries (`StepContext.all_keys`)."""
         cos, sin = self.rotary(batch.positions, self.dtype) if rope else (None, None)
         ops = get_ops(batch.input_ids.device)
         stream = self._indexer_stream(batch, ops) if side_stream else None
-        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=fold_combine)
+        all_keys = fold_combine and takes_every_key(self.cfg, batch)
+        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=fold_combine,
+                           all_keys=all_keys)
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
         """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`), and MoE layers

@@ -174,12 +174,13 @@ def _checked(name: str, fn, bound: float, failures: list[str]):
                 why = _kv_rows_differ(index_pages.read_rows(g, every, args[1], d),
                                       index_pages.read_rows(w, every, args[1], d),
                                       lambda rows: decode_index_k(rows, args[1]), max_frac=1.0)
-            elif name == "indexer_topk" and not get_kv_layout(args[3]).plain_dtype and g is got:
+            elif name == "indexer_topk" and args[0] is not None and not get_kv_layout(args[3]).plain_dtype \
+                    and g is got:  # scored (no q: every key, compared as sets below)
                 why = _topk_of_rounded_q(got, args)
             else:
                 why = _differ(g, w, bound)
             if why:
-                failures.append(f"{name} {tuple(args[0].shape)}: {why}")
+                failures.append(f"{name} {tuple(getattr(args[0], 'shape', ()))}: {why}")
         return out
 
     return run
@@ -237,3 +238,23 @@ def test_mini_decode_merges_sparse_mlas_splits_in_w_uv(monkeypatch):
             assert merged == (DECODE_STEPS * len(model.kv_layer_ids) if fold_max else 0), merged
     for g, w in zip(runs[S.FOLD_MAX_T], runs[0], strict=True):
         assert rel(g, w) < 1e-3
+
+
+def test_mini_batch_within_the_top_k_skips_the_indexer_queries(monkeypatch):
+    """Requests within the top-64 take every key: with the indexer's queries skipped (`StepContext.all_keys`) no
+    wq_b runs, and the logits are bit for bit those of the path that computes them (both select by `take_all`)."""
+    from dsaserve.model.layers import indexer as IX
+
+    runs, calls = {}, []
+    with _gpu_ops_here():
+        for skip in (True, False):
+            monkeypatch.setattr(IX, "SKIP_QUERIES_FOR_ALL_KEYS", skip)
+            model, pool = _load(DEVICE, torch.bfloat16, keep_fp8=True)
+            for layer in model.model.layers:
+                if layer.self_attn.indexer is not None:
+                    layer.self_attn.indexer.wq_b.register_forward_hook(lambda *_, s=skip: calls.append(s))
+            steps = [([PROMPT_B, PROMPT_B[:7]], [0, 0]), ([[101], [202]], [20, 7]), ([[303], [404]], [21, 8])]
+            runs[skip] = [model(contiguous_batch(t, p, BASES, PAGE).to(DEVICE), pool)[0] for t, p in steps]
+    assert True not in calls and False in calls
+    for got, want in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(got, want)

@@ -44,9 +44,20 @@ class StepContext:
     # sparse MLA may leave a split decode's partials on its output for W_uv's head GEMM to merge: the core and the
     # layer's close run in one flow (not under piecewise graphs, whose segments read the output from a buffer)
     fold_combine: bool = False
+    # the batch's static row bound (page-table width x page size) is at most index_topk keys: every full layer
+    # takes every visible key, so its indexer computes no queries or head weights, only its key write
+    # (`Indexer.prepare`). Set from the batch by the whole forward (a decode graph's width class decides it at
+    # capture); never under piecewise graphs, whose segments serve batches of every width
+    all_keys: bool = False
     # tensors side-stream work reads after the main stream is done with them (the experts-touched count's ids):
     # held until the forward joins the side stream (`join_side_stream`, at the end of each forward)
     side_reads: list[torch.Tensor] = field(default_factory=list)
+
+
+def takes_every_key(cfg: ModelConfig, batch: ForwardBatch) -> bool:
+    """The batch's static row bound (page-table width x page size) is at most index_topk: the GPU selection's
+    `take_all` condition, so every full layer's top-k is every key its rows see, whatever the scores."""
+    return 0 < batch.page_table.shape[1] * batch.page_size <= cfg.index_topk
 
 
 def join_side_stream(ctx: StepContext) -> None:

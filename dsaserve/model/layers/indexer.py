@@ -20,6 +20,9 @@ from dsaserve.model.layers.context import StepContext
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.norm import LayerNorm
 
+# A/B switch (bench/profile_decode.py "idx_queries"): False computes the queries of a batch within the top-k too
+SKIP_QUERIES_FOR_ALL_KEYS = True
+
 
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str):
@@ -56,20 +59,25 @@ class Indexer(nn.Module):
         return x
 
     def prepare(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
-                k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The projections and the indexer-K write -> (q [T, Hi, D], head weights [T, Hi]). k_raw: wk(x) when
         the caller computed it in its merged projection (GPU path). Every GEMM of the indexer is here, so
-        `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream)."""
-        b, t = ctx.batch, x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), ctx)
+        `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream).
+        With ctx.all_keys the key write only, (None, None): the top-k is every key, whatever q would score
+        (wq_b, its RoPE and weights_proj: ~10 us a full layer of a batch-1 step, bench/RESULTS.md)."""
+        b = ctx.batch
         k_raw = self.wk(x) if k_raw is None else k_raw
         norm = self.k_norm
         ctx.ops.indexer_k_norm_write(ctx.pool.index_cache(self.layer_id), ctx.pool.layout, b.out_cache_loc, k_raw,
                                      norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved)
+        if ctx.all_keys and SKIP_QUERIES_FOR_ALL_KEYS:
+            return None, None
+        q = self._rope(self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim), ctx)
         return q, self.head_weights(x)
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Scores over the paged indexer cache and the top-k -> [T, index_topk] physical slots, -1 padded."""
+    def select(self, q: torch.Tensor | None, w: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+        """Scores over the paged indexer cache and the top-k -> [T, index_topk] physical slots, -1 padded.
+        q and w None (`prepare` under ctx.all_keys): every key each row sees, no scores."""
         b, cache = ctx.batch, ctx.pool.index_cache(self.layer_id)
         seq_lens, ext = b.host_lens()
         return ctx.ops.indexer_topk(q, w, cache, ctx.pool.layout, b.page_table, b.req_index, b.positions,

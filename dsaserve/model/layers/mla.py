@@ -110,7 +110,7 @@ class MLAAttention(nn.Module):
         q_idx = w_idx = None
         if self.indexer is not None:
             q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
-        selecting = q_idx is not None and ctx.side_stream is not None
+        selecting = self._selects(q_idx, ctx) and ctx.side_stream is not None
         if selecting:
             ctx.side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(ctx.side_stream):
@@ -132,7 +132,7 @@ class MLAAttention(nn.Module):
         the segments of a piecewise graph, on the batch's own rows and page-table width."""
         if a.selecting:  # a holds the side stream's inputs (allocated on this stream) past the join, so their
             torch.cuda.current_stream().wait_stream(ctx.side_stream)  # memory is not reused while it reads them
-        elif a.q_idx is not None:
+        elif self._selects(a.q_idx, ctx):
             ctx.topk_slots = self.indexer.select(a.q_idx, a.w_idx, ctx)
         elif ctx.topk_slots is None:
             raise RuntimeError(f"layer {self.layer_id}: a shared indexer layer needs an earlier full layer")
@@ -142,6 +142,11 @@ class MLAAttention(nn.Module):
             cache, layout, slots = staging.stage(ctx.ops, cache, layout, slots, self.kv_lora)
         ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, cache, layout, slots, self.softmax_scale, self.kv_lora,
                                      out=a.latent, defer_combine=ctx.fold_combine and staging is None)
+
+    def _selects(self, q_idx: torch.Tensor | None, ctx: StepContext) -> bool:
+        """Whether this layer makes the step's top-k: a full layer with its indexer queries, or under ctx.all_keys
+        (no queries) the first full layer, whose every-key selection the later ones reuse (it is the same)."""
+        return self.indexer is not None and (q_idx is not None or ctx.topk_slots is None)
 
     def post_attention(self, latent: torch.Tensor) -> torch.Tensor:
         """The attended latent through W_uv, then o_proj: [T, hidden] (TP: all-reduced by o_proj)."""
