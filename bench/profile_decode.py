@@ -27,6 +27,7 @@ from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
     gluon_sparse_mla,
+    triton_fp8_gemm,
     triton_indexer_coop,
     triton_moe,
     triton_moe_align,
@@ -211,6 +212,7 @@ def ab_setting(runner, name: str):
     tiles overridden (`triton_moe.BUSY_CONFIG`; g2_-prefixed keys GEMM2's own, e.g. busy:g2_block_n=64),
     "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`),
     "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream),
+    "quant:k=v/k=v" the activation quantiser's tile (`triton_fp8_gemm.QUANT_TILE`: rows, groups a program),
     "idx_queries" a batch within the top-k computing its indexer queries anyway
     (`indexer.SKIP_QUERIES_FOR_ALL_KEYS`)."""
     ops = get_ops(runner.device)
@@ -233,6 +235,8 @@ def ab_setting(runner, name: str):
         return lambda: vars(runner.graphs).pop("runner_for")
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))
+    if name.startswith("quant:"):  # e.g. quant:rows=1/groups=16: the activation quantiser's program tile
+        return _override(triton_fp8_gemm.QUANT_TILE, _key_values(name[6:]))
     if name.startswith("busy:"):  # e.g. busy:num_stages=3/g2_block_n=64: busy experts' decode MoE tiles
         conf = _key_values(name[5:])
         gemm2 = {k[3:]: conf.pop(k) for k in list(conf) if k.startswith("g2_")}
@@ -326,7 +330,7 @@ def main() -> None:
     ap.add_argument("--ab", default="", help="settings to time in turn, one process (`ab_setting`): default,"
                     "cublas_small,unfused_knorm,shared_apart,select_launches,no_fold,fp8_single,moe_swap,count_inline,"
                     "router_cublas,mla1:k=v/k=v,busy:k=v/k=v,align_launches,shared_inline,wide_graphs,"
-                    "fp32_head,idx_queries")
+                    "fp32_head,idx_queries,quant:k=v/k=v")
     ap.add_argument("--sequence", action="store_true", help="also record an eager step's kernels in launch order")
     ap.add_argument("--timeline", action="store_true", help="also record a replayed step's kernels: stream, start, "
                     "duration and what each added to the step")

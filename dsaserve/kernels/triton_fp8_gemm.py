@@ -74,6 +74,17 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_qm, 
     tl.store(s_ptr + m * stride_sm + offs_g * stride_sk, scale, mask=(offs_g * GROUP < K) & (m < M_PAD))
 
 
+# overrides of `quant_tile` for every call (bench/profile_decode.py's "quant:" A/B settings): "rows", "groups"
+QUANT_TILE: dict = {}
+
+
+def quant_tile(mp: int, kg: int) -> tuple[int, int]:
+    """(rows, 128-groups) a program of `_quant_group_kernel` for mp rows of kg groups."""
+    gpp = 4 if kg >= 4 else 1
+    rpp = 4 if mp >= 512 else 1  # decode rows stay one a program (more programs than SMs)
+    return QUANT_TILE.get("rows", rpp), min(QUANT_TILE.get("groups", gpp), triton.next_power_of_2(kg))
+
+
 def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M_pad, K], fp32 scales [M_pad, ceil(K/128)]), M_pad = M rounded up to pad_m_to.
 
@@ -85,8 +96,7 @@ def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = Fals
     q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(kg, mp, dtype=torch.float32, device=x.device).t() if scale_m_major else \
         torch.empty(mp, kg, dtype=torch.float32, device=x.device)
-    gpp = 4 if kg >= 4 else 1
-    rpp = 4 if mp >= 512 else 1  # decode rows stay one a program (more programs than SMs)
+    rpp, gpp = quant_tile(mp, kg)
     if mp > 0:
         _quant_group_kernel[(triton.cdiv(mp, rpp), triton.cdiv(kg, gpp))](
             x, q, s, m, mp, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=FP8_BLOCK,

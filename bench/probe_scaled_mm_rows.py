@@ -1,0 +1,106 @@
+"""cuBLAS's block-scaled FP8 GEMM (`_scaled_mm`) at decode batch sizes, by how many rows it is called with (issue 17:
+at batch 128 the slice's projections run at 0.9-2.4 TB/s; o_proj, qkv_a and the dense down fill 22-48 of the 132
+SMs with 128 x 128 output tiles).
+
+Run on the device:  PYTHONPATH=. python bench/probe_scaled_mm_rows.py --out $OUT
+Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all: from HBM, not L2). Variants:
+the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
+without the quantiser; every variant's output against the shipped one (pad 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from bench.bench_kernels import graph_time, measure_ceilings
+from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
+
+# (name, N, K) of the glm-5.3-slice's decode projections (qkv_a: q_a 2048 + kv_a 576 padded to 640 + wk 128)
+SHAPES = [("qkv_a", 2816, 6144), ("q_b", 16384, 2048), ("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144),
+          ("dense down", 6144, 12288), ("shared gate_up", 4096, 6144), ("shared down", 6144, 2048)]
+
+
+def _weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        s = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 + 1e-3
+        out.append((w, s))
+    return out
+
+
+def _mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int) -> torch.Tensor:
+    return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=s.t(), out_dtype=torch.bfloat16)[:m]
+
+
+def _quant_mm(x: torch.Tensor, pad: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return _mm(*quant_act_fp8(x, pad_m_to=pad, scale_m_major=True), w, s, x.shape[0])
+
+
+QUANT_TILES = [(1, 4), (1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (4, 4), (4, 8)]
+
+
+def quant_tiles(out: list[dict]) -> None:
+    """The activation quantiser (`quant_act_fp8`, cuBLAS's scale layout) by program tile (rows, 128-groups) at the
+    decode projections' K and 128 rows (and the MoE's 1024 pairs), each against the shipped tile's bytes."""
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    for m, k in ((128, 2048), (128, 6144), (128, 12288), (128, 16384), (1024, 2048), (64, 16384)):
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        want = quant_act_fp8(xs[0], pad_m_to=16, scale_m_major=True)
+        for rows, groups in QUANT_TILES:
+            G.QUANT_TILE.update(rows=rows, groups=groups)
+            try:
+                got = quant_act_fp8(xs[0], pad_m_to=16, scale_m_major=True)
+                same = all(torch.equal(g.float(), w.float()) for g, w in zip(got, want, strict=True))
+                t = graph_time([functools.partial(quant_act_fp8, x, 16, True) for x in xs])
+            finally:
+                G.QUANT_TILE.clear()
+            out.append({"quant_m": m, "k": k, "rows": rows, "groups": groups, "us": t * 1e6, "same": same})
+            print(f"quant m {m:5d} k {k:6d} rows {rows} groups {groups:2d}: {t * 1e6:6.2f} us, "
+                  f"{3 * m * k / t / 1e12:.2f} TB/s, same {same}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", action="store_true", help="only the activation quantiser's tiles")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--rows", default="64,128")
+    ap.add_argument("--pads", default="16,256,384,512")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ceilings = measure_ceilings()
+    print({k: round(v / 1e12, 3) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
+    rows = []
+    if args.quant:
+        quant_tiles(rows)
+    for name, n, k in SHAPES if not args.quant else ():
+        copies = max(2, -(-200_000_000 // (n * k)))
+        ws = _weights(n, k, copies)
+        nbytes = n * k + 4 * (n // 128) * (k // 128)
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = None
+            for pad in (int(v) for v in args.pads.split(",")):
+                a, a_s = quant_act_fp8(x, pad_m_to=pad, scale_m_major=True)
+                y = _mm(a, a_s, *ws[0], m)
+                want = y if want is None else want
+                rel = float(((y.float() - want.float()).norm() / want.float().norm()).item())
+                t_mm = graph_time([functools.partial(_mm, a, a_s, w, s, m) for w, s in ws])
+                t_all = graph_time([functools.partial(_quant_mm, x, pad, w, s) for w, s in ws])
+                row = {"shape": name, "n": n, "k": k, "m": m, "pad": pad, "mm_us": t_mm * 1e6,
+                       "quant_mm_us": t_all * 1e6, "mm_tb_s": nbytes / t_mm / 1e12, "rel": rel}
+                rows.append(row)
+                print(f"{name:15s} m {m:4d} pad {pad:4d}: mm {t_mm * 1e6:7.2f} us ({nbytes / t_mm / 1e12:.2f} TB/s), "
+                      f"quant+mm {t_all * 1e6:7.2f} us, rel {rel:.1e}", flush=True)
+        del ws
+    (args.out / "probe_scaled_mm_rows.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
