@@ -79,10 +79,13 @@ QUANT_TILE: dict = {}
 
 
 def quant_tile(mp: int, kg: int) -> tuple[int, int]:
-    """(rows, 128-groups) a program of `_quant_group_kernel` for mp rows of kg groups."""
-    gpp = 4 if kg >= 4 else 1
-    rpp = 4 if mp >= 512 else 1  # decode rows stay one a program (more programs than SMs)
-    return QUANT_TILE.get("rows", rpp), min(QUANT_TILE.get("groups", gpp), triton.next_power_of_2(kg))
+    """(rows, 128-groups) a program of `_quant_group_kernel` for mp rows of kg groups: 16 groups, one row below 512
+    rows, two from there. H200 (bench/probe_scaled_mm_rows.py --quant, bench/RESULTS.md twenty-eighth session), the
+    tile before (one row of 4 groups; 4 rows of 4 from 512) against this one: 128 x 16384 (o_proj's input) 6.01
+    against 3.02 us, 128 x 12288 4.85 / 2.71, 128 x 6144 2.88 / 2.26, 1024 x 2048 2.91 / 2.68; in the slice's
+    batch-128 step 3.144-3.149 ms overlapped against 3.162-3.173."""
+    rpp = 2 if mp >= 512 else 1
+    return QUANT_TILE.get("rows", rpp), min(QUANT_TILE.get("groups", 16), triton.next_power_of_2(kg))
 
 
 def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -349,20 +349,18 @@ def _shared_beside(shared: SharedExpert, x: torch.Tensor,
     stream, the event its work there ends at: it then overlaps the routed experts' launches (their GEMMs leave
     it SMs as their waves drain), where in line its under-filled GEMMs ran alone. H200, the slice's steps under
     overlap scheduling, beside against in line: batch 64 2.842-2.844 ms against 2.887-2.891, batch 128
-    3.203-3.208 against 3.188-3.222: equal (bench/RESULTS.md, twenty-seventh session).
-    The output is allocated on the current stream and filled on the side one, so the memory belongs to the stream
-    that reads and frees it: an output of the side stream marked used by this one (`record_stream`) is held until
-    a graph capture ends (T x hidden bf16 a MoE layer more in the graph pool: ~470 MB at GLM-5.3's 75 MoE layers
-    and 512-row bucket). The copy is the side stream's, off the step's chain."""
+    3.203-3.208 against 3.188-3.222: equal (bench/RESULTS.md, twenty-seventh session). The output is marked used
+    by the current stream, so the allocator keeps its memory until that stream's combine has read it (in a graph
+    capture, to the capture's end: T x hidden bf16 a MoE layer more in the graph pool)."""
     if side is None:
         return shared.run(x), None
     main = torch.cuda.current_stream()
-    out = torch.empty(x.shape[0], shared.w2.shape[0], dtype=x.dtype, device=x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        out.copy_(shared.run(x))
+        out = shared.run(x)
         ready = torch.cuda.Event()
         ready.record(side)
+    out.record_stream(main)
     return out, ready
 
 
