@@ -403,8 +403,10 @@ def test_router_and_weights_proj_tiles_at_the_served_configs_shapes(gen, t, e, h
 @pytest.mark.parametrize("model", MODELS)
 def test_small_linear_is_the_bf16_projection(gen, model, t):
     """The indexer's weights_proj (bf16 [Hi, H]) as one GEMV at decode sizes: fp32 sums rounded once to bf16, so
-    within one bf16 rounding of the fp32 product, whatever order cuBLAS sums in; 33-256 rows a tiled split-K
-    kernel's; past them cuBLAS's."""
+    within one bf16 rounding of the fp32 product; 33-256 rows a tiled split-K kernel's; past them cuBLAS's, the
+    reference's own call, which torch lets reduce in bf16 (`allow_bf16_reduced_precision_reduction`: split-K
+    partials rounded), so not within one rounding (H200, glm-5.3 at 300 rows: 1.2e-6 off a 4e-5 output, ~5 bf16
+    steps; bench/RESULTS.md twenty-eighth session)."""
     from dsaserve.kernels import triton_moe_route as RT
 
     hi, h = MODELS[model].index_n_heads, MODELS[model].hidden_size
@@ -413,8 +415,9 @@ def test_small_linear_is_the_bf16_projection(gen, model, t):
     got = RT.small_linear(x, w)
     exact = x.float() @ w.float().t()
     assert got.dtype == torch.bfloat16 and got.shape == (t, hi)
-    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
     if t > RT.TILE_GEMM_MAX_T:
         assert torch.equal(got, R.small_linear(x, w))
+        torch.testing.assert_close(got.float(), exact, rtol=2 ** -5, atol=1e-5)
     else:
+        torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
         assert t <= RT.ROUTER_GEMV_MAX_T or RT._tile_gemm(x, w, x.dtype) is not None
