@@ -111,17 +111,27 @@ def indexer_query_bytes(model) -> float:
     return sum(ix.wq_b.disk_bytes + ix.weights_proj.disk_bytes for ix in full if ix is not None)
 
 
+def skips_queries(runner, ctx: int) -> bool:
+    """Whether a decode step at `ctx` runs without indexer queries (the engine's `StepContext.all_keys`): the page
+    table it runs at holds at most index_topk keys, i.e. the narrowest decode-graph class that holds its rows (none
+    is narrow under DP-attention's gather graphs or --disable-narrow-decode-graphs), or eagerly the rows' own."""
+    pages = -(-(ctx + 1) // runner.page_size)
+    graphs = getattr(runner, "graphs", None)
+    width = min((w for w in graphs.widths if w >= pages), default=pages) if graphs else pages
+    return width * runner.page_size <= runner.cfg.index_topk
+
+
 def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -> dict:
-    """What a decode step must read. Rows within the top-k (their pages hold at most index_topk keys) take every
-    key: no indexer key is scored and no query made (wq_b, weights_proj), so neither is counted (until the
-    twenty-eighth session the bound counted both at every context)."""
+    """What a decode step must read. Rows within the top-k take every key: no indexer key is scored (whatever the
+    width), and where the step's page table is within the top-k too (`skips_queries`) no query is made (wq_b,
+    weights_proj); neither is counted then (until the twenty-eighth session the bound counted both at every
+    context). The ledger and the engine's byte counters (`model/step_counts.py`) still count both everywhere."""
     cfg, pool = runner.cfg, runner.kv_pool
     n_full = len(cfg.full_indexer_layers)
     w = touched_weight_bytes(runner.model, bs, expert_bytes)
     kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
-    every_key = -(-(ctx + 1) // runner.page_size) * runner.page_size <= cfg.index_topk
-    idx = 0 if every_key else bs * (ctx + 1) * pool.idx_bpt * n_full
-    if every_key:
+    idx = 0 if ctx + 1 <= cfg.index_topk else bs * (ctx + 1) * pool.idx_bpt * n_full
+    if skips_queries(runner, ctx):
         w -= indexer_query_bytes(runner.model)
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
 

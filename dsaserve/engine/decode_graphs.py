@@ -11,7 +11,8 @@ select's launches and their workspace fills, over rows that take every key anywa
 max_model_len wide. H200, glm-5.3-slice, batch 128 at a 1K context (bench/RESULTS.md, twenty-sixth session): ~200 µs
 of those kernels and a 2.1 MB copy; the step 3.40 ms from graphs captured for 128K against 3.30 from graphs
 captured for 1K. The narrow class is the top-k's width: a batch whose every request holds at most `index_topk`
-keys takes every visible key without a score (`indexer_topk`'s all-visible path).
+keys takes every visible key without a score (`indexer_topk`'s all-visible path) and without indexer queries
+(`StepContext.all_keys`: no wq_b, RoPE or weights_proj; 63 µs of a b128 1K step, twenty-eighth session).
 The classes share one memory pool (the widest, captured first, sizes it); the replay contract is one runner's:
 a replay's logits are valid until the next replay of either class.
 """

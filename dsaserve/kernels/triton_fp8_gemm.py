@@ -85,7 +85,10 @@ def quant_tile(mp: int, kg: int) -> tuple[int, int]:
     against 3.02 us, 128 x 12288 4.85 / 2.71, 128 x 6144 2.88 / 2.26, 1024 x 2048 2.91 / 2.68; in the slice's
     batch-128 step 3.144-3.149 ms overlapped against 3.162-3.173."""
     rpp = 2 if mp >= 512 else 1
-    return QUANT_TILE.get("rows", rpp), min(QUANT_TILE.get("groups", 16), triton.next_power_of_2(kg))
+    rows, groups = QUANT_TILE.get("rows", rpp), min(QUANT_TILE.get("groups", 16), triton.next_power_of_2(kg))
+    if rows & (rows - 1) or groups & (groups - 1) or min(rows, groups) < 1:  # the kernel's tl.arange of their product
+        raise ValueError(f"QUANT_TILE: rows {rows} and groups {groups} must be powers of two")
+    return rows, groups
 
 
 def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -374,11 +374,12 @@ def take_all(page_table: torch.Tensor, req_index: torch.Tensor, positions: torch
     return out
 
 
-def indexer_topk(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
-                 page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, topk: int,
-                 page_size: int, seq_lens: list[int] | None = None,
+def indexer_topk(q: torch.Tensor | None, head_weights: torch.Tensor | None, index_cache: torch.Tensor,
+                 layout: KVLayout | str, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
+                 topk: int, page_size: int, seq_lens: list[int] | None = None,
                  extend_lens: list[int] | None = None) -> torch.Tensor:
-    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (seq/extend lens unused)."""
+    """GPU `reference.indexer_topk` -> [T, topk] int64 physical slots, -1 padded (seq/extend lens unused). q and
+    head_weights may be None only within the top-k (the dispatch checks): `take_all` reads neither."""
     layout = get_kv_layout(layout, "indexer_topk: layout")
     t = req_index.shape[0]
     max_seq = page_table.shape[1] * page_size

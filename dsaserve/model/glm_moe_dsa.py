@@ -157,16 +157,16 @@ class DsaForCausalLM(nn.Module):
         return self._shapes[mtp]
 
     def _context(self, batch: ForwardBatch, pool: PagedKV, rope: bool = True, side_stream: bool = True,
-                 fold_combine: bool = True) -> StepContext:
+                 whole_forward: bool = True) -> StepContext:
         """rope=False: the RoPE rows are left to segment 0 (inside its graph under piecewise capture).
-        fold_combine: the cores run in one flow with the segments around them (`StepContext.fold_combine`); only
-        then may a batch within the top-k skip its indexer queries (`StepContext.all_keys`)."""
+        whole_forward: the cores run in one flow with the segments around them (`StepContext.fold_combine`), and a
+        batch within the top-k skips its indexer queries (`StepContext.all_keys`); not for piecewise segments,
+        which serve batches of every width (their own batch is a one-page placeholder)."""
         cos, sin = self.rotary(batch.positions, self.dtype) if rope else (None, None)
         ops = get_ops(batch.input_ids.device)
         stream = self._indexer_stream(batch, ops) if side_stream else None
-        all_keys = fold_combine and takes_every_key(self.cfg, batch)
-        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=fold_combine,
-                           all_keys=all_keys)
+        return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=whole_forward,
+                           all_keys=whole_forward and takes_every_key(self.cfg, batch))
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
         """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`), and MoE layers
@@ -201,7 +201,7 @@ class DsaForCausalLM(nn.Module):
 
     def segment_context(self, batch: ForwardBatch, pool: PagedKV) -> StepContext:
         """The context segments read (input_ids, positions, out_cache_loc; RoPE rows made by segment 0)."""
-        return self._context(batch, pool, rope=False, side_stream=False, fold_combine=False)
+        return self._context(batch, pool, rope=False, side_stream=False, whole_forward=False)
 
     def segment(self, i: int, ctx: StepContext, carry: SegmentCarry | None) -> SegmentCarry:
         """Segment i of the main stack, everything between two attention cores: segment 0 = RoPE rows +

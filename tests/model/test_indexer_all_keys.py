@@ -64,7 +64,7 @@ def test_a_batch_within_the_top_k_skips_the_indexer_queries(tiny_checkpoint, nam
 
 def test_the_reference_selection_without_queries_is_every_visible_key():
     page_table = torch.tensor([[5, 2], [7, 0]])
-    positions = torch.tensor([0, 1, 2, 3, 4])  # request 0: a 3-token prefill; request 1: 2 new after 0 cached
+    positions = torch.tensor([0, 1, 2, 3, 4])  # request 0: a 3-token prefill; request 1: 2 new after 3 cached
     req = torch.tensor([0, 0, 0, 1, 1])
     out = R.indexer_topk(None, None, torch.empty(0), "fp32", page_table, req, positions, 8, 4, [3, 5], [3, 2])
     assert out[0].tolist() == [20, -1, -1, -1, -1, -1, -1, -1]

@@ -36,7 +36,7 @@ class StepContext:
     cos: torch.Tensor | None  # [T, rope/2] (None until segment 0 makes them)
     sin: torch.Tensor | None
     ops: types.SimpleNamespace
-    topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer
+    topk_slots: torch.Tensor | None = None  # [T, index_topk] from the last full indexer layer (all_keys: the first)
     # full layers' indexer selection overlaps the q path here; the experts-touched count and an unfused shared
     # expert (decode batches past the unsorted MoE kernel) overlap the routed experts
     side_stream: torch.cuda.Stream | None = None

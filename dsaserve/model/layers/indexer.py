@@ -5,7 +5,8 @@ Owns: q_idx = wq_b(q_resid) -> [Hi, D], k_idx = LayerNorm(wk(h)) -> D, RoPE on t
 weights_proj(h) * Hi^-0.5 * D^-0.5. Shared layers reuse the slots this returns (stage 6, "indexer /
 reuse"). Slots are translated once here, so shared layers do no page-table work. Two entry points, no
 forward: `prepare` (every GEMM, the K write) on the compute stream, then `select` (scores + top-k), which
-MLAAttention may put on a side stream.
+MLAAttention may put on a side stream. A batch within the top-k (`StepContext.all_keys`) makes no queries: its
+top-k is every key, selected once a step (`MLAAttention._selects`).
 """
 
 from __future__ import annotations

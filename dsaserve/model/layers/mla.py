@@ -1,7 +1,8 @@
 """MLA attention with DSA sparse selection, over the paged latent cache (stage 6).
 
 Owns: q = q_b(norm(q_a(h))) split into nope/rope; latent = kv_a(h) -> RMSNorm(512 nope) | RoPE(64 rope)
-written to the pool; the indexer (full layers) or the reused top-k slots (shared layers); sparse MLA over the
+written to the pool; the indexer (full layers; within the top-k the first one's every-key selection serves the
+rest) or the reused top-k slots (shared layers); sparse MLA over the
 cache (a large prefill's pages staged first, `prefill_staging`); and weight absorption: q_nope is folded through
 W_uk so attention runs on the 576-dim latent, and the attended latent goes through W_uv before o_proj. Absorbed
 and expanded forms are the same math (HF expands K/V).
