@@ -350,8 +350,9 @@ def _shared_beside(shared: SharedExpert, x: torch.Tensor,
     it SMs as their waves drain), where in line its under-filled GEMMs ran alone. H200, the slice's steps under
     overlap scheduling, beside against in line: batch 64 2.842-2.844 ms against 2.887-2.891, batch 128
     3.203-3.208 against 3.188-3.222: equal (bench/RESULTS.md, twenty-seventh session). The output is marked used
-    by the current stream, so the allocator keeps its memory until that stream's combine has read it (in a graph
-    capture, to the capture's end: T x hidden bf16 a MoE layer more in the graph pool)."""
+    by the current stream, so the allocator keeps its memory until that stream's combine has read it. Whether a
+    graph capture then holds it to the capture's end is unconfirmed: on the H200 the peak allocation of 2 and of 10
+    captured layers was the same (twenty-eighth session)."""
     if side is None:
         return shared.run(x), None
     main = torch.cuda.current_stream()

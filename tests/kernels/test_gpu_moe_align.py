@@ -69,4 +69,3 @@ def test_align_route_takes_int32_ids_and_the_swap_kernel_path(gen):
     ends = A.run_ends_torch(ids.long(), 8, 16)  # 200 pairs: one launch, each run's pairs in the atomics' order
     assert torch.equal(_run_sorted(got[0], ends), _run_sorted(want[0], ends)), f"seed {gen.initial_seed()}"
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), f"seed {gen.initial_seed()}"
-
