@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.common.causal import takes_every_key
 from dsaserve.common.index_pages import write_rows
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
@@ -105,12 +106,6 @@ def touched_weight_bytes(model, bs: int, expert_bytes: float | None = None) -> f
     return total + (expert_bytes or 0.0) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
-def indexer_query_bytes(model) -> float:
-    """Bytes of the indexer's query-side weights (wq_b, weights_proj) over the main stack's full layers."""
-    full = [layer.self_attn.indexer for layer in model.model.layers[: model.cfg.num_hidden_layers]]
-    return sum(ix.wq_b.disk_bytes + ix.weights_proj.disk_bytes for ix in full if ix is not None)
-
-
 def skips_queries(runner, ctx: int) -> bool:
     """Whether a decode step at `ctx` runs without indexer queries (the engine's `StepContext.all_keys`): the page
     table it runs at holds at most index_topk keys, i.e. the narrowest decode-graph class that holds its rows (none
@@ -118,21 +113,22 @@ def skips_queries(runner, ctx: int) -> bool:
     pages = -(-(ctx + 1) // runner.page_size)
     graphs = getattr(runner, "graphs", None)
     width = min((w for w in graphs.widths if w >= pages), default=pages) if graphs else pages
-    return width * runner.page_size <= runner.cfg.index_topk
+    return takes_every_key(width, runner.page_size, runner.cfg.index_topk)
 
 
 def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -> dict:
     """What a decode step must read. Rows within the top-k take every key: no indexer key is scored (whatever the
     width), and where the step's page table is within the top-k too (`skips_queries`) no query is made (wq_b,
     weights_proj); neither is counted then (until the twenty-eighth session the bound counted both at every
-    context). The ledger and the engine's byte counters (`model/step_counts.py`) still count both everywhere."""
+    context). The engine's byte counters (`model/step_counts.py`) and the ledger follow the page-table width for
+    both; rows within the top-k in a wider table score no key on the GPU, which they do not model."""
     cfg, pool = runner.cfg, runner.kv_pool
     n_full = len(cfg.full_indexer_layers)
     w = touched_weight_bytes(runner.model, bs, expert_bytes)
     kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
     idx = 0 if ctx + 1 <= cfg.index_topk else bs * (ctx + 1) * pool.idx_bpt * n_full
     if skips_queries(runner, ctx):
-        w -= indexer_query_bytes(runner.model)
+        w -= runner.model.forward_shape().query_weight_bytes
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
 
 

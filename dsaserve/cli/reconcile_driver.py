@@ -37,6 +37,15 @@ def _stages_prefills(device: str) -> bool:
     return bool(envs.DSASERVE_PREFILL_STAGING) and get_ops(device).impls.get("stage_latent") != "reference"
 
 
+def _graph_widths(eng: Any) -> dict[str, Any]:
+    """The CUDA graphs' RunShape fields from the engine's start-up manifest (none on the CPU)."""
+    m = eng.core.manifest() if hasattr(eng.core, "manifest") else {}
+    decode, piecewise = m.get("cuda_graph") or {}, m.get("piecewise_cuda_graph") or {}
+    widths = tuple(decode.get("page_table_widths") or ()) if decode.get("buckets") else ()
+    return {"decode_graph_widths": widths, "decode_graph_max_bs": int(decode.get("max_bs") or 0) if widths else 0,
+            "segment_tokens": max(piecewise.get("buckets") or [0])}
+
+
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,
                max_tokens: int = DEFAULT_MAX_TOKENS, kv_layout: str = DEFAULT_KV_LAYOUT, dtype: str = "float32",
                device: str = "cpu", **engine_args: Any) -> RunRecord:
@@ -60,6 +69,6 @@ def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAU
     shape = RunShape(tuple(prompt_lens), max_tokens, kv_layout, dtype, page_size=int(pool["page_size"]),
                      max_num_batched_tokens=a.max_num_batched_tokens, chunked_prefill_size=a.chunked_prefill_size,
                      max_running_requests=a.max_running_requests, sink_pages=sink,
-                     prefill_staging=_stages_prefills(device))
+                     prefill_staging=_stages_prefills(device), **_graph_widths(eng))
     stats = eng.core.stats() if hasattr(eng.core, "stats") else {}
     return RunRecord(model, shape, counters, pool, {"engine_stats": stats, "device": device})

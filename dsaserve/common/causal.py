@@ -1,9 +1,11 @@
 """Causal attention counts of a chunk: keys the indexer scores and slots sparse MLA reads; rows a prefill stages.
 
 Owns: the closed forms both sides of the ledger use — its predictions (`ledger/prefill.py`,
-`ledger/reconcile.py`) and the engine's measured counters (`model/step_counts.py`, eager steps and graph
-replays alike), so prediction and measurement cannot drift apart by construction of the arithmetic; and the prefill
-staging's rule, by which the engine (`model/layers/prefill_staging.py`) decides and both ledgers predict. Pure Python.
+`ledger/reconcile.py`, `ledger/marginal.py`) and the engine's measured counters (`model/step_counts.py`, eager
+steps and graph replays alike), so prediction and measurement cannot drift apart by construction of the
+arithmetic; and two rules by which the engine decides and both ledgers predict: the prefill staging's
+(`model/layers/prefill_staging.py`) and the every-key rule (`takes_every_key`: a forward whose page table is within
+the top-k scores no indexer key). Pure Python.
 """
 
 from __future__ import annotations
@@ -12,6 +14,19 @@ from __future__ import annotations
 def keys_scored(prefix: int, tokens: int) -> int:
     """Causal (query, key) pairs of `tokens` queries after `prefix` cached tokens: sum_{p} (p + 1)."""
     return tokens * prefix + tokens * (tokens + 1) // 2
+
+
+def table_pages(seq_lens: list[int], page_size: int) -> int:
+    """The page-table width (pages) of a batch built for these lengths: its longest request's pages
+    (`engine/batch.py`, `contiguous_batch`)."""
+    return -(-max(seq_lens, default=0) // page_size)
+
+
+def takes_every_key(pages: int, page_size: int, index_topk: int) -> bool:
+    """A forward whose page table is `pages` wide holds at most index_topk keys a row, so every full layer's top-k is
+    every key its rows see, whatever the scores: the GPU selection scores none (`triton_indexer.take_all`), and a
+    whole forward computes no indexer queries either (`StepContext.all_keys`)."""
+    return 0 < pages * page_size <= index_topk
 
 
 def topk_selected(prefix: int, tokens: int, topk: int) -> int:

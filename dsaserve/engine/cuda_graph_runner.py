@@ -253,4 +253,4 @@ class CudaGraphRunner:
         COUNTERS.add("graph_replays")
         for k, v in g.static_counts.items():
             COUNTERS.add(k, v)
-        count_step(self.model.forward_shape(), self.pool, batch)
+        count_step(self.model.forward_shape(), self.pool, batch, pages=self.max_pages)  # the width it was captured at

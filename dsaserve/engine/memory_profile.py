@@ -26,6 +26,7 @@ from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 from dsaserve.model.layers import prefill_staging
+from dsaserve.model.layers.context import takes_every_key
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,15 @@ def indexer_score_budget() -> int:
     return SCORE_BUDGET
 
 
+def unscored_query_bytes(cfg, batch: ForwardBatch, dtype: torch.dtype) -> int:
+    """The indexer's queries (q [T, heads, dim] in the activation dtype, fp32 head weights [T, heads]) that a dummy
+    prefill within the top-k never makes (`StepContext.all_keys`), where a chunk of its size after a cached prefix
+    makes them; 0 when the dummy scores."""
+    if not cfg.full_indexer_layers or not takes_every_key(cfg, batch):
+        return 0
+    return batch.num_tokens * cfg.index_n_heads * (cfg.index_head_dim * dtype.itemsize + 4)
+
+
 def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: list[int], max_prefill_tokens: int,
                    max_decode_bs: int, mem_fraction_static: float, graph_reserve_bytes: int,
                    activation_copies: int = 1, dp_world: int = 1) -> MemoryProfile:
@@ -101,16 +111,16 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
     torch.cuda.reset_peak_memory_stats(device)
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the profile is not traffic
     try:
-        model(as_gather_step(dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device,
-                                           cfg.max_position_embeddings), dp_world), scratch)
+        prefill = dummy_prefill(max_prefill_tokens, page, cfg.vocab_size, device, cfg.max_position_embeddings)
+        model(as_gather_step(prefill, dp_world), scratch)
         decode = dummy_decode(min(max_decode_bs, pages // 2), 1, page, device, cfg.vocab_size)
         model(as_gather_step(decode, dp_world), scratch)
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
-    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget and a
-    # prefill stages up to 8x more context rows (model/layers/prefill_staging.py)
-    eager_only = indexer_score_budget() + prefill_staging.reserve_bytes(
+    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget, a prefill
+    # stages up to 8x more context rows (model/layers/prefill_staging.py) and a chunk within the top-k makes its queries
+    eager_only = indexer_score_budget() + unscored_query_bytes(cfg, prefill, dtype) + prefill_staging.reserve_bytes(
         get_ops(device), layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_prefill_tokens)
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only
     del scratch

@@ -189,7 +189,7 @@ class PiecewiseRunner:
             COUNTERS.add("piecewise_replays")
             for k, v in self.static_counts[bucket].items():
                 COUNTERS.add(k, v)
-        count_step(self.model.forward_shape(), self.pool, batch)
+        count_step(self.model.forward_shape(), self.pool, batch, pages=core.page_table.shape[1], segments=True)
         return logits
 
     @torch.inference_mode()

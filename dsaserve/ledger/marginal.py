@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsaserve.common.causal import takes_every_key
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.collective_plan import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
@@ -82,9 +83,10 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     share = kv_share_per_gpu(dep, asm)
     req_gpu = ceil_div(batch, dep.dp) if dep.dp_attention else batch
     selected = min(cfg.index_topk, context)
+    every_key = takes_every_key(ceil_div(context, asm.page_size), asm.page_size, cfg.index_topk)
     kv_bytes = req_gpu * selected * per_tok.main * share
-    idx_bytes = req_gpu * context * per_tok.indexer * share
-    w = sum(step_read_per_gpu(cfg, inv, dep, asm, batch).values())
+    idx_bytes = 0 if every_key else req_gpu * context * per_tok.indexer * share
+    w = sum(step_read_per_gpu(cfg, inv, dep, asm, batch, context=context).values())
     red = hidden_reduction_rows(plan)
     a2a = [r for r in plan if r.kind == "all_to_all"]
     gather = [r for r in plan if r.point.startswith("vocab")]
@@ -96,10 +98,12 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
              f"{req_gpu} requests/GPU x top-{selected} slots x {per_tok.main_per_layer} B x {per_tok.kv_layers} "
              f"layers" + (" / TP (layer split)" if share < 1 else "")),
         Term("indexer", "indexer K read", idx_bytes, 0, idx_bytes / hw.hbm_bw,
-             f"{req_gpu} requests/GPU x {context:,} keys x {per_tok.indexer_per_layer} B x "
+             f"none: {context:,} keys are within the top-{cfg.index_topk}, every one is taken unscored" if every_key
+             else f"{req_gpu} requests/GPU x {context:,} keys x {per_tok.indexer_per_layer} B x "
              f"{per_tok.indexer_layers} full layers"),
         Term("weights", "weight read", w, 0, w / hw.hbm_bw,
-             "replicated part + this GPU's experts touched by the step's tokens"),
+             "replicated part + this GPU's experts touched by the step's tokens"
+             + (" (within the top-k: no indexer query projections)" if every_key else "")),
         _rows_term("lm_gather", "LM-head logits gather", gather, hw, asm, "b x vocab x 4 B, ring all-gather"),
     )
     frac = experts_touched_fraction(cfg, batch, asm.expert_routing)

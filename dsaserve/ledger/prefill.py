@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsaserve.common.causal import keys_scored, staged_row_bytes, staged_rows, stages_latent, topk_selected
+from dsaserve.common.causal import (
+    keys_scored,
+    staged_row_bytes,
+    staged_rows,
+    stages_latent,
+    takes_every_key,
+    topk_selected,
+)
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.collective_plan import row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
@@ -88,7 +95,9 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         prefix = start + i * work.chunk
         t = min(work.chunk, ctx - prefix)
         last = i == n_chunks - 1
-        pairs = keys_scored(prefix, t)
+        # a chunk within the top-k takes every key unscored (the GPU selection's `take_all`)
+        every_key = takes_every_key(ceil_div(prefix + t, asm.page_size), asm.page_size, cfg.index_topk)
+        pairs = 0 if every_key else keys_scored(prefix, t)
         gemm = gemm_per_token * t + (lm_head if last else 0)
         slots = topk_selected(prefix, t, cfg.index_topk)
         attn = slot_flops * slots

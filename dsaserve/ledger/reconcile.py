@@ -25,14 +25,17 @@ from dsaserve.common.causal import (
     staged_row_bytes,
     staged_rows,
     stages_latent,
+    table_pages,
+    takes_every_key,
     topk_selected,
 )
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
+from dsaserve.kernels.variants import core_width
 from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.kv import indexer_bytes_per_token_layer, kv_bytes_per_token_layer
-from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of
+from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of, inventory
 from dsaserve.weights.spec import checkpoint_specs
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,6 +59,10 @@ class RunShape:
     max_running_requests: int = 128
     sink_pages: int = 0  # pool pages no request owns (CUDA: one page the graph's padding rows write to)
     prefill_staging: bool = False  # the run's kernels stage large prefills' rows as bf16 (GPU ops, switch on)
+    # CUDA graphs, which fix the page-table width a forward runs at (none: every step eager at its batch's width):
+    decode_graph_widths: tuple[int, ...] = ()  # the decode graphs' width classes, pages
+    decode_graph_max_bs: int = 0  # requests up to which a decode step replays them
+    segment_tokens: int = 0  # the largest piecewise bucket: a step with a prefill part up to it runs as segments
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or any(not isinstance(p, int) or p < 1 for p in self.prompt_lens):
@@ -69,6 +76,19 @@ class RunShape:
     @property
     def chunk(self) -> int:
         return self.chunked_prefill_size or self.max_num_batched_tokens
+
+
+    def forward_width(self, rows: list[Row]) -> tuple[int, bool]:
+        """(the page-table width a forward of these rows runs at, whether it runs as piecewise segments): a decode
+        graph's narrowest class that holds the batch (engine/decode_graphs.py), a piecewise core's padded width
+        (engine/piecewise_runner.py), else the batch's own (engine/batch.py)."""
+        pages = table_pages([r.prefix + r.new for r in rows], self.page_size)
+        if any(r.new != 1 for r in rows):
+            if sum(r.new for r in rows) <= self.segment_tokens:
+                return core_width(pages), True
+            return pages, False
+        fits = [w for w in self.decode_graph_widths if w >= pages]
+        return (min(fits) if fits and len(rows) <= self.decode_graph_max_bs else pages), False
 
 
 @dataclass(frozen=True)
@@ -145,6 +165,19 @@ def fixed_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> tuple
     return fixed, expert
 
 
+def query_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> float:
+    """Of `fixed_weight_bytes`, the full indexer layers' query projections (wq_b, weights_proj): a forward whose page
+    table is within the top-k does not read them (`common/causal.takes_every_key`) unless it runs as segments."""
+    return inventory(cfg).query_bytes.get("indexer", 0) / divisor("indexer", dep or Deployment(tp=1), Assumptions())
+
+
+def _every_key(cfg: ModelConfig, shape: RunShape, rows: list[Row]) -> tuple[bool, bool]:
+    """(this forward scores no indexer key, it computes no indexer queries): model/step_counts.py's rule."""
+    pages, segments = shape.forward_width(rows)
+    every = takes_every_key(pages, shape.page_size, cfg.index_topk)
+    return every, every and not segments
+
+
 def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None = None) -> dict[str, Predicted]:
     """Every counter of common/counters.py this run bumps, predicted from the config and the shape.
 
@@ -158,15 +191,20 @@ def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None
     tokens = [sum(r.new for r in s) for s in steps]
     written = sum(tokens)
     selected = sum(topk_selected(r.prefix, r.new, cfg.index_topk) for s in steps for r in s)
-    scored = sum(keys_scored(r.prefix, r.new) for s in steps for r in s)
+    every = [_every_key(cfg, shape, s) for s in steps]
+    scored = sum(keys_scored(r.prefix, r.new) for s, (no_keys, _) in zip(steps, every, strict=True) for r in s
+                 if not no_keys)
     dep = Deployment(tp=shape.tp, ep=shape.ep, dp_attention=shape.dp_attention)
     fixed, expert = fixed_weight_bytes(cfg, dep)
+    queries = query_weight_bytes(cfg, dep)
+    fixed_all = sum(fixed - (queries if no_queries else 0) for _, no_queries in every)
+    skipped = sum(no_queries for _, no_queries in every)
     n_moe, local = len(cfg.moe_layers), e // shape.ep  # experts one rank can read
-    expect = sum(fixed + n_moe * expert * local * experts_touched_fraction(cfg, t, "uniform") for t in tokens)
-    lo = sum(fixed + n_moe * expert * (min(k, e) if shape.ep == 1 else 0) for t in tokens)
-    hi = sum(fixed + n_moe * expert * min(local, t * k) for t in tokens)
+    expect = fixed_all + sum(n_moe * expert * local * experts_touched_fraction(cfg, t, "uniform") for t in tokens)
+    lo = fixed_all + sum(n_moe * expert * (min(k, e) if shape.ep == 1 else 0) for t in tokens)
+    hi = fixed_all + sum(n_moe * expert * min(local, t * k) for t in tokens)
     if experts_touched is not None:
-        expect = lo = hi = len(steps) * fixed + experts_touched * expert
+        expect = lo = hi = fixed_all + experts_touched * expert
     out = {
         "forward_steps": _exact(len(steps), f"{len(steps)} forwards: scheduler replay (budget "
                                 f"{shape.max_num_batched_tokens}, chunk {shape.chunk})"),
@@ -176,8 +214,10 @@ def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None
         "kv_bytes_read": _exact(selected * kv_bpt * n_kv, f"{selected} selected slots (min(top-k, pos+1) per "
                                 f"query) x {kv_bpt} B x {n_kv} layers"),
         "indexer_bytes_read": _exact(scored * idx_bpt * n_full, f"{scored} causal keys scored x {idx_bpt} B x "
-                                     f"{n_full} full layers"),
-        "weight_bytes_read": Predicted(expect, lo, hi, f"per forward {fixed:,} B fixed + distinct routed experts "
+                                     f"{n_full} full layers (none in the {sum(n for n, _ in every)} forwards within "
+                                     f"the top-k)"),
+        "weight_bytes_read": Predicted(expect, lo, hi, f"per forward {fixed:,.0f} B fixed ({queries:,.0f} B of indexer "
+                                       f"queries fewer in the {skipped} within the top-k) + distinct routed experts "
                                        f"x {expert:,} B x {n_moe} layers: expected under uniform routing; range "
                                        f"{k} .. min({e}, tokens x {k}) experts"),
     }
@@ -313,7 +353,9 @@ class RunRecord:
                              "max_num_batched_tokens": s.max_num_batched_tokens,
                              "chunked_prefill_size": s.chunked_prefill_size,
                              "max_running_requests": s.max_running_requests, "sink_pages": s.sink_pages,
-                             "prefill_staging": s.prefill_staging},
+                             "prefill_staging": s.prefill_staging,
+                             "decode_graph_widths": list(s.decode_graph_widths),
+                             "decode_graph_max_bs": s.decode_graph_max_bs, "segment_tokens": s.segment_tokens},
                 "counters": dict(self.counters), "kv_pool": dict(self.kv_pool), **self.extra}
 
 
@@ -335,6 +377,7 @@ def run_from_dict(d: dict[str, Any]) -> RunRecord:
     if extra:
         raise ValueError(f"run file workload.{extra[0]}: unknown field")
     shape = RunShape(**{**{k: v for k, v in work.items()}, "prompt_lens": tuple(work["prompt_lens"]),
+                        "decode_graph_widths": tuple(work.get("decode_graph_widths", ())),
                         "tp": int(dep.get("tp", 1)), "ep": int(dep.get("ep", 1)),
                         "dp_attention": bool(dep.get("dp_attention", False))})
     rest = {k: v for k, v in d.items() if k not in ("config", "deployment", "workload", "counters", "kv_pool")}

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from dsaserve.common.causal import takes_every_key
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.weights.spec import checkpoint_specs
@@ -44,6 +45,9 @@ _RULES = [
     ("mtp_extra", re.compile(r"\.(enorm|hnorm|eh_proj|shared_head\.norm)\.")),
 ]
 
+# the indexer's query projections: a step within the top-k does not run them (`common/causal.takes_every_key`)
+_INDEXER_QUERY = re.compile(r"\.indexer\.(wq_b|weights_proj)\.")
+
 
 @dataclass
 class WeightInventory:
@@ -51,6 +55,7 @@ class WeightInventory:
 
     bytes: dict[str, int] = field(default_factory=dict)
     params: dict[str, int] = field(default_factory=dict)
+    query_bytes: dict[str, int] = field(default_factory=dict)  # of "indexer" / "mtp.indexer": wq_b + weights_proj
     expert_bytes: int = 0  # one routed expert of one layer, FP8 + scales
     expert_params: int = 0
     moe_layers: int = 0
@@ -94,6 +99,8 @@ def inventory(cfg: ModelConfig) -> WeightInventory:
         group = group_of(t.name)
         key_ = ("mtp." if t.name.startswith(mtp_prefixes) else "") + group
         inv.bytes[key_] = inv.bytes.get(key_, 0) + t.nbytes
+        if _INDEXER_QUERY.search(t.name):
+            inv.query_bytes[key_] = inv.query_bytes.get(key_, 0) + t.nbytes
         if not t.name.endswith("_scale_inv"):
             inv.params[key_] = inv.params.get(key_, 0) + math.prod(t.shape)
         if first_moe is not None and t.name.startswith(f"model.layers.{first_moe}.mlp.experts.0."):
@@ -136,15 +143,19 @@ def experts_touched_fraction(cfg: ModelConfig, tokens: int, routing: str) -> flo
 
 
 def step_read_per_gpu(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, asm: Assumptions,
-                      tokens: int, routing: str | None = None) -> dict[str, float]:
+                      tokens: int, routing: str | None = None, context: int | None = None) -> dict[str, float]:
     """Weight bytes one GPU reads in one forward over `tokens` tokens (the whole deployment's tokens:
-    under EP every rank's experts see the global batch). Embedding rows are a gather, not a read."""
+    under EP every rank's experts see the global batch). Embedding rows are a gather, not a read. `context`: a decode
+    step's keys a request; within the top-k its full layers skip the indexer's query projections."""
     frac = experts_touched_fraction(cfg, tokens, routing or asm.expert_routing)
+    every_key = context is not None and takes_every_key(-(-context // asm.page_size), asm.page_size, cfg.index_topk)
     out: dict[str, float] = {}
     for g, b in stored_per_gpu(inv, dep, asm).items():
         if g.removeprefix("mtp.") == "embed":
             continue
         out[g] = b * frac if g.removeprefix("mtp.") == "experts" else b
+        if every_key and g in inv.query_bytes:
+            out[g] -= inv.query_bytes[g] / divisor(g, dep, asm)
     return out
 
 

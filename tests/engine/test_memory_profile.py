@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from dsaserve.engine.memory_profile import CompileCache, dummy_decode, dummy_prefill
+from dsaserve.config import load_config
+from dsaserve.engine.memory_profile import CompileCache, dummy_decode, dummy_prefill, unscored_query_bytes
 
 
 @pytest.mark.parametrize("tokens,max_len", [(2304, 2048), (2048, 2048), (130, 100), (70, None)])
@@ -16,6 +18,16 @@ def test_dummy_prefill_keeps_positions_inside_the_rope_table_and_its_pages(token
     assert int(b.positions.max()) < (max_len or tokens)
     assert b.out_cache_loc.unique().numel() == tokens  # one slot per token
     assert int(b.out_cache_loc.max()) < -(-tokens // 64) * 64  # within the pages one request would take
+
+
+def test_a_dummy_prefill_within_the_top_k_adds_the_queries_it_did_not_make():
+    """glm-5.3-mini selects top-64: a 64-token dummy takes every key and makes no indexer queries, which a 64-token
+    chunk after a cached prefix does: q [64, 16 heads, 64] bf16 + fp32 head weights [64, 16]."""
+    cfg = load_config("glm-5.3-mini")
+    assert unscored_query_bytes(cfg, dummy_prefill(64, 64, 100, "cpu"), torch.bfloat16) == 64 * 16 * (64 * 2 + 4)
+    assert unscored_query_bytes(cfg, dummy_prefill(65, 64, 100, "cpu"), torch.bfloat16) == 0  # scored: measured
+    # past max_len the dummy is requests of max_len: each within the top-k, though the chunk is not
+    assert unscored_query_bytes(cfg, dummy_prefill(130, 64, 100, "cpu", 64), torch.float32) == 130 * 16 * (64 * 4 + 4)
 
 
 def test_dummy_decode_rows_decode_their_own_tokens_unless_asked_for_token_1():

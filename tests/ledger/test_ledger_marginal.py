@@ -40,6 +40,18 @@ def test_only_the_weight_read_amortises_over_the_batch_and_only_the_indexer_grow
     assert long_.weights_s == pytest.approx(short.weights_s) and long_.comm_s == pytest.approx(short.comm_s)
 
 
+def test_a_step_within_the_top_k_reads_no_indexer_key_and_no_query_weights():
+    """GLM-5.3 selects 2048 keys: at 2048 every key is taken unscored (`common/causal.takes_every_key`), at 2049 the
+    indexer scores all of them; the weight read drops the 21 full layers' wq_b + weights_proj (replicated)."""
+    within, past = LI.step(32, 2048), LI.step(32, 2049)
+    assert within.term("indexer").bytes == 0 and "within the top-2048" in within.term("indexer").why
+    assert past.term("indexer").bytes == 4 * 2049 * 132 * 21
+    assert within.term("kv").bytes == past.term("kv").bytes == 4 * 2048 * 656 * 78
+    wq_b = 2048 * 32 * 128 + 16 * 32 * 4  # q_lora x (32 heads x 128) FP8 + its 128 x 128 block scales (FP32)
+    weights_proj = 6144 * 32 * 2  # hidden x heads, bf16 (not converted)
+    assert past.term("weights").bytes - within.term("weights").bytes == 21 * (wq_b + weights_proj)
+
+
 def test_switch_points_are_real_crossings():
     pts = {p.name: p for p in switch_points(LI.step, 32, 131_072)}
     b = pts["weight read -> communication"].value

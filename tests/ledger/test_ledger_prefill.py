@@ -54,6 +54,16 @@ def test_prefix_hit_start_skips_the_cached_tokens_but_scores_them():
         li.prefill(20_000, start=20_000)
 
 
+def test_a_chunk_within_the_top_k_scores_no_key():
+    """A first chunk of 2048 tokens holds at most GLM-5.3's top-2048 keys a row: every key taken, no indexer work;
+    the next chunk scores its queries against every earlier key."""
+    p = _li(context=4096, chunk=2048).prefill()
+    first, second = p.chunks
+    assert first.indexer_flops == first.indexer_read == 0
+    assert second.indexer_flops == 2 * 32 * 128 * 21 * keys_scored(2048, 2048)
+    assert _li(context=2049, chunk=4096).prefill().chunks[0].indexer_flops == 2 * 32 * 128 * 21 * keys_scored(0, 2049)
+
+
 def test_q_tile_divides_the_indexer_read():
     a = _li(context=65536).prefill().total("indexer_read")
     li = LedgerInputs(load_config("glm-5.3"), Deployment(tp=8), PRESETS["h200"], Workload(context=65536),

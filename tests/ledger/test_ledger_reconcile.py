@@ -16,6 +16,7 @@ from dsaserve.ledger.reconcile import (
     fixed_weight_bytes,
     load_run,
     predict_run,
+    query_weight_bytes,
     reconcile,
     run_from_dict,
     simulate_schedule,
@@ -147,6 +148,52 @@ def test_reconcile_runs_the_tiny_engine_and_matches_the_prediction(tmp_path, cap
     assert rc == 0, [r for r in rows.values() if r["ok"] is False]
     again = load_run(saved)  # the saved run reconciles offline to the same verdict
     assert again.shape.prompt_lens == (5, 17, 70) and all(r.ok is not False for r in again.rows())
+
+
+def test_forwards_within_the_top_k_score_no_key_and_skip_the_query_weights():
+    """Pages of 4 against TINY's top-8: a forward two pages wide takes every key (common/causal.takes_every_key)."""
+    shape = RunShape((5, 3), 4, page_size=4)  # widths: 2 pages (5 keys), 2 (6), 2 (7), 2 (8): every step
+    p, wide = predict_run(TINY, shape), predict_run(TINY, dataclasses.replace(shape, page_size=64))
+    assert p["indexer_bytes_read"].value == 0 < wide["indexer_bytes_read"].value
+    queries = query_weight_bytes(TINY)
+    assert queries > 0
+    assert wide["weight_bytes_read"].lo - p["weight_bytes_read"].lo == 4 * queries
+    assert p["kv_bytes_read"].value == wide["kv_bytes_read"].value  # every selected slot is still read
+    longer = predict_run(TINY, RunShape((5, 3), 6, page_size=4))  # decodes to 9 and 10 keys: 3 pages
+    assert longer["indexer_bytes_read"].value == ((9 + 7) + (10 + 8)) * 36 * 3  # each row scores its keys
+
+
+def test_the_forward_width_follows_the_graphs():
+    shape = RunShape((5,), 2, page_size=4, decode_graph_widths=(2, 16), decode_graph_max_bs=8, segment_tokens=32)
+    assert shape.forward_width([Row(0, 5)]) == (16, True)  # a piecewise core: 2 pages padded to 16
+    assert shape.forward_width([Row(0, 40)]) == (10, False)  # over the buckets: eager at its own width
+    assert shape.forward_width([Row(5, 1)]) == (2, False)  # the narrow decode class
+    assert shape.forward_width([Row(9, 1)]) == (16, False)  # 3 pages: the wide class
+    assert shape.forward_width([Row(5, 1)] * 9) == (2, False)  # over max_bs: eager, its own width
+    assert shape.forward_width([Row(70, 1)]) == (18, False)  # past every class: eager
+    segments = predict_run(TINY, shape)
+    eager = predict_run(TINY, dataclasses.replace(shape, decode_graph_widths=(), segment_tokens=0))
+    # the prefill runs as segments (queries computed) 16 pages wide (keys scored); the decode skips both either way
+    assert segments["weight_bytes_read"].lo - eager["weight_bytes_read"].lo == query_weight_bytes(TINY)
+    assert segments["indexer_bytes_read"].value == sum(q + 1 for q in range(5)) * 36 * 3
+    assert eager["indexer_bytes_read"].value == 0
+
+
+@pytest.mark.skipif(not ENGINE.exists(), reason="dsaserve/engine/engine.py (the offline Engine) has not landed yet")
+def test_reconcile_of_a_run_within_the_top_k_is_exact(capsys):
+    """glm-5.3-mini selects top-64, a page: prompts up to 60 tokens run within it until the longest passes 64 keys.
+    The engine's counters follow what its forwards called; the prediction replays the rule."""
+    from dsaserve.cli import main
+
+    rc = main(["ledger", "--reconcile", "--reconcile-model", "glm-5.3-mini", "--reconcile-prompts", "5,17,60",
+               "--reconcile-max-tokens", "8", "--json"])
+    rows = {r["term"]: r for r in json.loads(capsys.readouterr().out)["sections"]["reconcile"]["rows"]}
+    assert rc == 0, [r for r in rows.values() if r["ok"] is False]
+    for term in ("indexer_bytes_read", "weight_bytes_read", "kv_bytes_read"):
+        assert rows[term]["measured"] == rows[term]["predicted"], (term, rows[term])
+    assert "none in the 5 forwards within the top-k" in rows["indexer_bytes_read"]["why"]
+    # the last 3 decodes run 2 pages wide (the longest row at 65-67 keys), and each of their rows scores its keys
+    assert rows["indexer_bytes_read"]["measured"] == ((65 + 10 + 22) + (66 + 11 + 23) + (67 + 12 + 24)) * 68 * 3
 
 
 def test_all_to_all_bytes_are_rank_zeros_own_chunk_of_the_tokens():

@@ -5,6 +5,7 @@ bytes are the bytes of the projections the forward actually called."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsaserve.common.counters import COUNTERS
 from dsaserve.engine.model_runner import ModelRunner
@@ -51,3 +52,49 @@ def test_the_structural_weight_bytes_are_the_projections_a_forward_calls(runner)
                   for m in main.modules() if isinstance(m, Router))
     lm_head = runner.model.lm_head.weight.numel() * 2
     assert runner.model.forward_shape().weight_bytes == sum(called) + absorbed + routers + lm_head
+
+
+def test_a_forward_within_the_top_k_counts_no_indexer_read_and_no_query_weights(tiny_checkpoint):
+    """Pages of 4 keys against top-8: a batch two pages wide takes every key (`StepContext.all_keys`), so its
+    forward reads no indexer key and no wq_b / weights_proj; one three pages wide scores. The counters say what
+    the forward called."""
+    from dsaserve.config import load_config
+    from dsaserve.engine.kv_pool import KVPool
+    from dsaserve.model.glm_moe_dsa import DsaForCausalLM
+    from dsaserve.model.layers.indexer import Indexer
+    from dsaserve.weights.loader import load_checkpoint
+
+    ckpt = tiny_checkpoint("glm-5.3-tiny")
+    model = DsaForCausalLM(load_config(ckpt), with_mtp=False)
+    load_checkpoint(model, ckpt, progress=False)
+    model.finalize(torch.float32, torch.device("cpu"), keep_fp8=True)
+    pool = KVPool(model.cfg, 16, "fp32", model.kv_layer_ids, 4, torch.float32, "cpu")
+    shape = model.forward_shape()
+    indexers = [m for m in model.modules() if isinstance(m, Indexer)]
+    assert shape.query_weight_bytes == sum(ix.wq_b.disk_bytes + ix.weights_proj.disk_bytes for ix in indexers) > 0
+    called = []
+    hooks = [lin.register_forward_hook(lambda m, *_: called.append(m))
+             for ix in indexers for lin in (ix.wq_b, ix.weights_proj)]
+    try:
+        for batch, every_key in ((contiguous_batch([[3, 4, 5, 6, 7], [9, 10]], [0, 0], [0, 32], 4), True),
+                                 (contiguous_batch([[8], [11]], [5, 2], [0, 32], 4), True),
+                                 (contiguous_batch([[12, 13, 14]], [6], [0], 4), False)):  # 9 keys: 3 pages
+            called.clear()
+            COUNTERS.reset()
+            model(batch, pool)
+            measured = {k: v for k, v in COUNTERS.snapshot().items() if k != "moe_experts_touched"}
+            expect = step_counts(shape, pool, *batch.host_lens())
+            routed = measured.pop("weight_bytes_read") - expect.pop("weight_bytes_read")
+            assert measured == expect and routed > 0
+            assert (measured["indexer_bytes_read"] == 0) == every_key == (not called)
+            fixed = step_counts(shape, pool, *batch.host_lens())["weight_bytes_read"]
+            assert fixed == shape.weight_bytes - (shape.query_weight_bytes if every_key else 0)
+            # piecewise segments compute the queries at every width; a wider graph class scores
+            segments = step_counts(shape, pool, *batch.host_lens(), segments=True)
+            assert segments["weight_bytes_read"] == shape.weight_bytes
+            assert segments["indexer_bytes_read"] == expect["indexer_bytes_read"]
+            wide = step_counts(shape, pool, *batch.host_lens(), pages=3)
+            assert wide["indexer_bytes_read"] > 0 and wide["weight_bytes_read"] == shape.weight_bytes
+    finally:
+        for h in hooks:
+            h.remove()

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dsaserve.common import causal
 from dsaserve.common.kv_layout import KVLayout
 from dsaserve.config import ModelConfig
 from dsaserve.model.forward_batch import ForwardBatch
@@ -57,7 +58,7 @@ class StepContext:
 def takes_every_key(cfg: ModelConfig, batch: ForwardBatch) -> bool:
     """The batch's static row bound (page-table width x page size) is at most index_topk: the GPU selection's
     `take_all` condition, so every full layer's top-k is every key its rows see, whatever the scores."""
-    return 0 < batch.page_table.shape[1] * batch.page_size <= cfg.index_topk
+    return causal.takes_every_key(batch.page_table.shape[1], batch.page_size, cfg.index_topk)
 
 
 def join_side_stream(ctx: StepContext) -> None:
