@@ -214,7 +214,8 @@ def ab_setting(runner, name: str):
     "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream),
     "quant:k=v/k=v" the activation quantiser's tile (`triton_fp8_gemm.QUANT_TILE`: rows, groups a program),
     "idx_queries" a batch within the top-k computing its indexer queries anyway
-    (`indexer.SKIP_QUERIES_FOR_ALL_KEYS`)."""
+    (`indexer.SKIP_QUERIES_FOR_ALL_KEYS`), "q_rope_apart" q's RoPE (sparse MLA's and the indexer's) as their own
+    launches (not in the KV writes' launches)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -250,11 +251,24 @@ def ab_setting(runner, name: str):
     if name == "cublas_small":
         ops.small_linear = R.small_linear
     elif name == "unfused_knorm":
-        def apart(cache, layout, slots, k_raw, weight, bias, eps, cos, sin, rope, interleaved):
+        def apart(cache, layout, slots, k_raw, weight, bias, eps, cos, sin, rope, interleaved, q=None):
+            if q is not None:
+                ops.rope_inplace(q[..., :rope], cos, sin, interleaved)
             k = torch.nn.functional.layer_norm(k_raw, (k_raw.shape[-1],), weight, bias, eps)
             ops.rope_inplace(k[..., :rope], cos, sin, interleaved)
             saved["indexer_k_write"](cache, layout, slots, k)
         ops.indexer_k_norm_write = apart
+    elif name == "q_rope_apart":
+        def mla_apart(cache, layout, slots, kv_a, weight, eps, cos, sin, kv_lora, q_rope=None):
+            if q_rope is not None:
+                ops.rope_inplace(q_rope, cos, sin, True)
+            return saved["mla_kv_write"](cache, layout, slots, kv_a, weight, eps, cos, sin, kv_lora)
+
+        def index_apart(cache, layout, slots, k_raw, weight, bias, eps, cos, sin, rope, interleaved, q=None):
+            if q is not None:
+                ops.rope_inplace(q[..., :rope], cos, sin, interleaved)
+            saved["indexer_k_norm_write"](cache, layout, slots, k_raw, weight, bias, eps, cos, sin, rope, interleaved)
+        ops.mla_kv_write, ops.indexer_k_norm_write = mla_apart, index_apart
     elif name == "shared_inline":
         base = saved["fused_moe"]
         ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),

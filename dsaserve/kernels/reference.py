@@ -89,12 +89,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, kv_a: torch.Tensor,
                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_lora_rank: int) -> torch.Tensor:
+                 kv_lora_rank: int, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Fused: RMSNorm(nope) + RoPE(rope, interleaved) + write to the paged cache.
 
     kv_a [T, kv_lora_rank + rope] is kv_a_proj_with_mqa's output; returns the latent [T, 576] written
-    (before quantisation), which prefill may use directly.
+    (before quantisation), which prefill may use directly. q_rope [T, H, rope] (q's RoPE slice, a view): rotated in
+    place too (`rope_inplace`, interleaved), which the GPU kernel does in the same launch.
     """
+    if q_rope is not None:
+        rope_inplace(q_rope, cos, sin, True)
     nope = rms_norm(kv_a[:, :kv_lora_rank], norm_weight, eps)
     rope = apply_rope(kv_a[:, kv_lora_rank:], cos, sin, interleaved=True)
     latent = torch.cat([nope, rope], dim=-1)
@@ -109,9 +112,12 @@ def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Te
 
 def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout, slots: torch.Tensor, k_raw: torch.Tensor,
                          norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor, rope_dim: int, interleaved: bool) -> None:
+                         sin: torch.Tensor, rope_dim: int, interleaved: bool, q: torch.Tensor | None = None) -> None:
     """Fused indexer-key path: k = LayerNorm(k_raw) (HF's k_norm), RoPE on its first rope_dim values, then
-    `indexer_k_write`."""
+    `indexer_k_write`. q [T, heads, D] (the indexer's queries): the first rope_dim values of each head rotated in
+    place too (`rope_inplace`), which the GPU kernel does in the same launch."""
+    if q is not None:
+        rope_inplace(q[..., :rope_dim], cos, sin, interleaved)
     k = F.layer_norm(k_raw, (k_raw.shape[-1],), norm_weight, norm_bias, eps)
     rope_inplace(k[..., :rope_dim], cos, sin, interleaved)
     indexer_k_write(index_cache, layout, slots, k)

@@ -139,12 +139,10 @@ def _rnd(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, half, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
-                 BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (token, block of heads); `half` = rope dims / 2 rotated pairs, BLOCK_P its power of two."""
-    grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rope_heads(x_ptr, t, offs_h, H, half, stride_t, stride_h, cos_row, sin_row, INTERLEAVED: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """Heads `offs_h` of token t of x rotated in place by the pair angles at cos_row / sin_row; `half` = rope dims
+    / 2 rotated pairs, BLOCK_P its power of two. Also the q RoPE the KV-write kernels fuse (`triton_kv_write`)."""
     offs_p = tl.arange(0, BLOCK_P)
     pmask = offs_p < half
     mask = (offs_h[:, None] < H) & pmask[None, :]
@@ -155,12 +153,28 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, half, stride_t, stride_h, stride_c,
         i1, i2 = offs_p, offs_p + half
     x1 = tl.load(base + i1[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + i2[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_c + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + t * stride_c + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
-    tl.debug_barrier()  # every load of this row is done before any store overwrites it (in place)
+    c = tl.load(cos_row + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_row + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+    tl.debug_barrier()  # every load of these heads is done before any store overwrites them (in place)
     ty = x_ptr.dtype.element_ty  # each product rounded to the activation dtype, as the torch ops round
     tl.store(base + offs_p[None, :], (_rnd(x1 * c, ty) - _rnd(x2 * s, ty)).to(ty), mask=mask)
     tl.store(base + half + offs_p[None, :], (_rnd(x2 * c, ty) + _rnd(x1 * s, ty)).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, half, stride_t, stride_h, stride_c, INTERLEAVED: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, block of heads): `_rope_heads`."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _rope_heads(x_ptr, t, offs_h, H, half, stride_t, stride_h, cos_ptr + t * stride_c, sin_ptr + t * stride_c,
+                INTERLEAVED, BLOCK_P)
+
+
+def rope_heads_block(heads: int) -> int:
+    """Heads a block of `_rope_heads` takes (a program of `rope_inplace`, a loop step of the fused writes)."""
+    return min(triton.next_power_of_2(heads), 16)
 
 
 def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -169,7 +183,7 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         raise ValueError("rope_inplace: x, cos and sin need a unit last stride (and cos/sin alike)")
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     t, h, r = x3.shape
-    block_h = min(triton.next_power_of_2(h), 16)
+    block_h = rope_heads_block(h)
     if t:
         _rope_kernel[(t, triton.cdiv(h, block_h))](x3, cos, sin, h, r // 2, x3.stride(0), x3.stride(1), cos.stride(0),
                                                   INTERLEAVED=interleaved, BLOCK_P=triton.next_power_of_2(r // 2),

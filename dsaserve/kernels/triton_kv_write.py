@@ -7,7 +7,10 @@ token, one launch, nothing round-trips through memory) and of the indexer-key wr
 scale per 128-value key, or plain bf16 / fp32 in the debugging layouts, at the slot's place in its page:
 `common/index_pages.py`). Quantisation follows the codec of
 `common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
-Slots < 0 are skipped, so padded rows of a captured decode batch write nothing.
+Slots < 0 are skipped, so padded rows of a captured decode batch write nothing. Both fused writes also take the
+layer's queries and rotate them in place (`triton_elementwise._rope_heads`, bit for bit `rope_inplace`): a launch
+fewer a layer for sparse MLA's q and a full layer's indexer q (launches of a batch-1 decode step cost ~2 us each
+under PDL: 96 µs for 43 small launches, bench/RESULTS.md nineteenth session).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import triton.language as tl
 
 from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP8_MAX, FP32, QUANT_GROUP, KVLayout, get_kv_layout
-from dsaserve.kernels.triton_elementwise import _rnd
+from dsaserve.kernels.triton_elementwise import _rnd, _rope_heads, rope_heads_block
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 2, FP8_E4M3: 3}  # the kernels' LAYOUT constexpr
@@ -29,10 +32,15 @@ FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside 
 @triton.jit
 def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_ptr, c32_ptr, c16_ptr, eps,
                          dc, half, stride_a, stride_cos, stride_sin, stride_lat, stride_c8, stride_c32, stride_c16,
-                         cs_off, r_off, LAYOUT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NG: tl.constexpr, PDL: tl.constexpr = False):
+                         cs_off, r_off, q_ptr, n_heads, stride_qt, stride_qh, LAYOUT: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NG: tl.constexpr, Q_ROPE: tl.constexpr,
+                         BLOCK_QH: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if Q_ROPE:  # the token's q RoPE slice in place (`rope_inplace(q_rope, cos, sin, True)`), padded rows too
+        for h0 in range(0, n_heads, BLOCK_QH):
+            _rope_heads(q_ptr, t, h0 + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh,
+                        cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, True, BLOCK_R)
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < dc
     x = tl.load(a_ptr + t * stride_a + offs_c, mask=cmask, other=0.0)
@@ -89,11 +97,13 @@ def _views(cache: torch.Tensor):
 
 def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, kv_a: torch.Tensor,
                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_lora_rank: int) -> torch.Tensor:
-    """GPU `reference.mla_kv_write` -> latent [T, kv_lora_rank + rope] (before quantisation)."""
+                 kv_lora_rank: int, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    """GPU `reference.mla_kv_write` -> latent [T, kv_lora_rank + rope] (before quantisation); with q_rope
+    [T, H, rope] (a view, unit last stride) its interleaved RoPE in place in the same launch."""
     layout = get_kv_layout(layout, "mla_kv_write: layout")
     t, width = kv_a.shape
     dc, dr = kv_lora_rank, width - kv_lora_rank
+    q_args = _q_rope_args(q_rope, t, dr, kv_a, "mla_kv_write")
     if layout == FP8_DS_MLA and dc % QUANT_GROUP:
         raise ValueError(f"mla_kv_write: fp8_ds_mla needs kv_lora_rank % {QUANT_GROUP} == 0, got {dc}")
     lat_dtype = torch.promote_types(norm_weight.dtype, kv_a.dtype)
@@ -106,10 +116,21 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
     _mla_kv_write_kernel[(t,)](kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2,
                                kv_a.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), c8.stride(0),
                                c32.stride(0), c16.stride(0), dc // 4, (dc + 4 * (dc // QUANT_GROUP)) // 2,
-                               LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
+                               *q_args[:4], LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
                                BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP),
-                               num_warps=4, **pdl_args(kv_a.device))
+                               Q_ROPE=q_rope is not None, BLOCK_QH=q_args[4], num_warps=4, **pdl_args(kv_a.device))
     return latent
+
+
+def _q_rope_args(q: torch.Tensor | None, t: int, rope: int, dummy: torch.Tensor, who: str) -> tuple:
+    """(q, heads, token stride, head stride, heads a loop step) for a write kernel's fused q RoPE (dummy's when
+    q is None); q [T, H, >= rope] with a unit last stride."""
+    if q is None:
+        return dummy, 0, 0, 0, 1
+    if q.dim() != 3 or q.shape[0] != t or q.shape[2] < rope or q.stride(2) != 1:
+        raise ValueError(f"{who}: q must be [{t}, heads, >= {rope}] with a unit last stride, got "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    return q, q.shape[1], q.stride(0), q.stride(1), rope_heads_block(q.shape[1])
 
 
 @triton.jit
@@ -168,13 +189,19 @@ def _layer_norm_at(row, w_ptr, b_ptr, offs, mask, mean, rstd):
 
 @triton.jit
 def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, d, half,
-                               eps, stride_k, stride_cos, stride_sin, page_size, page_bytes, key_bytes,
-                               INTERLEAVED: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+                               eps, stride_k, stride_cos, stride_sin, page_size, page_bytes, key_bytes, q_ptr,
+                               n_heads, stride_qt, stride_qh, INTERLEAVED: tl.constexpr, LAYOUT: tl.constexpr,
+                               BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, Q_ROPE: tl.constexpr,
+                               BLOCK_QH: tl.constexpr, PDL: tl.constexpr = False):
     """One token: LayerNorm of its raw key (fp32 stats), RoPE of the first 2*half values (`_rope_kernel`'s
-    roundings: each product to the activation dtype), then `_index_k_write_kernel`'s encode at its slot."""
+    roundings: each product to the activation dtype), then `_index_k_write_kernel`'s encode at its slot; with
+    Q_ROPE the RoPE of its query heads' first 2*half values too, in place (`_rope_heads`)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if Q_ROPE:  # padded rows too, as `rope_inplace` does
+        for h0 in range(0, n_heads, BLOCK_QH):
+            _rope_heads(q_ptr, t, h0 + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh,
+                        cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, INTERLEAVED, BLOCK_P)
     row = k_ptr + t * stride_k
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -220,11 +247,13 @@ def _index_layout(index_cache: torch.Tensor, layout: KVLayout | str, d: int, who
 
 def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k_raw: torch.Tensor,
                          norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor, rope_dim: int, interleaved: bool) -> None:
+                         sin: torch.Tensor, rope_dim: int, interleaved: bool, q: torch.Tensor | None = None) -> None:
     """GPU `reference.indexer_k_norm_write`: the key's LayerNorm, RoPE and write in one launch (were a torch
-    LayerNorm, a RoPE kernel and the write: three launches a full layer, the first outside the PDL chain)."""
+    LayerNorm, a RoPE kernel and the write: three launches a full layer, the first outside the PDL chain); with
+    q [T, heads, D] the queries' RoPE in place in the same launch (one more launch a full layer before)."""
     t, d = k_raw.shape
     code, place = _index_layout(index_cache, layout, d, "indexer_k_norm_write")
+    q_args = _q_rope_args(q, t, rope_dim, k_raw, "indexer_k_norm_write")
     if t == 0:
         return
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -233,10 +262,10 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
     c8, c32, c16 = _views(index_cache)
     half = rope_dim // 2
     _index_k_norm_write_kernel[(t,)](k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps,
-                                     k_raw.stride(0), cos.stride(0), sin.stride(0), *place,
+                                     k_raw.stride(0), cos.stride(0), sin.stride(0), *place, *q_args[:4],
                                      INTERLEAVED=interleaved, LAYOUT=code,
                                      BLOCK_D=triton.next_power_of_2(d), BLOCK_P=triton.next_power_of_2(max(half, 1)),
-                                     num_warps=1, **pdl_args(k_raw.device))
+                                     Q_ROPE=q is not None, BLOCK_QH=q_args[4], num_warps=1, **pdl_args(k_raw.device))
 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:

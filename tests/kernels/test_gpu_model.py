@@ -167,7 +167,7 @@ def _checked(name: str, fn, bound: float, failures: list[str]):
                    if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.dtype == torch.uint8)]
         for g, w in ([(got, want)] if got is not None else []) + written:
             if name == "mla_kv_write" and g is args[0]:
-                why = _kv_rows_differ(g, w, lambda rows: args[1].decode_latent(rows, args[-1]))
+                why = _kv_rows_differ(g, w, lambda rows: args[1].decode_latent(rows, args[8]))  # kv_lora_rank
             elif name == "indexer_k_norm_write" and g is args[0]:
                 d = args[3].shape[-1]  # k_raw's head dim; the cache's pages as codec rows of every slot
                 every = torch.arange(g.shape[0] * index_pages.page_size_of(g, args[1], d), device=g.device)

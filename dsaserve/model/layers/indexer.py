@@ -55,10 +55,6 @@ class Indexer(nn.Module):
             return self.weights_proj(x)
         return self.weights_proj(x).float() * self.weight_scale
 
-    def _rope(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        ctx.ops.rope_inplace(x[..., : self.rope], ctx.cos, ctx.sin, self.interleaved)
-        return x
-
     def prepare(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext,
                 k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The projections and the indexer-K write -> (q [T, Hi, D], head weights [T, Hi]). k_raw: wk(x) when
@@ -68,13 +64,14 @@ class Indexer(nn.Module):
         (wq_b, its RoPE and weights_proj: ~10 us a full layer of a batch-1 step, bench/RESULTS.md)."""
         b = ctx.batch
         k_raw = self.wk(x) if k_raw is None else k_raw
+        queries = not (ctx.all_keys and SKIP_QUERIES_FOR_ALL_KEYS)
+        # q's RoPE rides in the key write's launch (one launch a full layer fewer), so wq_b runs first
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim) if queries else None
         norm = self.k_norm
         ctx.ops.indexer_k_norm_write(ctx.pool.index_cache(self.layer_id), ctx.pool.layout, b.out_cache_loc, k_raw,
-                                     norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved)
-        if ctx.all_keys and SKIP_QUERIES_FOR_ALL_KEYS:
-            return None, None
-        q = self._rope(self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim), ctx)
-        return q, self.head_weights(x)
+                                     norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin, self.rope, self.interleaved,
+                                     q)
+        return (q, self.head_weights(x)) if queries else (None, None)
 
     def select(self, q: torch.Tensor | None, w: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
         """Scores over the paged indexer cache and the top-k -> [T, index_topk] physical slots, -1 padded.

@@ -117,9 +117,10 @@ class MLAAttention(nn.Module):
             with torch.cuda.stream(ctx.side_stream):
                 ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
         q = self.q_b_proj(q_resid).view(t, self.n_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], ops.rope_inplace(q[..., self.nope:], ctx.cos, ctx.sin, True)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
+        # q's RoPE rides in the KV write's launch (one launch a layer fewer; the same roundings as `rope_inplace`)
         ops.mla_kv_write(ctx.pool.kv_cache(self.layer_id), ctx.pool.layout, ctx.batch.out_cache_loc, kv_a,
-                         self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora)
+                         self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos, ctx.sin, self.kv_lora, q_rope)
         q_abs = ops.head_bmm(q_nope, self.w_uk)  # [T, H, kv_lora]
         # the core's output, allocated here: under piecewise graphs an address fixed at capture, which the
         # segment after the core reads
