@@ -25,6 +25,7 @@ from dsaserve.common.index_pages import write_rows
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.ledger.reconcile import graph_width
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.moe import Experts, fold_device_expert_counts
 
@@ -106,14 +107,15 @@ def touched_weight_bytes(model, bs: int, expert_bytes: float | None = None) -> f
     return total + (expert_bytes or 0.0) + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
-def skips_queries(runner, ctx: int) -> bool:
-    """Whether a decode step at `ctx` runs without indexer queries (the engine's `StepContext.all_keys`): the page
-    table it runs at holds at most index_topk keys, i.e. the narrowest decode-graph class that holds its rows (none
-    is narrow under DP-attention's gather graphs or --disable-narrow-decode-graphs), or eagerly the rows' own."""
-    pages = -(-(ctx + 1) // runner.page_size)
-    graphs = getattr(runner, "graphs", None)
-    width = min((w for w in graphs.widths if w >= pages), default=pages) if graphs else pages
-    return takes_every_key(width, runner.page_size, runner.cfg.index_topk)
+def skips_queries(runner, bs: int, ctx: int) -> bool:
+    """Whether a decode step of bs rows at `ctx` runs without indexer queries (the engine's `StepContext.all_keys`):
+    a whole forward (not piecewise segments) at a page table within the top-k (`ledger/reconcile.graph_width`: the
+    narrowest decode-graph class that holds its rows, none narrow under DP-attention's gather graphs or
+    --disable-narrow-decode-graphs; eagerly the rows' own)."""
+    graphs, piecewise = getattr(runner, "graphs", None), getattr(runner, "piecewise", None)
+    width, segments = graph_width(-(-(ctx + 1) // runner.page_size), True, bs, bs, graphs.widths if graphs else (),
+                                  graphs.max_bs if graphs else 0, piecewise.max_tokens if piecewise else 0)
+    return not segments and takes_every_key(width, runner.page_size, runner.cfg.index_topk)
 
 
 def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -> dict:
@@ -127,7 +129,7 @@ def decode_bytes(runner, bs: int, ctx: int, expert_bytes: float | None = None) -
     w = touched_weight_bytes(runner.model, bs, expert_bytes)
     kv = bs * min(cfg.index_topk, ctx + 1) * pool.kv_bpt * cfg.num_hidden_layers
     idx = 0 if ctx + 1 <= cfg.index_topk else bs * (ctx + 1) * pool.idx_bpt * n_full
-    if skips_queries(runner, ctx):
+    if skips_queries(runner, bs, ctx):
         w -= runner.model.forward_shape().query_weight_bytes
     return {"weights": w, "kv": kv, "indexer": idx, "total": w + kv + idx}
 

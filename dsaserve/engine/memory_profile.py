@@ -85,9 +85,9 @@ def indexer_score_budget() -> int:
 
 
 def unscored_query_bytes(cfg, batch: ForwardBatch, dtype: torch.dtype) -> int:
-    """The indexer's queries (q [T, heads, dim] in the activation dtype, fp32 head weights [T, heads]) that a dummy
-    prefill within the top-k never makes (`StepContext.all_keys`), where a chunk of its size after a cached prefix
-    makes them; 0 when the dummy scores."""
+    """The indexer's queries (q [T, heads, dim] in the activation dtype, head weights [T, heads] counted at 4 B: fp32,
+    or bf16 where the scale folded) that a dummy prefill within the top-k never makes (`StepContext.all_keys`),
+    where a chunk of its size after a cached prefix makes them; 0 when the dummy scores."""
     if not cfg.full_indexer_layers or not takes_every_key(cfg, batch):
         return 0
     return batch.num_tokens * cfg.index_n_heads * (cfg.index_head_dim * dtype.itemsize + 4)
@@ -118,14 +118,17 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
         torch.cuda.synchronize()
     finally:
         COUNTERS.enabled = enabled
-    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget, a prefill
-    # stages up to 8x more context rows (model/layers/prefill_staging.py) and a chunk within the top-k makes its queries
-    eager_only = indexer_score_budget() + unscored_query_bytes(cfg, prefill, dtype) + prefill_staging.reserve_bytes(
+    # the dummy prefill has no earlier context; with one, the indexer's score slices grow to their budget and a
+    # prefill stages up to 8x more context rows (model/layers/prefill_staging.py); and a chunk of its size after a
+    # cached prefix, or as piecewise segments, makes the indexer queries a dummy within the top-k does not
+    eager_only = indexer_score_budget() + prefill_staging.reserve_bytes(
         get_ops(device), layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_prefill_tokens)
-    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only
+    queries = unscored_query_bytes(cfg, prefill, dtype)
+    peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only + queries
     del scratch
     torch.cuda.empty_cache()
-    # the graphs' pool holds neither: the attention core allocates them eagerly
+    # the graphs' pool holds neither the scores nor the staging: the attention core allocates them eagerly (the
+    # queries are the segments' own: in it)
     graph_pool = max(peak - eager_only, 0) * (activation_copies - 1)
     budget = int(total * mem_fraction_static - weights - peak - graph_pool - graph_reserve_bytes)
     if budget <= 0:

@@ -9,8 +9,9 @@ scale per 128-value key, or plain bf16 / fp32 in the debugging layouts, at the s
 `common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
 Slots < 0 are skipped, so padded rows of a captured decode batch write nothing. Both fused writes also take the
 layer's queries and rotate them in place (`triton_elementwise._rope_heads`, bit for bit `rope_inplace`): a launch
-fewer a layer for sparse MLA's q and a full layer's indexer q (launches of a batch-1 decode step cost ~2 us each
-under PDL: 96 µs for 43 small launches, bench/RESULTS.md nineteenth session).
+fewer a layer for sparse MLA's q and a full layer's indexer q. The RoPE launches it replaces added 8.7 µs to the
+slice's batch-1 1K step, six of them (`profile_decode --timeline`, bench/RESULTS.md twenty-eighth session); the
+fused step is not timed yet (`profile_decode --ab q_rope_apart`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
     layout = get_kv_layout(layout, "mla_kv_write: layout")
     t, width = kv_a.shape
     dc, dr = kv_lora_rank, width - kv_lora_rank
-    q_args = _q_rope_args(q_rope, t, dr, kv_a, "mla_kv_write")
+    q_args = _q_rope_args(q_rope, t, dr, kv_a, "mla_kv_write", exact=True)
     if layout == FP8_DS_MLA and dc % QUANT_GROUP:
         raise ValueError(f"mla_kv_write: fp8_ds_mla needs kv_lora_rank % {QUANT_GROUP} == 0, got {dc}")
     lat_dtype = torch.promote_types(norm_weight.dtype, kv_a.dtype)
@@ -122,14 +123,17 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
     return latent
 
 
-def _q_rope_args(q: torch.Tensor | None, t: int, rope: int, dummy: torch.Tensor, who: str) -> tuple:
+def _q_rope_args(q: torch.Tensor | None, t: int, rope: int, dummy: torch.Tensor, who: str,
+                 exact: bool = False) -> tuple:
     """(q, heads, token stride, head stride, heads a loop step) for a write kernel's fused q RoPE (dummy's when
-    q is None); q [T, H, >= rope] with a unit last stride."""
+    q is None); q [T, H, rope] (`exact`: sparse MLA's RoPE slice) or [T, H, >= rope] (the indexer's heads, whose
+    first `rope` values rotate), with a unit last stride."""
     if q is None:
         return dummy, 0, 0, 0, 1
-    if q.dim() != 3 or q.shape[0] != t or q.shape[2] < rope or q.stride(2) != 1:
-        raise ValueError(f"{who}: q must be [{t}, heads, >= {rope}] with a unit last stride, got "
-                         f"{tuple(q.shape)} strides {q.stride()}")
+    fits = q.dim() == 3 and q.shape[0] == t and (q.shape[2] == rope if exact else q.shape[2] >= rope)
+    if not fits or q.stride(2) != 1:
+        raise ValueError(f"{who}: q must be [{t}, heads, {'' if exact else '>= '}{rope}] with a unit last stride, "
+                         f"got {tuple(q.shape)} strides {q.stride()}")
     return q, q.shape[1], q.stride(0), q.stride(1), rope_heads_block(q.shape[1])
 
 

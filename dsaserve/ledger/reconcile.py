@@ -72,23 +72,38 @@ class RunShape:
         get_kv_layout(self.kv_layout, "workload.kv_layout", engine=False)
         if self.dtype not in ACT_BYTES:
             raise ValueError(f"workload.dtype: {self.dtype!r} not one of {', '.join(ACT_BYTES)}")
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.decode_graph_widths):
+            raise ValueError(f"workload.decode_graph_widths: need positive integers, got {self.decode_graph_widths!r}")
+        for name in ("decode_graph_max_bs", "segment_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"workload.{name}: need a non-negative integer, got {v!r}")
 
     @property
     def chunk(self) -> int:
         return self.chunked_prefill_size or self.max_num_batched_tokens
 
-
     def forward_width(self, rows: list[Row]) -> tuple[int, bool]:
-        """(the page-table width a forward of these rows runs at, whether it runs as piecewise segments): a decode
-        graph's narrowest class that holds the batch (engine/decode_graphs.py), a piecewise core's padded width
-        (engine/piecewise_runner.py), else the batch's own (engine/batch.py)."""
-        pages = table_pages([r.prefix + r.new for r in rows], self.page_size)
-        if any(r.new != 1 for r in rows):
-            if sum(r.new for r in rows) <= self.segment_tokens:
-                return core_width(pages), True
-            return pages, False
-        fits = [w for w in self.decode_graph_widths if w >= pages]
-        return (min(fits) if fits and len(rows) <= self.decode_graph_max_bs else pages), False
+        """`graph_width` of a forward of these rows in this run."""
+        return graph_width(table_pages([r.prefix + r.new for r in rows], self.page_size), all(r.new == 1 for r in rows),
+                           len(rows), sum(r.new for r in rows), self.decode_graph_widths, self.decode_graph_max_bs,
+                           self.segment_tokens)
+
+
+def graph_width(pages: int, decode: bool, rows: int, tokens: int, decode_widths: tuple[int, ...] | list[int],
+                decode_max_bs: int, segment_tokens: int) -> tuple[int, bool]:
+    """(the page-table width a forward runs at, whether it runs as piecewise segments), as `engine/model_runner.route`
+    sends it: a decode step (every row one token) of at most decode_max_bs rows to the narrowest decode graph class
+    that holds its `pages` (engine/decode_graphs.py); else, up to segment_tokens tokens, to the piecewise graphs at
+    the core's padded width (engine/piecewise_runner.py; decode steps the decode graphs do not take too); else
+    eagerly at its own width (engine/batch.py)."""
+    if decode and rows <= decode_max_bs:
+        fits = [w for w in decode_widths if w >= pages]
+        if fits:
+            return min(fits), False
+    if tokens <= segment_tokens:
+        return core_width(pages), True
+    return pages, False
 
 
 @dataclass(frozen=True)
@@ -359,6 +374,13 @@ class RunRecord:
                 "counters": dict(self.counters), "kv_pool": dict(self.kv_pool), **self.extra}
 
 
+def _widths(v: Any) -> tuple:
+    """A run file's decode_graph_widths as a tuple (RunShape checks its items); not a list is an error."""
+    if not isinstance(v, list | tuple):
+        raise ValueError(f"run file workload.decode_graph_widths: expected a list of pages, got {v!r}")
+    return tuple(v)
+
+
 def run_from_dict(d: dict[str, Any]) -> RunRecord:
     """Validate a run file's dict; errors name the field."""
     for key in ("config", "workload", "counters"):
@@ -377,7 +399,7 @@ def run_from_dict(d: dict[str, Any]) -> RunRecord:
     if extra:
         raise ValueError(f"run file workload.{extra[0]}: unknown field")
     shape = RunShape(**{**{k: v for k, v in work.items()}, "prompt_lens": tuple(work["prompt_lens"]),
-                        "decode_graph_widths": tuple(work.get("decode_graph_widths", ())),
+                        "decode_graph_widths": _widths(work.get("decode_graph_widths", ())),
                         "tp": int(dep.get("tp", 1)), "ep": int(dep.get("ep", 1)),
                         "dp_attention": bool(dep.get("dp_attention", False))})
     rest = {k: v for k, v in d.items() if k not in ("config", "deployment", "workload", "counters", "kv_pool")}

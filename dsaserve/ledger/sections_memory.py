@@ -63,13 +63,14 @@ def model_constants(li: LedgerInputs) -> Section:
 
 def weights_per_gpu(li: LedgerInputs) -> Section:
     stored = stored_per_gpu(li.inv, li.dep, li.asm)
-    read = step_read_per_gpu(li.cfg, li.inv, li.dep, li.asm, li.work.batch)
+    read = step_read_per_gpu(li.cfg, li.inv, li.dep, li.asm, li.work.batch, context=li.work.decode_context)
     rows = [{"group": g, "checkpoint": li.inv.bytes[g], "ranks_sharing": divisor(g, li.dep, li.asm),
              "stored_per_gpu": stored[g], "read_per_step": read.get(g, 0.0), "why": GROUPS[g.removeprefix("mtp.")]}
             for g in stored]
     rows.append({"group": "total", "checkpoint": sum(li.inv.bytes[g] for g in stored), "ranks_sharing": None,
                  "stored_per_gpu": sum(stored.values()), "read_per_step": sum(read.values()),
-                 "why": f"read at batch {li.work.batch}: routed experts as far as {li.work.batch} tokens touch them"})
+                 "why": f"read at batch {li.work.batch}, context {li.work.decode_context:,}: routed experts as far as "
+                        f"{li.work.batch} tokens touch them"})
     cols = [Column("group", "group"), Column("checkpoint", "checkpoint", "B"), Column("ranks_sharing", "/ranks"),
             Column("stored_per_gpu", "stored per GPU", "B"), Column("read_per_step", "read per decode step", "B"),
             Column("why", "why")]

@@ -6,7 +6,10 @@ Owns: the measured terms of the ledger that need no device work — `forward_ste
 `forward_mtp`), CUDA-graph replays (`engine/cuda_graph_runner.py`) and piecewise steps alike, so they cannot
 disagree. A forward whose page table is within the top-k (`common/causal.takes_every_key`) reads no indexer key,
 and a whole forward there no indexer query weights (wq_b, weights_proj: `StepContext.all_keys`); piecewise
-segments compute the queries at every width.
+segments compute the queries at every width. The key read follows the GPU selection (`take_all`); the CPU reference
+takes every key unscored only without queries, so with `indexer.SKIP_QUERIES_FOR_ALL_KEYS` off (an A/B switch) it
+scores keys these counters do not count. Rows within the top-k in a wider table are counted as scored, though the
+GPU decode selection skips them too (`skip_below`).
 What only the device knows stays in the layers: routed experts touched (`model/layers/moe.py`) and the
 collectives (`distributed/collectives.py`). Closed forms of the causal counts: `common/causal.py`.
 """

@@ -392,59 +392,6 @@ def test_mla_kv_write_skips_negative_slots(gen):
     assert cache[[0, 1, 3, 4, 6, 7]].eq(0).all() and cache[[2, 5]].ne(0).any(dim=1).all()
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_the_kv_writes_rotate_q_in_their_launch_as_rope_inplace_does(gen, model):
-    """q's RoPE fused into the KV writes (sparse MLA's q_rope, the indexer's q): the same bits as the RoPE kernel
-    alone (`rope_inplace`), padded rows (slot -1) rotated too, the cache and latent as without q; and the
-    references rotate q the same way (to bf16 rounding: they round each product as torch's ops do)."""
-    from dsaserve.kernels import triton_elementwise as E
-
-    kvw = gpu_modules()[2]
-    cfg = MODELS[model]
-    t, n_slots, ps = 5, 16, 8
-    dc, dr, heads = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
-    ang = torch.rand(t, dr // 2, generator=gen, device=DEVICE) * 6
-    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-    slots = torch.randperm(n_slots, generator=gen, device=DEVICE)[:t]
-    slots[2] = -1
-    kv_a = randn(t, dc + dr, gen=gen, dtype=torch.bfloat16)
-    wt = (torch.rand(dc, generator=gen, device=DEVICE) + 0.5).bfloat16()
-    q = randn(t, heads, cfg.qk_nope_head_dim + dr, gen=gen, dtype=torch.bfloat16)
-    alone, ref_q = q.clone(), q.clone()
-    E.rope_inplace(alone[..., cfg.qk_nope_head_dim:], cos, sin, True)
-    assert not torch.equal(alone, ref_q)  # the angles move q
-    row = encode_latent(kv_a[:1].float(), "fp8_ds_mla", dc).shape[1]
-    caches = [torch.zeros(n_slots, row, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
-    fused = kvw.mla_kv_write(caches[0], "fp8_ds_mla", slots, kv_a, wt, 1e-5, cos, sin, dc,
-                             q[..., cfg.qk_nope_head_dim:])
-    plain = kvw.mla_kv_write(caches[1], "fp8_ds_mla", slots, kv_a, wt, 1e-5, cos, sin, dc)
-    assert torch.equal(q, alone) and torch.equal(fused, plain) and torch.equal(caches[0], caches[1])
-    kept = slots >= 0
-    ref_q = ref_q[kept]  # a view's in-place RoPE (the reference's) reaches the tensor it views
-    R.mla_kv_write(torch.zeros_like(caches[0]), "fp8_ds_mla", slots[kept], kv_a[kept], wt, 1e-5, cos[kept],
-                   sin[kept], dc, ref_q[..., cfg.qk_nope_head_dim:])
-    torch.testing.assert_close(q[kept], ref_q, rtol=2 ** -7, atol=1e-2)
-    # the indexer: its queries' first rope dims (GLM interleaved, DeepSeek rotate-half), the key write unchanged
-    d, interleaved = cfg.index_head_dim, cfg.model_type == "glm_moe_dsa"
-    k_raw = randn(t, d, gen=gen, dtype=torch.bfloat16, scale=3.0)
-    weight, bias = (1 + 0.3 * randn(d, gen=gen)).bfloat16(), (0.2 * randn(d, gen=gen)).bfloat16()
-    qi = randn(t, cfg.index_n_heads, d, gen=gen, dtype=torch.bfloat16)
-    alone, ref_q = qi.clone(), qi.clone()
-    E.rope_inplace(alone[..., :dr], cos, sin, interleaved)
-    width = ps * encode_index_k(k_raw[:1], "fp8_ds_mla").shape[1]
-    caches = [torch.zeros(n_slots // ps, width, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
-    kvw.indexer_k_norm_write(caches[0], "fp8_ds_mla", slots, k_raw, weight, bias, 1e-6, cos, sin, dr, interleaved, qi)
-    kvw.indexer_k_norm_write(caches[1], "fp8_ds_mla", slots, k_raw, weight, bias, 1e-6, cos, sin, dr, interleaved)
-    assert torch.equal(qi, alone) and torch.equal(caches[0], caches[1])
-    ref_q = ref_q[kept]
-    R.indexer_k_norm_write(torch.zeros_like(caches[0]), "fp8_ds_mla", slots[kept], k_raw[kept], weight, bias, 1e-6,
-                           cos[kept], sin[kept], dr, interleaved, ref_q)
-    torch.testing.assert_close(qi[kept], ref_q, rtol=2 ** -7, atol=1e-2)
-    with pytest.raises(ValueError, match="q must be"):
-        kvw.indexer_k_norm_write(caches[0], "fp8_ds_mla", slots, k_raw, weight, bias, 1e-6, cos, sin, dr,
-                                 interleaved, qi[:2])
-
-
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16", "fp32"])
 @pytest.mark.parametrize("model", MODELS)
 def test_indexer_k_write_matches_the_pool_encoding(gen, layout, model):

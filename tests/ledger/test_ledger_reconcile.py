@@ -169,8 +169,18 @@ def test_the_forward_width_follows_the_graphs():
     assert shape.forward_width([Row(0, 40)]) == (10, False)  # over the buckets: eager at its own width
     assert shape.forward_width([Row(5, 1)]) == (2, False)  # the narrow decode class
     assert shape.forward_width([Row(9, 1)]) == (16, False)  # 3 pages: the wide class
-    assert shape.forward_width([Row(5, 1)] * 9) == (2, False)  # over max_bs: eager, its own width
-    assert shape.forward_width([Row(70, 1)]) == (18, False)  # past every class: eager
+    assert shape.forward_width([Row(5, 1)] * 9) == (16, True)  # over max_bs: the piecewise graphs take it
+    assert shape.forward_width([Row(70, 1)]) == (32, True)  # past every class: piecewise, 18 pages padded to 32
+    assert shape.forward_width([Row(70, 1)] * 33) == (18, False)  # past both: eager at its own width
+    no_decode = dataclasses.replace(shape, decode_graph_widths=())  # decode capture failed: piecewise
+    assert no_decode.forward_width([Row(5, 1)]) == (16, True)
+    with pytest.raises(ValueError, match="decode_graph_widths"):
+        dataclasses.replace(shape, decode_graph_widths=(0,))
+    with pytest.raises(ValueError, match="segment_tokens"):
+        dataclasses.replace(shape, segment_tokens=-1)
+    with pytest.raises(ValueError, match="workload.decode_graph_widths"):
+        run_from_dict({"config": "glm-5.3-tiny", "counters": {},
+                       "workload": {"prompt_lens": [5], "max_tokens": 2, "decode_graph_widths": "ab"}})
     segments = predict_run(TINY, shape)
     eager = predict_run(TINY, dataclasses.replace(shape, decode_graph_widths=(), segment_tokens=0))
     # the prefill runs as segments (queries computed) 16 pages wide (keys scored); the decode skips both either way

@@ -61,7 +61,8 @@ class Indexer(nn.Module):
         the caller computed it in its merged projection (GPU path). Every GEMM of the indexer is here, so
         `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream).
         With ctx.all_keys the key write only, (None, None): the top-k is every key, whatever q would score
-        (wq_b, its RoPE and weights_proj: ~10 us a full layer of a batch-1 step, bench/RESULTS.md)."""
+        (wq_b and weights_proj, and then q's RoPE was a launch too: ~10 us a full layer of a batch-1 step,
+        bench/RESULTS.md twenty-eighth session)."""
         b = ctx.batch
         k_raw = self.wk(x) if k_raw is None else k_raw
         queries = not (ctx.all_keys and SKIP_QUERIES_FOR_ALL_KEYS)
