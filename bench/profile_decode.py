@@ -278,9 +278,8 @@ def ab_setting(runner, name: str):
         ops.fused_moe = functools.partial(base, config={**getattr(base, "keywords", {}).get("config", {}),
                                                         "fuse_shared": False, "shared_beside": False})
     elif name != "default":
-        raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, shared_apart, "
-                         "shared_inline, "
-                         f"fp32_head, {', '.join(module_flags)})")
+        raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, q_rope_apart, "
+                         f"shared_apart, shared_inline, fp32_head, {', '.join(module_flags)})")
     return lambda: vars(ops).update(saved)
 
 
