@@ -138,6 +138,10 @@ class Assumptions:
                                 "'slots' = every selected slot from HBM (what kv_bytes_read counts, an upper "
                                 "estimate)", ("rows", "slots"))
     kernels_per_op: float = _a(1.0, "GPU kernels per operator of the operator list")
+    absorbed_heads: str = _a("checkpoint", "kv_b as decode holds and reads it (W_uk / W_uv): at the checkpoint's FP8 "
+                             "bytes + scales (the notes), or 'bf16': dsaserve's GPU path, which keeps the absorbed "
+                             "heads in bf16 (2 B a value, no scales: ~2x; the engine's byte counters and --reconcile "
+                             "keep the checkpoint's bytes)", ("checkpoint", "bf16"))
     launch_overhead_s: float = _a(4e-6, "one eager kernel launch (note 000/001: 3-5 us)")
     cuda_graph_max_bs: int = _a(256, "largest captured decode batch; bigger batches run eager")
     first_request_tokens: int = _a(100, "tokens the first request generates")

@@ -56,6 +56,7 @@ class WeightInventory:
     bytes: dict[str, int] = field(default_factory=dict)
     params: dict[str, int] = field(default_factory=dict)
     query_bytes: dict[str, int] = field(default_factory=dict)  # of "indexer" / "mtp.indexer": wq_b + weights_proj
+    kv_b: dict[str, tuple[int, int]] = field(default_factory=dict)  # of "attn_b" / "mtp.attn_b": kv_b (bytes, params)
     expert_bytes: int = 0  # one routed expert of one layer, FP8 + scales
     expert_params: int = 0
     moe_layers: int = 0
@@ -101,6 +102,9 @@ def inventory(cfg: ModelConfig) -> WeightInventory:
         inv.bytes[key_] = inv.bytes.get(key_, 0) + t.nbytes
         if _INDEXER_QUERY.search(t.name):
             inv.query_bytes[key_] = inv.query_bytes.get(key_, 0) + t.nbytes
+        if ".kv_b_proj." in t.name:
+            b, n = inv.kv_b.get(key_, (0, 0))
+            inv.kv_b[key_] = (b + t.nbytes, n + (0 if t.name.endswith("_scale_inv") else math.prod(t.shape)))
         if not t.name.endswith("_scale_inv"):
             inv.params[key_] = inv.params.get(key_, 0) + math.prod(t.shape)
         if first_moe is not None and t.name.startswith(f"model.layers.{first_moe}.mlp.experts.0."):
@@ -130,8 +134,19 @@ def divisor(group: str, dep: Deployment, asm: Assumptions) -> int:
 
 
 def stored_per_gpu(inv: WeightInventory, dep: Deployment, asm: Assumptions) -> dict[str, float]:
-    """Bytes of each group one GPU holds (the MTP layer only when speculation is on)."""
-    return {g: b / divisor(g, dep, asm) for g, b in inv.bytes.items() if asm.speculative or not g.startswith("mtp.")}
+    """Bytes of each group one GPU holds (the MTP layer only when speculation is on); kv_b as `absorbed_heads`."""
+    return {g: held_bytes(inv, g, asm) / divisor(g, dep, asm) for g in inv.bytes
+            if asm.speculative or not g.startswith("mtp.")}
+
+
+def held_bytes(inv: WeightInventory, group: str, asm: Assumptions) -> int:
+    """A group's bytes as the engine holds them: the checkpoint's, but with `absorbed_heads` bf16 kv_b as the bf16
+    W_uk / W_uv it is absorbed into (2 B a value, its FP8 scales gone)."""
+    b = inv.bytes[group]
+    if asm.absorbed_heads == "bf16" and group in inv.kv_b:
+        kv_bytes, kv_params = inv.kv_b[group]
+        b += 2 * kv_params - kv_bytes
+    return b
 
 
 def experts_touched_fraction(cfg: ModelConfig, tokens: int, routing: str) -> float:

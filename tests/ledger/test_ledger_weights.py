@@ -47,6 +47,19 @@ def test_tp8_stores_one_eighth_of_experts_and_replicates_the_a_projections():
     assert not any(k.startswith("mtp.") for k in s)  # MTP only with speculation
 
 
+def test_bf16_absorbed_heads_hold_twice_kv_b_values_and_no_scales():
+    """dsaserve's GPU path keeps kv_b as bf16 W_uk / W_uv (`--assume absorbed_heads=bf16`): GLM-5.3's 78 layers of
+    64 heads x (192 + 256) x 512 values, 2 B each, in place of their e4m3 bytes and 224 x 4 block scales a layer."""
+    values = 64 * (192 + 256) * 512
+    dep = Deployment(tp=8, ep=8, dp_attention=True)  # attention replicated: whole kv_b on every rank
+    ckpt = stored_per_gpu(inventory(GLM), dep, Assumptions())
+    bf16 = stored_per_gpu(inventory(GLM), dep, Assumptions(absorbed_heads="bf16"))
+    assert bf16["attn_b"] - ckpt["attn_b"] == 78 * (values - 224 * 4 * 4)
+    assert {k: v for k, v in bf16.items() if k != "attn_b"} == {k: v for k, v in ckpt.items() if k != "attn_b"}
+    read = step_read_per_gpu(GLM, inventory(GLM), dep, Assumptions(absorbed_heads="bf16"), 32)
+    assert read["attn_b"] == bf16["attn_b"]
+
+
 def test_dp_attention_replicates_attention_and_ep_shards_whole_experts():
     s = stored_per_gpu(inventory(GLM), Deployment(tp=8, ep=8, dp_attention=True), Assumptions())
     assert s["attn_b"] == 78 * g.ATTN_B
