@@ -43,7 +43,7 @@ def _graph_widths(eng: Any) -> dict[str, Any]:
     decode, piecewise = m.get("cuda_graph") or {}, m.get("piecewise_cuda_graph") or {}
     widths = tuple(decode.get("page_table_widths") or ()) if decode.get("buckets") else ()
     return {"decode_graph_widths": widths, "decode_graph_max_bs": int(decode.get("max_bs") or 0) if widths else 0,
-            "segment_tokens": max(piecewise.get("buckets") or [0])}
+            "segment_tokens": int(piecewise.get("max_tokens") or max(piecewise.get("buckets") or [0]))}
 
 
 def run_engine(model: str = "glm-5.3-tiny", prompt_lens: tuple[int, ...] = DEFAULT_PROMPTS,

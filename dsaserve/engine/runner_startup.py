@@ -165,6 +165,7 @@ class RunnerStartup:
                                "error": self.graph_errors.get("decode")},
                 "piecewise_cuda_graph": {
                     "buckets": sorted(self.piecewise.graphs) if self.piecewise else [],
+                    "max_tokens": self.piecewise.max_tokens if self.piecewise else 0,  # what routes a step there
                     "segments_per_bucket": self.model.num_segments if self.piecewise else 0,
                     "capture_seconds": round(self.piecewise.capture_seconds, 3) if self.piecewise else 0,
                     "pool_bytes": self.piecewise.capture_bytes if self.piecewise else 0,
