@@ -29,6 +29,21 @@ def takes_every_key(pages: int, page_size: int, index_topk: int) -> bool:
     return 0 < pages * page_size <= index_topk
 
 
+def keys_within_topk(keys: int, page_size: int, index_topk: int) -> bool:
+    """`takes_every_key` of a request of `keys` keys alone (its page table as wide as its pages): the ledger's
+    decode step and prefill chunk, which model one request's context."""
+    return takes_every_key(-(-keys // page_size), page_size, index_topk)
+
+
+def indexer_skips(pages: int, page_size: int, index_topk: int, segments: bool) -> tuple[bool, bool]:
+    """(no indexer key is scored, no indexer query is made) in a forward at a page table `pages` wide: within the
+    top-k the selection takes every key unscored, and a whole forward skips the queries too (`StepContext.all_keys`),
+    where piecewise `segments` serve every width and make them. The engine's counters (`model/step_counts.py`) and
+    the reconcile's prediction (`ledger/reconcile.py`) both take it."""
+    every = takes_every_key(pages, page_size, index_topk)
+    return every, every and not segments
+
+
 def topk_selected(prefix: int, tokens: int, topk: int) -> int:
     """Sum over the chunk's queries of min(topk, p + 1) (slots sparse MLA reads)."""
     lo, hi = prefix + 1, prefix + tokens  # p + 1 ranges over lo..hi

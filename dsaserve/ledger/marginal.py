@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsaserve.common.causal import takes_every_key
+from dsaserve.common.causal import keys_within_topk
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.collective_plan import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
@@ -83,7 +83,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     share = kv_share_per_gpu(dep, asm)
     req_gpu = ceil_div(batch, dep.dp) if dep.dp_attention else batch
     selected = min(cfg.index_topk, context)
-    every_key = takes_every_key(ceil_div(context, asm.page_size), asm.page_size, cfg.index_topk)
+    every_key = keys_within_topk(context, asm.page_size, cfg.index_topk)
     kv_bytes = req_gpu * selected * per_tok.main * share
     idx_bytes = 0 if every_key else req_gpu * context * per_tok.indexer * share
     w = sum(step_read_per_gpu(cfg, inv, dep, asm, batch, context=context).values())

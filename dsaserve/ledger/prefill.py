@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from dsaserve.common.causal import (
     keys_scored,
+    keys_within_topk,
     staged_row_bytes,
     staged_rows,
     stages_latent,
-    takes_every_key,
     topk_selected,
 )
 from dsaserve.config import ModelConfig
@@ -96,7 +96,7 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         t = min(work.chunk, ctx - prefix)
         last = i == n_chunks - 1
         # a chunk within the top-k takes every key unscored (the GPU selection's `take_all`)
-        every_key = takes_every_key(ceil_div(prefix + t, asm.page_size), asm.page_size, cfg.index_topk)
+        every_key = keys_within_topk(prefix + t, asm.page_size, cfg.index_topk)
         pairs = 0 if every_key else keys_scored(prefix, t)
         gemm = gemm_per_token * t + (lm_head if last else 0)
         slots = topk_selected(prefix, t, cfg.index_topk)

@@ -21,12 +21,12 @@ from typing import Any
 from dsaserve.common.causal import (
     STAGING_MIN_TOKENS,
     STAGING_ROWS_PER_TOKEN,
+    indexer_skips,
     keys_scored,
     staged_row_bytes,
     staged_rows,
     stages_latent,
     table_pages,
-    takes_every_key,
     topk_selected,
 )
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
@@ -186,11 +186,10 @@ def query_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> float
     return inventory(cfg).query_bytes.get("indexer", 0) / divisor("indexer", dep or Deployment(tp=1), Assumptions())
 
 
-def _every_key(cfg: ModelConfig, shape: RunShape, rows: list[Row]) -> tuple[bool, bool]:
-    """(this forward scores no indexer key, it computes no indexer queries): model/step_counts.py's rule."""
+def _indexer_skips(cfg: ModelConfig, shape: RunShape, rows: list[Row]) -> tuple[bool, bool]:
+    """`common/causal.indexer_skips` of a forward of these rows at the width it runs at (the engine counts the same)."""
     pages, segments = shape.forward_width(rows)
-    every = takes_every_key(pages, shape.page_size, cfg.index_topk)
-    return every, every and not segments
+    return indexer_skips(pages, shape.page_size, cfg.index_topk, segments)
 
 
 def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None = None) -> dict[str, Predicted]:
@@ -206,7 +205,7 @@ def predict_run(cfg: ModelConfig, shape: RunShape, experts_touched: float | None
     tokens = [sum(r.new for r in s) for s in steps]
     written = sum(tokens)
     selected = sum(topk_selected(r.prefix, r.new, cfg.index_topk) for s in steps for r in s)
-    every = [_every_key(cfg, shape, s) for s in steps]
+    every = [_indexer_skips(cfg, shape, s) for s in steps]
     scored = sum(keys_scored(r.prefix, r.new) for s, (no_keys, _) in zip(steps, every, strict=True) for r in s
                  if not no_keys)
     dep = Deployment(tp=shape.tp, ep=shape.ep, dp_attention=shape.dp_attention)

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dsaserve.common.causal import takes_every_key
+from dsaserve.common.causal import keys_within_topk
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.weights.spec import checkpoint_specs
@@ -163,7 +163,7 @@ def step_read_per_gpu(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, a
     under EP every rank's experts see the global batch). Embedding rows are a gather, not a read. `context`: a decode
     step's keys a request; within the top-k its full layers skip the indexer's query projections."""
     frac = experts_touched_fraction(cfg, tokens, routing or asm.expert_routing)
-    every_key = context is not None and takes_every_key(-(-context // asm.page_size), asm.page_size, cfg.index_topk)
+    every_key = context is not None and keys_within_topk(context, asm.page_size, cfg.index_topk)
     out: dict[str, float] = {}
     for g, b in stored_per_gpu(inv, dep, asm).items():
         if g.removeprefix("mtp.") == "embed":

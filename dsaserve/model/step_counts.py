@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from dsaserve.common.causal import keys_scored, table_pages, takes_every_key, topk_selected
+from dsaserve.common.causal import indexer_skips, keys_scored, table_pages, topk_selected
 from dsaserve.common.counters import COUNTERS
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.layers import indexer as indexer_module
@@ -65,10 +65,10 @@ def step_counts(shape: ForwardShape, pool: PagedKV, seq_lens: list[int], extend_
     tokens = sum(extend_lens)
     pairs = list(zip(seq_lens, extend_lens, strict=True))
     cfg = pool.cfg
-    every_key = takes_every_key(table_pages(seq_lens, pool.page_size) if pages is None else pages, pool.page_size,
-                                cfg.index_topk)
+    every_key, no_queries = indexer_skips(table_pages(seq_lens, pool.page_size) if pages is None else pages,
+                                          pool.page_size, cfg.index_topk, segments)
     out = {"forward_steps": 1} if shape.main else {}
-    skips_queries = every_key and not segments and indexer_module.SKIP_QUERIES_FOR_ALL_KEYS
+    skips_queries = no_queries and indexer_module.SKIP_QUERIES_FOR_ALL_KEYS
     out["weight_bytes_read"] = shape.weight_bytes - (shape.query_weight_bytes if skips_queries else 0)
     if shape.kv_layers:
         selected = sum(topk_selected(s - n, n, cfg.index_topk) for s, n in pairs)

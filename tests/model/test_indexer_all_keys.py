@@ -9,22 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.config import load_config
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels import reference as R
 from dsaserve.model.forward_batch import contiguous_batch
-from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers import indexer as indexer_module
-from dsaserve.weights.loader import load_checkpoint
 
 PAGE = 4  # tiny configs select top-8: two pages
-
-
-def _model(ckpt) -> DsaForCausalLM:
-    model = DsaForCausalLM(load_config(ckpt), with_mtp=False)
-    load_checkpoint(model, ckpt, progress=False)
-    model.finalize(torch.float32, torch.device("cpu"), keep_fp8=True)
-    return model
 
 
 def _run(model, steps, skip: bool, monkeypatch) -> tuple[list[torch.Tensor], list[int]]:
@@ -47,8 +37,8 @@ def _run(model, steps, skip: bool, monkeypatch) -> tuple[list[torch.Tensor], lis
 
 
 @pytest.mark.parametrize("name", ["glm-5.3-tiny", "deepseek-v3.2-tiny"])
-def test_a_batch_within_the_top_k_skips_the_indexer_queries(tiny_checkpoint, name, monkeypatch):
-    model = _model(tiny_checkpoint(name))
+def test_a_batch_within_the_top_k_skips_the_indexer_queries(cpu_model, name, monkeypatch):
+    model = cpu_model(name)
     cfg = model.cfg
     assert cfg.index_topk == 2 * PAGE and cfg.full_indexer_layers
     steps = [contiguous_batch([[3, 4, 5, 6, 7], [9, 10, 11]], [0, 0], [0, 32], PAGE),  # 2 pages: every key

@@ -54,20 +54,14 @@ def test_the_structural_weight_bytes_are_the_projections_a_forward_calls(runner)
     assert runner.model.forward_shape().weight_bytes == sum(called) + absorbed + routers + lm_head
 
 
-def test_a_forward_within_the_top_k_counts_no_indexer_read_and_no_query_weights(tiny_checkpoint):
+def test_a_forward_within_the_top_k_counts_no_indexer_read_and_no_query_weights(cpu_model):
     """Pages of 4 keys against top-8: a batch two pages wide takes every key (`StepContext.all_keys`), so its
     forward reads no indexer key and no wq_b / weights_proj; one three pages wide scores. The counters say what
     the forward called."""
-    from dsaserve.config import load_config
     from dsaserve.engine.kv_pool import KVPool
-    from dsaserve.model.glm_moe_dsa import DsaForCausalLM
     from dsaserve.model.layers.indexer import Indexer
-    from dsaserve.weights.loader import load_checkpoint
 
-    ckpt = tiny_checkpoint("glm-5.3-tiny")
-    model = DsaForCausalLM(load_config(ckpt), with_mtp=False)
-    load_checkpoint(model, ckpt, progress=False)
-    model.finalize(torch.float32, torch.device("cpu"), keep_fp8=True)
+    model = cpu_model("glm-5.3-tiny")
     pool = KVPool(model.cfg, 16, "fp32", model.kv_layer_ids, 4, torch.float32, "cpu")
     shape = model.forward_shape()
     indexers = [m for m in model.modules() if isinstance(m, Indexer)]
