@@ -27,7 +27,7 @@ from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import KVPerToken, kv_per_token, kv_share_per_gpu
 from dsaserve.ledger.units import ceil_div
-from dsaserve.ledger.weights import WeightInventory, gemm_params_per_token, stored_per_gpu
+from dsaserve.ledger.weights import WeightInventory, gemm_params_per_token, query_params_per_token, stored_per_gpu
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
     n_chunks = ceil_div(ctx - start, work.chunk)
     per_tok = kv_per_token(cfg, work.kv_layout, asm)
     gemm_per_token = 2 * gemm_params_per_token(cfg, inv, mtp=asm.speculative)
+    query_per_token = 2 * query_params_per_token(inv, mtp=asm.speculative)
     lm_head = 2 * cfg.vocab_size * cfg.hidden_size
     idx_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * per_tok.indexer_layers
     slot_flops = attn_flops_per_slot(cfg) * per_tok.kv_layers
@@ -95,10 +96,11 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         prefix = start + i * work.chunk
         t = min(work.chunk, ctx - prefix)
         last = i == n_chunks - 1
-        # a chunk within the top-k takes every key unscored (the GPU selection's `take_all`)
+        # a chunk within the top-k takes every key unscored (the GPU selection's `take_all`) and makes no indexer
+        # queries (a whole forward's; piecewise segments still make them, which the ledger does not model)
         every_key = keys_within_topk(prefix + t, asm.page_size, cfg.index_topk)
         pairs = 0 if every_key else keys_scored(prefix, t)
-        gemm = gemm_per_token * t + (lm_head if last else 0)
+        gemm = (gemm_per_token - (query_per_token if every_key else 0)) * t + (lm_head if last else 0)
         slots = topk_selected(prefix, t, cfg.index_topk)
         attn = slot_flops * slots
         idx = idx_pair * pairs

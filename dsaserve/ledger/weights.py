@@ -56,6 +56,7 @@ class WeightInventory:
     bytes: dict[str, int] = field(default_factory=dict)
     params: dict[str, int] = field(default_factory=dict)
     query_bytes: dict[str, int] = field(default_factory=dict)  # of "indexer" / "mtp.indexer": wq_b + weights_proj
+    query_params: dict[str, int] = field(default_factory=dict)  # the same tensors' parameters (no scales)
     kv_b: dict[str, tuple[int, int]] = field(default_factory=dict)  # of "attn_b" / "mtp.attn_b": kv_b (bytes, params)
     expert_bytes: int = 0  # one routed expert of one layer, FP8 + scales
     expert_params: int = 0
@@ -102,6 +103,8 @@ def inventory(cfg: ModelConfig) -> WeightInventory:
         inv.bytes[key_] = inv.bytes.get(key_, 0) + t.nbytes
         if _INDEXER_QUERY.search(t.name):
             inv.query_bytes[key_] = inv.query_bytes.get(key_, 0) + t.nbytes
+            if not t.name.endswith("_scale_inv"):
+                inv.query_params[key_] = inv.query_params.get(key_, 0) + math.prod(t.shape)
         if ".kv_b_proj." in t.name:
             b, n = inv.kv_b.get(key_, (0, 0))
             inv.kv_b[key_] = (b + t.nbytes, n + (0 if t.name.endswith("_scale_inv") else math.prod(t.shape)))
@@ -184,6 +187,11 @@ def gemm_params_per_token(cfg: ModelConfig, inv: WeightInventory, mtp: bool = Fa
         p += sum(inv.params.get(f"mtp.{g}", 0) for g in (*groups, "mtp_extra"))
         p += len(cfg.mtp_layer_ids) * cfg.num_experts_per_tok * inv.expert_params
     return p
+
+
+def query_params_per_token(inv: WeightInventory, mtp: bool = False) -> int:
+    """Of `gemm_params_per_token`, the indexer's query projections: a forward within the top-k skips them."""
+    return inv.query_params.get("indexer", 0) + (inv.query_params.get("mtp.indexer", 0) if mtp else 0)
 
 
 def _vector_params(cfg: ModelConfig) -> int:

@@ -64,6 +64,15 @@ def test_a_chunk_within_the_top_k_scores_no_key():
     assert _li(context=2049, chunk=4096).prefill().chunks[0].indexer_flops == 2 * 32 * 128 * 21 * keys_scored(0, 2049)
 
 
+def test_a_chunk_within_the_top_k_makes_no_indexer_queries():
+    """Its 21 full layers skip wq_b (q latent -> 32 heads x 128) and weights_proj (hidden -> 32): the first chunk's
+    GEMM FLOPs are the second's less those, token for token (neither is the last, which adds the lm_head)."""
+    cfg = load_config("glm-5.3")
+    first, second, _ = _li(context=6144, chunk=2048).prefill().chunks
+    queries = 2 * 21 * (cfg.q_lora_rank * 32 * 128 + cfg.hidden_size * 32)
+    assert second.gemm_flops - first.gemm_flops == queries * 2048
+
+
 def test_q_tile_divides_the_indexer_read():
     a = _li(context=65536).prefill().total("indexer_read")
     li = LedgerInputs(load_config("glm-5.3"), Deployment(tp=8), PRESETS["h200"], Workload(context=65536),
