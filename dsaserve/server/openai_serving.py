@@ -99,13 +99,12 @@ class OpenAIServing:
     async def _completion_full(self, h: Handle) -> dict:
         req = h.req
         texts = [[req.prompts[c // req.n].text or ""] if req.echo else [] for c in range(req.num_samples)]
-        sizes = [sum(map(len, t)) for t in texts]  # characters so far: the logprobs' text_offset
+        offsets = [sum(map(len, t)) for t in texts]  # the next token's text_offset
         lps = [CompletionLogprobs() if req.logprobs else None for _ in texts]
         reasons: list[str | None] = [None] * len(texts)
         async for out in h.results():
             texts[out.choice].append(out.text)
-            _add_completion_logprobs(lps[out.choice], out, sizes[out.choice])
-            sizes[out.choice] += len(out.text)
+            offsets[out.choice] = _add_completion_logprobs(lps[out.choice], out, offsets[out.choice])
             reasons[out.choice] = out.reason or reasons[out.choice]
         choices = [CompletionChoice(index=i, text="".join(t), logprobs=lps[i], finish_reason=reasons[i])
                    for i, t in enumerate(texts)]
@@ -129,8 +128,7 @@ class OpenAIServing:
                     yield chunk(c, req.prompts[c // req.n].text or "")
             async for out in h.results():
                 lp = CompletionLogprobs() if req.logprobs else None
-                _add_completion_logprobs(lp, out, offsets[out.choice])
-                offsets[out.choice] += len(out.text)
+                offsets[out.choice] = _add_completion_logprobs(lp, out, offsets[out.choice])
                 if _worth_a_chunk(h, out, bool(lp and lp.tokens)):
                     yield chunk(out.choice, out.text, lp, out.reason)
             if req.include_usage:
@@ -233,15 +231,18 @@ def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:
     return bool(out.text or out.finished or has_logprobs or (h.req.continuous_usage and out.tokens))
 
 
-def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> None:
+def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> int:
+    """Appends the output's tokens at text_offset `offset` onwards; returns the offset after them. Offsets follow
+    the tokens, not the text sent so far, which lags while a stop string's possible start is held back."""
     if lp is None or not out.lps:
-        return
+        return offset
     for e in out.lps:
         lp.tokens.append(e["token"])
         lp.token_logprobs.append(e["logprob"])
         lp.top_logprobs.append({t[0]: t[1] for t in e["top"]})
         lp.text_offset.append(offset)
         offset += len(e["token"])
+    return offset
 
 
 def _chat_logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob]:

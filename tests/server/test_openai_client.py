@@ -166,6 +166,29 @@ def test_completion_logprobs_have_one_entry_per_token(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def _offsets(client, stream: bool, **kw) -> tuple[list[str], list[int]]:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0, extra_body={"ignore_eos": True},
+              **kw)
+    if not stream:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        return lp.tokens, lp.text_offset
+    tokens, offsets = [], []
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            tokens += c.logprobs.tokens if c.logprobs else []
+            offsets += c.logprobs.text_offset if c.logprobs else []
+    return tokens, offsets
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_text_offsets_follow_the_tokens_with_a_stop_string_set(client, stream):
+    """A stop string that never matches still holds text back while it might start; the offsets follow the
+    tokens (each the last one's plus its length), as without a stop string."""
+    tokens, offsets = _offsets(client, stream)
+    assert len(tokens) == 8 and offsets == [sum(map(len, tokens[:i])) for i in range(8)]
+    assert _offsets(client, stream, stop="@@@@@@@@") == (tokens, offsets)
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2)
