@@ -51,18 +51,21 @@ class RequestLimits:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
                 raise LimitError(field, f"token id {t!r} is outside the vocabulary [0, {vocab})")
 
-    def check_lengths(self, prompt_len: int, max_tokens: int | None, field: str) -> int:
-        """The prompt within max_req_input_len and prompt + max_tokens within the context; returns the
-        max_tokens to use (None: what is left of the context)."""
+    def check_lengths(self, prompt_len: int, max_tokens: int | None, field: str, tokens_field: str = "max_tokens",
+                      min_tokens: int = 0) -> int:
+        """The prompt within max_req_input_len, prompt + max_tokens (named `tokens_field` in errors) within the
+        context, and min_tokens within what is left of it; returns the max_tokens to use (None: what is left)."""
         if prompt_len > self.max_req_input_len:
             raise LimitError(field, f"the prompt has {prompt_len} tokens, more than max_req_input_len = "
                              f"{self.max_req_input_len}", CONTEXT_LENGTH_EXCEEDED)
-        if max_tokens is None:
-            return self.max_seq_len - prompt_len
-        if prompt_len + max_tokens > self.max_seq_len:
-            raise LimitError("max_tokens", f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) "
+        left = self.max_seq_len - prompt_len
+        if max_tokens is not None and max_tokens > left:
+            raise LimitError(tokens_field, f"the prompt ({prompt_len} tokens) plus {tokens_field} ({max_tokens}) "
                              f"exceeds the context limit of {self.max_seq_len} tokens", CONTEXT_LENGTH_EXCEEDED)
-        return max_tokens
+        if min_tokens > left:
+            raise LimitError("min_tokens", f"{min_tokens} is more than the {left} tokens the context leaves after "
+                             f"the prompt ({prompt_len} tokens)", CONTEXT_LENGTH_EXCEEDED)
+        return left if max_tokens is None else max_tokens
 
     def check_n(self, n: int) -> None:
         if self.max_running_requests and n > self.max_running_requests:

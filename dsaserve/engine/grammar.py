@@ -225,8 +225,8 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self.compiler
         try:
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object, as OpenAI guarantees (the builtin JSON grammar takes any value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "json_schema":
                 return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
             if spec.kind == "choice":

@@ -52,6 +52,16 @@ class SampleSource(Protocol):
     def suppressed_token_ids(self) -> tuple[int, ...]: ...
 
 
+def generator_seed(seed: int) -> int:
+    """A request's signed 64-bit seed as the uint64 `manual_seed` takes, its bits mixed (splitmix64's
+    finaliser, a bijection): the CPU generator (mt19937) keeps only the low 32 bits, so seeds 0 and 2**32 drew
+    the same tokens there; mixed, every bit of the seed moves those 32."""
+    z = seed & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return z ^ (z >> 31)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -175,7 +185,7 @@ class Sampler:
             if p.seed is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=dev)
-                    r.generator.manual_seed(p.seed & 0xFFFF_FFFF_FFFF_FFFF)  # manual_seed takes uint64
+                    r.generator.manual_seed(generator_seed(p.seed))
                 q[i].exponential_(generator=r.generator)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy, x.argmax(dim=-1), sampled)

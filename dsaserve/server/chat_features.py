@@ -84,7 +84,8 @@ def _tool_mode(choice: Any, functions: dict[str, dict[str, Any]]) -> tuple[str, 
         if choice != "none" and not functions:
             raise ChatPlanError(f"tool_choice: {choice!r} needs `tools`", "tool_choice")
         return choice, None
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ChatPlanError("tool_choice: a named choice is {'type': 'function', 'function': {'name': ...}}",
                             "tool_choice")
@@ -141,8 +142,10 @@ def plan_chat(req: Any, tool_parser: str | None, reason_first: bool = False) -> 
         raise ChatPlanError("tools: tool calling is off on this server (--tool-call-parser none)", "tools")
     parallel = getattr(req, "parallel_tool_calls", None) is not False
     fmt = format_grammar(req)
-    plan = ChatPlan(tools, mode, name, parallel, fmt[1] if fmt else None,
-                    dict(getattr(req, "chat_template_kwargs", None) or {}), fmt[0] if fmt else None)
+    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    if getattr(req, "reasoning_effort", None) is not None:  # templates that know it read it (vLLM passes it too)
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    plan = ChatPlan(tools, mode, name, parallel, fmt[1] if fmt else None, kwargs, fmt[0] if fmt else None)
     if mode in ("required", "named") and plan.grammar is not None:
         raise ChatPlanError("tool_choice: a required or named tool choice cannot be combined with "
                             "response_format / structured_outputs", "tool_choice")
@@ -204,6 +207,22 @@ def _model_type(model_dir: str) -> str | None:
         return None
 
 
+def _complete_items(text: str) -> list[Any]:
+    """The whole items of a JSON list, also of one cut short by max_tokens (the grammar made it a list of calls):
+    '[{...}, {"na' -> [{...}]."""
+    decoder, i, items = json.JSONDecoder(), text.find("[") + 1, []
+    if i == 0:
+        return items
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:  # the list's end, or an item cut short
+            return items
+        items.append(item)
+
+
 class ChoiceOutput:
     """One choice's text -> message fields (whole) or delta fields (streamed)."""
 
@@ -240,13 +259,16 @@ class ChoiceOutput:
         if self.plan.tool_mode == "named":  # nothing after the reasoning (cut short): no call
             return [ToolCall(self.plan.function or "", text)] if text else []
         try:
-            items = json.loads(text)
-            return [ToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False)) for it in items]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens: no call
+            return [ToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
+                    for it in _complete_items(text)]
+        except (TypeError, KeyError):
             return []
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.num_calls and reason == "stop" else reason
+        """"tool_calls" where the model chose to call (auto, required); a named choice forced the call, so it
+        stops with "stop", as OpenAI and vLLM report it."""
+        forced = self.plan.tool_mode == "named"
+        return "tool_calls" if self.num_calls and reason == "stop" and not forced else reason
 
     # ---- streamed -----------------------------------------------------------------------------
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:

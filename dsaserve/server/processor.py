@@ -59,7 +59,7 @@ class Processor:
         self._check_common(req)
         fmt = _plan_or_400(format_grammar, req)
         prompts = await self._completion_prompts(req.prompt)
-        max_tokens = self._check_prompts(prompts, req.max_tokens, "prompt")
+        max_tokens = self._check_prompts(prompts, req, req.max_tokens, "prompt")
         sampling = self.sampling(req, req.max_tokens, req.logprobs, fmt[1] if fmt else None)
         if fmt:
             await self._check_grammar(*fmt)
@@ -79,7 +79,8 @@ class Processor:
         if plan.grammar is not None and thinking:  # the grammar starts when the reasoning ends
             plan.grammar = {**plan.grammar, "after": self.chat_settings.think_end_id}
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._check_prompts([prompt], requested, "messages")
+        max_tokens = self._check_prompts([prompt], req, requested, "messages",
+                                         "max_completion_tokens" if req.max_completion_tokens is not None else None)
         sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None, plan.grammar)
         if plan.grammar is not None:
             await self._check_grammar(plan.grammar_source or "structured_outputs", plan.grammar)
@@ -118,14 +119,17 @@ class Processor:
             limits.check_n(req.n)
             limits.check_ids(req.stop_token_ids or [], "stop_token_ids", allow_empty=True)
 
-    def _check_prompts(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> int:
-        """Ids and lengths of every prompt, as the scheduler will check them; returns max_tokens resolved (the
-        longest prompt's: None -> what is left of the context)."""
+    def _check_prompts(self, prompts: list[Prompt], req: Any, max_tokens: int | None, param: str,
+                       tokens_field: str | None = None) -> int:
+        """Ids and lengths of every prompt, as the scheduler will check them, and min_tokens against what the
+        context leaves; returns max_tokens resolved (the longest prompt's: None -> what is left of the context).
+        `tokens_field`: the request field max_tokens came from, for the error."""
         limits, resolved = self.limits(), []
         with _limit_400():
             for p in prompts:
                 limits.check_ids(p.ids, param)
-                resolved.append(limits.check_lengths(len(p.ids), max_tokens, param))
+                resolved.append(limits.check_lengths(len(p.ids), max_tokens, param, tokens_field or "max_tokens",
+                                                     req.min_tokens or 0))
         return min(resolved)
 
     @cached_property

@@ -1,8 +1,9 @@
 """OpenAI wire protocol: request/response models and OpenAI-style error objects (request path stage 1).
 
 Owns: the pydantic models of `/v1/completions` and `/v1/chat/completions` (requests validated strictly:
-unknown top-level fields are rejected as OpenAI does, `extra="forbid"`; a few vLLM/SGLang sampling
-extensions such as `top_k` are declared explicitly), the response and stream-chunk models, and
+unknown top-level fields are rejected, `extra="forbid"`, and a null is the field's default; OpenAI's fields
+that change no output here, such as `store`, are accepted; a few vLLM/SGLang sampling extensions such as `top_k`
+are declared explicitly), the response and stream-chunk models, and
 `APIError`, the one exception every bad input becomes: `{"error": {"message", "type", "param", "code"}}`
 with an HTTP status. Messages are capped (`MAX_ERROR_CHARS`) so a small bad body never produces a huge
 error. Value ranges that SamplingParams also checks (temperature, top_p, n, ...) are checked here too so
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from dsaserve.common.sampling_params import MAX_LOGPROBS, MAX_N
 
@@ -101,6 +102,16 @@ def _is_union_branch(x: Any) -> bool:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI types its optional fields as nullable: a null means the default (clients send unset fields as
+        null). A required field's null stays an error."""
+        if not isinstance(data, dict):
+            return data
+        optional = {k for k, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
@@ -169,6 +180,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (chat_encoding parses them)
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # an assistant turn may be tool calls alone
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -181,6 +200,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # OpenAI fields that change no output here (storage, billing, latency hints): accepted and ignored, as vLLM
+    # does; reasoning_effort goes to the chat template (server/chat_features.py), modalities may only ask for text
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
     # extensions (vLLM)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -104,6 +104,14 @@ def test_bitmask_application_matches_xgrammar_on_cpu(compiler):
     assert torch.isinf(ours[1, 512:]).all()  # ids past the tokenizer never pass a grammar
 
 
+@pytest.mark.parametrize("text, whole", [('{"a": [1, {"b": null}], "c": "d"}', True), ("{}", True),
+                                         ("[true]", False), ("[]", False), ('"s"', False), ("1", False)])
+def test_json_object_takes_an_object_and_nothing_else(compiler, text, whole):
+    """response_format json_object: OpenAI promises an object; any JSON value would let `[true]` through."""
+    m = xgr.GrammarMatcher(compiler.compile(make_spec("json_object", None)))
+    assert m.accept_string(text) == whole
+
+
 class _Row:
     prompt_token_ids = [0]
     suppressed_token_ids = ()

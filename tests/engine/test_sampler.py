@@ -50,6 +50,19 @@ def test_a_seed_gives_the_same_samples_whatever_else_is_in_the_batch():
     assert len(set(ref)) > 1  # it really sampled
 
 
+def test_seeds_apart_only_in_their_high_bits_draw_apart():
+    """The CPU generator keeps 32 bits of what it is seeded with; the seed's other bits must still count."""
+    x = torch.zeros(1, V)
+
+    def draws(seed: int) -> list[int]:
+        row, s = Row(SamplingParams(temperature=1.0, seed=seed)), Sampler()
+        return [s.sample(x, [row]).token_ids[0] for _ in range(12)]
+
+    for a, b in ((0, 1 << 32), (7, 7 + (30 << 32)), (-1, (1 << 63) - 1)):
+        assert draws(a) != draws(b)
+    assert draws(1 << 32) == draws(1 << 32)
+
+
 def test_temperature_sampling_follows_the_softmax():
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5] + [-30.0] * (V - 5)])
     sp = SamplingParams(temperature=0.8, seed=0)

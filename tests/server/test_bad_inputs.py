@@ -72,8 +72,18 @@ CASES = [
     ("top_logprobs_over_20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("json_schema_unsupported", CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}), 400,
      "response_format", None),
-    ("max_completion_tokens_over_context", CHAT, chat(max_completion_tokens=4096), 400, "max_tokens",
+    ("max_completion_tokens_over_context", CHAT, chat(max_completion_tokens=4096), 400, "max_completion_tokens",
      "context_length_exceeded"),
+    ("min_tokens_past_the_context", CHAT, {"model": MODEL, "messages": OK_MSGS, "min_tokens": 5000}, 400,
+     "min_tokens", "context_length_exceeded"),
+    ("tool_choice_function_not_an_object", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                       tool_choice={"function": "f"}), 400, "tool_choice", None),
+    ("assistant_tool_calls_not_a_list", CHAT, chat(messages=[{"role": "assistant", "content": "x", "tool_calls": 5},
+                                                             *OK_MSGS]), 400, "messages.0.tool_calls", None),
+    ("user_message_without_content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0", None),
+    ("required_field_null", CHAT, chat(model=None), 400, "model", None),
+    ("audio_modality", CHAT, chat(modalities=["text", "audio"]), 400, "modalities.1", None),
+    ("reasoning_effort_unknown", CHAT, chat(reasoning_effort="max"), 400, "reasoning_effort", None),
     ("logit_bias_unsupported", C, comp(logit_bias={"5": 10}), 400, "logit_bias", None),
     ("huge_integer_top_k", C, comp(top_k=1 << 70), 400, "top_k", None),
     ("huge_seed", C, comp(seed=1 << 64), 400, "seed", None),
@@ -150,7 +160,13 @@ def test_the_matrix_is_large_and_the_server_still_serves_after_it(server):
     (C, comp(prompt="a\u0000b", stop="\u0000")), (CHAT, chat(messages=[{"role": "user", "content": "\u0000"}])),
     (C, comp(prompt="\U0001F600 paired surrogates are one character", user="\ud83d\ude00")),
     (CHAT, chat(messages=[{"role": "user", "content": "hi", "name": "\u0000"}])),
-], ids=["nul_prompt_and_stop", "nul_chat", "astral_character", "nul_name"])
+    # OpenAI's nullable fields sent as null mean their defaults; its fields that change no output are accepted
+    (C, comp(n=None, stream=None, echo=None, logprobs=None, stop=None, seed=None, stream_options=None)),
+    (CHAT, chat(n=None, stream=None, logprobs=None, temperature=None, max_tokens=None, max_completion_tokens=2)),
+    (CHAT, chat(store=True, metadata={"k": "v"}, service_tier="auto", reasoning_effort="low", modalities=["text"],
+                prediction={"type": "content", "content": "hi"}, prompt_cache_key="x", safety_identifier="y")),
+], ids=["nul_prompt_and_stop", "nul_chat", "astral_character", "nul_name", "nulls_completion", "nulls_chat",
+        "openai_fields_ignored"])
 def test_odd_but_valid_text_is_accepted(server, path, body):
     r = _send(server, path, body)
     assert r.status_code == 200, r.text

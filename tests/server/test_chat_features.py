@@ -65,7 +65,7 @@ def test_forced_outputs_read_back_whole_and_streamed():
     out = ChoiceOutput(named, "glm47", False, False)
     msg = out.whole('{"x": 5}')
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "a", "arguments": '{"x": 5}'}
-    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+    assert out.finish_reason("stop") == "stop" and out.finish_reason("length") == "length"  # forced: OpenAI's
     s = ChoiceOutput(named, "glm47", False, False)
     deltas = [s.feed('{"x"'), s.feed(": 5}", final=True)]
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "a"
@@ -74,9 +74,13 @@ def test_forced_outputs_read_back_whole_and_streamed():
     r = ChoiceOutput(required, "glm47", False, False)
     assert r.feed('[{"name": "b", "parameters": {}}') == {}
     end = r.feed(', {"name": "a", "parameters": {"x": 1}}]', final=True)["tool_calls"]
-    assert [d["function"].get("name") for d in end if "id" in d] == ["b", "a"]
+    assert [d["function"].get("name") for d in end if "id" in d] == ["b", "a"] and r.finish_reason("stop") == "tool_calls"
     cut = ChoiceOutput(required, "glm47", False, False).whole('[{"name": "a", "par')  # max_tokens hit
     assert "tool_calls" not in cut
+    cut = ChoiceOutput(required, "glm47", False, False)  # the calls complete before the cut are returned
+    assert cut.whole('[{"name": "b", "parameters": {}},\n {"name": "a", "parameters": {"x"')["tool_calls"][0][
+        "function"] == {"name": "b", "arguments": "{}"} and cut.num_calls == 1
+    assert cut.finish_reason("length") == "length"
 
 
 def test_auto_with_parallel_off_keeps_the_first_call_and_reasoning_comes_first():
@@ -99,6 +103,6 @@ def test_a_named_call_after_reasoning_starts_when_the_reasoning_ends():
     first = s.feed("thinking about x")
     assert first == {"reasoning_content": "thinking about x"}  # no call header while reasoning
     rest = s.feed('</think>{"x": 2}', final=True)
-    assert rest["tool_calls"][0]["function"]["name"] == "a" and s.finish_reason("stop") == "tool_calls"
+    assert rest["tool_calls"][0]["function"]["name"] == "a" and s.finish_reason("stop") == "stop"
     cut = ChoiceOutput(named, "glm47", True, True).whole("never finished thinking")
     assert cut["reasoning_content"] == "never finished thinking" and "tool_calls" not in cut

@@ -35,6 +35,8 @@ def parsed_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if m.get("role") == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ChatTemplateError(f"messages[{i}].tool_calls: must be a list of calls")
             m = copy.deepcopy(m)
             for tc in m["tool_calls"]:
                 fn = tc.get("function") if isinstance(tc, dict) else None
