@@ -28,7 +28,7 @@ from dsaserve.bench.metrics import Record
 
 TOKEN_COUNTS = ("usage", "logprobs")  # the first is the default
 TICK_S = 1.0  # progress refresh while waiting
-REQUESTS_METRIC = "dsaserve_requests_received_total"  # generation requests the server accepted (HTTP)
+REQUESTS_METRIC = "dsaserve_requests_received_total"  # prompts the server accepted (the bench sends one a request)
 
 
 def payload(req: BenchRequest, model: str, endpoint: str, token_counts: str, ignore_eos: bool) -> dict[str, Any]:

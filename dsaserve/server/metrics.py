@@ -171,7 +171,9 @@ class ServerMetrics:
                              buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("dsaserve_e2e_request_latency_seconds", "arrival to last output token, per sample",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.received = Counter("dsaserve_requests_received", "generation requests accepted (HTTP)", registry=r)
+        self.received = Counter("dsaserve_requests_received", "prompts of accepted generation requests (an HTTP "
+                                "request with a list of prompts counts each; n samples of one prompt count once)",
+                                registry=r)
         self.prompts = Counter("dsaserve_request_prompt_tokens", "prompt tokens of accepted requests", registry=r)
         self.finished = Counter("dsaserve_requests_finished", "samples finished, by finish_reason",
                                 ["finish_reason"], registry=r)
