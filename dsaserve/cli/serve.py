@@ -44,11 +44,13 @@ def main(ns: argparse.Namespace) -> int:
     clock.cache("bytecode", **bytecode_cache.report())  # common/bytecode_cache.py: where the .pyc files live
     try:
         engine = EngineArgs.from_cli_args(ns)
+        engine.check_device()
         cache: dict = {}
         model_dir = str(resolve_model_dir(engine.model, engine.load_format, cache))
         clock.cache("model_files", **cache)
         # a broken checkpoint fails here, in one line, before any child starts (dummy weights: no files)
-        cfg = load_config(model_dir) if engine.load_format == "dummy" else check_checkpoint(model_dir)
+        cfg = load_config(model_dir) if engine.load_format == "dummy" else check_checkpoint(model_dir,
+                                                                                            with_tokenizer=True)
         engine.check_layout(cfg)  # a bad layout or too few GPUs: refused before any spawn
         if engine.world_size > 1 and not engine.dist_init_addr:
             engine.dist_init_addr = f"127.0.0.1:{free_port()}"

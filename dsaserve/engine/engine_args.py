@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,9 @@ class EngineArgs:
         for name in ("num_pages", "kv_cache_bytes", "chunked_prefill_size", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        m = self.mixed_step_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"--mixed-step-tokens: must be an integer >= 0 (0 = no cap), got {m!r}")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_running_requests", self.max_running_requests)
         if self.cuda_graph_max_bs is not None:
@@ -256,12 +260,30 @@ class EngineArgs:
             return self.dtype
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
+    def check_device(self) -> None:
+        """--device cuda where there is none: refused with the flag before any process or tensor is made. Known
+        without torch where the machine has no GPU device; where torch is already imported (the ModelRunner),
+        torch says too (a CPU-only build on a GPU host). A process that has not imported torch stays without it."""
+        if self.device != "cuda":
+            return
+        if no_gpu_present():
+            raise ValueError("--device: cuda, but this machine shows no GPU (use --device cpu)")
+        torch = sys.modules.get("torch")
+        if torch is not None and not torch.cuda.is_available():
+            raise ValueError(f"--device: cuda, but torch {torch.__version__} finds no CUDA device "
+                             "(use --device cpu)")
+
     def check_layout(self, cfg: Any) -> None:
-        """The parallel layout against the model (heads, experts, 128-blocks), before any weight is read;
-        and, on cuda, the ranks of this node against the visible GPUs. ValueError naming field and numbers."""
+        """The parallel layout against the model (heads, experts, 128-blocks) and --max-model-len against its
+        positions, before any weight is read; and, on cuda, the ranks of this node against the visible GPUs.
+        ValueError naming field and numbers."""
         from dsaserve.distributed.layout import check_layout
 
         device = self.resolved_device()
+        max_len = cfg.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > max_len:
+            raise ValueError(f"--max-model-len: {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_len}")
         check_layout(cfg, self.tensor_parallel_size, self.expert_parallel_size, self.enable_dp_attention,
                      keep_fp8=device == "cuda")
         if device == "cuda" and self.world_size > 1:

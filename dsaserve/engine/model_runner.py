@@ -56,6 +56,7 @@ class ModelRunner(RunnerStartup):
     def __init__(self, args: EngineArgs, rank: int | None = None, dist_init_method: str | None = None,
                  graph_reserve_bytes: int = 1 << 30):
         self.args = args
+        args.check_device()
         device = args.resolved_device()
         self.startup_time: dict[str, float] = {}
         self._start_precompile(device)  # the recorded kernels compile in parallel; waited for before the first forward
@@ -65,8 +66,7 @@ class ModelRunner(RunnerStartup):
         with PhaseTimer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
         args.check_layout(self.cfg)  # heads / experts / 128-blocks against the ranks: before any weight is read
-        self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings,
-                                 self.cfg.max_position_embeddings)
+        self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings  # within it: check_layout
         with PhaseTimer(self.startup_time, "load_weights"):
             self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
         self._wait_precompile()

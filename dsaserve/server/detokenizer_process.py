@@ -26,6 +26,7 @@ import zmq
 
 from dsaserve.engine.incremental_detokenizer import IncrementalDetokenizer
 from dsaserve.engine.lifetime import start_child
+from dsaserve.errors import CheckpointError
 from dsaserve.server import ipc
 from dsaserve.server.hf_tokenizer import HFTokenizer
 from dsaserve.server.startup_clock import child_phases
@@ -135,6 +136,11 @@ def run(cfg: dict[str, Any]) -> None:
     try:
         t_tok = time.time()
         detok = Detokenizer(HFTokenizer(cfg["model_dir"]))
+    except CheckpointError as e:  # the tokenizer file missing or broken: one line naming it, no traceback
+        to_main.send(ipc.pack(ipc.FATAL, who="detokenizer", message=str(e), cause="checkpoint"))
+        log.error("%s", e)
+        time.sleep(0.2)  # let the message leave before the process (and its socket) goes away
+        sys.exit(1)
     except Exception as e:
         to_main.send(ipc.pack(ipc.FATAL, who="detokenizer", message=f"{type(e).__name__}: {e}"))
         raise

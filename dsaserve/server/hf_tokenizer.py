@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from dsaserve.config import read_json_object
 from dsaserve.errors import CheckpointError
+from dsaserve.weights.checkpoint_check import tokenizer_file
 
 if TYPE_CHECKING:
     import jinja2
@@ -93,9 +94,7 @@ class HFTokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
-        path = d / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"tokenizer: {path} is missing (the checkpoint needs a tokenizer.json)")
+        path = tokenizer_file(d)
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception for unparsable files

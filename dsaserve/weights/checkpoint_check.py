@@ -105,10 +105,21 @@ def missing_message(missing: list[str]) -> str:
     return f"missing tensor(s): {', '.join(missing[:8])}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
 
 
-def check_checkpoint(ckpt: str | Path, with_mtp: bool = False) -> ModelConfig:
-    """Everything about `ckpt` that can be checked without reading tensor data; returns its config."""
+def tokenizer_file(ckpt: str | Path) -> Path:
+    """The checkpoint's tokenizer.json; a CheckpointError naming it where it is missing."""
+    path = Path(ckpt) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"tokenizer: {path} is missing (the checkpoint needs a tokenizer.json)")
+    return path
+
+
+def check_checkpoint(ckpt: str | Path, with_mtp: bool = False, with_tokenizer: bool = False) -> ModelConfig:
+    """Everything about `ckpt` that can be checked without reading tensor data (`with_tokenizer`: that it has a
+    tokenizer.json, which serving needs); returns its config."""
     ckpt = Path(ckpt)
     cfg = load_config(ckpt)
+    if with_tokenizer:
+        tokenizer_file(ckpt)
     weight_map = read_index(ckpt)
     skip = set() if with_mtp else set(cfg.mtp_layer_ids)
     check_coverage(weight_map, cfg, skip)

@@ -58,3 +58,9 @@ def test_serve_refuses_a_nan_scale_in_one_line(ckpt):
     assert r.returncode == 2
     assert re.search(rf"^(dsaserve serve: )?error: .*{pattern}", r.stderr.strip().splitlines()[-1]), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_without_a_tokenizer_is_one_line_before_any_child(ckpt, capsys):
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["serve", "--model", str(ckpt), "--port", "1"]) == 2  # fails before it binds or spawns anything
+    _one_error_line(capsys.readouterr().err, "serve", "tokenizer.json is missing")

@@ -34,6 +34,14 @@ def test_every_dsaserve_variable_the_package_reads_is_declared_here():
     assert named <= set(envs.SWITCHES)
 
 
+def test_every_switch_is_in_the_readme():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(envs.__file__).parents[2] / "README.md").read_text()
+    assert [name for name in envs.SWITCHES if not re.search(rf"\b{name}\b", readme)] == []
+
+
 def test_an_unknown_switch_is_an_attribute_error():
     with pytest.raises(AttributeError):
         _ = envs.DSASERVE_NOT_A_SWITCH

@@ -34,3 +34,27 @@ def test_good_layouts_pass_and_give_the_world_size():
 def test_model_parallel_refuses_all_to_all_moe_without_ep_the_world_before_a_rendezvous():
     with pytest.raises(ValueError, match="--moe-a2a: .* needs ep_size = the world size 2, got ep_size 1"):
         initialize_model_parallel(tp_size=2, moe_a2a=True)
+
+
+@pytest.mark.parametrize("value", [-3, True, 2.5])
+def test_mixed_step_tokens_below_zero_is_refused(value):
+    """A negative cap made every step with decodes schedule no prefill: new requests waited for the decodes."""
+    with pytest.raises(ValueError, match="--mixed-step-tokens: must be an integer >= 0"):
+        EngineArgs(model="glm-5.3-tiny", mixed_step_tokens=value)
+    assert EngineArgs(model="glm-5.3-tiny", mixed_step_tokens=0).resolved_mixed_step_tokens() == 0
+
+
+def test_max_model_len_past_the_models_positions_is_refused():
+    from dsaserve.config import load_config
+
+    cfg = load_config("glm-5.3-tiny")
+    EngineArgs(model="glm-5.3-tiny", max_model_len=cfg.max_position_embeddings).check_layout(cfg)
+    with pytest.raises(ValueError, match="--max-model-len: .* exceeds the model's max_position_embeddings"):
+        EngineArgs(model="glm-5.3-tiny", max_model_len=cfg.max_position_embeddings + 1).check_layout(cfg)
+
+
+def test_cuda_on_a_machine_without_a_gpu_is_refused_naming_the_flag(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever the machine has
+    with pytest.raises(ValueError, match="--device: cuda, but this machine shows no GPU"):
+        EngineArgs(model="glm-5.3-tiny", device="cuda").check_device()
+    EngineArgs(model="glm-5.3-tiny", device="cpu").check_device()
