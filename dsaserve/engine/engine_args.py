@@ -24,6 +24,7 @@ Parallel layout (SGLang's flags; docs/PARALLELISM.md): world = max(tp, ep) ranks
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -286,6 +287,8 @@ class EngineArgs:
                              f"max_position_embeddings {max_len}")
         check_layout(cfg, self.tensor_parallel_size, self.expert_parallel_size, self.enable_dp_attention,
                      keep_fp8=device == "cuda")
+        if device == "cpu":
+            self._check_host_memory(cfg)
         if device == "cuda" and self.world_size > 1:
             import torch
 
@@ -293,6 +296,19 @@ class EngineArgs:
             if self.ranks_per_node > visible:
                 raise ValueError(f"--tensor-parallel-size/--expert-parallel-size: {self.ranks_per_node} ranks on "
                                  f"this node, but only {visible} GPUs are visible")
+
+    def _check_host_memory(self, cfg: Any) -> None:
+        """The CPU path holds every weight in the compute dtype: a model whose weights alone pass this machine's
+        memory is refused at once (the full GLM-5.3 in float32 would need ~3 TB; it used to grow until killed)."""
+        from dsaserve.weights.spec import checkpoint_specs
+
+        params = sum(math.prod(t.shape) for t in checkpoint_specs(cfg) if not t.name.endswith("_scale_inv"))
+        need = params * (4 if self.resolved_dtype() == "float32" else 2) / self.nnodes
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise ValueError(f"--model {self.model}: its {params / 1e9:.1f} B weights need {need / 1e9:.0f} GB of "
+                             f"host memory as {self.resolved_dtype()} on the CPU, this machine has "
+                             f"{have / 1e9:.0f} GB (--device cuda, or a smaller model such as glm-5.3-mini)")
 
     # ---- command line --------------------------------------------------------------------
     @classmethod

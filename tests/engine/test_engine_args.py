@@ -58,3 +58,12 @@ def test_cuda_on_a_machine_without_a_gpu_is_refused_naming_the_flag(monkeypatch)
     with pytest.raises(ValueError, match="--device: cuda, but this machine shows no GPU"):
         EngineArgs(model="glm-5.3-tiny", device="cuda").check_device()
     EngineArgs(model="glm-5.3-tiny", device="cpu").check_device()
+
+
+def test_a_model_past_the_hosts_memory_is_refused_on_the_cpu_before_any_weight():
+    """GLM-5.3 in float32 is ~3 TB: refused at once instead of growing until the kernel kills the process."""
+    from dsaserve.config import load_config
+
+    with pytest.raises(ValueError, match=r"--model glm-5.3: its 753.3 B weights need \d+ GB of host memory"):
+        EngineArgs(model="glm-5.3", device="cpu", load_format="dummy").check_layout(load_config("glm-5.3"))
+    EngineArgs(model="glm-5.3-tiny", device="cpu").check_layout(load_config("glm-5.3-tiny"))
