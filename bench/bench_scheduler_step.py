@@ -45,6 +45,7 @@ class NoopRunner:
     def __init__(self, num_pages: int):
         self.cfg = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20, eos_token_id=(1,))
         self.num_pages, self.page_size, self.eos_token_ids = num_pages, 64, (1,)
+        self.device = "cpu"  # EngineCore's DeviceTimer: nothing runs on a device here
         self.tokenizer, self.chat_template, self.startup_time = None, None, {}
         self._logits = torch.zeros(1024, VOCAB)
         self.future_token_ids = torch.zeros(1024, dtype=torch.int64)  # overlap: placeholders are never read here
