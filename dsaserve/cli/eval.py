@@ -17,6 +17,8 @@ both runs' top-1 margins there: a parting at a near-tie is rounding, one at a wi
   hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
            latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
 Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present.
+Exit status: 1 when a setting FAILED (the others still run and are reported), 2 for a bad flag or too little
+held-out text.
 """
 
 from __future__ import annotations
@@ -40,15 +42,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-layout", default=d.kv_layout, choices=ENGINE_KV_LAYOUTS,
                    help="KV layout of the base setting")
     p.add_argument("--groups", default=",".join(ALL_GROUPS), help=f"comma-separated subset of {','.join(ALL_GROUPS)}")
-    p.add_argument("--windows", type=int, default=d.windows, help="held-out windows for perplexity")
-    p.add_argument("--window-len", type=int, default=d.window_len, help="tokens per window")
-    p.add_argument("--batch", type=int, default=d.batch, help="windows per prefill")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="held-out prompts for greedy agreement")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="greedy tokens per prompt")
-    p.add_argument("--max-files", type=int, default=None, help="read only the first N stdlib files (tests)")
+    p.add_argument("--windows", type=positive_int, default=d.windows, help="held-out windows for perplexity")
+    p.add_argument("--window-len", type=positive_int, default=d.window_len, help="tokens per window")
+    p.add_argument("--batch", type=positive_int, default=d.batch, help="windows per prefill")
+    p.add_argument("--prompts", type=positive_int, default=d.prompts, help="held-out prompts for greedy agreement")
+    p.add_argument("--prompt-len", type=positive_int, default=d.prompt_len)
+    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens, help="greedy tokens per prompt")
+    p.add_argument("--max-files", type=positive_int, default=None, help="read only the first N stdlib files (tests)")
     p.add_argument("--json", default=None, help="also write the full result here")
     p.set_defaults(func=run)
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the count flags: a count below 1 would divide by zero or run nothing."""
+    try:
+        value: int | None = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,4 +85,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(f"wrote {args.json} ({len(json.dumps(out))} bytes)", file=sys.stderr)
-    return 0
+    return _failed(out)
+
+
+def _failed(out: dict) -> int:
+    """1 when a setting FAILED (its comparisons are missing from the table), else 0."""
+    failed = list(out["errors"])
+    if not failed:
+        return 0
+    total = len(failed) + len(out["results"])
+    print(f"dsaserve eval: {len(failed)} of {total} settings FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1
