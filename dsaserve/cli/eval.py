@@ -16,7 +16,9 @@ both runs' top-1 margins there: a parting at a near-tie is rounding, one at a wi
            reference and against the bf16 lm_head: bf16 logits make close tokens tie exactly
   hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
            latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
-Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present.
+Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present, out of
+the running Python's standard library: under another Python than the model was trained on it is other text, with
+another perplexity, and a WARNING says so (both Pythons, held-out files and tokens).
 Exit status: 1 when a setting FAILED (the others still run and are reported), 2 for a bad flag or too little
 held-out text.
 """
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                  window_len=args.window_len, batch=args.batch, prompts=args.prompts, prompt_len=args.prompt_len,
                  max_tokens=args.max_tokens, json_path=args.json, max_files=args.max_files)
     try:
-        out = run_eval(a, log=lambda s: print(s, flush=True))
+        out = run_eval(a, log=lambda s: print(s, flush=True), warn=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"dsaserve eval: error: {e}", file=sys.stderr)
         return 2

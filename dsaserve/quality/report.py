@@ -4,8 +4,9 @@ Owns: the plan (the four KV layouts against fp32; dense attention and every-laye
 the base; the CPU path computing in bfloat16 against the float32 reference, and on a GPU FP8 activations off
 against on and the GPU base against both CPU references with the same KV layout; each KV layout against HF
 transformers whose KV goes through that layout's codec - the fair oracle of a quantised layout,
-`quality/hf_oracle.py`), the held-out data (corpus split of the checkpoint's recipe, tokenised with its
-tokenizer), agreement metrics (identical continuations, agreeing prefix, and where each parting happens at
+`quality/hf_oracle.py`), the held-out data (corpus split of the checkpoint's recipe, read from the local Python's
+stdlib and tokenised with its tokenizer, and a warning when it is not the split the model was trained on),
+agreement metrics (identical continuations, agreeing prefix, and where each parting happens at
 what top-1 margins), and the table / JSON (written after every setting, so a run cut short still leaves what
 it measured)."""
 
@@ -15,6 +16,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,9 +127,34 @@ def heldout_data(a: EvalArgs) -> tuple[list[list[int]], list[list[int]], dict]:
     ppl_wins, prompt_wins = wins[: max(len(wins) - a.prompts, 1)], wins[max(len(wins) - a.prompts, 1):] or wins[:1]
     info = {"python": split.recipe.python_version, "trained_on_python": recipe.get("python_version"),
             "heldout_files": split.recipe.heldout_files, "heldout_tokens": len(stream),
+            "trained_on_heldout_files": recipe.get("heldout_files"),
+            "trained_on_heldout_tokens": recipe.get("heldout_tokens"),
             "windows": len(ppl_wins), "window_len": a.window_len, "prompts": len(prompt_wins),
             "prompt_len": a.prompt_len, "max_tokens": a.max_tokens}
+    info["split_warning"] = split_warning(info, model.name, a.max_files)
     return ppl_wins, [w[: a.prompt_len] for w in prompt_wins], info
+
+
+def split_warning(info: dict, model: str, max_files: int | None = None) -> str | None:
+    """What to say when the held-out split rebuilt here is not the one the model was trained and measured on:
+    the split is read from the local Python's stdlib, so another Python (or --max-files) gives another text
+    and another perplexity. Compared by held-out file and token count; by version for a recipe without them."""
+    trained_py = info["trained_on_python"]
+    if trained_py is None:  # no corpus_recipe.json: nothing to compare with
+        return None
+    trained = (info["trained_on_heldout_files"], info["trained_on_heldout_tokens"])
+    here = (info["heldout_files"], info["heldout_tokens"])
+    if (trained_py == info["python"]) if None in trained else (trained == here):
+        return None
+    read = f"the first {max_files} files of " if max_files else ""
+    return (f"the held-out split rebuilt here (Python {info['python']}: {_split_size(*here)}) is not the one "
+            f"{model} was trained on (Python {trained_py}: {_split_size(*trained)}); it is read from {read}the "
+            f"local Python's standard library, so perplexities differ from its train_report.json's (and the README's): "
+            f"run under Python {trained_py} to compare with them")
+
+
+def _split_size(files: int | None, tokens: int | None) -> str:
+    return f"{'?' if files is None else files} held-out files, {'?' if tokens is None else tokens} tokens"
 
 
 def agreement(a: list[list[int]], b: list[list[int]], margins_a: list[list[float]] | None = None,
@@ -193,11 +220,15 @@ def _describe(p: dict) -> str:
     return f"{at} {p['margin']:.3f}/{p['ref_margin']:.3f}" if "margin" in p else at
 
 
-def run_eval(a: EvalArgs, log=print) -> dict:
+def run_eval(a: EvalArgs, log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> dict:
+    """Every setting of the plan on the held-out data; `log` gets progress and the table, `warn` (default: `log`)
+    a held-out split unlike the trained one."""
     from dsaserve.weights.checkpoint_cache import resolve_checkpoint
 
     a.model = str(resolve_checkpoint(a.model))  # a directory, or a built-in name (the packaged glm-5.3-mini)
     wins, prompts, info = heldout_data(a)
+    if info["split_warning"]:
+        (warn or log)(f"WARNING: {info['split_warning']}")
     plan = make_plan(a)
     report_path = Path(a.model) / "train_report.json"
     baselines = json.loads(report_path.read_text()).get("baselines") if report_path.is_file() else None

@@ -1,12 +1,17 @@
 """`dsaserve eval` on the packaged glm-5.3-mini, cut to a few tokens of a few stdlib files (seconds on the CPU):
-its numeric flags are checked before anything loads, and a FAILED setting makes the exit status 1."""
+its numeric flags are checked before anything loads, a FAILED setting makes the exit status 1, and a held-out
+split that is not the one the model was trained on is said so on the console (its perplexity is another
+text's)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from dsaserve.cli import main
 from dsaserve.quality import report
+from dsaserve.quality.report import EvalArgs, heldout_data
 from dsaserve.weights.checkpoint_cache import packaged_checkpoint
 
 CKPT = packaged_checkpoint("glm-5.3-mini")
@@ -53,3 +58,48 @@ def test_a_failed_setting_makes_the_exit_status_1(capsys, monkeypatch):
     assert "1 of 2 settings FAILED: cpu:fp8_ds_mla:dense" in captured.err
     monkeypatch.setattr(report, "run_setting", real)
     assert _eval() == 0
+
+
+def _checkpoint_with_recipe(tmp_path, **recipe):
+    """The packaged model's files, with this corpus_recipe.json instead of its own."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in CKPT.iterdir():
+        if f.name != "corpus_recipe.json":
+            (out / f.name).symlink_to(f)
+    (out / "corpus_recipe.json").write_text(json.dumps(json.loads((CKPT / "corpus_recipe.json").read_text()) | recipe))
+    return out
+
+
+def _here() -> dict:
+    _, _, info = heldout_data(EvalArgs(model=str(CKPT), max_files=60, windows=1, window_len=32, prompts=1))
+    return info
+
+
+def test_a_heldout_split_unlike_the_trained_one_is_warned_about(tmp_path, capsys):
+    here = _here()
+    other = _checkpoint_with_recipe(tmp_path, python_version="3.0.1", heldout_files=here["heldout_files"] + 3,
+                                    heldout_tokens=here["heldout_tokens"] + 1000, max_files=60)
+    _, _, info = heldout_data(EvalArgs(model=str(other), windows=1, window_len=32, prompts=1))
+    assert info["trained_on_heldout_files"] == here["heldout_files"] + 3
+    assert info["trained_on_heldout_tokens"] == here["heldout_tokens"] + 1000
+    warning = info["split_warning"]
+    assert f"(Python {here['python']}: {here['heldout_files']} held-out files, {here['heldout_tokens']} tokens)" \
+        in warning
+    assert f"(Python 3.0.1: {here['heldout_files'] + 3} held-out files, {here['heldout_tokens'] + 1000} tokens)" \
+        in warning
+    path = tmp_path / "eval.json"
+    assert _eval("--json", str(path), model=str(other)) == 0
+    said = json.loads(path.read_text())["data"]["split_warning"]
+    assert said.startswith(warning.split(";")[0]) and "the first 60 files of" in said  # --max-files 60
+    assert f"WARNING: {said}" in capsys.readouterr().err
+
+
+def test_the_trained_split_rebuilt_as_it_was_gets_no_warning(tmp_path, capsys):
+    here = _here()
+    same = _checkpoint_with_recipe(tmp_path, python_version=here["python"], heldout_files=here["heldout_files"],
+                                   heldout_tokens=here["heldout_tokens"], max_files=60)
+    _, _, info = heldout_data(EvalArgs(model=str(same), windows=1, window_len=32, prompts=1))
+    assert info["split_warning"] is None
+    assert _eval(model=str(same)) == 0
+    assert "WARNING" not in capsys.readouterr().err
