@@ -26,11 +26,11 @@ STEP_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_scheduler_s
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from dsaserve.bench.serve import add_arguments, main_serve
+    from dsaserve.server.server_args import HelpFormatter  # a default only where it says something
 
     p = subparsers.add_parser("bench", help="benchmarks: `bench serve` (HTTP client), `bench step` (scheduler)")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
-    s = sub.add_parser("serve", help="benchmark a running OpenAI-compatible server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("serve", help="benchmark a running OpenAI-compatible server", formatter_class=HelpFormatter)
     add_arguments(s)
     s.set_defaults(func=main_serve)
     # every argument (--help included) belongs to the script: no option prefix of our own here

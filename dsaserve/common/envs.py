@@ -103,8 +103,8 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
     "DSASERVE_TEST_READY_DELAY_S": Switch(None, _text, "test hook: the scheduler waits this long before ready"),
-    "DSASERVE_API_KEY": Switch(None, _text, "the server's API key when --api-key is not given (vLLM: VLLM_API_KEY)",
-                               secret=True),
+    "DSASERVE_API_KEY": Switch(None, _text, "the server's API key when --api-key is not given (vLLM: VLLM_API_KEY); "
+                               "also the key `bench serve` sends", secret=True),
 }
 
 if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
