@@ -8,6 +8,7 @@ format) and their mapping onto dsaserve.ledger. Imports no torch unless `--recon
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -146,29 +147,89 @@ def render(report, args: argparse.Namespace) -> str:
     return render_text(report)
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        if args.reconcile is not None:
-            report = _reconcile(args)
-        else:
-            from dsaserve.ledger.build import build_report
+def _writable_dir(flag: str, d: Path) -> None:
+    if not d.is_dir():
+        raise ValueError(f"{flag}: " + (f"{d} is not a directory" if d.exists() else f"directory {d} does not exist"))
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: directory {d} is not writable")
 
-            sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
-            report = build_report(build_inputs(args), sections, args.notes)
-    except ValueError as e:
-        print(f"dsaserve ledger: error: {e}", file=sys.stderr)
-        return 2
-    text = render(report, args)
+
+def check_file(flag: str, path: str) -> None:
+    """FILE can be written: not a directory, in an existing writable directory (or itself writable)."""
+    p = Path(path).absolute()
+    if p.is_dir():
+        raise ValueError(f"{flag}: {p} is a directory")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{flag}: {p} is not writable")
+        return
+    _writable_dir(flag, p.parent)
+
+
+def check_dir(flag: str, path: str) -> None:
+    """DIR is a writable directory or can be made in its nearest existing ancestor."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    _writable_dir(flag, p)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every path the command will write, checked before any work (a run of the engine may take minutes)."""
     if args.out:
-        Path(args.out).write_text(text)
-    else:
+        check_file("--out", args.out)
+    if args.plot:
+        check_dir("--plot", args.plot)
+
+
+def _os_error(flag: str, path: str, e: OSError) -> ValueError:
+    return ValueError(f"{flag}: cannot write {path}: {e.strerror or e}")
+
+
+def write_outputs(report, args: argparse.Namespace) -> None:
+    """The report to --out or stdout, then the plots; a path the checks passed can still fail (procfs, a full
+    disk): the plot directory is made before the report is printed, so such a failure prints nothing."""
+    text = render(report, args)
+    try:
+        if args.plot:
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _os_error("--plot", args.plot, e) from None
+    if not args.out:
         sys.stdout.write(text)
+    else:
+        try:
+            Path(args.out).write_text(text)
+        except OSError as e:
+            raise _os_error("--out", args.out, e) from None
     if args.plot:
         from dsaserve.ledger.render.plots import write_plots
 
-        for path in write_plots(report, args.plot):
+        try:
+            paths = write_plots(report, args.plot)
+        except OSError as e:
+            raise _os_error("--plot", args.plot, e) from None
+        for path in paths:
             print(f"wrote {path}", file=sys.stderr)
+
+
+def build(args: argparse.Namespace):
+    if args.reconcile is not None:
+        return _reconcile(args)
+    from dsaserve.ledger.build import build_report
+
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    return build_report(build_inputs(args), sections, args.notes)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        check_outputs(args)
+        report = build(args)
+        write_outputs(report, args)
+    except ValueError as e:
+        print(f"dsaserve ledger: error: {e}", file=sys.stderr)
+        return 2
     if report.has("reconcile"):
         return 0 if all(r["ok"] is not False for r in report.section("reconcile").rows) else 1
     return 0
-

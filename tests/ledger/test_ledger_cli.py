@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,28 @@ def test_ledger_never_imports_torch():
             "rc = main(['ledger', '--json', '--out', '/dev/null']); "
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("flag, target, message", [
+    ("--out", "missing/dir/r.md", "--out: directory {tmp}/missing/dir does not exist"),
+    ("--out", ".", "--out: {tmp} is a directory"),
+    ("--plot", "afile", "--plot: {tmp}/afile is not a directory"),
+    ("--plot", "afile/sub", "--plot: {tmp}/afile is not a directory"),
+])
+def test_unusable_output_paths_fail_in_one_line_before_any_work(capsys, tmp_path, monkeypatch, flag, target, message):
+    from dsaserve.cli import reconcile_driver
+
+    monkeypatch.setattr(reconcile_driver, "run_engine", lambda *a, **k: pytest.fail("the engine ran"))
+    (tmp_path / "afile").write_text("x")
+    path = str(tmp_path / target) if target != "." else str(tmp_path)
+    for argv in ([flag, path, "--sections", "kv_bytes"], ["--reconcile", flag, path]):
+        rc, out, err = _run(capsys, *argv)
+        assert (rc, out) == (2, "") and err.count("\n") == 1, (argv, err)
+        assert f"dsaserve ledger: error: {message.format(tmp=tmp_path)}" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs")
+def test_an_output_path_that_fails_only_when_written_is_an_error_not_a_traceback(capsys):
+    for flag in ("--out", "--plot"):
+        rc, out, err = _run(capsys, flag, "/proc/no-such-dir/x", "--sections", "kv_bytes")
+        assert (rc, out) == (2, "") and err.startswith(f"dsaserve ledger: error: {flag}: ") and err.count("\n") == 1
