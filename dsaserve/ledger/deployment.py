@@ -13,6 +13,7 @@ from typing import Any
 
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.layout import Layout, check_divisions
 from dsaserve.ledger.units import K_TOKENS, M_TOKENS
 
 
@@ -37,8 +38,11 @@ class Deployment:
             raise ValueError(f"--gpus: {self.n_gpus} is fewer than --tp {self.tp} / --ep {self.ep} need")
 
     def validate_for(self, cfg: ModelConfig) -> None:
+        """Every split exact, by the engine's own rule (what `dsaserve serve` checks); the ledger also plans layouts
+        the engine does not run (e.g. --tp 4 --ep 8), so its size rules and FP8 128-block alignment are not applied."""
         if cfg.n_routed_experts % self.ep:
             raise ValueError(f"--ep: {self.ep} does not divide n_routed_experts {cfg.n_routed_experts}")
+        check_divisions(cfg, Layout(self.tp, self.ep, self.dp_attention))
 
     @property
     def dp(self) -> int:

@@ -76,6 +76,8 @@ def test_markdown_and_out_file(capsys, tmp_path):
     (["--assume", "comm_basis=magic"], "--assume comm_basis: 'magic' not one of wire, message"),
     (["--model", "no-such-model"], "model: 'no-such-model' is neither"),
     (["--tp", "0"], "--tp: must be a positive integer"),
+    (["--tp", "3"], "--tp 3: num_attention_heads 64 is not divisible by 3"),
+    (["--tp", "3", "--dp-attention"], "--tp 3 --ep 1: moe_intermediate_size 2048 is not divisible by 3"),
     (["--hbm-gb", "-1"], "hardware hbm_bytes: must be a positive number"),
     (["--reconcile", "/nonexistent/run.json"], "run file /nonexistent/run.json does not exist"),
     (["--reconcile", "--kv-layout", "nvfp4_ds_mla"], "--kv-layout: the engine's pool has no 'nvfp4_ds_mla'"),

@@ -95,6 +95,15 @@ def test_ep_must_divide_the_experts():
         LedgerInputs(GLM, Deployment(tp=8, ep=3), PRESETS["h200"])
 
 
+def test_tp_must_split_the_model_as_the_engine_splits_it():
+    """The engine's rule (distributed/layout.check_divisions): heads, dense MLPs, vocab and experts divide exactly."""
+    from dsaserve.ledger.inputs import LedgerInputs
+
+    with pytest.raises(ValueError, match="--tp 6: num_attention_heads 64 is not divisible by 6"):
+        LedgerInputs(GLM, Deployment(tp=6), PRESETS["h200"])
+    LedgerInputs(GLM, Deployment(tp=4, ep=8, n_gpus=8), PRESETS["h200"])  # a layout the engine lacks, still exact
+
+
 def test_dispatch_counts_one_ranks_own_tokens():
     asm = Assumptions()
     assert a2a_tokens(DPEP8, asm, 32) == 4  # DP-attention: 32 requests over 8 ranks
