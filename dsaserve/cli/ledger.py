@@ -190,6 +190,9 @@ def write_outputs(report, args: argparse.Namespace) -> None:
     """The report to --out or stdout, then the plots; a path the checks passed can still fail (procfs, a full
     disk): the plot directory is made before the report is printed, so such a failure prints nothing."""
     text = render(report, args)
+    if args.json or args.out:  # the text report carries them in its header, where a reader of the terminal sees it
+        for w in report.warnings:
+            print(f"dsaserve ledger: warning: {w['message']}", file=sys.stderr)
     try:
         if args.plot:
             Path(args.plot).mkdir(parents=True, exist_ok=True)

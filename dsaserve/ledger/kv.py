@@ -93,6 +93,11 @@ class KVCapacity:
     requests_fit: int
     replicas: int
 
+    @property
+    def shortfall_bytes(self) -> float:
+        """How far weights + other static overrun the static share (> 0: no KV pool at all)."""
+        return self.weights_bytes + self.reserved_bytes - self.static_bytes
+
 
 def kv_capacity(cfg: ModelConfig, dep: Deployment, hw: Hardware, work: Workload, asm: Assumptions,
                 weights_per_gpu: float, context: int | None = None) -> KVCapacity:

@@ -62,6 +62,8 @@ class Report:
     workload: dict[str, Any]
     assumptions: dict[str, Any]
     sections: list[Section]
+    # what makes the plan impossible, each {"code", "message", "excess_bytes"} (sections_memory.memory_warnings)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
     def section(self, key: str) -> Section:
         for s in self.sections:
@@ -76,11 +78,12 @@ class Report:
         return {"schema": SCHEMA, "conventions": dict(self.conventions), "model": dict(self.model),
                 "deployment": dict(self.deployment), "hardware": dict(self.hardware),
                 "workload": dict(self.workload), "assumptions": dict(self.assumptions),
-                "sections": {s.key: s.to_dict() for s in self.sections}}
+                "warnings": [dict(w) for w in self.warnings], "sections": {s.key: s.to_dict() for s in self.sections}}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Report:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"ledger JSON: schema {d.get('schema')!r} is not {SCHEMA!r}")
         return Report(d["conventions"], d["model"], d["deployment"], d["hardware"], d["workload"],
-                      d["assumptions"], [Section.from_dict(k, v) for k, v in d["sections"].items()])
+                      d["assumptions"], [Section.from_dict(k, v) for k, v in d["sections"].items()],
+                      [dict(w) for w in d.get("warnings", [])])

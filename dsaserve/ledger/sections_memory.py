@@ -18,7 +18,7 @@ from dsaserve.ledger.kv import (
     prefix_hit,
 )
 from dsaserve.ledger.report import ROW_UNIT, Column, Section
-from dsaserve.ledger.units import K_TOKENS, ceil_div
+from dsaserve.ledger.units import GB, K_TOKENS, ceil_div
 from dsaserve.ledger.weights import GROUPS, active_params_per_token, divisor, step_read_per_gpu, stored_per_gpu
 
 QTY = [Column("quantity", "quantity"), Column("value", "value", ROW_UNIT), Column("why", "why")]
@@ -98,6 +98,28 @@ def kv_bytes(li: LedgerInputs) -> Section:
                    ["fp32 is the engine's exact-reference layout; nvfp4_ds_mla rope dtype: --assume nvfp4_rope"])
 
 
+def _gb(v: float) -> str:
+    return f"{v / GB:.1f} GB"
+
+
+def memory_warnings(li: LedgerInputs) -> list[dict[str, object]]:
+    """Weights that do not fit: every later number assumes a pool that is not there (the report's `warnings`)."""
+    cap = li.capacity()
+    if cap.weights_bytes > cap.hbm_bytes:
+        excess = cap.weights_bytes - cap.hbm_bytes
+        return [{"code": "weights_exceed_gpu_memory", "excess_bytes": excess,
+                 "message": f"weights per GPU ({_gb(cap.weights_bytes)}) exceed the GPU's memory "
+                            f"({_gb(cap.hbm_bytes)}, {li.hw.name}) by {_gb(excess)}: this deployment cannot load "
+                            f"the model (more GPUs: --tp / --ep); KV pool 0"}]
+    if cap.shortfall_bytes > 0:
+        other = f" + other static ({_gb(cap.reserved_bytes)})" if cap.reserved_bytes else ""
+        return [{"code": "weights_exceed_static_share", "excess_bytes": cap.shortfall_bytes,
+                 "message": f"weights per GPU ({_gb(cap.weights_bytes)}){other} exceed the static share "
+                            f"(--mem-fraction-static {li.asm.mem_fraction_static} x {_gb(cap.hbm_bytes)} = "
+                            f"{_gb(cap.static_bytes)}) by {_gb(cap.shortfall_bytes)}: KV pool 0"}]
+    return []
+
+
 def kv_capacity(li: LedgerInputs) -> Section:
     cap, a = li.capacity(), li.asm
     share = kv_share_per_gpu(li.dep, a)
@@ -108,7 +130,8 @@ def kv_capacity(li: LedgerInputs) -> Section:
         _q("static share", cap.static_bytes, "B", f"mem_fraction_static {a.mem_fraction_static}"),
         _q("weights per GPU", cap.weights_bytes, "B", "see weights_per_gpu"),
         _q("other static", cap.reserved_bytes, "B", "--assume reserved_bytes"),
-        _q("KV pool per GPU", cap.pool_bytes, "B", "static share - weights - other static"),
+        _q("KV pool per GPU", cap.pool_bytes, "B", "static share - weights - other static" +
+           (f" = -{_gb(cap.shortfall_bytes)}: no pool (see the warning)" if cap.shortfall_bytes > 0 else "")),
         _q("KV bytes per token on this GPU", cap.bytes_per_token_gpu, "B",
            f"{li.kv.total:,} B x {share:g} ({a.mla_kv if not li.dep.dp_attention else 'DP-attention'})"),
         _q("pages per GPU", cap.pages_per_gpu, "pages", f"pool / (bytes per token x {a.page_size})"),

@@ -130,3 +130,28 @@ def test_an_output_path_that_fails_only_when_written_is_an_error_not_a_traceback
     for flag in ("--out", "--plot"):
         rc, out, err = _run(capsys, flag, "/proc/no-such-dir/x", "--sections", "kv_bytes")
         assert (rc, out) == (2, "") and err.startswith(f"dsaserve ledger: error: {flag}: ") and err.count("\n") == 1
+
+
+def test_weights_over_the_gpu_memory_warn_in_text_and_json(capsys):
+    rc, out, err = _run(capsys, "--tp", "1", "--json", "--sections", "kv_capacity")
+    assert rc == 0 and "dsaserve ledger: warning: weights per GPU" in err  # an impossible plan is allowed; it says so
+    d = json.loads(out)
+    rows = {r["quantity"]: r["value"] for r in d["sections"]["kv_capacity"]["rows"]}
+    (w,) = d["warnings"]
+    assert w["code"] == "weights_exceed_gpu_memory"
+    assert w["excess_bytes"] == pytest.approx(rows["weights per GPU"] - rows["device memory"])
+    assert rows["KV pool per GPU"] == 0 and f"by {w['excess_bytes'] / 1e9:.1f} GB" in w["message"]
+    rc, out, _ = _run(capsys, "--tp", "1", "--sections", "kv_capacity")
+    warning = [line for line in out.splitlines() if line.startswith("warning")]
+    assert rc == 0 and len(warning) == 1 and "exceed the GPU's memory" in warning[0]
+    rc, out, _ = _run(capsys, "--tp", "1", "--markdown", "--sections", "kv_capacity")
+    assert rc == 0 and "exceed the GPU's memory" in out
+
+
+def test_weights_over_the_static_share_warn_and_a_fitting_deployment_does_not(capsys):
+    rc, out, _ = _run(capsys, "--mem-fraction-static", "0.5", "--json", "--sections", "kv_bytes")
+    (w,) = json.loads(out)["warnings"]
+    assert rc == 0 and w["code"] == "weights_exceed_static_share" and "--mem-fraction-static" in w["message"]
+    assert w["excess_bytes"] > 0
+    rc, out, _ = _run(capsys, "--json", "--sections", "kv_bytes")
+    assert rc == 0 and json.loads(out)["warnings"] == []

@@ -16,7 +16,8 @@ from dsaserve.ledger.render.markdown import render_markdown
 from dsaserve.ledger.render.text import render_text
 from dsaserve.ledger.report import Report
 
-TOP_KEYS = {"schema", "conventions", "model", "deployment", "hardware", "workload", "assumptions", "sections"}
+TOP_KEYS = {"schema", "conventions", "model", "deployment", "hardware", "workload", "assumptions", "warnings",
+            "sections"}
 SECTION_KEYS = ["model_constants", "weights_per_gpu", "kv_bytes", "kv_capacity", "kv_capacity_vs_context",
                 "scheduler_pages", "timeline", "operators", "collectives", "bytes_to_time", "decode_step",
                 "marginal_vs_batch", "marginal_vs_context", "switch_points", "prefill_chunks", "prefill_totals",

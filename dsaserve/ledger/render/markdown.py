@@ -23,6 +23,7 @@ def md_table(sec: Section) -> str:
 def render_markdown(report: Report) -> str:
     d, m, h = report.deployment, report.model, report.hardware
     out = [f"# dsaserve ledger: {m['name']} on {d['topology']} ({h['name']})", "",
+           *(f"> **Warning:** {_esc(w['message'])}\n" for w in report.warnings),
            "**Conventions.** " + " ".join(f"{k}: {v}." for k, v in report.conventions.items()), ""]
     for sec in report.sections:
         out += [f"## {sec.title}", "", f"_{_esc(sec.why)}_", "", md_table(sec), ""]

@@ -51,7 +51,8 @@ def header(report: Report) -> str:
              "hardware   " + _hw_line(h),
              "workload   " + ", ".join(f"{k}={v}" for k, v in report.workload.items()),
              "assumed    " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "all defaults") +
-             " (docs/LEDGER.md lists every assumption)", "", "conventions:"]
+             " (docs/LEDGER.md lists every assumption)",
+             *(f"warning    {w['message']}" for w in report.warnings), "", "conventions:"]
     lines += [f"  {k:11s} {v}" for k, v in report.conventions.items()]
     return "\n".join(lines)
 
