@@ -68,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--reconcile-prompts", default="5,17,70", help="prompt lengths, comma-separated")
     r.add_argument("--reconcile-max-tokens", type=int, default=6, help="tokens generated per prompt")
     r.add_argument("--reconcile-device", default="cpu", choices=("cpu", "cuda"), help="where the engine runs (cpu)")
-    r.add_argument("--save-run", metavar="FILE", help="save the engine run's counters as a run file")
+    r.add_argument("--save-run", metavar="FILE",
+                   help="save the engine run's counters as a run file (with --reconcile and no RUN.json)")
     p.set_defaults(func=main)
 
 
@@ -129,7 +130,10 @@ def _reconcile(args: argparse.Namespace):
         if args.save_run:
             import json
 
-            Path(args.save_run).write_text(json.dumps(run.to_dict(), indent=1, default=str))
+            try:
+                Path(args.save_run).write_text(json.dumps(run.to_dict(), indent=1, default=str))
+            except OSError as e:
+                raise _os_error("--save-run", args.save_run, e) from None
     return reconcile_report(run)
 
 
@@ -180,6 +184,12 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_file("--out", args.out)
     if args.plot:
         check_dir("--plot", args.plot)
+    if args.save_run:
+        if args.reconcile != "":  # None: no --reconcile, nothing runs; a path: the run is that file already
+            why = "without --reconcile nothing runs" if args.reconcile is None else \
+                f"--reconcile {args.reconcile} reads a saved run"
+            raise ValueError(f"--save-run: only with --reconcile and no RUN.json, which runs the engine; {why}")
+        check_file("--save-run", args.save_run)
 
 
 def _os_error(flag: str, path: str, e: OSError) -> ValueError:

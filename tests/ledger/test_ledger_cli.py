@@ -155,3 +155,18 @@ def test_weights_over_the_static_share_warn_and_a_fitting_deployment_does_not(ca
     assert w["excess_bytes"] > 0
     rc, out, _ = _run(capsys, "--json", "--sections", "kv_bytes")
     assert rc == 0 and json.loads(out)["warnings"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--save-run", "{tmp}/run.json"], "--save-run: only with --reconcile and no RUN.json"),
+    (["--reconcile", "{tmp}/old.json", "--save-run", "{tmp}/run.json"], "--save-run: only with --reconcile and no RUN"),
+    (["--reconcile", "--save-run", "{tmp}/no/run.json"], "--save-run: directory {tmp}/no does not exist"),
+    (["--reconcile", "--save-run", "{tmp}"], "--save-run: {tmp} is a directory"),
+])
+def test_save_run_without_an_engine_run_or_a_place_to_write_is_an_error(capsys, tmp_path, monkeypatch, argv, message):
+    from dsaserve.cli import reconcile_driver
+
+    monkeypatch.setattr(reconcile_driver, "run_engine", lambda *a, **k: pytest.fail("the engine ran"))
+    rc, out, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
+    assert (rc, out) == (2, "") and f"dsaserve ledger: error: {message.format(tmp=tmp_path)}" in err
+    assert not (tmp_path / "run.json").exists()
