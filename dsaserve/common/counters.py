@@ -3,7 +3,8 @@
 Owns: one process-wide registry of named integer/float counters that hot paths bump cheaply
 (`COUNTERS.add("kv_bytes_written", n)`), snapshotted per step or per run. The ledger's `--reconcile`
 puts these next to its predictions; `/metrics` exports them. Names are stable (the ledger and the
-README's JSON keys use them):
+README's JSON keys use them); `COUNTER_NAMES` / `COUNTER_FAMILIES` below are this list as code (a run file's
+counters are checked against it):
 
   weight_bytes_read        bytes of weights the forward read (FP8 bytes + scales, or dequantised bytes)
   kv_bytes_written         main-KV bytes written to the pool (layout bytes per token x layers)
@@ -17,12 +18,14 @@ README's JSON keys use them):
   collective_calls.<kind>  calls of each collective (all_reduce, all_gather, all_to_all, ...)
   collective_bytes.<kind>  message bytes of each collective (what one rank sends)
   collective_wire_bytes.<kind>  bytes on the wire per rank (ring all-reduce: 2(n-1)/n x message)
-  forward_steps            model forwards; decode_steps / prefill_tokens / decode_tokens likewise
+  forward_steps            model forwards
   idle_steps               DP-attention: steps a rank had no tokens and only took part in the MoE exchange
   graph_replays            decode CUDA-graph replays; piecewise_replays steps on the piecewise graphs;
-                           eager_fallbacks.<reason> eager runs by reason (only counted where graphs exist)
+                           eager_fallbacks.<reason> eager runs by reason (only counted where graphs exist);
+                           eager_large_steps steps over the largest piecewise bucket (eager by design)
   kernel_compiles_after_up Triton kernels compiled after startup (a cold path warmup did not cover)
   kernel_loads_after_up    Triton kernels the JIT compiled or loaded from its disk cache after startup
+  device_busy_seconds      GPU time of the engine's steps (engine/device_timer.py)
 """
 
 from __future__ import annotations
@@ -30,6 +33,28 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+COUNTER_NAMES = frozenset({
+    "weight_bytes_read", "kv_bytes_written", "kv_bytes_read", "kv_bytes_staged", "indexer_bytes_written",
+    "indexer_bytes_read", "moe_experts_touched", "forward_steps", "idle_steps", "graph_replays", "piecewise_replays",
+    "eager_fallbacks", "eager_large_steps", "kernel_compiles_after_up", "kernel_loads_after_up",
+    "device_busy_seconds"})
+# family -> the kinds after its dot (None: any non-empty reason)
+COUNTER_FAMILIES: dict[str, tuple[str, ...] | None] = {
+    "collective_calls": COLLECTIVE_KINDS, "collective_bytes": COLLECTIVE_KINDS,
+    "collective_wire_bytes": COLLECTIVE_KINDS, "eager_fallbacks": None}
+
+
+def is_counter_name(name: str) -> bool:
+    """A name of the list above: `kv_bytes_read`, `collective_calls.all_reduce`, `eager_fallbacks.<reason>`."""
+    if name in COUNTER_NAMES:
+        return True
+    family, dot, kind = name.partition(".")
+    if not dot or family not in COUNTER_FAMILIES or not kind:
+        return False
+    kinds = COUNTER_FAMILIES[family]
+    return kinds is None or kind in kinds
 
 
 def ring_wire_factor(kind: str, n: int) -> float:

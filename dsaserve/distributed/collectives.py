@@ -27,11 +27,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from dsaserve.common.counters import COUNTERS, ring_wire_factor
+from dsaserve.common.counters import COLLECTIVE_KINDS, COUNTERS, ring_wire_factor
 from dsaserve.distributed import symm_mem
 from dsaserve.distributed.parallel_state import Group, get_parallel_state
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+KINDS = COLLECTIVE_KINDS
 # torch 2.13 renamed the *_tensor single-tensor forms; the GPU machine runs 2.11, which has only the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

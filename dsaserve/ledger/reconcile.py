@@ -29,6 +29,7 @@ from dsaserve.common.causal import (
     table_pages,
     topk_selected,
 )
+from dsaserve.common.counters import is_counter_name
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, get_kv_layout
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.kernels.variants import core_width
@@ -39,6 +40,8 @@ from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of,
 from dsaserve.weights.spec import checkpoint_specs
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUN_EXTRA = ("engine_stats", "device")  # what cli/reconcile_driver records beside the run (RunRecord.extra)
+RUN_FIELDS = ("config", "deployment", "workload", "counters", "kv_pool", *RUN_EXTRA)
 _NORM_SUFFIXES = ("layernorm.weight", "norm.weight", "k_norm.weight", "k_norm.bias")
 
 
@@ -380,30 +383,44 @@ def _widths(v: Any) -> tuple:
     return tuple(v)
 
 
+def _no_unknown(where: str, d: dict[str, Any], known: Any) -> None:
+    for k in d:
+        if k not in known:
+            raise ValueError(f"run file {where}{k}: unknown field")
+
+
+def _counters(counters: Any) -> dict[str, float]:
+    """{name: number} of common/counters.py's names (`is_counter_name`)."""
+    if not isinstance(counters, dict) or any(not isinstance(v, int | float) for v in counters.values()):
+        raise ValueError("run file counters: expected {name: number}")
+    for k in counters:
+        if not is_counter_name(k):
+            raise ValueError(f"run file counters.{k}: unknown counter (common/counters.py lists them)")
+    return {k: float(v) for k, v in counters.items()}
+
+
 def run_from_dict(d: dict[str, Any]) -> RunRecord:
     """Validate a run file's dict; errors name the field."""
     for key in ("config", "workload", "counters"):
         if key not in d:
             raise ValueError(f"run file: missing {key!r}")
+    _no_unknown("", d, RUN_FIELDS)
     if not isinstance(d["config"], str):
         raise ValueError(f"run file config: expected a model name or config.json path, got {d['config']!r}")
     dep, work = d.get("deployment") or {}, d["workload"]
+    if not isinstance(dep, dict):
+        raise ValueError(f"run file deployment: expected {{tp, ep, dp_attention}}, got {dep!r}")
+    _no_unknown("deployment.", dep, ("tp", "ep", "dp_attention"))
     if not isinstance(work, dict) or "prompt_lens" not in work or "max_tokens" not in work:
         raise ValueError("run file workload: needs prompt_lens and max_tokens")
-    counters = d["counters"]
-    if not isinstance(counters, dict) or any(not isinstance(v, int | float) for v in counters.values()):
-        raise ValueError("run file counters: expected {name: number}")
-    known = {f for f in RunShape.__dataclass_fields__}
-    extra = [k for k in work if k not in known]
-    if extra:
-        raise ValueError(f"run file workload.{extra[0]}: unknown field")
+    counters = _counters(d["counters"])
+    _no_unknown("workload.", work, RunShape.__dataclass_fields__)
     shape = RunShape(**{**{k: v for k, v in work.items()}, "prompt_lens": tuple(work["prompt_lens"]),
                         "decode_graph_widths": _widths(work.get("decode_graph_widths", ())),
                         "tp": int(dep.get("tp", 1)), "ep": int(dep.get("ep", 1)),
                         "dp_attention": bool(dep.get("dp_attention", False))})
-    rest = {k: v for k, v in d.items() if k not in ("config", "deployment", "workload", "counters", "kv_pool")}
-    return RunRecord(d["config"], shape, {k: float(v) for k, v in counters.items()}, dict(d.get("kv_pool") or {}),
-                     rest)
+    rest = {k: v for k, v in d.items() if k in RUN_EXTRA}
+    return RunRecord(d["config"], shape, counters, dict(d.get("kv_pool") or {}), rest)
 
 
 def load_run(path: str | Path) -> RunRecord:

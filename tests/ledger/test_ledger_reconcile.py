@@ -106,9 +106,16 @@ def test_run_file_round_trip_and_errors(tmp_path):
                         ({**d, "workload": {**d["workload"], "kv_layout": "int3"}}, "workload.kv_layout"),
                         ({**d, "workload": {**d["workload"], "colour": 1}}, "workload.colour: unknown field"),
                         ({k: v for k, v in d.items() if k != "counters"}, "missing 'counters'"),
-                        ({**d, "counters": {"x": "many"}}, "counters: expected")]:
+                        ({**d, "counters": {"forward_steps": "many"}}, "counters: expected"),
+                        ({**d, "bogus": 1}, "run file bogus: unknown field"),
+                        ({**d, "deployment": {"tp": 1, "pp": 2}}, "run file deployment.pp: unknown field"),
+                        ({**d, "counters": {"weird_counter": 1}}, "counters.weird_counter: unknown counter"),
+                        ({**d, "counters": {"collective_calls.teleport": 1}}, "counters.collective_calls.teleport")]:
         with pytest.raises(ValueError, match=msg):
             run_from_dict(broken)
+    engine_written = {**d, "engine_stats": {"steps": 2}, "device": "cpu",  # what cli/reconcile_driver adds
+                      "counters": {"collective_calls.all_reduce": 3, "eager_fallbacks.moe_a2a": 0}}
+    assert run_from_dict(engine_written).extra == {"engine_stats": {"steps": 2}, "device": "cpu"}
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):
         load_run(tmp_path / "bad.json")
