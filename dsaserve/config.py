@@ -319,6 +319,12 @@ def read_json_object(p: Path) -> dict[str, Any]:
     return raw
 
 
+def _file_model_name(p: Path) -> str:
+    """`my-model.json` names itself; a `config.json` is named by its (checkpoint) directory, absolute so that
+    `config.json` in the working directory is not nameless (not resolved: an HF snapshot's files are links)."""
+    return p.absolute().parent.name if p.name == "config.json" else p.stem
+
+
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """A built-in name (`glm-5.3`, `glm-5.3-tiny`, ...), a config.json path, or a checkpoint directory."""
     p = Path(name_or_path)
@@ -326,7 +332,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if p.is_file():
         try:
-            return config_from_dict(read_json_object(p), name=p.parent.name)
+            return config_from_dict(read_json_object(p), name=_file_model_name(p))
         except ConfigError as e:
             raise ConfigError(str(e) if str(e).startswith(str(p)) else f"{p}: {e}") from None
         except (TypeError, AttributeError, KeyError) as e:  # a field of the wrong JSON type (a map for a list...)

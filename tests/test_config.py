@@ -100,3 +100,15 @@ def test_a_bad_field_read_from_a_file_names_the_file_and_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=f"^{tmp_path}/config.json: index_topk"):
         load_config(tmp_path)
+
+
+def test_a_config_file_is_named_by_its_stem_or_its_checkpoint_directory(tmp_path, monkeypatch):
+    text = load_config("glm-5.3-tiny").to_json()
+    (tmp_path / "my-model.json").write_text(text)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(text)
+    assert load_config(tmp_path / "my-model.json").name == "my-model"  # not the folder it sits in
+    assert load_config(tmp_path / "ckpt").name == load_config(tmp_path / "ckpt" / "config.json").name == "ckpt"
+    monkeypatch.chdir(tmp_path / "ckpt")
+    assert load_config("config.json").name == "ckpt"  # the working directory, not ""
+    assert load_config("glm-5.3-tiny").name == "glm-5.3-tiny"

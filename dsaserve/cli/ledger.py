@@ -8,6 +8,7 @@ format) and their mapping onto dsaserve.ledger. Imports no torch unless `--recon
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -73,18 +74,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+# flag dest -> (Hardware field, what one unit of the flag is in SI)
+HARDWARE_FLAGS = {"hbm_gb": ("hbm_bytes", 1e9), "hbm_tbs": ("hbm_bw", 1e12), "bf16_tflops": ("bf16_flops", 1e12),
+                  "fp8_tflops": ("fp8_flops", 1e12), "nvlink_gbs": ("nvlink_bw", 1e9), "ib_gbs": ("ib_bw", 1e9),
+                  "nvlink_overhead_us": ("nvlink_overhead_s", US), "ib_overhead_us": ("ib_overhead_s", US)}
+
+
 def _hardware(args: argparse.Namespace):
+    """The preset with the overrides; a bad value is named by its flag and as typed (Hardware sees SI units)."""
     from dsaserve.ledger.hardware import get_hardware
 
-    mul = lambda v, m: None if v is None else v * m  # noqa: E731
-    return get_hardware(args.hardware).with_overrides(
-        hbm_bytes=mul(args.hbm_gb, 1e9), hbm_bw=mul(args.hbm_tbs, 1e12), bf16_flops=mul(args.bf16_tflops, 1e12),
-        fp8_flops=mul(args.fp8_tflops, 1e12), nvlink_bw=mul(args.nvlink_gbs, 1e9), ib_bw=mul(args.ib_gbs, 1e9),
-        nvlink_overhead_s=mul(args.nvlink_overhead_us, US), ib_overhead_s=mul(args.ib_overhead_us, US))
+    over = {}
+    for dest, (name, unit) in HARDWARE_FLAGS.items():
+        v = getattr(args, dest)
+        if v is None:
+            continue
+        zero_ok = name.endswith("overhead_s")  # a free collective is a legitimate what-if
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            need = "a number >= 0" if zero_ok else "a positive number"
+            raise ValueError(f"--{dest.replace('_', '-')}: must be {need}, got {v:g}")
+        over[name] = v * unit
+    return get_hardware(args.hardware).with_overrides(**over)
 
 
 def _assumptions(args: argparse.Namespace):
-    from dsaserve.ledger.deployment import Assumptions
+    """--assume KEY=VALUE, then the assumptions' own flags over them (errors name whichever set the value)."""
+    from dsaserve.ledger.deployment import ASSUMPTION_FLAGS, Assumptions
 
     updates: dict[str, object] = {}
     for item in args.assume:
@@ -92,11 +107,8 @@ def _assumptions(args: argparse.Namespace):
             raise ValueError(f"--assume: {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         updates[k.strip()] = v.strip()
-    for flag, key in (("mem_fraction_static", "mem_fraction_static"), ("indexer_q_tile", "indexer_q_tile"),
-                      ("mla_kv", "mla_kv")):
-        if getattr(args, flag) is not None:
-            updates[key] = getattr(args, flag)
-    return Assumptions().with_updates(updates)
+    flagged = {k: getattr(args, k) for k in ASSUMPTION_FLAGS if getattr(args, k) is not None}
+    return Assumptions().with_updates(updates).with_updates(flagged, via_flags=True)
 
 
 def build_inputs(args: argparse.Namespace):

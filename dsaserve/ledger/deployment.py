@@ -159,30 +159,31 @@ class Assumptions:
         """DP-attention as dsaserve's engine runs it: everything but the routed experts whole on every rank."""
         return self.dp_moe in ("padded", "a2a")
 
-    def with_updates(self, updates: dict[str, str | Any]) -> Assumptions:
-        """Set fields from strings (`--assume key=value`); errors name the key and the allowed values."""
+    def with_updates(self, updates: dict[str, str | Any], via_flags: bool = False) -> Assumptions:
+        """Set fields from strings (`--assume key=value`; `via_flags`: from their own flags, ASSUMPTION_FLAGS);
+        errors name the key (or the flag), the value as given and the allowed values."""
         known = {f.name: f for f in fields(self)}
         out: dict[str, Any] = {}
         for key, raw in updates.items():
             f = known.get(key)
             if f is None:
                 raise ValueError(f"--assume {key}: unknown assumption (one of {', '.join(known)})")
-            out[key] = _coerce(key, type(f.default), raw, f.metadata.get("choices"))
+            label = ASSUMPTION_FLAGS[key] if via_flags else f"--assume {key}"
+            out[key] = _coerce(label, type(f.default), raw, f.metadata.get("choices"))
+            problem = _problem(key, out[key])
+            if problem:
+                raise ValueError(f"{label}: {problem}, got {raw}")
         return replace(self, **out)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v, choices = getattr(self, f.name), f.metadata.get("choices")
+            label = ASSUMPTION_FLAGS.get(f.name, f"--assume {f.name}")
             if choices and v not in choices:
-                raise ValueError(f"--assume {f.name}: {v!r} not one of {', '.join(map(str, choices))}")
-        if not 0 < self.mem_fraction_static <= 1:
-            raise ValueError(f"--mem-fraction-static: must be in (0, 1], got {self.mem_fraction_static}")
-        if self.indexer_q_tile < 1:
-            raise ValueError(f"--indexer-q-tile: must be >= 1, got {self.indexer_q_tile}")
-        if not 0 < self.compute_efficiency <= 1:
-            raise ValueError(f"--assume compute_efficiency: must be in (0, 1], got {self.compute_efficiency}")
-        if self.page_size < 1:
-            raise ValueError(f"--assume page_size: must be >= 1, got {self.page_size}")
+                raise ValueError(f"{label}: {v!r} not one of {', '.join(map(str, choices))}")
+            problem = _problem(f.name, v)
+            if problem:
+                raise ValueError(f"{label}: {problem}, got {v}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,7 +193,21 @@ class Assumptions:
         return {f.name: f.metadata["why"] for f in fields(Assumptions)}
 
 
-def _coerce(key: str, typ: type, raw: Any, choices: tuple[Any, ...] | None) -> Any:
+# assumptions with a flag of their own (cli/ledger.py): the flag names them, unless set through --assume
+ASSUMPTION_FLAGS = {"mem_fraction_static": "--mem-fraction-static", "indexer_q_tile": "--indexer-q-tile",
+                    "mla_kv": "--mla-kv"}
+
+
+def _problem(name: str, v: Any) -> str | None:
+    """What is wrong with an assumption's value beyond its type and choices (None: nothing)."""
+    if name in ("mem_fraction_static", "compute_efficiency") and not 0 < v <= 1:
+        return "must be in (0, 1]"
+    if name in ("indexer_q_tile", "page_size") and v < 1:
+        return "must be >= 1"
+    return None
+
+
+def _coerce(label: str, typ: type, raw: Any, choices: tuple[Any, ...] | None) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
@@ -205,7 +220,7 @@ def _coerce(key: str, typ: type, raw: Any, choices: tuple[Any, ...] | None) -> A
         if typ is float:
             return float(raw)
     except ValueError:
-        raise ValueError(f"--assume {key}: {raw!r} is not a {typ.__name__}") from None
+        raise ValueError(f"{label}: {raw!r} is not a {typ.__name__}") from None
     if choices and raw not in choices:
-        raise ValueError(f"--assume {key}: {raw!r} not one of {', '.join(map(str, choices))}")
+        raise ValueError(f"{label}: {raw!r} not one of {', '.join(map(str, choices))}")
     return raw

@@ -78,7 +78,12 @@ def test_markdown_and_out_file(capsys, tmp_path):
     (["--tp", "0"], "--tp: must be a positive integer"),
     (["--tp", "3"], "--tp 3: num_attention_heads 64 is not divisible by 3"),
     (["--tp", "3", "--dp-attention"], "--tp 3 --ep 1: moe_intermediate_size 2048 is not divisible by 3"),
-    (["--hbm-gb", "-1"], "hardware hbm_bytes: must be a positive number"),
+    (["--hbm-gb", "-1"], "--hbm-gb: must be a positive number, got -1\n"),
+    (["--hbm-tbs", "nan"], "--hbm-tbs: must be a positive number, got nan"),
+    (["--nvlink-overhead-us", "-2"], "--nvlink-overhead-us: must be a number >= 0, got -2"),
+    (["--assume", "indexer_q_tile=-1"], "--assume indexer_q_tile: must be >= 1, got -1"),
+    (["--assume", "mem_fraction_static=2"], "--assume mem_fraction_static: must be in (0, 1], got 2"),
+    (["--indexer-q-tile", "0"], "--indexer-q-tile: must be >= 1, got 0"),
     (["--reconcile", "/nonexistent/run.json"], "run file /nonexistent/run.json does not exist"),
     (["--reconcile", "--kv-layout", "nvfp4_ds_mla"], "--kv-layout: the engine's pool has no 'nvfp4_ds_mla'"),
 ])
@@ -170,3 +175,18 @@ def test_save_run_without_an_engine_run_or_a_place_to_write_is_an_error(capsys, 
     rc, out, err = _run(capsys, *(a.format(tmp=tmp_path) for a in argv))
     assert (rc, out) == (2, "") and f"dsaserve ledger: error: {message.format(tmp=tmp_path)}" in err
     assert not (tmp_path / "run.json").exists()
+
+
+def test_a_config_files_report_is_named_after_the_file_or_its_checkpoint_directory(capsys, tmp_path, monkeypatch):
+    from dsaserve.config import load_config
+
+    text = load_config("glm-5.3-tiny").to_json()
+    (tmp_path / "my-model.json").write_text(text)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(text)
+    monkeypatch.chdir(tmp_path / "ckpt")
+    for model, name in (("my-model.json", "my-model"), ("ckpt/config.json", "ckpt"), ("ckpt", "ckpt")):
+        rc, out, _ = _run(capsys, "--model", str(tmp_path / model), "--tp", "1", "--json", "--sections", "kv_bytes")
+        assert rc == 0 and json.loads(out)["model"]["name"] == name, model
+    rc, out, _ = _run(capsys, "--model", "config.json", "--tp", "1", "--json", "--sections", "kv_bytes")
+    assert rc == 0 and json.loads(out)["model"]["name"] == "ckpt"  # the working directory's name, not ""
