@@ -74,7 +74,8 @@ def test_forced_outputs_read_back_whole_and_streamed():
     r = ChoiceOutput(required, "glm47", False, False)
     assert r.feed('[{"name": "b", "parameters": {}}') == {}
     end = r.feed(', {"name": "a", "parameters": {"x": 1}}]', final=True)["tool_calls"]
-    assert [d["function"].get("name") for d in end if "id" in d] == ["b", "a"] and r.finish_reason("stop") == "tool_calls"
+    assert [d["function"].get("name") for d in end if "id" in d] == ["b", "a"]
+    assert r.finish_reason("stop") == "tool_calls"
     cut = ChoiceOutput(required, "glm47", False, False).whole('[{"name": "a", "par')  # max_tokens hit
     assert "tool_calls" not in cut
     cut = ChoiceOutput(required, "glm47", False, False)  # the calls complete before the cut are returned
