@@ -10,6 +10,8 @@ Semantics (vLLM's where they exist):
   seed -> a private generator per request: the same seed gives the same sample whatever else is batched
   (with n > 1, sample i uses seed + i).
   max_tokens None -> up to the context limit; min_tokens suppresses EOS and stop_token_ids until reached.
+  logit_bias {token id: bias} -> added to those logits before everything else (OpenAI's, bias in [-100, 100]; -100
+  bans a token, also under greedy); the logprobs stay the raw model's.
   logprobs k -> the sampled token's logprob plus the top-k alternatives, from the raw model distribution
   (before temperature / penalties / filters, as vLLM's default `raw_logprobs`); 0 -> only the sampled one.
   structured_outputs -> only tokens its grammar allows are sampled (engine/grammar.py).
@@ -28,6 +30,8 @@ MAX_STOP_STRINGS = 16
 MAX_N = 128
 MAX_SEED = (1 << 63) - 1  # seeds are signed 64-bit (torch.Generator.manual_seed, the IPC's msgpack ints)
 _GREEDY_EPS = 1e-5  # vLLM: temperature below this is greedy (dividing by it would overflow)
+MAX_LOGIT_BIAS = 100.0  # OpenAI: "values between -100 and 100"
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries a request may bias (bounds the IPC message and the sampler's scatter)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias (ids as ints; as strings over IPC)
     # structured output (vLLM's name): {"kind": json_schema | json_object | regex | choice | grammar, "value": text}
     # as engine/grammar.py's GrammarSpec.to_dict() writes it, plus optionally "after": a token id (the reasoning
     # end, `</think>`) before which the output is free; the sampler masks tokens by it
@@ -59,6 +64,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _bias_ids(self.logit_bias)
         self.validate()
 
     # ---- validation ----------------------------------------------------------------------
@@ -95,6 +101,11 @@ class SamplingParams:
             _int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for t, b in (self.logit_bias or {}).items():
+            _int("logit_bias", t, lo=0)
+            _num("logit_bias", b, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
         if self.structured_outputs is not None:
             so = self.structured_outputs
             if not isinstance(so, dict) or not isinstance(so.get("kind"), str) or not isinstance(so.get("value"), str) \
@@ -128,7 +139,10 @@ class SamplingParams:
 
     # ---- IPC -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.logit_bias is not None:  # msgpack maps take string keys only (ipc.py: strict_map_key)
+            d["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -137,6 +151,22 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown sampling parameter")
         return cls(**d)
+
+
+def _bias_ids(bias: Any) -> dict[int, float] | None:
+    """logit_bias with int token ids: OpenAI and the IPC send them as strings of digits."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias: must be a map of token id to bias, got {type(bias).__name__}")
+    out = {}
+    for t, b in bias.items():
+        if isinstance(t, str):
+            if not (t.isascii() and t.isdigit()):
+                raise ValueError(f"logit_bias: {t!r} is not a token id")
+            t = int(t)
+        out[t] = b
+    return out
 
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> None:

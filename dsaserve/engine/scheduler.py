@@ -135,7 +135,7 @@ class Scheduler:
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: must be SamplingParams, got {type(sampling).__name__}")
         sampling.validate()
-        self.limits.check(prompt, sampling.n, sampling.max_tokens, sampling.stop_token_ids)
+        self.limits.check(prompt, sampling.n, sampling.max_tokens, sampling.stop_token_ids, sampling.logit_bias or ())
 
     @property
     def reserved_rows(self) -> int:

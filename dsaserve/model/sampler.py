@@ -123,7 +123,8 @@ class Sampler:
         raw = logits
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = self._logprobs_inputs(raw, want)
-        x = self._suppress(logits, rows)
+        x = self._bias(logits, params)
+        x = self._suppress(x, rows)
         x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
             x = apply_penalties(x if x is not raw else x.clone(), rows)
@@ -134,6 +135,16 @@ class Sampler:
         return SampleFuture(rows, tokens, self._logprobs(logprobs, params, want, tokens), want)
 
     # ---- steps -------------------------------------------------------------------------------
+    @staticmethod
+    def _bias(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """logit_bias added to its rows' logits (a new tensor: the raw ones stay for the logprobs)."""
+        vocab = x.shape[1]
+        cells = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab]
+        if not cells:
+            return x
+        r, c = to_device([(i, t) for i, t, _ in cells], torch.int64, x.device).unbind(1)
+        return x.index_put((r, c), to_device([b for *_, b in cells], x.dtype, x.device), accumulate=True)
+
     @staticmethod
     def _suppress(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
         masked = [(i, ids) for i, r in enumerate(rows) if (ids := r.suppressed_token_ids)]

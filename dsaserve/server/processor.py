@@ -109,15 +109,15 @@ class Processor:
     def _check_common(self, req: Any) -> None:
         """Options both endpoints refuse, and this engine's limits: n per prompt within
         max_running_requests (the scheduler would refuse it only after a stream's 200), every stop token id
-        inside the vocabulary (the sampler indexes with it). Seed + n is SamplingParams' own check."""
-        if req.logit_bias:
-            raise bad_request("logit_bias: not supported by this server", "logit_bias")
+        and logit_bias id inside the vocabulary (the sampler indexes with them). Seed + n is SamplingParams'
+        own check."""
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         with _limit_400():
             limits = self.limits()
             limits.check_n(req.n)
             limits.check_ids(req.stop_token_ids or [], "stop_token_ids", allow_empty=True)
+            limits.check_ids(_bias_ids(req.logit_bias), "logit_bias", allow_empty=True)
 
     def _check_prompts(self, prompts: list[Prompt], req: Any, max_tokens: int | None, param: str,
                        tokens_field: str | None = None) -> int:
@@ -155,6 +155,7 @@ class Processor:
             "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
+            "logit_bias": req.logit_bias,
         }
         keep_none = {"max_tokens", "logprobs", "seed"}  # None means something for these
         try:
@@ -228,6 +229,11 @@ def _plan_or_400(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except ChatPlanError as e:
         raise bad_request(str(e), e.param) from None
+
+
+def _bias_ids(bias: dict[str, Any] | None) -> list[Any]:
+    """logit_bias's token ids as integers where they are digits (the rest fail check_ids, naming logit_bias)."""
+    return [int(t) if t.isascii() and t.isdigit() else t for t in bias or {}]
 
 
 def _usage_options(req: Any) -> dict[str, bool]:

@@ -132,7 +132,7 @@ class _SamplingFields(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    logit_bias: dict[StrictStr, Number] | None = None
+    logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None  # OpenAI's range
     # extensions (vLLM / SGLang)
     top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None

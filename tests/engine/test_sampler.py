@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from dsaserve.common.sampling_params import SamplingParams
@@ -61,6 +62,27 @@ def test_seeds_apart_only_in_their_high_bits_draw_apart():
     for a, b in ((0, 1 << 32), (7, 7 + (30 << 32)), (-1, (1 << 63) - 1)):
         assert draws(a) != draws(b)
     assert draws(1 << 32) == draws(1 << 32)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_the_logprobs_raw():
+    x = _logits(3, n=2)
+    top = int(x[0].argmax())
+    banned = Row(SamplingParams(temperature=0, logit_bias={top: -100.0}, logprobs=1))
+    forced = Row(SamplingParams(temperature=1.0, seed=1, logit_bias={"7": 100}))
+    out = Sampler().sample(x, [banned, forced])
+    assert out.token_ids[0] == int(x[0].clone().index_fill_(0, torch.tensor([top]), -1e9).argmax())
+    assert out.token_ids[1] == 7
+    assert out.logprobs[0]["top"][0][0] == top  # the raw distribution's best, bias or not
+
+
+def test_logit_bias_survives_the_ipc_form_and_names_bad_entries():
+    sp = SamplingParams(logit_bias={"5": 1.5, 9: -100})
+    assert sp.logit_bias == {5: 1.5, 9: -100} and SamplingParams.from_dict(sp.to_dict()).logit_bias == sp.logit_bias
+    assert all(isinstance(k, str) for k in sp.to_dict()["logit_bias"])  # msgpack maps: string keys
+    for bad, msg in (({"x": 1}, "'x' is not a token id"), ({5: 101}, "logit_bias: 101 out of range"),
+                     ({-1: 1}, "logit_bias: -1 out of range"), ([1], "must be a map")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(logit_bias=bad)
 
 
 def test_temperature_sampling_follows_the_softmax():

@@ -189,6 +189,16 @@ def test_completion_text_offsets_follow_the_tokens_with_a_stop_string_set(client
     assert _offsets(client, stream, stop="@@@@@@@@") == (tokens, offsets)
 
 
+def test_logit_bias_forces_the_token_it_favours(client):
+    def tokens(favoured: int) -> list[str]:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                      logit_bias={str(favoured): 100}, extra_body={"ignore_eos": True})
+        return r.choices[0].logprobs.tokens
+
+    a, b = tokens(42), tokens(43)
+    assert len(set(a)) == len(set(b)) == 1 and a[0] != b[0]  # each run is its favoured token, every step
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2)
