@@ -55,6 +55,8 @@ def main(ns: argparse.Namespace) -> int:
         if engine.world_size > 1 and not engine.dist_init_addr:
             engine.dist_init_addr = f"127.0.0.1:{free_port()}"
         args = ServerArgs.from_cli_args(ns, engine, model_dir)
+        if engine.node_rank == 0:
+            args.check_listen()
     except ValueError as e:  # a bad flag, or a CheckpointError naming the file or tensor
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,22 @@ class ServerArgs:
     manifest_json: str | None = None  # write the startup manifest here once healthy (the first 200 of /health)
     tool_call_parser: str = "auto"  # auto: the model family's (server/tool_parsers); none: tool calling off
     reasoning_parser: str | None = None  # None: reasoning stays in content (vLLM's default); auto: the family's
+
+    def check_listen(self) -> None:
+        """--host / --port can be listened on: refused in one line before any child starts (uvicorn found it only
+        after the model had loaded). A port taken between this check and uvicorn's bind still fails there."""
+        try:
+            addrs = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as e:
+            raise ValueError(f"--host: {self.host!r} does not resolve ({e.strerror})") from None
+        family, kind, proto, _, addr = addrs[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                s.bind(addr)
+            except OSError as e:
+                flag = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+                raise ValueError(f"{flag}: cannot listen on {self.host}:{self.port} ({e.strerror})") from None
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
