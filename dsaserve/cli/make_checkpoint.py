@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_shards(cfg, args.num_shards)
     except ValueError as e:
-        return _fail(f"--num-shards: {e}")
+        return _fail(f"--num-shards: {str(e).removeprefix('num_shards: ')}")
     total = sum(s.nbytes for shard in plan for s in shard)
     probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
     free = shutil.disk_usage(probe).free
