@@ -115,12 +115,13 @@ class Readiness:
         for cb in self.on_healthy:
             cb()
 
-    def mark_down(self, reason: str, kind: str | None = None) -> None:
-        """`kind` "checkpoint": a broken checkpoint found by a rank (exit 2 before Up, like the CLI's own check)."""
+    def mark_down(self, reason: str, kind: str | None = None, expected: bool = False) -> None:
+        """`kind` "checkpoint": a broken checkpoint found by a rank (exit 2 before Up, like the CLI's own check).
+        `expected`: part of a shutdown already under way (logged as a warning, not an error)."""
         if self.state is State.DOWN:
             return
         self.state, self.reason, self.kind = State.DOWN, reason[:2000], kind
-        log.error("server is Down: %s", reason)
+        (log.warning if expected else log.error)("server is Down: %s", reason)
         for cb in self.on_down:
             cb(reason)
 
@@ -204,7 +205,10 @@ async def watch_children(children: dict[str, subprocess.Popen], readiness: Readi
             rc = proc.poll()
             if rc is not None and name not in exited:
                 exited[name] = f"{name} process (pid {proc.pid}) exited with code {rc}"
-                readiness.mark_down(exited[name])
+                # SIGTERM to the whole process group (systemd, `timeout`): the children die with the drain
+                stopped = readiness.draining and rc == -signal.SIGTERM
+                readiness.mark_down(exited[name] + (" (SIGTERM while draining)" if stopped else ""),
+                                    expected=stopped)
         waited = time.perf_counter() - readiness.t0
         if readiness.state is State.STARTING and startup_timeout_s is not None and waited > startup_timeout_s:
             readiness.mark_down(f"startup did not finish within --startup-timeout {startup_timeout_s:g} s")

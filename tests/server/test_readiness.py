@@ -139,3 +139,15 @@ def test_a_drain_that_runs_out_ends_every_request_with_an_error_object(server_fa
     assert err["code"] == "service_unavailable" and "--drain-timeout 0.9 s" in err["message"]
     assert _error(plain, 503)["code"] == "service_unavailable"
     assert s.proc.wait(timeout=30) == 0
+
+
+def test_sigterm_to_the_whole_process_group_stops_cleanly(server_factory):
+    """systemd and `timeout` signal every process of the group: the children die with the drain, which is a
+    shutdown (a warning and exit 0), not a fault logged as an error."""
+    s = server_factory()
+    pids = s.pids()
+    for who in ("main", "scheduler", "detokenizer"):  # as the group signal reaches them
+        os.kill(pids[who], signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0
+    log = s.log_tail(20000)
+    assert "SIGTERM while draining" in log and "ERROR" not in log, log
