@@ -28,6 +28,17 @@ os.environ["TMPDIR"] = os.path.join(RUN_DIR, "tmp")
 tempfile.tempdir = None  # this process's tempfile follows TMPDIR too
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _strict_counter_names():
+    """Every counter a test's engine adds (CPU paths here, GPU paths on the device) must be one a run file can
+    carry (common/counters.py's list): an unlisted one raises at its first add."""
+    from dsaserve.common.counters import COUNTERS
+
+    COUNTERS.strict_names = True
+    yield
+    COUNTERS.strict_names = False
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
 

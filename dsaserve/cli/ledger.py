@@ -8,7 +8,6 @@ format) and their mapping onto dsaserve.ledger. Imports no torch unless `--recon
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -82,18 +81,13 @@ HARDWARE_FLAGS = {"hbm_gb": ("hbm_bytes", 1e9), "hbm_tbs": ("hbm_bw", 1e12), "bf
 
 def _hardware(args: argparse.Namespace):
     """The preset with the overrides; a bad value is named by its flag and as typed (Hardware sees SI units)."""
-    from dsaserve.ledger.hardware import get_hardware
+    from dsaserve.ledger.hardware import checked_value, get_hardware
 
     over = {}
     for dest, (name, unit) in HARDWARE_FLAGS.items():
         v = getattr(args, dest)
-        if v is None:
-            continue
-        zero_ok = name.endswith("overhead_s")  # a free collective is a legitimate what-if
-        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
-            need = "a number >= 0" if zero_ok else "a positive number"
-            raise ValueError(f"--{dest.replace('_', '-')}: must be {need}, got {v:g}")
-        over[name] = v * unit
+        if v is not None:  # checked as typed: the flag and its value in the message, not SI units
+            over[name] = checked_value(name, v, f"--{dest.replace('_', '-')}") * unit
     return get_hardware(args.hardware).with_overrides(**over)
 
 

@@ -70,12 +70,19 @@ def ring_wire_factor(kind: str, n: int) -> float:
     raise ValueError(f"collective kind {kind!r}: no ring factor (all_reduce, all_gather, reduce_scatter, broadcast)")
 
 
+def _check_name(name: str) -> None:
+    if not is_counter_name(name):
+        raise ValueError(f"counter {name!r} is not in common/counters.py's COUNTER_NAMES / COUNTER_FAMILIES: a run "
+                         "file with it would not load (ledger/reconcile.py); add it there")
+
+
 class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = defaultdict(float)
         self._sources: list[Callable[[bool], dict[str, float]]] = []
         self.enabled = True
+        self.strict_names = False  # the tests: a name outside COUNTER_NAMES / COUNTER_FAMILIES raises at its first add
 
     def add_source(self, read: Callable[[bool], dict[str, float]]) -> None:
         """A counter kept elsewhere (e.g. on a GPU, to avoid a sync per step), folded in at snapshot time.
@@ -84,6 +91,8 @@ class Counters:
 
     def add(self, name: str, value: float = 1) -> None:
         if self.enabled:
+            if self.strict_names and name not in self._values:
+                _check_name(name)
             self._values[name] += value
 
     def get(self, name: str) -> float:
@@ -94,6 +103,8 @@ class Counters:
             out = dict(self._values)
             for read in self._sources:
                 for k, v in read(False).items():
+                    if self.strict_names:
+                        _check_name(k)
                     out[k] = out.get(k, 0) + v
             return out
 

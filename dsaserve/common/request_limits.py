@@ -72,12 +72,12 @@ class RequestLimits:
             raise LimitError("n", f"{n} samples exceed --max-running-requests of {self.max_running_requests}")
 
     def check(self, prompt: Any, n: int, max_tokens: int | None, stop_token_ids: Iterable[int],
-              bias_ids: Iterable[int] = (), field: str = "prompt_token_ids") -> None:
+              bias_ids: Iterable[int] = (), min_tokens: int = 0, field: str = "prompt_token_ids") -> None:
         """Every check, as the scheduler admits a request (`bias_ids`: logit_bias's token ids)."""
         if not isinstance(prompt, (list, tuple)):
             raise LimitError(field, f"must be a list of token ids, got {type(prompt).__name__}")
         self.check_ids(prompt, field)
         self.check_ids(stop_token_ids, "stop_token_ids", allow_empty=True)
         self.check_ids(bias_ids, "logit_bias", allow_empty=True)
-        self.check_lengths(len(prompt), max_tokens, field)
+        self.check_lengths(len(prompt), max_tokens, field, min_tokens=min_tokens)
         self.check_n(n)

@@ -262,14 +262,15 @@ class EngineArgs:
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
     def check_device(self) -> None:
-        """--device cuda where there is none: refused with the flag before any process or tensor is made. Known
-        without torch where the machine has no GPU device; where torch is already imported (the ModelRunner),
-        torch says too (a CPU-only build on a GPU host). A process that has not imported torch stays without it."""
+        """--device cuda where torch finds none: refused with the flag before any process or tensor is made.
+        torch is asked where it is imported already (the ModelRunner), or where the machine shows no GPU device
+        (then the import costs nothing that matters: a start that fails; WSL2's GPU is not a /dev/nvidia node).
+        A healthy GPU start in a process without torch stays without it."""
         if self.device != "cuda":
             return
-        if no_gpu_present():
-            raise ValueError("--device: cuda, but this machine shows no GPU (use --device cpu)")
         torch = sys.modules.get("torch")
+        if torch is None and no_gpu_present():
+            import torch
         if torch is not None and not torch.cuda.is_available():
             raise ValueError(f"--device: cuda, but torch {torch.__version__} finds no CUDA device "
                              "(use --device cpu)")
@@ -302,7 +303,9 @@ class EngineArgs:
         memory is refused at once (the full GLM-5.3 in float32 would need ~3 TB; it used to grow until killed)."""
         from dsaserve.weights.spec import checkpoint_specs
 
-        params = sum(math.prod(t.shape) for t in checkpoint_specs(cfg) if not t.name.endswith("_scale_inv"))
+        mtp = () if self.load_mtp else tuple(f"model.layers.{i}." for i in cfg.mtp_layer_ids)  # built only if asked
+        params = sum(math.prod(t.shape) for t in checkpoint_specs(cfg)
+                     if not t.name.endswith("_scale_inv") and not (mtp and t.name.startswith(mtp)))
         need = params * (4 if self.resolved_dtype() == "float32" else 2) / self.nnodes
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if need > have:

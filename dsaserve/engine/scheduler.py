@@ -135,7 +135,8 @@ class Scheduler:
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: must be SamplingParams, got {type(sampling).__name__}")
         sampling.validate()
-        self.limits.check(prompt, sampling.n, sampling.max_tokens, sampling.stop_token_ids, sampling.logit_bias or ())
+        self.limits.check(prompt, sampling.n, sampling.max_tokens, sampling.stop_token_ids, sampling.logit_bias or (),
+                          sampling.min_tokens)
 
     @property
     def reserved_rows(self) -> int:

@@ -58,7 +58,7 @@ def build_report(li: LedgerInputs, sections: list[str] | None = None, with_notes
     if unknown:
         raise ValueError(f"--sections: {unknown[0]!r} unknown (one of {', '.join(SECTIONS)})")
     if with_notes is None:
-        with_notes = li.cfg.name == "glm-5.3" and not sections
+        with_notes = _is_builtin_glm53(li.cfg) and not sections
     if with_notes and "notes_check" not in wanted:
         wanted.append("notes_check")
     p = li.prefill() if any(k in wanted for k in _NEEDS_PREFILL) else None
@@ -66,3 +66,11 @@ def build_report(li: LedgerInputs, sections: list[str] | None = None, with_notes
     assumptions = li.asm.to_dict() | {"_why": Assumptions.describe()}
     return Report(dict(CONVENTIONS), model_summary(li), li.dep.to_dict(), li.hw.to_dict(), li.work.to_dict(),
                   assumptions, out, mem.memory_warnings(li))
+
+
+def _is_builtin_glm53(cfg) -> bool:
+    """The notes describe the built-in GLM-5.3 itself: a file that is only named so (`glm-5.3.json` with other
+    values) is not it."""
+    from dsaserve.config import load_config
+
+    return cfg.name == "glm-5.3" and cfg.to_hf_dict() == load_config("glm-5.3").to_hf_dict()

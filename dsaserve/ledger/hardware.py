@@ -9,6 +9,7 @@ bidirectional: 900 GB/s on Hopper = 450 GB/s each way). Planning tool, no stage 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -30,6 +31,18 @@ H200_NVLINK_LATENCY_SOURCE = ("measured: glm-5.3-slice TP2 batch-1 decode on 2xH
                               "re-measures it); note 001 assumed 3-5 us")
 _IB_OVERHEAD = "assumption: inter-node NCCL small-message latency is several times NVLink's; measure on your fabric"
 _IB_CX7 = "ConnectX-7 400 Gb/s NDR, one NIC per GPU in the HGX reference design = 50 GB/s each way"
+
+
+def checked_value(name: str, v: Any, label: str | None = None) -> float:
+    """A hardware figure: finite and positive, or >= 0 for a collective's overhead (a free collective is a
+    legitimate what-if). The ValueError names `label` (the flag as the user typed it) or the field."""
+    zero_ok = name.endswith("overhead_s")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0 \
+            or (v == 0 and not zero_ok):
+        shown = f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else repr(v)
+        need = "a number >= 0" if zero_ok else "a positive number"
+        raise ValueError(f"{label or f'hardware {name}'}: must be {need}, got {shown}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -54,9 +67,7 @@ class Hardware:
                 raise ValueError(f"hardware field {k!r}: unknown (one of {', '.join(sorted(known))})")
             if v is None:
                 continue
-            if not isinstance(v, int | float) or v < 0 or (v == 0 and not k.endswith("overhead_s")):
-                raise ValueError(f"hardware {k}: must be a positive number, got {v!r}")
-            changed[k] = float(v)
+            changed[k] = checked_value(k, v)
         if not changed:
             return self
         sources = dict(self.sources)

@@ -27,7 +27,13 @@ from dsaserve.ledger.deployment import Assumptions, Deployment, Workload
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import KVPerToken, kv_per_token, kv_share_per_gpu
 from dsaserve.ledger.units import ceil_div
-from dsaserve.ledger.weights import WeightInventory, gemm_params_per_token, query_params_per_token, stored_per_gpu
+from dsaserve.ledger.weights import (
+    WeightInventory,
+    gemm_params_per_token,
+    query_bytes_per_gpu,
+    query_params_per_token,
+    stored_per_gpu,
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,9 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
     lm_head = 2 * cfg.vocab_size * cfg.hidden_size
     idx_pair = 2 * cfg.index_n_heads * cfg.index_head_dim * per_tok.indexer_layers
     slot_flops = attn_flops_per_slot(cfg) * per_tok.kv_layers
-    weights_gpu = sum(v for k, v in stored_per_gpu(inv, dep, asm).items() if not k.endswith("embed"))
+    stored = stored_per_gpu(inv, dep, asm)
+    weights_gpu = sum(v for k, v in stored.items() if not k.endswith("embed"))
+    query_gpu = sum(v for g, v in query_bytes_per_gpu(inv, dep, asm).items() if g in stored)
     idx_ranks = dep.n_gpus if asm.indexer_split else 1
     share = kv_share_per_gpu(dep, asm)
     eff = asm.compute_efficiency
@@ -97,7 +105,8 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         t = min(work.chunk, ctx - prefix)
         last = i == n_chunks - 1
         # a chunk within the top-k takes every key unscored (the GPU selection's `take_all`) and makes no indexer
-        # queries (a whole forward's; piecewise segments still make them, which the ledger does not model)
+        # queries: neither their FLOPs nor their weights' read (a whole forward's; piecewise segments still make
+        # them, which the ledger does not model)
         every_key = keys_within_topk(prefix + t, asm.page_size, cfg.index_topk)
         pairs = 0 if every_key else keys_scored(prefix, t)
         gemm = (gemm_per_token - (query_per_token if every_key else 0)) * t + (lm_head if last else 0)
@@ -109,7 +118,8 @@ def chunked_prefill(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw:
         plan = step_plan(cfg, dep, asm, t, logits_rows=1 if last else 0, mtp=asm.speculative, one_request=True)
         compute = (gemm / dep.n_gpus / hw.fp8_flops + attn / dep.n_gpus / hw.bf16_flops
                    + idx / idx_ranks / hw.fp8_flops) / eff
-        memory = (idx_read / idx_ranks + (t * per_tok.total + kv_staged + kv_hbm) * share + weights_gpu) / hw.hbm_bw
+        weights_read = weights_gpu - (query_gpu if every_key else 0)
+        memory = (idx_read / idx_ranks + (t * per_tok.total + kv_staged + kv_hbm) * share + weights_read) / hw.hbm_bw
         chunks.append(Chunk(i, prefix, t, gemm, attn, idx, idx_read, t * per_tok.main, t * per_tok.indexer,
                             kv_read, kv_staged, sum(r.calls for r in plan), sum(r.wire_bytes for r in plan),
                             compute, memory, sum(row_time(r, hw, asm) for r in plan)))

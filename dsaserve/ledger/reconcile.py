@@ -36,7 +36,7 @@ from dsaserve.kernels.variants import core_width
 from dsaserve.ledger.collective_plan import step_plan
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.kv import indexer_bytes_per_token_layer, kv_bytes_per_token_layer
-from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of, inventory
+from dsaserve.ledger.weights import divisor, experts_touched_fraction, group_of, inventory, query_bytes_per_gpu
 from dsaserve.weights.spec import checkpoint_specs
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -186,7 +186,7 @@ def fixed_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> tuple
 def query_weight_bytes(cfg: ModelConfig, dep: Deployment | None = None) -> float:
     """Of `fixed_weight_bytes`, the full indexer layers' query projections (wq_b, weights_proj): a forward whose page
     table is within the top-k does not read them (`common/causal.takes_every_key`) unless it runs as segments."""
-    return inventory(cfg).query_bytes.get("indexer", 0) / divisor("indexer", dep or Deployment(tp=1), Assumptions())
+    return query_bytes_per_gpu(inventory(cfg), dep or Deployment(tp=1), Assumptions()).get("indexer", 0)
 
 
 def _indexer_skips(cfg: ModelConfig, shape: RunShape, rows: list[Row]) -> tuple[bool, bool]:

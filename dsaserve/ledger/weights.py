@@ -167,14 +167,19 @@ def step_read_per_gpu(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, a
     step's keys a request; within the top-k its full layers skip the indexer's query projections."""
     frac = experts_touched_fraction(cfg, tokens, routing or asm.expert_routing)
     every_key = context is not None and keys_within_topk(context, asm.page_size, cfg.index_topk)
+    skipped = query_bytes_per_gpu(inv, dep, asm) if every_key else {}
     out: dict[str, float] = {}
     for g, b in stored_per_gpu(inv, dep, asm).items():
         if g.removeprefix("mtp.") == "embed":
             continue
-        out[g] = b * frac if g.removeprefix("mtp.") == "experts" else b
-        if every_key and g in inv.query_bytes:
-            out[g] -= inv.query_bytes[g] / divisor(g, dep, asm)
+        out[g] = (b * frac if g.removeprefix("mtp.") == "experts" else b) - skipped.get(g, 0)
     return out
+
+
+def query_bytes_per_gpu(inv: WeightInventory, dep: Deployment, asm: Assumptions) -> dict[str, float]:
+    """One GPU's share of the indexer's query projections (wq_b, weights_proj) by group: what a forward within
+    the top-k does not read (`common/causal.takes_every_key`)."""
+    return {g: b / divisor(g, dep, asm) for g, b in inv.query_bytes.items()}
 
 
 def gemm_params_per_token(cfg: ModelConfig, inv: WeightInventory, mtp: bool = False) -> int:

@@ -13,6 +13,7 @@ an error after it (engine down, drain out of time) is a final SSE `error` event,
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -99,12 +100,12 @@ class OpenAIServing:
     async def _completion_full(self, h: Handle) -> dict:
         req = h.req
         texts = [[req.prompts[c // req.n].text or ""] if req.echo else [] for c in range(req.num_samples)]
-        offsets = [sum(map(len, t)) for t in texts]  # the next token's text_offset
+        offsets = [TextOffsets(sum(map(len, t))) for t in texts]
         lps = [CompletionLogprobs() if req.logprobs else None for _ in texts]
         reasons: list[str | None] = [None] * len(texts)
         async for out in h.results():
             texts[out.choice].append(out.text)
-            offsets[out.choice] = _add_completion_logprobs(lps[out.choice], out, offsets[out.choice])
+            _add_completion_logprobs(lps[out.choice], out, offsets[out.choice])
             reasons[out.choice] = out.reason or reasons[out.choice]
         choices = [CompletionChoice(index=i, text="".join(t), logprobs=lps[i], finish_reason=reasons[i])
                    for i, t in enumerate(texts)]
@@ -113,7 +114,7 @@ class OpenAIServing:
 
     def _completion_stream(self, h: Handle) -> AsyncIterator[str]:
         req, created = h.req, int(time.time())
-        offsets = [0] * req.num_samples
+        offsets = [TextOffsets(0) for _ in range(req.num_samples)]
 
         def chunk(choice: int, text: str, lp: Any = None, reason: str | None = None, u: Any = None) -> str:
             choices = [] if choice < 0 else [CompletionChoice(index=choice, text=text, logprobs=lp,
@@ -124,11 +125,11 @@ class OpenAIServing:
         async def body() -> AsyncIterator[str]:
             if req.echo:
                 for c in range(len(offsets)):
-                    offsets[c] = len(req.prompts[c // req.n].text or "")
+                    offsets[c] = TextOffsets(len(req.prompts[c // req.n].text or ""))
                     yield chunk(c, req.prompts[c // req.n].text or "")
             async for out in h.results():
                 lp = CompletionLogprobs() if req.logprobs else None
-                offsets[out.choice] = _add_completion_logprobs(lp, out, offsets[out.choice])
+                _add_completion_logprobs(lp, out, offsets[out.choice])
                 if _worth_a_chunk(h, out, bool(lp and lp.tokens)):
                     yield chunk(out.choice, out.text, lp, out.reason)
             if req.include_usage:
@@ -231,18 +232,35 @@ def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:
     return bool(out.text or out.finished or has_logprobs or (h.req.continuous_usage and out.tokens))
 
 
-def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offset: int) -> int:
-    """Appends the output's tokens at text_offset `offset` onwards; returns the offset after them. Offsets follow
-    the tokens, not the text sent so far, which lags while a stop string's possible start is held back."""
+class TextOffsets:
+    """Each completion token's text_offset: the characters its bytes add to the text, counted by a UTF-8 decoder
+    as the detokenizer's text has them (a byte-fallback token adds part of a character, or a replacement
+    character; its display string `bytes:\\xNN` is longer than that). Not the text sent so far, which lags
+    while a stop string's possible start is held back."""
+
+    def __init__(self, start: int) -> None:
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, token_bytes: list[int]) -> int:
+        raw = bytes(token_bytes)
+        pending = self._decoder.getstate()[0]
+        # an unfinished character before a token that does not continue it ends as replacement characters
+        # ahead of this token's own text
+        flushed = len(pending.decode("utf-8", "replace")) if pending and raw and not 0x80 <= raw[0] < 0xC0 else 0
+        at = self.at + flushed
+        self.at += len(self._decoder.decode(raw))
+        return at
+
+
+def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offsets: TextOffsets) -> None:
     if lp is None or not out.lps:
-        return offset
+        return
     for e in out.lps:
         lp.tokens.append(e["token"])
         lp.token_logprobs.append(e["logprob"])
         lp.top_logprobs.append({t[0]: t[1] for t in e["top"]})
-        lp.text_offset.append(offset)
-        offset += len(e["token"])
-    return offset
+        lp.text_offset.append(offsets.take(e["bytes"]))
 
 
 def _chat_logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob]:

@@ -13,7 +13,7 @@ the error names the OpenAI field before any tokenisation; SamplingParams stays t
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
@@ -101,16 +101,17 @@ def _is_union_branch(x: Any) -> bool:
 # ---- requests -------------------------------------------------------------------------------------
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _null_means_none: ClassVar[frozenset[str]] = frozenset()  # fields whose null is not their default
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         """OpenAI types its optional fields as nullable: a null means the default (clients send unset fields as
-        null). A required field's null stays an error."""
+        null). A required field's null stays an error, and a field in `_null_means_none` keeps its null."""
         if not isinstance(data, dict):
             return data
-        optional = {k for k, f in cls.model_fields.items() if not f.is_required()}
-        return {k: v for k, v in data.items() if v is not None or k not in optional}
+        dropped = {k for k, f in cls.model_fields.items() if not f.is_required()} - cls._null_means_none
+        return {k: v for k, v in data.items() if v is not None or k not in dropped}
 
 
 class StreamOptions(_Strict):
@@ -159,6 +160,8 @@ class ResponseFormat(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    # max_tokens unset is OpenAI's 16; null is what the context leaves (vLLM's reading)
+    _null_means_none: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]  # ids checked against the vocab
     max_tokens: MaxTokens | None = 16  # OpenAI's default for legacy completions
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
@@ -208,7 +211,7 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = None
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: StrictStr | None = None  # OpenAI's levels grow ("none" ... "xhigh"): passed as given
     modalities: list[Literal["text"]] | None = None
     # extensions (vLLM)
     add_generation_prompt: StrictBool = True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from dsaserve.common.counters import COLLECTIVE_KINDS, COUNTER_FAMILIES, is_counter_name
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dsaserve"
@@ -39,3 +41,18 @@ def test_every_counter_the_package_adds_is_in_the_list():
     for name, where in names:
         family = name.removesuffix(".")
         assert is_counter_name(name) if not name.endswith(".") else family in COUNTER_FAMILIES, (name, where)
+
+
+def test_strict_names_refuse_an_unlisted_counter_at_its_first_add():
+    from dsaserve.common.counters import Counters
+
+    c = Counters()
+    c.strict_names = True
+    c.add("kv_bytes_read", 5)
+    c.add_source(lambda reset: {"device_busy_seconds": 1.0})
+    assert c.snapshot() == {"kv_bytes_read": 5, "device_busy_seconds": 1.0}
+    with pytest.raises(ValueError, match="counter 'kv_bytes' is not in"):
+        c.add("kv_bytes", 1)
+    c.add_source(lambda reset: {"busy": 1.0})
+    with pytest.raises(ValueError, match="counter 'busy' is not in"):
+        c.snapshot()

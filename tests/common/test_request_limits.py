@@ -21,6 +21,7 @@ LIM = RequestLimits(vocab_size=512, max_req_input_len=99, max_seq_len=100, max_r
     (([5], 5, None, []), "n", None, "5 samples exceed --max-running-requests of 4"),
     (("abc", 1, None, []), "prompt_token_ids", None, "must be a list of token ids"),
     (([5], 1, None, [], [3, 512]), "logit_bias", None, "token id 512 is outside the vocabulary"),
+    (([5] * 90, 1, None, [], [], 11), "min_tokens", CONTEXT_LENGTH_EXCEEDED, "11 is more than the 10 tokens"),
 ])
 def test_each_limit_names_its_field_and_code(args, field, code, msg):
     with pytest.raises(LimitError, match=msg) as e:

@@ -68,7 +68,7 @@ def test_markdown_and_out_file(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ep", "3"], "--ep: 3 does not divide n_routed_experts 256"),
+    (["--ep", "3"], "--ep 3: n_routed_experts 256 is not divisible by 3"),
     (["--context", "lots"], "--context: 'lots' is not a token count"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static: must be in (0, 1]"),
     (["--assume", "warp_speed=9"], "--assume warp_speed: unknown assumption"),

@@ -91,7 +91,7 @@ def test_wire_basis_vs_message_basis():
 def test_ep_must_divide_the_experts():
     from dsaserve.ledger.inputs import LedgerInputs
 
-    with pytest.raises(ValueError, match="--ep: 3 does not divide n_routed_experts 256"):
+    with pytest.raises(ValueError, match="--ep 3: n_routed_experts 256 is not divisible by 3"):
         LedgerInputs(GLM, Deployment(tp=8, ep=3), PRESETS["h200"])
 
 

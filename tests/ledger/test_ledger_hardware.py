@@ -71,3 +71,12 @@ def test_h200_nvlink_latency_is_the_named_hook_with_its_source():
     hw = PRESETS["h200"]
     assert hw.nvlink_overhead_s == H200_NVLINK_LATENCY_S
     assert "bench_multi_gpu" in hw.sources["nvlink_overhead_s"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("hbm_bw", float("nan")), ("bf16_flops", float("inf")),
+                                              ("hbm_bw", 0.0), ("ib_overhead_s", -1e-6)])
+def test_an_override_that_is_not_a_usable_figure_is_refused(field, value):
+    """One rule for the CLI's flags and the Python API (NaN once passed the API and reached the report)."""
+    with pytest.raises(ValueError, match=f"hardware {field}: must be"):
+        PRESETS["h200"].with_overrides(**{field: value})
+    assert PRESETS["h200"].with_overrides(nvlink_overhead_s=0.0).nvlink_overhead_s == 0.0  # a free collective

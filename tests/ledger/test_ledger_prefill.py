@@ -73,6 +73,22 @@ def test_a_chunk_within_the_top_k_makes_no_indexer_queries():
     assert second.gemm_flops - first.gemm_flops == queries * 2048
 
 
+def test_a_chunk_within_the_top_k_reads_no_query_weights(monkeypatch):
+    """The same first chunk with the within-top-k rule off: it reads wq_b + weights_proj again (the indexer is
+    replicated across TP8: 21 x 8.8 MB on every GPU), and multiplies through them."""
+    import dsaserve.ledger.prefill as P
+
+    li = _li(context=2048, chunk=2048)
+    within = li.prefill().chunks[0]
+    monkeypatch.setattr(P, "keys_within_topk", lambda *a: False)
+    scored = li.prefill().chunks[0]
+    per_gpu = li.inv.query_bytes["indexer"]
+    assert per_gpu == pytest.approx(21 * 8.8e6, rel=0.01)
+    assert (scored.memory_s - within.memory_s) * li.hw.hbm_bw == pytest.approx(
+        per_gpu + scored.indexer_read / 8, rel=1e-9)  # and the indexer keys it now scores
+    assert scored.gemm_flops > within.gemm_flops
+
+
 def test_q_tile_divides_the_indexer_read():
     a = _li(context=65536).prefill().total("indexer_read")
     li = LedgerInputs(load_config("glm-5.3"), Deployment(tp=8), PRESETS["h200"], Workload(context=65536),

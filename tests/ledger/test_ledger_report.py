@@ -68,6 +68,16 @@ def test_notes_check_only_by_default_for_glm_53():
     assert [s.key for s in forced.sections] == ["kv_bytes", "notes_check"]
 
 
+def test_a_config_only_named_glm_53_gets_no_notes_check(tmp_path):
+    """The notes check compares with the built-in GLM-5.3: a file named glm-5.3.json with other values is another
+    model (its name is the file's stem), so it is left out by default."""
+    cfg = load_config("glm-5.3")
+    (tmp_path / "glm-5.3.json").write_text(json.dumps({**cfg.to_hf_dict(), "index_topk": 4096}))
+    other = load_config(tmp_path / "glm-5.3.json")
+    assert other.name == "glm-5.3"
+    assert not build_report(LedgerInputs(other, Deployment(tp=8), PRESETS["h200"])).has("notes_check")
+
+
 def test_deepseek_v32_report_uses_its_own_dims():
     r = build_report(LedgerInputs(load_config("deepseek-v3.2"), Deployment(tp=8, ep=8, dp_attention=True),
                                   PRESETS["h200"]), ["kv_bytes", "collectives", "prefill_totals", "operators"])

@@ -181,11 +181,16 @@ def _offsets(client, stream: bool, **kw) -> tuple[list[str], list[int]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_text_offsets_follow_the_tokens_with_a_stop_string_set(client, stream):
+def test_completion_text_offsets_locate_the_tokens_with_a_stop_string_set(client, stream):
     """A stop string that never matches still holds text back while it might start; the offsets follow the
-    tokens (each the last one's plus its length), as without a stop string."""
+    tokens' text (a whole token's text starts at its offset; a byte-fallback `bytes:` token adds at most a
+    character), as without a stop string."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
     tokens, offsets = _offsets(client, stream)
-    assert len(tokens) == 8 and offsets == [sum(map(len, tokens[:i])) for i in range(8)]
+    assert len(tokens) == 8 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    whole = [(o, t) for o, t in zip(offsets, tokens, strict=True) if not t.startswith("bytes:")]
+    assert whole and all(text[o:o + len(t)] == t for o, t in whole)
     assert _offsets(client, stream, stop="@@@@@@@@") == (tokens, offsets)
 
 

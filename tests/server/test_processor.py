@@ -73,3 +73,19 @@ def test_text_that_cannot_fit_is_refused_by_its_bytes_without_tokenizing():
     with pytest.raises(APIError) as e:
         asyncio.run(proc.completion(CompletionRequest(model="m", prompt="é" * 1601)))  # 3202 UTF-8 bytes
     assert e.value.status == 413 and e.value.param == "prompt" and tok.calls == 0
+
+
+class FastTokenizer(SlowTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * 10
+
+
+@pytest.mark.parametrize(("body", "max_tokens"), [
+    ({}, 16),  # OpenAI's default for legacy completions
+    ({"max_tokens": None}, INFO["max_model_len"] - 10),  # null: what the context leaves (vLLM's reading)
+    ({"max_tokens": 5, "n": None, "stream": None, "echo": None}, 5),  # other nulls: their defaults
+])
+def test_completion_max_tokens_unset_null_and_given(body, max_tokens):
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", **body})
+    done = asyncio.run(Processor(FastTokenizer(), lambda: INFO).completion(req))
+    assert done.max_tokens == max_tokens and done.sampling.n == 1 and not done.stream
