@@ -14,6 +14,9 @@ Semantics (vLLM's where they exist):
   bans a token, also under greedy); the logprobs stay the raw model's.
   logprobs k -> the sampled token's logprob plus the top-k alternatives, from the raw model distribution
   (before temperature / penalties / filters, as vLLM's default `raw_logprobs`); 0 -> only the sampled one.
+  prompt_logprobs k -> each prompt token's logprob given the tokens before it (the first has none), its rank
+  and the top-k alternatives, from the same raw distribution (vLLM's); such a request is served from the
+  prefix cache only where its entries already exist (a cached position is never computed).
   structured_outputs -> only tokens its grammar allows are sampled (engine/grammar.py).
   stop strings are matched on detokenized text by whoever detokenizes (offline Engine / server); the
   core handles stop_token_ids, EOS, max_tokens, min_tokens, ignore_eos.
@@ -51,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias (ids as ints; as strings over IPC)
@@ -101,6 +105,8 @@ class SamplingParams:
             _int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if len(self.logit_bias or {}) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
         for t, b in (self.logit_bias or {}).items():

@@ -58,6 +58,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token None (the first) or {"logprob", "rank", "top"} (vLLM's)
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -270,6 +272,8 @@ class Engine:
     def _apply(self, tr: _Tracked, d: TokenDelta) -> None:
         out = tr.out.outputs[d.index]
         tr.out.num_cached_tokens = d.cached_tokens
+        if d.prompt_logprobs is not None:
+            tr.out.prompt_logprobs = d.prompt_logprobs
         if out.finished:  # e.g. the abort that follows a stop-string match
             out.delta_text, out.delta_token_ids = "", []
             return

@@ -48,10 +48,12 @@ import torch
 
 from dsaserve.common.host_lists import to_device
 from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.engine import prompt_logprobs
 from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.device_timer import DeviceTimer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
+from dsaserve.engine.prompt_logprobs import PromptLogprobsFuture
 from dsaserve.engine.request import EngineRequest, Req, TokenDelta
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.model.sampler import SampleFuture, Sampler
@@ -95,7 +97,8 @@ class EngineCore:
         self.device_timer = DeviceTimer(torch.device(self.runner.device))
         self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
-        self._pending: tuple[list[Req], SampleFuture | None] | None = None  # launched, tokens not yet on the host
+        # launched, tokens (and prompt entries) not yet on the host
+        self._pending: tuple[list[Req], SampleFuture | None, PromptLogprobsFuture | None] | None = None
         self._grammars: GrammarCompiler | None = None
         self.warmed_schemas = 0
         self._startup = dict(getattr(self.runner, "startup_time", {}) or {})
@@ -213,15 +216,21 @@ class EngineCore:
                 self.runner.forward_idle()
             return deltas + self._resolve()
         t = self.device_timer.start()
-        logits = self.runner.forward(self.builder.build(sched))  # a host batch: the runner copies it over
+        batch, prompt = self.builder.build(sched), prompt_logprobs.prompt_rows(sched.reqs, sched.num_new)
+        if prompt is not None:
+            prompt.ask(batch)
+        logits = self.runner.forward(batch)  # a host batch: the runner copies it over
+        if prompt is not None:
+            prompt = PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
         deltas += self._resolve()  # overlap: the previous step's tokens, waited for while this forward runs
-        self._launch_sample(sched, logits)
+        self._launch_sample(sched, logits, prompt)
         self.device_timer.stop(t)
         if not self.overlap:
             deltas += self._resolve()
         return deltas
 
-    def _launch_sample(self, sched: ScheduledBatch, logits: torch.Tensor) -> None:
+    def _launch_sample(self, sched: ScheduledBatch, logits: torch.Tensor,
+                       prompt: PromptLogprobsFuture | None = None) -> None:
         """Queue the sampling of the rows still wanted; their tokens become the next step's placeholders."""
         samples, rows = self.scheduler.live_samples(sched)
         if rows != list(range(logits.shape[0])):  # n>1 forks reuse a row; finished samples drop theirs
@@ -232,13 +241,15 @@ class EngineCore:
             if future is not None:
                 self.runner.future_token_ids[: len(samples)].copy_(future.tokens, non_blocking=True)
         self.scheduler.launched(sched, samples)
-        self._pending = (samples, future)
+        self._pending = (samples, future, prompt)
 
     def _resolve(self) -> list[TokenDelta]:
         """The launched step's tokens on the host (waiting for them) -> finish checks and deltas."""
         if self._pending is None:
             return []
-        (samples, future), self._pending = self._pending, None
+        (samples, future, prompt), self._pending = self._pending, None
+        if prompt is not None:  # before the deltas: a prompt's last chunk samples its first token in the same step
+            prompt.attach()
         if future is None:
             return []
         out = future.result()

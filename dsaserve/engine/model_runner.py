@@ -26,7 +26,7 @@ from dsaserve.config import ModelConfig, load_config
 from dsaserve.distributed import collectives
 from dsaserve.distributed.parallel_state import initialize_model_parallel, local_device
 from dsaserve.distributed.sharding import require_fp8_aligned
-from dsaserve.engine import kernel_precompile
+from dsaserve.engine import kernel_precompile, prompt_logprobs
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.decode_graphs import DecodeGraphs, width_classes
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
@@ -81,6 +81,7 @@ class ModelRunner(RunnerStartup):
         # ids read on the device; allocated before the capture (the graphs hold its address)
         self.future_token_ids = (torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
                                  if args.overlap_schedule else None)
+        self.last_prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # the last forward's (_prompt_logprobs)
         with PhaseTimer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)
         if self.device.type == "cuda":
@@ -326,10 +327,13 @@ class ModelRunner(RunnerStartup):
         rank can; otherwise eager, its own tokens, the MoE layers padding them to the agreed rows."""
         bucket = step.rows if step is not None and step.graph else None
         route = self.route(batch, bucket)
+        self.last_prompt_logprobs = None
         if route == "decode_graph":
             return self.graphs.replay(batch, bucket)
         if route == "piecewise":
-            return self.piecewise.forward(batch)
+            logits, hidden = self.piecewise.forward_with_hidden(batch)
+            self._prompt_logprobs(batch, hidden)
+            return logits
         if route == "eager_large":
             COUNTERS.add("eager_large_steps")
         elif route != "eager":
@@ -340,8 +344,16 @@ class ModelRunner(RunnerStartup):
             resolve_placeholders_(batch.input_ids, self.future_token_ids)
         if step is not None:
             batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
-        logits, _ = self.model(batch, self.kv_pool)
+        logits, hidden = self.model(batch, self.kv_pool)
+        self._prompt_logprobs(batch, hidden)
         return logits
+
+    def _prompt_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """The step's prompt entries from its hidden rows, on the device (`last_prompt_logprobs`, read by the
+        engine before the next forward; engine/prompt_logprobs.py)."""
+        if batch.prompt_rows is not None:
+            self.last_prompt_logprobs = prompt_logprobs.compute(self.model, hidden, batch.prompt_rows,
+                                                                batch.prompt_targets, batch.prompt_k)
 
     def _dp_forward(self, batch: ForwardBatch | None) -> torch.Tensor | None:
         """DP-attention: agree on the step with the other ranks (engine/dp_step.py), then run it; None when

@@ -179,6 +179,11 @@ class PiecewiseRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] of a host batch of up to max_tokens tokens."""
+        return self.forward_with_hidden(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits, the final hidden states [bucket, H]: the batch's in its first num_tokens rows)."""
         n = batch.num_tokens
         bucket = bucket_for(n, self.buckets)
         core = self._stage(batch if not batch.input_ids.is_cuda else batch.to("cpu"), bucket)
@@ -190,7 +195,7 @@ class PiecewiseRunner:
             for k, v in self.static_counts[bucket].items():
                 COUNTERS.add(k, v)
         count_step(self.model.forward_shape(), self.pool, batch, pages=core.page_table.shape[1], segments=True)
-        return logits
+        return logits, hidden
 
     @torch.inference_mode()
     def warm_cores(self, batch: ForwardBatch) -> None:

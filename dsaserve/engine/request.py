@@ -43,6 +43,8 @@ class TokenDelta:
 
     `new_logprobs` (when the request asked for logprobs): one dict per new token,
     {"logprob": float, "top": [[token_id, logprob], ...]} from the raw model distribution.
+    `prompt_logprobs` (when it asked for them; once, with the sample's first delta): one entry per prompt token,
+    None for the first, else {"logprob": float, "rank": int, "top": [[token_id, logprob], ...]}.
     `finish_reason`: "stop" (EOS or a stop token id), "length" (max_tokens or context), "abort".
     `stop_reason`: the stop token id that ended it (None for EOS and the other reasons), as vLLM.
     `index`: which of the request's `n` samples (0 when n == 1). A request is done when every index is.
@@ -57,6 +59,7 @@ class TokenDelta:
     cached_tokens: int
     index: int = 0
     stop_reason: int | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +80,8 @@ class Req:
         "stop_ids", "status", "pages", "num_computed", "num_cached_tokens", "page_hashes", "num_registered",
         "chain_uid",
         "row", "pages_synced", "generator", "finish_reason", "stop_reason", "followers", "leader",
-        "num_emitted", "pending_logprobs", "num_preemptions", "grammar",
+        "num_emitted", "pending_logprobs", "num_preemptions", "grammar", "prompt_logprobs", "prompt_lp_asked",
+        "prompt_lp_sent",
     )
 
     def __init__(self, request_id: str, index: int, prompt: list[int], sampling: SamplingParams,
@@ -104,6 +108,11 @@ class Req:
         self.leader: Req | None = None
         self.num_emitted = 0  # output tokens already reported in a TokenDelta
         self.pending_logprobs: list[dict] | None = [] if sampling.logprobs is not None else None
+        # prompt logprobs: entries so far (None for position 0; an n>1 request's samples share the list), and the
+        # positions before `prompt_lp_asked` whose entries a launched step computes (engine/prompt_logprobs.py)
+        self.prompt_logprobs: list[dict | None] | None = [None] if sampling.prompt_logprobs is not None else None
+        self.prompt_lp_asked = 0
+        self.prompt_lp_sent = False
         self.num_preemptions = 0
         self.grammar: Any = None  # engine/grammar.py GrammarState of a structured-output request
 
@@ -129,6 +138,15 @@ class Req:
 
     # ---- scheduling ------------------------------------------------------------------------
     @property
+    def cacheable_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve (in whole pages): never the last (its logits are sampled),
+        and for prompt logprobs no position not yet asked for (a cached position is never computed)."""
+        tokens = len(self.tokens) - 1
+        if self.prompt_logprobs is not None and self.prompt_lp_asked < self.prompt_len - 1:
+            tokens = min(tokens, self.prompt_lp_asked)
+        return tokens
+
+    @property
     def num_pending(self) -> int:
         """Tokens not yet in KV: the whole prompt at first, 1 while decoding."""
         return len(self.tokens) - self.num_computed
@@ -145,16 +163,20 @@ class Req:
 
     def delta(self, finished: bool) -> TokenDelta:
         """Output tokens (and logprobs) not yet reported, and mark them reported."""
-        start = self.prompt_len + self.num_emitted
-        new = self.tokens[start:]
+        new = self.tokens[self.prompt_len + self.num_emitted:]
         self.num_emitted = len(self.tokens) - self.prompt_len
         lps = self.pending_logprobs
         if lps is not None:
             self.pending_logprobs = []
+        plp = self.prompt_logprobs
+        if self.prompt_lp_sent or plp is None or len(plp) < self.prompt_len:  # an abort before the end has none
+            plp = None
+        self.prompt_lp_sent = self.prompt_lp_sent or plp is not None
         if finished:
             return TokenDelta(self.request_id, new, lps, True, self.finish_reason, self.prompt_len,
-                              self.num_cached_tokens, self.index, self.stop_reason)
-        return TokenDelta(self.request_id, new, lps, False, None, self.prompt_len, self.num_cached_tokens, self.index)
+                              self.num_cached_tokens, self.index, self.stop_reason, plp)
+        return TokenDelta(self.request_id, new, lps, False, None, self.prompt_len, self.num_cached_tokens, self.index,
+                          prompt_logprobs=plp)
 
     def __repr__(self) -> str:
         return (f"Req({self.request_id}#{self.index} {self.status.value} tokens={len(self.tokens)} "

@@ -204,7 +204,7 @@ class Scheduler:
             free_rows = cfg.max_running_requests - len(self.running) - self.reserved_rows
             if free_rows < 1:
                 return
-            hits = self.cache.match(req.tokens, req.page_hashes, (len(req.tokens) - 1) // ps)
+            hits = self.cache.match(req.tokens, req.page_hashes, req.cacheable_tokens // ps)
             n = min(len(req.tokens) - len(hits) * ps, cfg.chunked_prefill_size, st.budget)
             need = -(-(len(hits) * ps + n) // ps) - len(hits)
             if need > self.cache.num_available():
@@ -334,6 +334,7 @@ class Scheduler:
             f.page_hashes = leader.page_hashes[:full]
             f.num_registered, f.chain_uid = 0, 0  # re-walked (verified, cheap) when its next page fills
             f.num_cached_tokens = leader.num_cached_tokens
+            f.prompt_logprobs, f.prompt_lp_asked = leader.prompt_logprobs, leader.prompt_lp_asked  # computed once
             f.leader = None
             self._start_running(f)
         self.row_reservations.pop(leader, None)

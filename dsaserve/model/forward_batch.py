@@ -36,6 +36,11 @@ class ForwardBatch:
     # the host's page table, kept when a host batch goes to the device (`to`; the piecewise runner's core batch):
     # the prefill staging builds its page list there instead of syncing on the device's (prefill_staging.py)
     page_table_cpu: torch.Tensor | None = None
+    # prompt logprobs (engine/prompt_logprobs.py): the tokens whose next prompt token's logprob is wanted, those
+    # next tokens, and the most alternatives asked; read from the step's hidden rows after the forward
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_k: int = 0
 
     @property
     def num_tokens(self) -> int:

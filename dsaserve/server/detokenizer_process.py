@@ -43,6 +43,21 @@ def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[d
     return out
 
 
+def prompt_entries(tok: HFTokenizer, ids: list[int], plps: list[dict | None]) -> list[dict]:
+    """Engine prompt logprobs (None for the first token, else {"logprob", "rank", "top"}) with each prompt
+    token's text and bytes: {id, token, bytes, logprob, rank, top: [[token, logprob, bytes, id], ...]}; the first
+    token's logprob, rank and top are None."""
+    out = []
+    for tid, lp in zip(ids, plps, strict=True):
+        e = {"id": tid, "token": tok.token_text(tid), "bytes": list(tok.token_bytes(tid)), "logprob": None,
+             "rank": None, "top": None}
+        if lp is not None:
+            top = [[tok.token_text(int(t)), float(v), list(tok.token_bytes(int(t))), int(t)] for t, v in lp["top"]]
+            e.update(logprob=float(lp["logprob"]), rank=int(lp["rank"]), top=top)
+        out.append(e)
+    return out
+
+
 class Detokenizer:
     """All live requests of one server; turns a scheduler batch into outputs (and stop aborts).
 
@@ -101,6 +116,8 @@ class Detokenizer:
             "stop_str": state.stop_string, "prompt_tokens": delta.get("prompt_tokens", 0),
             "cached_tokens": delta.get("cached_tokens", 0), "completion_tokens": state.num_tokens,
         }
+        if delta.get("plps") is not None and "prompt_ids" in reg:
+            item["plps"] = prompt_entries(self.tok, reg["prompt_ids"], delta["plps"])
         abort = stopped and not engine_done
         if finished:
             self.live.pop((rid, index), None)

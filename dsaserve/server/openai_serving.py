@@ -13,7 +13,6 @@ an error after it (engine down, drain out of time) is a final SSE `error` event,
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +23,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dsaserve.common.sampling_params import MAX_N
 from dsaserve.server.chat_features import ChatPlan, ChatSettings, ChoiceOutput
+from dsaserve.server.logprob_format import (
+    TextOffsets,
+    add_completion_logprobs,
+    add_prompt_logprobs,
+    chat_logprobs,
+    vllm_prompt_logprobs,
+)
 from dsaserve.server.processor import Processor
 from dsaserve.server.protocol import (
     APIError,
@@ -39,8 +45,7 @@ from dsaserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    TokenLogprob,
-    TopLogprob,
+    PromptLogprobs,
     UsageInfo,
     bad_request,
 )
@@ -103,12 +108,15 @@ class OpenAIServing:
         offsets = [TextOffsets(sum(map(len, t))) for t in texts]
         lps = [CompletionLogprobs() if req.logprobs else None for _ in texts]
         reasons: list[str | None] = [None] * len(texts)
+        prompt_lps: list[Any] = [None] * len(texts)
         async for out in h.results():
+            if out.prompt_lps is not None:  # the choice's first output: echo's entries go ahead of its own
+                prompt_lps[out.choice] = _prompt_logprobs(req, out, lps[out.choice])
             texts[out.choice].append(out.text)
-            _add_completion_logprobs(lps[out.choice], out, offsets[out.choice])
+            add_completion_logprobs(lps[out.choice], out, offsets[out.choice])
             reasons[out.choice] = out.reason or reasons[out.choice]
-        choices = [CompletionChoice(index=i, text="".join(t), logprobs=lps[i], finish_reason=reasons[i])
-                   for i, t in enumerate(texts)]
+        choices = [CompletionChoice(index=i, text="".join(t), logprobs=lps[i], finish_reason=reasons[i],
+                                    prompt_logprobs=prompt_lps[i]) for i, t in enumerate(texts)]
         return CompletionResponse(id=h.id, model=self.model_name, choices=choices,
                                   usage=h.usage.info()).model_dump(exclude_none=True)
 
@@ -116,22 +124,32 @@ class OpenAIServing:
         req, created = h.req, int(time.time())
         offsets = [TextOffsets(0) for _ in range(req.num_samples)]
 
-        def chunk(choice: int, text: str, lp: Any = None, reason: str | None = None, u: Any = None) -> str:
+        def chunk(choice: int, text: str, lp: Any = None, reason: str | None = None, u: Any = None,
+                  plp: Any = None) -> str:
             choices = [] if choice < 0 else [CompletionChoice(index=choice, text=text, logprobs=lp,
-                                                              finish_reason=reason)]
+                                                              finish_reason=reason, prompt_logprobs=plp)]
             return chunk_sse(CompletionResponse(id=h.id, created=created, model=self.model_name,
                                                 choices=choices, usage=u or _running_usage(h)))
+
+        def echo(c: int) -> str:
+            return req.prompts[c // req.n].text or ""
 
         async def body() -> AsyncIterator[str]:
             if req.echo:
                 for c in range(len(offsets)):
-                    offsets[c] = TextOffsets(len(req.prompts[c // req.n].text or ""))
-                    yield chunk(c, req.prompts[c // req.n].text or "")
+                    offsets[c] = TextOffsets(len(echo(c)))
+                    if not req.logprobs:  # with logprobs the echo waits for the prompt's entries
+                        yield chunk(c, echo(c))
             async for out in h.results():
-                lp = CompletionLogprobs() if req.logprobs else None
-                _add_completion_logprobs(lp, out, offsets[out.choice])
-                if _worth_a_chunk(h, out, bool(lp and lp.tokens)):
-                    yield chunk(out.choice, out.text, lp, out.reason)
+                lp, plp = CompletionLogprobs() if req.logprobs else None, None
+                if out.prompt_lps is not None:
+                    plp = _prompt_logprobs(req, out, lp)
+                    if req.echo and lp is not None:
+                        yield chunk(out.choice, echo(out.choice), lp, plp=plp)
+                        lp, plp = CompletionLogprobs(), None
+                add_completion_logprobs(lp, out, offsets[out.choice])
+                if _worth_a_chunk(h, out, bool(lp and lp.tokens)) or plp is not None:
+                    yield chunk(out.choice, out.text, lp, out.reason, plp=plp)
             if req.include_usage:
                 yield chunk(-1, "", u=h.usage.info())
 
@@ -143,23 +161,26 @@ class OpenAIServing:
         texts: list[list[str]] = [[] for _ in range(n)]
         lps = [ChatLogprobs(content=[]) if h.req.logprobs else None for _ in texts]
         reasons: list[str | None] = [None] * n
+        prompt_lps = None
         async for out in h.results():
             texts[out.choice].append(out.text)
             if lps[out.choice] is not None and out.lps:
-                lps[out.choice].content.extend(_chat_logprobs(out.lps))
+                lps[out.choice].content.extend(chat_logprobs(out.lps))
             reasons[out.choice] = out.reason or reasons[out.choice]
+            if out.prompt_lps is not None and h.req.prompt_logprobs is not None:
+                prompt_lps = vllm_prompt_logprobs(out.prompt_lps, h.req.prompt_logprobs)
         readers = [_reader(h) for _ in range(n)]  # reasoning / tool calls split off the text
         choices = [ChatChoice(index=i, message=ChatMessageOut(**readers[i].whole("".join(t))), logprobs=lps[i],
                               finish_reason=readers[i].finish_reason(reasons[i])) for i, t in enumerate(texts)]
-        return ChatCompletionResponse(id=h.id, model=self.model_name, choices=choices,
-                                      usage=h.usage.info()).model_dump(exclude_none=True)
+        return ChatCompletionResponse(id=h.id, model=self.model_name, choices=choices, usage=h.usage.info(),
+                                      prompt_logprobs=prompt_lps).model_dump(exclude_none=True)
 
     def _chat_stream(self, h: Handle) -> AsyncIterator[str]:
         req, created = h.req, int(time.time())
 
-        def chunk(choices: list[ChatChunkChoice], u: Any = None) -> str:
+        def chunk(choices: list[ChatChunkChoice], u: Any = None, plp: Any = None) -> str:
             return chunk_sse(ChatCompletionChunk(id=h.id, created=created, model=self.model_name,
-                                                 choices=choices, usage=u or _running_usage(h)))
+                                                 choices=choices, usage=u or _running_usage(h), prompt_logprobs=plp))
 
         readers = [_reader(h) for _ in range(req.n)]
 
@@ -167,14 +188,17 @@ class OpenAIServing:
             for c in range(req.n):  # OpenAI's first chunk of each choice carries the role
                 yield chunk([ChatChunkChoice(index=c, delta=DeltaMessage(role="assistant", content=""))])
             async for out in h.results():
-                lp = ChatLogprobs(content=_chat_logprobs(out.lps)) if req.logprobs and out.lps else None
+                lp = ChatLogprobs(content=chat_logprobs(out.lps)) if req.logprobs and out.lps else None
+                plp = None  # vLLM's prompt_logprobs: on the chunk of the first output
+                if out.prompt_lps is not None and req.prompt_logprobs is not None and out.choice == 0:
+                    plp = vllm_prompt_logprobs(out.prompt_lps, req.prompt_logprobs)
                 reader = readers[out.choice]
                 fields = reader.feed(out.text, final=out.finished)  # content / reasoning_content / tool_calls
                 # buffered text (a tool call being read) is not worth an empty delta, unless usage is timed
-                if fields or out.finished or lp or (h.req.continuous_usage and out.tokens):
+                if fields or out.finished or lp or plp or (h.req.continuous_usage and out.tokens):
                     reason = reader.finish_reason(out.reason) if out.finished else None
                     yield chunk([ChatChunkChoice(index=out.choice, delta=DeltaMessage(**fields), logprobs=lp,
-                                                 finish_reason=reason)])
+                                                 finish_reason=reason)], plp=plp)
             if req.include_usage:
                 yield chunk([], h.usage.info())
 
@@ -226,46 +250,15 @@ def _running_usage(h: Handle) -> UsageInfo | None:
     return h.usage.info() if h.req.continuous_usage else None
 
 
+def _prompt_logprobs(req: GenerateRequest, out: SampleOutput, lp: CompletionLogprobs | None) -> PromptLogprobs | None:
+    """A choice's prompt entries: into `lp` where echo asked for logprobs (ahead of the completion's); returned in
+    vLLM's shape where the request asked prompt_logprobs."""
+    if req.echo and lp is not None:
+        add_prompt_logprobs(lp, out.prompt_lps, req.sampling.logprobs or 0)
+    return vllm_prompt_logprobs(out.prompt_lps, req.prompt_logprobs) if req.prompt_logprobs is not None else None
+
+
 def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:
     """An output is streamed when it has text, ends its choice, or carries logprobs; with running usage also
     whenever it carries tokens, so that a client can time every token even when its text is empty."""
     return bool(out.text or out.finished or has_logprobs or (h.req.continuous_usage and out.tokens))
-
-
-class TextOffsets:
-    """Each completion token's text_offset: the characters its bytes add to the text, counted by a UTF-8 decoder
-    as the detokenizer's text has them (a byte-fallback token adds part of a character, or a replacement
-    character; its display string `bytes:\\xNN` is longer than that). Not the text sent so far, which lags
-    while a stop string's possible start is held back."""
-
-    def __init__(self, start: int) -> None:
-        self.at = start
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def take(self, token_bytes: list[int]) -> int:
-        raw = bytes(token_bytes)
-        pending = self._decoder.getstate()[0]
-        # an unfinished character before a token that does not continue it ends as replacement characters
-        # ahead of this token's own text
-        flushed = len(pending.decode("utf-8", "replace")) if pending and raw and not 0x80 <= raw[0] < 0xC0 else 0
-        at = self.at + flushed
-        self.at += len(self._decoder.decode(raw))
-        return at
-
-
-def _add_completion_logprobs(lp: CompletionLogprobs | None, out: SampleOutput, offsets: TextOffsets) -> None:
-    if lp is None or not out.lps:
-        return
-    for e in out.lps:
-        lp.tokens.append(e["token"])
-        lp.token_logprobs.append(e["logprob"])
-        lp.top_logprobs.append({t[0]: t[1] for t in e["top"]})
-        lp.text_offset.append(offsets.take(e["bytes"]))
-
-
-def _chat_logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob]:
-    out = []
-    for e in entries or []:
-        top = [TopLogprob(token=t[0], logprob=t[1], bytes=t[2]) for t in e["top"]]
-        out.append(TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=e["bytes"], top_logprobs=top))
-    return out

@@ -54,13 +54,13 @@ class Processor:
             raise bad_request("suffix: not supported by this server", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of: only best_of == n is supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo: prompt logprobs are not supported; use echo without logprobs", "echo")
         self._check_common(req)
         fmt = _plan_or_400(format_grammar, req)
         prompts = await self._completion_prompts(req.prompt)
         max_tokens = self._check_prompts(prompts, req, req.max_tokens, "prompt")
-        sampling = self.sampling(req, req.max_tokens, req.logprobs, fmt[1] if fmt else None)
+        # echo with logprobs: the prompt's tokens get entries too (lm-eval-harness's loglikelihood requests)
+        prompt_k = _most(req.prompt_logprobs, req.logprobs if req.echo else None)
+        sampling = self.sampling(req, req.max_tokens, req.logprobs, fmt[1] if fmt else None, prompt_k)
         if fmt:
             await self._check_grammar(*fmt)
         if req.echo:
@@ -68,7 +68,7 @@ class Processor:
                 p.text = p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
         return GenerateRequest(f"cmpl-{uuid.uuid4().hex}", prompts, sampling, max_tokens,
                                logprobs=req.logprobs is not None, stream=req.stream,
-                               echo=req.echo, **_usage_options(req))
+                               echo=req.echo, prompt_logprobs=req.prompt_logprobs, **_usage_options(req))
 
     async def chat(self, req: ChatCompletionRequest) -> GenerateRequest:
         if req.top_logprobs is not None and not req.logprobs:
@@ -81,11 +81,13 @@ class Processor:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompts([prompt], req, requested, "messages",
                                          "max_completion_tokens" if req.max_completion_tokens is not None else None)
-        sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None, plan.grammar)
+        sampling = self.sampling(req, requested, (req.top_logprobs or 0) if req.logprobs else None, plan.grammar,
+                                 req.prompt_logprobs)
         if plan.grammar is not None:
             await self._check_grammar(plan.grammar_source or "structured_outputs", plan.grammar)
         return GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", [prompt], sampling, max_tokens,
-                               logprobs=req.logprobs, stream=req.stream, **_usage_options(req),
+                               logprobs=req.logprobs, stream=req.stream, prompt_logprobs=req.prompt_logprobs,
+                               **_usage_options(req),
                                chat=self.chat_settings.readback(plan, thinking))
 
     async def _check_grammar(self, param: str, spec: dict[str, str]) -> None:
@@ -145,7 +147,7 @@ class Processor:
 
     @staticmethod
     def sampling(req: Any, max_tokens: int | None, logprobs: int | None,
-                 structured: dict[str, str] | None = None) -> SamplingParams:
+                 structured: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         values = {
             "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -155,7 +157,7 @@ class Processor:
             "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
             "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
-            "logit_bias": req.logit_bias,
+            "logit_bias": req.logit_bias, "prompt_logprobs": prompt_logprobs,
         }
         keep_none = {"max_tokens", "logprobs", "seed"}  # None means something for these
         try:
@@ -253,3 +255,9 @@ def _message_bytes(message: dict[str, Any]) -> int:
     if isinstance(content, list):
         return sum(_utf8_len(part.get("text", "")) for part in content)
     return _utf8_len(content) if isinstance(content, str) else 0
+
+
+def _most(*ks: int | None) -> int | None:
+    """The larger of the top-k counts asked (None: none asked)."""
+    given = [k for k in ks if k is not None]
+    return max(given) if given else None

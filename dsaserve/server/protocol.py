@@ -152,6 +152,8 @@ class _SamplingFields(_Strict):
     guided_grammar: StrictStr | None = None
     regex: StrictStr | None = None
     ebnf: StrictStr | None = None
+    # vLLM's: each prompt token's logprob, rank and this many alternatives (engine/prompt_logprobs.py)
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class ResponseFormat(_Strict):
@@ -234,11 +236,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
+# prompt token and the top alternatives
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -285,6 +293,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -308,6 +317,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the chunk of the first output, where asked
 
 
 class ModelCard(BaseModel):

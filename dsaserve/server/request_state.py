@@ -41,6 +41,7 @@ class GenerateRequest:
     include_usage: bool = False  # stream_options.include_usage
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: running usage in every chunk
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field as asked (echo's entries come from SamplingParams' too)
     internal: bool = False  # the health probe: no metrics, not counted against the queue bound
     chat: Any = None  # chat_features.ChatReadback: how to read tool calls / reasoning back (chat only)
 
@@ -63,7 +64,8 @@ class GenerateRequest:
                  "skip_special_tokens": s.skip_special_tokens, "logprobs": self.logprobs}
         sampling = s.to_dict()
         return [(f"{self.id}-{i}", {"input_ids": p.ids, "sampling": sampling,
-                                    "detok": {"prompt_tail": p.ids[-PROMPT_CONTEXT:], **detok}})
+                                    "detok": {"prompt_tail": p.ids[-PROMPT_CONTEXT:], **detok,
+                                              **({"prompt_ids": p.ids} if s.prompt_logprobs is not None else {})}})
                 for i, p in enumerate(self.prompts)]
 
 
@@ -84,11 +86,12 @@ class SampleOutput:
     finished: bool
     reason: str | None
     tokens: int = 0  # token ids this output carries (its text may be empty: a partial UTF-8 character)
+    prompt_lps: list[dict[str, Any]] | None = None  # the prompt's entries, on the choice's first output
 
     @classmethod
     def from_item(cls, choice: int, item: dict[str, Any]) -> SampleOutput:
         return cls(choice, item["text"], item.get("lps"), bool(item["finished"]),
-                   item["reason"] if item["finished"] else None, len(item.get("ids") or ()))
+                   item["reason"] if item["finished"] else None, len(item.get("ids") or ()), item.get("plps"))
 
 
 class Usage:

@@ -156,9 +156,12 @@ class SchedulerLoop:
 
     @staticmethod
     def _delta(d: Any) -> dict[str, Any]:
-        return {"rid": d.request_id, "index": d.index, "ids": list(d.new_token_ids), "lps": plain(d.new_logprobs),
-                "finished": d.finished, "reason": d.finish_reason, "prompt_tokens": d.prompt_tokens,
-                "cached_tokens": d.cached_tokens}
+        out = {"rid": d.request_id, "index": d.index, "ids": list(d.new_token_ids), "lps": plain(d.new_logprobs),
+               "finished": d.finished, "reason": d.finish_reason, "prompt_tokens": d.prompt_tokens,
+               "cached_tokens": d.cached_tokens}
+        if d.prompt_logprobs is not None:
+            out["plps"] = plain(d.prompt_logprobs)
+        return out
 
 
 def rank_reports(group: Any, m: dict[str, Any], phases: dict[str, float]) -> list[dict[str, Any]]:

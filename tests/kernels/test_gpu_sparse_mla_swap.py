@@ -110,9 +110,10 @@ def test_split_count_fills_one_wave_without_a_second():
 
 
 def test_registry_binds_the_dispatcher_only_when_switched_on(monkeypatch):
-    from dsaserve.kernels import registry, triton_sparse_mla, triton_sparse_mla_swap
+    """Off (the default): the Gluon kernels' dispatcher, which falls back to the Triton kernels itself."""
+    from dsaserve.kernels import gluon_sparse_mla, registry, triton_sparse_mla_swap
 
-    for on, want in ((False, triton_sparse_mla.sparse_mla_attention),
+    for on, want in ((False, gluon_sparse_mla.sparse_mla_attention),
                      (True, triton_sparse_mla_swap.sparse_mla_attention)):
         monkeypatch.setattr(registry, "SPARSE_MLA_SWAP_AB", on)
         fn, impl = registry._gpu_ops(torch.device("cpu"))["sparse_mla_attention"]

@@ -1,0 +1,97 @@
+"""Prompt logprobs through the engine (engine/prompt_logprobs.py): against HF transformers on the same weights,
+over chunked prefills and the overlap scheduler; with the prefix cache, n > 1 and a preemption in the middle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve import Engine, SamplingParams
+from dsaserve.quality.hf_oracle import hf_model
+
+ATOL = 2e-3  # the HF oracle's bound on logits (tests/model/test_hf_oracle.py); log_softmax adds a shared shift
+
+
+def _prompt(vocab: int, n: int, seed: int = 3) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # 64-token chunks: a 300-token prompt takes five steps, each asking for its own positions
+    eng = Engine("glm-5.3-tiny", kv_layout="fp32", num_pages=64, chunked_prefill_size=64,
+                 max_num_batched_tokens=64)
+    yield eng
+    eng.close()
+
+
+def _hf_logprobs(eng: Engine, prompt: list[int]) -> torch.Tensor:
+    """HF transformers' log-softmax at every position of the prompt, in float32, on the engine's checkpoint."""
+    with torch.no_grad():
+        logits = hf_model(str(eng.core.runner.checkpoint))(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def _check(entries: list, prompt: list[int], ref: torch.Tensor, k: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        e, row = entries[i], ref[i - 1]
+        assert abs(e["logprob"] - float(row[prompt[i]])) < ATOL, i
+        assert e["rank"] == int((row > row[prompt[i]] + ATOL).sum()) + 1 or abs(  # rank up to near ties
+            float(row.sort(descending=True).values[e["rank"] - 1]) - e["logprob"]) < ATOL, i
+        top = row.topk(k)
+        assert len(e["top"]) == k
+        for (tid, lp), v in zip(e["top"], top.values.tolist(), strict=True):
+            assert abs(lp - v) < ATOL and abs(float(row[tid]) - lp) < ATOL, i
+
+
+def test_prompt_logprobs_match_transformers_over_chunks_and_the_cache(engine):
+    vocab = engine.core.runner.cfg.vocab_size
+    prompt = _prompt(vocab, 300)
+    ref = _hf_logprobs(engine, prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    [first] = engine.generate([prompt], params)
+    _check(first.prompt_logprobs, prompt, ref, 3)
+    # the same prompt again: its pages are cached now, but a request for prompt logprobs computes every position
+    [again] = engine.generate([prompt], params)
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs == first.prompt_logprobs
+    # without prompt logprobs the cache serves it as before, and none are returned
+    [plain] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+    assert plain.token_ids == first.token_ids
+
+
+def test_prompt_logprobs_in_a_mixed_batch_with_n_samples(engine):
+    vocab = engine.core.runner.cfg.vocab_size
+    prompts = [_prompt(vocab, 70, seed=5), _prompt(vocab, 1, seed=6), _prompt(vocab, 130, seed=7)]
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=3, prompt_logprobs=0),
+                                     SamplingParams(max_tokens=3, prompt_logprobs=2),
+                                     SamplingParams(max_tokens=3)])
+    assert [len(o.prompt_logprobs or []) for o in outs] == [70, 1, 0]
+    assert outs[1].prompt_logprobs == [None]  # a one-token prompt has nothing before its token
+    assert all(e["top"] == [] for e in outs[0].prompt_logprobs[1:])
+    alone = engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+    for a, b in zip(alone.prompt_logprobs[1:], outs[0].prompt_logprobs[1:], strict=True):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-4 and a["rank"] == b["rank"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path: piecewise graphs, bf16 compute, FP8 KV")
+def test_prompt_logprobs_on_the_gpu_through_the_piecewise_graphs():
+    from dsaserve.common.counters import COUNTERS
+
+    eng = Engine("glm-5.3-tiny", device="cuda", num_pages=256, chunked_prefill_size=128, max_num_batched_tokens=256)
+    try:
+        prompt = _prompt(eng.core.runner.cfg.vocab_size, 300)
+        before = COUNTERS.snapshot()
+        [out] = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+        assert COUNTERS.diff(COUNTERS.snapshot(), before).get("piecewise_replays", 0) >= 3  # 128-token chunks
+        forced = eng.generate([prompt[:-1]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=0,
+                                                            logit_bias={prompt[-1]: 100.0}))[0]
+        assert forced.token_ids == [prompt[-1]]
+        assert abs(out.prompt_logprobs[-1]["logprob"] - forced.logprobs[0]["logprob"]) < 0.05
+        ref = _hf_logprobs(eng, prompt)
+        got = torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]])
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert (got - want).abs().mean() < 0.05 and (got - want).abs().max() < 0.5  # bf16 + FP8 KV vs fp32
+    finally:
+        eng.close()
