@@ -159,6 +159,8 @@ class EngineArgs:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size > self.max_num_batched_tokens:
             raise ValueError(f"--chunked-prefill-size: {self.chunked_prefill_size} exceeds "
                              f"--max-num-batched-tokens {self.max_num_batched_tokens}")
+        if self.precompile_schemas is not None and not os.path.isfile(self.precompile_schemas):
+            raise ValueError(f"--precompile-schemas: {self.precompile_schemas} is not a file")  # before the load
         if self.piecewise_cuda_graph_tokens is not None:
             parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
         for name in ("enable_prefix_caching", "disable_cuda_graph", "disable_piecewise_cuda_graph",
@@ -221,6 +223,8 @@ class EngineArgs:
         """Token buckets of the piecewise CUDA graphs ([] when they are off)."""
         if self.disable_cuda_graph or self.disable_piecewise_cuda_graph:
             return []
+        if self.precompile_schemas is not None and not os.path.isfile(self.precompile_schemas):
+            raise ValueError(f"--precompile-schemas: {self.precompile_schemas} is not a file")  # before the load
         if self.piecewise_cuda_graph_tokens is not None:
             return parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
         return piecewise_buckets(self.max_num_batched_tokens)

@@ -44,6 +44,14 @@ def test_mixed_step_tokens_below_zero_is_refused(value):
     assert EngineArgs(model="glm-5.3-tiny", mixed_step_tokens=0).resolved_mixed_step_tokens() == 0
 
 
+def test_a_missing_precompile_schemas_file_is_refused_before_the_load(tmp_path):
+    """It failed after the weights, the memory profile and the graphs: minutes into a start on a GPU."""
+    with pytest.raises(ValueError, match=r"--precompile-schemas: .*nope.json is not a file"):
+        EngineArgs(model="glm-5.3-tiny", precompile_schemas=str(tmp_path / "nope.json"))
+    (tmp_path / "s.json").write_text("[]")
+    assert EngineArgs(model="glm-5.3-tiny", precompile_schemas=str(tmp_path / "s.json")).precompile_schemas
+
+
 def test_max_model_len_past_the_models_positions_is_refused():
     from dsaserve.config import load_config
 
