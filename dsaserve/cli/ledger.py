@@ -11,10 +11,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from dsaserve.common.kv_layout import DEFAULT_KV_LAYOUT, ENGINE_KV_LAYOUTS, KV_LAYOUTS
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.units import US, parse_tokens
+
+ENGINE_RUN = {"reconcile_model": "glm-5.3-tiny", "reconcile_prompts": "5,17,70", "reconcile_max_tokens": 6,
+              "reconcile_device": "cpu"}  # `--reconcile` with no RUN.json runs the engine so
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,10 +68,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = p.add_argument_group("reconcile")
     r.add_argument("--reconcile", nargs="?", const="", metavar="RUN.json",
                    help="predicted vs measured: read a saved run, or (no file) run the engine on --reconcile-model")
-    r.add_argument("--reconcile-model", default="glm-5.3-tiny", help="model the engine runs (glm-5.3-tiny)")
-    r.add_argument("--reconcile-prompts", default="5,17,70", help="prompt lengths, comma-separated")
-    r.add_argument("--reconcile-max-tokens", type=int, default=6, help="tokens generated per prompt")
-    r.add_argument("--reconcile-device", default="cpu", choices=("cpu", "cuda"), help="where the engine runs (cpu)")
+    # defaults None, filled in by `engine_run_settings`: a flag set without an engine run is an error, not ignored
+    r.add_argument("--reconcile-model", help=f"model the engine runs ({ENGINE_RUN['reconcile_model']})")
+    r.add_argument("--reconcile-prompts", help=f"prompt lengths, comma-separated ({ENGINE_RUN['reconcile_prompts']})")
+    r.add_argument("--reconcile-max-tokens", type=int,
+                   help=f"tokens generated per prompt ({ENGINE_RUN['reconcile_max_tokens']})")
+    r.add_argument("--reconcile-device", choices=("cpu", "cuda"),
+                   help=f"where the engine runs ({ENGINE_RUN['reconcile_device']})")
     r.add_argument("--save-run", metavar="FILE",
                    help="save the engine run's counters as a run file (with --reconcile and no RUN.json)")
     p.set_defaults(func=main)
@@ -130,9 +137,10 @@ def _reconcile(args: argparse.Namespace):
         if args.kv_layout not in ENGINE_KV_LAYOUTS:
             raise ValueError(f"--kv-layout: the engine's pool has no {args.kv_layout!r} layout "
                              f"({', '.join(ENGINE_KV_LAYOUTS)}); reconcile a saved run instead")
-        lens = tuple(parse_tokens(x, "--reconcile-prompts") for x in args.reconcile_prompts.split(","))
-        run = run_engine(args.reconcile_model, lens, args.reconcile_max_tokens, kv_layout=args.kv_layout,
-                         device=args.reconcile_device)
+        e = engine_run_settings(args)
+        lens = tuple(parse_tokens(x, "--reconcile-prompts") for x in e["reconcile_prompts"].split(","))
+        run = run_engine(e["reconcile_model"], lens, e["reconcile_max_tokens"], kv_layout=args.kv_layout,
+                         device=e["reconcile_device"])
         if args.save_run:
             import json
 
@@ -184,8 +192,21 @@ def check_dir(flag: str, path: str) -> None:
     _writable_dir(flag, p)
 
 
+def engine_run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine run's flags with their defaults (`ENGINE_RUN`) where not given."""
+    return {k: default if getattr(args, k) is None else getattr(args, k) for k, default in ENGINE_RUN.items()}
+
+
 def check_outputs(args: argparse.Namespace) -> None:
-    """Every path the command will write, checked before any work (a run of the engine may take minutes)."""
+    """Every path the command will write, checked before any work (a run of the engine may take minutes); the
+    engine run's flags only where the engine runs."""
+    if args.reconcile != "":
+        given = [k for k in ENGINE_RUN if getattr(args, k) is not None]
+        if given:
+            why = "without --reconcile nothing runs" if args.reconcile is None else \
+                f"--reconcile {args.reconcile} reads a saved run"
+            raise ValueError(f"--{given[0].replace('_', '-')}: only with --reconcile and no RUN.json, which runs "
+                             f"the engine; {why}")
     if args.out:
         check_file("--out", args.out)
     if args.plot:

@@ -167,6 +167,8 @@ def test_weights_over_the_static_share_warn_and_a_fitting_deployment_does_not(ca
     (["--reconcile", "{tmp}/old.json", "--save-run", "{tmp}/run.json"], "--save-run: only with --reconcile and no RUN"),
     (["--reconcile", "--save-run", "{tmp}/no/run.json"], "--save-run: directory {tmp}/no does not exist"),
     (["--reconcile", "--save-run", "{tmp}"], "--save-run: {tmp} is a directory"),
+    (["--reconcile-model", "glm-5.3-mini"], "--reconcile-model: only with --reconcile and no RUN.json"),
+    (["--reconcile", "{tmp}/old.json", "--reconcile-device", "cuda"], "--reconcile-device: only with --reconcile and"),
 ])
 def test_save_run_without_an_engine_run_or_a_place_to_write_is_an_error(capsys, tmp_path, monkeypatch, argv, message):
     from dsaserve.cli import reconcile_driver
