@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"dsaserve eval: error: --groups: unknown {bad[0]!r} (one of {', '.join(ALL_GROUPS)})", file=sys.stderr)
         return 2
+    if args.prompt_len > args.window_len:  # prompts are cut from the held-out windows: it would be cut to them
+        print(f"dsaserve eval: error: --prompt-len: {args.prompt_len} is longer than --window-len {args.window_len}, "
+              "the held-out windows prompts are cut from", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a = EvalArgs(model=args.model, device=device, kv_layout=args.kv_layout, groups=groups, windows=args.windows,
                  window_len=args.window_len, batch=args.batch, prompts=args.prompts, prompt_len=args.prompt_len,

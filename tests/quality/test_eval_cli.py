@@ -43,6 +43,13 @@ def test_a_numeric_flag_below_one_is_a_usage_error_naming_it(flag, value, capsys
     assert f"argument --{flag.replace('_', '-')}:" in err and "positive integer" in err, err
 
 
+def test_a_prompt_longer_than_the_windows_is_a_usage_error(capsys, monkeypatch):
+    """Prompts are cut from the held-out windows: a longer --prompt-len was cut to --window-len silently."""
+    monkeypatch.setattr(report, "run_setting", lambda *a, **k: pytest.fail("nothing may run"))
+    assert _eval(prompt_len="64", window_len="32") == 2
+    assert "--prompt-len: 64 is longer than --window-len 32" in capsys.readouterr().err
+
+
 def test_a_failed_setting_makes_the_exit_status_1(capsys, monkeypatch):
     real = report.run_setting
 
