@@ -65,7 +65,7 @@ def build_report(li: LedgerInputs, sections: list[str] | None = None, with_notes
     out = [SECTIONS[k](li, p) if k in _NEEDS_PREFILL else SECTIONS[k](li) for k in wanted]
     assumptions = li.asm.to_dict() | {"_why": Assumptions.describe()}
     return Report(dict(CONVENTIONS), model_summary(li), li.dep.to_dict(), li.hw.to_dict(), li.work.to_dict(),
-                  assumptions, out, mem.memory_warnings(li))
+                  assumptions, out, mem.memory_warnings(li) + li.dep.warnings())
 
 
 def _is_builtin_glm53(cfg) -> bool:

@@ -42,6 +42,18 @@ class Deployment:
         the engine does not run (e.g. --tp 4 --ep 8), so its size rules and FP8 128-block alignment are not applied."""
         check_divisions(cfg, Layout(self.tp, self.ep, self.dp_attention))
 
+    def warnings(self) -> list[dict[str, object]]:
+        """GPUs past the last whole replica: the decode sections count whole replicas (kv.py), so these hold no
+        requests there, while the prefill sections split a prompt over every GPU (the report's `warnings`)."""
+        replica = max(self.tp, self.ep)
+        idle = self.n_gpus % replica
+        if not idle:
+            return []
+        return [{"code": "gpus_past_whole_replicas", "idle_gpus": idle,
+                 "message": f"--gpus {self.n_gpus} is not a multiple of a replica's {replica} GPUs (--tp {self.tp} / "
+                            f"--ep {self.ep}): {idle} GPUs hold no decode requests ({self.n_gpus // replica} "
+                            f"replicas), though the prefill sections split prompts over all {self.n_gpus}"}]
+
     @property
     def dp(self) -> int:
         """DP-attention ranks (SGLang: --dp-size = --tp): each holds and attends its own requests."""

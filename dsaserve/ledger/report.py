@@ -62,7 +62,8 @@ class Report:
     workload: dict[str, Any]
     assumptions: dict[str, Any]
     sections: list[Section]
-    # what makes the plan impossible, each {"code", "message", "excess_bytes"} (sections_memory.memory_warnings)
+    # what makes the plan impossible or wasteful, each {"code", "message", ...}: weights that do not fit
+    # (sections_memory.memory_warnings, with "excess_bytes"), GPUs past whole replicas (Deployment.warnings)
     warnings: list[dict[str, Any]] = field(default_factory=list)
 
     def section(self, key: str) -> Section:

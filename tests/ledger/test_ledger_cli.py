@@ -67,6 +67,14 @@ def test_markdown_and_out_file(capsys, tmp_path):
     assert out_file.read_text().startswith("# dsaserve ledger: glm-5.3")
 
 
+def test_gpus_past_whole_replicas_are_warned_about(capsys):
+    rc, out, _ = _run(capsys, "--tp", "8", "--gpus", "12", "--json", "--sections", "kv_capacity")
+    (w,) = [w for w in json.loads(out)["warnings"] if w["code"] == "gpus_past_whole_replicas"]
+    assert rc == 0 and w["idle_gpus"] == 4 and "--gpus 12 is not a multiple of a replica's 8 GPUs" in w["message"]
+    rc, out, _ = _run(capsys, "--tp", "8", "--gpus", "16", "--json", "--sections", "kv_capacity")
+    assert not [w for w in json.loads(out)["warnings"] if w["code"] == "gpus_past_whole_replicas"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "3"], "--ep 3: n_routed_experts 256 is not divisible by 3"),
     (["--context", "lots"], "--context: 'lots' is not a token count"),
