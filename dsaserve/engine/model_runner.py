@@ -270,12 +270,14 @@ class ModelRunner(RunnerStartup):
         return graphs
 
     def _load_tokenizer(self):
-        """The checkpoint's tokenizer (offline Engine: prompts as text); the server's processes read their own."""
-        if self.checkpoint is None or not (self.checkpoint / "tokenizer.json").exists():
+        """The checkpoint's tokenizer (offline Engine: prompts as text); the server's processes read their own.
+        Random weights (`--load-format dummy`) keep the tokenizer of the directory or packaged model named."""
+        where = self.checkpoint if self.checkpoint is not None else _dummy_tokenizer_dir(self.args.model)
+        if where is None or not (where / "tokenizer.json").exists():
             return None
         from tokenizers import Tokenizer
 
-        path = self.checkpoint / "tokenizer.json"
+        path = where / "tokenizer.json"
         try:
             return Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type
@@ -372,6 +374,14 @@ class ModelRunner(RunnerStartup):
         else:
             self.model.forward_idle(dp_rows=step.rows, dp_tokens=step.tokens if gather else ())
         return None
+
+def _dummy_tokenizer_dir(model: str) -> Path | None:
+    """Where a dummy load's tokenizer is: the checkpoint directory given, or the packaged model of that name."""
+    from dsaserve.weights.checkpoint_cache import packaged_checkpoint
+
+    p = Path(model).expanduser()
+    return p if p.is_dir() else packaged_checkpoint(model)
+
 
 def _init_method(args: EngineArgs) -> str | None:
     """--dist-init-addr host:port -> tcp://host:port (None: $MASTER_ADDR / $MASTER_PORT, env://)."""

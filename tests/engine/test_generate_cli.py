@@ -27,3 +27,17 @@ def test_generate_rejects_bad_prompt_ids_and_flags_by_name(capsys):
     assert "--prompt-ids" in capsys.readouterr().err
     assert main(["generate", "--prompt-ids", "1", "--max-num-batched-tokens", "0"]) == 2
     assert "--max-num-batched-tokens" in capsys.readouterr().err
+
+
+def test_random_weights_of_the_packaged_model_keep_its_tokenizer(capsys):
+    """--load-format dummy on glm-5.3-mini said the model had no tokenizer: its prompt text now tokenizes."""
+    rc = main(["generate", "--model", "glm-5.3-mini", "--load-format", "dummy", "--prompt", "def f(", "--json",
+               "--max-tokens", "2", "--device", "cpu", "--num-pages", "4"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    from tokenizers import Tokenizer
+
+    from dsaserve.weights.checkpoint_cache import packaged_checkpoint
+
+    tok = Tokenizer.from_file(str(packaged_checkpoint("glm-5.3-mini") / "tokenizer.json"))
+    assert out["prompt_token_ids"] == tok.encode("def f(").ids and len(out["token_ids"]) == 2
