@@ -19,7 +19,7 @@ def _prompt(vocab: int, n: int, seed: int = 3) -> list[int]:
 @pytest.fixture(scope="module")
 def engine():
     # 64-token chunks: a 300-token prompt takes five steps, each asking for its own positions
-    eng = Engine("glm-5.3-tiny", kv_layout="fp32", num_pages=64, chunked_prefill_size=64,
+    eng = Engine("glm-5.3-tiny", device="cpu", kv_layout="fp32", num_pages=64, chunked_prefill_size=64,
                  max_num_batched_tokens=64)
     yield eng
     eng.close()
@@ -76,7 +76,10 @@ def test_prompt_logprobs_in_a_mixed_batch_with_n_samples(engine):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path: piecewise graphs, bf16 compute, FP8 KV")
-def test_prompt_logprobs_on_the_gpu_through_the_piecewise_graphs():
+def test_prompt_logprobs_on_the_gpu_equal_the_samplers_logprobs_of_the_same_tokens():
+    """On the GPU path (piecewise graphs over 128-token chunks) an entry is the sampler's logprob of the same token
+    after the same prefix (forced by logit_bias; its KV from the prefix cache, which the first request filled).
+    Not against HF: the random tiny model's bf16 + FP8 logits stray from float32's by whole nats."""
     from dsaserve.common.counters import COUNTERS
 
     eng = Engine("glm-5.3-tiny", device="cuda", num_pages=256, chunked_prefill_size=128, max_num_batched_tokens=256)
@@ -85,13 +88,13 @@ def test_prompt_logprobs_on_the_gpu_through_the_piecewise_graphs():
         before = COUNTERS.snapshot()
         [out] = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
         assert COUNTERS.diff(COUNTERS.snapshot(), before).get("piecewise_replays", 0) >= 3  # 128-token chunks
-        forced = eng.generate([prompt[:-1]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=0,
-                                                            logit_bias={prompt[-1]: 100.0}))[0]
-        assert forced.token_ids == [prompt[-1]]
-        assert abs(out.prompt_logprobs[-1]["logprob"] - forced.logprobs[0]["logprob"]) < 0.05
-        ref = _hf_logprobs(eng, prompt)
-        got = torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]])
-        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        assert (got - want).abs().mean() < 0.05 and (got - want).abs().max() < 0.5  # bf16 + FP8 KV vs fp32
+        assert len(out.prompt_logprobs) == 300 and out.prompt_logprobs[0] is None
+        for p in (1, 100, 130, 299):  # the first chunk, inside the second, the third
+            forced = eng.generate([prompt[:p]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=1,
+                                                               logit_bias={prompt[p]: 100.0}))[0]
+            assert forced.token_ids == [prompt[p]]
+            e, lp = out.prompt_logprobs[p], forced.logprobs[0]
+            assert abs(e["logprob"] - lp["logprob"]) < 0.05, p
+            assert (e["rank"] == 1) == (lp["top"][0][0] == prompt[p]) or abs(lp["top"][0][1] - lp["logprob"]) < 0.05
     finally:
         eng.close()
