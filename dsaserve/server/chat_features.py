@@ -207,6 +207,26 @@ def _model_type(model_dir: str) -> str | None:
         return None
 
 
+def merge_call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call index in a chunk, as OpenAI streams them: a call's header (id, type, name) and the
+    arguments that follow it in the same delta become one entry, the arguments' pieces joined in order."""
+    merged: dict[int, dict[str, Any]] = {}
+    for c in calls:
+        m = merged.get(c["index"])
+        if m is None:
+            merged[c["index"]] = {**c, "function": dict(c.get("function", {}))}
+            continue
+        for key in ("id", "type"):
+            if key in c:
+                m.setdefault(key, c[key])
+        fn, new = m["function"], c.get("function", {})
+        if "name" in new:
+            fn.setdefault("name", new["name"])
+        if "arguments" in new:
+            fn["arguments"] = fn.get("arguments", "") + new["arguments"]
+    return list(merged.values())
+
+
 def _complete_items(text: str) -> list[Any]:
     """The whole items of a JSON list, also of one cut short by max_tokens (the grammar made it a list of calls):
     '[{...}, {"na' -> [{...}]."""
@@ -294,7 +314,7 @@ class ChoiceOutput:
         if content and self.plan.tool_mode not in ("required", "named"):
             out["content"] = content
         if calls:
-            out["tool_calls"] = calls
+            out["tool_calls"] = merge_call_deltas(calls)
             self.num_calls = max(self.num_calls, 1 + max(c["index"] for c in calls))
         return out
 

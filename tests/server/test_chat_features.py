@@ -70,11 +70,15 @@ def test_forced_outputs_read_back_whole_and_streamed():
     deltas = [s.feed('{"x"'), s.feed(": 5}", final=True)]
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "a"
     assert "".join(d["function"]["arguments"] for x in deltas for d in x["tool_calls"]) == '{"x": 5}'
+    # one entry per call index in a chunk, as OpenAI streams them: the header and its first arguments together
+    assert deltas[0]["tool_calls"] == [{"index": 0, "id": deltas[0]["tool_calls"][0]["id"], "type": "function",
+                                        "function": {"name": "a", "arguments": '{"x"'}}]
     required = plan_chat(req(tools=TOOLS, tool_choice="required"), "glm47")
     r = ChoiceOutput(required, "glm47", False, False)
     assert r.feed('[{"name": "b", "parameters": {}}') == {}
     end = r.feed(', {"name": "a", "parameters": {"x": 1}}]', final=True)["tool_calls"]
-    assert [d["function"].get("name") for d in end if "id" in d] == ["b", "a"]
+    assert [d["index"] for d in end] == [0, 1]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in end] == [("b", "{}"), ("a", '{"x": 1}')]
     assert r.finish_reason("stop") == "tool_calls"
     cut = ChoiceOutput(required, "glm47", False, False).whole('[{"name": "a", "par')  # max_tokens hit
     assert "tool_calls" not in cut

@@ -56,6 +56,8 @@ def _streamed(stream) -> dict:
             d = c.delta
             out["content"] += d.content or ""
             out["reasoning"] += getattr(d, "reasoning_content", None) or ""
+            indices = [tc.index for tc in d.tool_calls or []]
+            assert len(indices) == len(set(indices)), "one entry per call index in a chunk (OpenAI's)"
             for tc in d.tool_calls or []:
                 call = out["calls"].setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
                 if tc.id:
