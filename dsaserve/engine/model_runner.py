@@ -66,6 +66,7 @@ class ModelRunner(RunnerStartup):
         with PhaseTimer(self.startup_time, "resolve_checkpoint"):
             self.checkpoint, self.cfg = self._resolve(args.model, args.load_format)
         args.check_layout(self.cfg)  # heads / experts / 128-blocks against the ranks: before any weight is read
+        self._check_kv_budget(args)
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings  # within it: check_layout
         with PhaseTimer(self.startup_time, "load_weights"):
             self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
@@ -165,6 +166,16 @@ class ModelRunner(RunnerStartup):
         report.phases = parts
         return model.eval(), report
 
+    def _check_kv_budget(self, args: EngineArgs) -> None:
+        """--kv-cache-bytes below one page of the main layers' KV, refused before the weights load (the pool's own
+        check, with the MTP layer's KV too, comes after them: minutes into a GPU start)."""
+        if args.kv_cache_bytes is None:
+            return
+        layers = list(range(self.cfg.num_hidden_layers))
+        if pool_pages_for_budget(self.cfg, get_kv_layout(args.kv_layout), args.kv_cache_bytes, layers) <= 0:
+            raise ValueError(f"--kv-cache-bytes: {args.kv_cache_bytes} bytes is less than one {PAGE_SIZE}-token page "
+                             f"of {self.cfg.num_hidden_layers} layers' KV ({args.kv_layout})")
+
     def _allocate_pool(self, layout: KVLayout, num_pages: int | None, budget: int | None) -> KVPool:
         layers = self.model.kv_layer_ids
         if num_pages is None:
@@ -174,7 +185,8 @@ class ModelRunner(RunnerStartup):
                 budget = DEFAULT_CPU_KV_BYTES
             num_pages = pool_pages_for_budget(self.cfg, layout, budget, layers)
             if num_pages <= 0:
-                raise ValueError(f"kv_budget_bytes: {budget} bytes is less than one {PAGE_SIZE}-token page")
+                who = "--kv-cache-bytes" if budget == self.args.kv_cache_bytes else "the memory profile's KV budget"
+                raise ValueError(f"{who}: {budget} bytes is less than one {PAGE_SIZE}-token page")
         sink = 1 if self.device.type == "cuda" else 0  # CUDA-graph padding rows write here
         return KVPool(self.cfg, num_pages, layout, layers, PAGE_SIZE, self.dtype, self.device, sink_pages=sink)
 

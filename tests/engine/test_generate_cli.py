@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsaserve import Engine, SamplingParams
 from dsaserve.cli import main
 
@@ -41,3 +43,11 @@ def test_random_weights_of_the_packaged_model_keep_its_tokenizer(capsys):
 
     tok = Tokenizer.from_file(str(packaged_checkpoint("glm-5.3-mini") / "tokenizer.json"))
     assert out["prompt_token_ids"] == tok.encode("def f(").ids and len(out["token_ids"]) == 2
+
+
+def test_a_kv_budget_below_one_page_is_refused_before_the_weights_load(capsys, monkeypatch):
+    from dsaserve.engine import model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_build_and_load", lambda *a: pytest.fail("the weights loaded"))
+    assert main(["generate", "--prompt-ids", "1,2", "--kv-cache-bytes", "100", "--device", "cpu"]) == 2
+    assert "--kv-cache-bytes: 100 bytes is less than one 64-token page" in capsys.readouterr().err
