@@ -186,13 +186,13 @@ class CudaGraphRunner:
         runs eager (counted by reason). A batch of no requests (an idle DP rank's) replays padding only."""
         if not self.graphs:
             return "no_graphs"
-        if batch.prompt_rows is not None:
-            return "prompt_logprobs"  # a 1-token chunk inside a prompt: its hidden row is read after the step
         seq_lens, ext = batch.host_lens()
         if ext and all(n != 1 for n in ext):
             return "prefill"  # the piecewise graphs' (engine/piecewise_runner.py), or eager
         if any(n != 1 for n in ext):
             return "mixed_prefill_decode"
+        if batch.prompt_rows is not None:
+            return "prompt_logprobs"  # a 1-token chunk inside a prompt: its hidden row is read after the step
         if len(ext) > self.max_bs or (bucket is not None and bucket not in self.graphs):
             return "batch_over_max_bs"
         if batch.page_table.shape[1] > self.max_pages:

@@ -5,7 +5,9 @@ alternatives, from the raw model distribution, as the sampler's logprobs (model/
 Owns: which of a step's tokens give a prompt entry — every computed prompt position but the last, whose logits
 sample the first output token (the sampler's row) — their projection through the LM head in blocks of rows, and
 handing each request its entries when the step resolves. A block bounds the step's extra memory: a 2K-token
-chunk's logits at once would be 2K x 155K x 4 B = 1.3 GB at GLM-5.3's vocabulary; 256 rows are 160 MB.
+chunk's logits at once would be 2K x 155K x 4 B = 1.3 GB at GLM-5.3's vocabulary; 256 rows are 160 MB (x ~3 at
+the peak: the logits, their log-softmax and, under TP, the LM head's vocabulary gather), within the static share's
+headroom, which the memory profile does not measure for this path.
 
 Invariants: a request asks for each position once (`Req.prompt_lp_asked` moves at build time, before the step
 that computes it resolves: the overlap scheduler builds the next step first); the prefix cache never serves a
@@ -75,6 +77,7 @@ def compute(model, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tens
         rank = (lp > chosen).sum(dim=1) + 1
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         parts.append((chosen[:, 0], rank, top_v, top_i))
+        del lp  # before the next block's logits: one block's [rows, vocab] at a time (plus the LM head's gather)
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))
 
 

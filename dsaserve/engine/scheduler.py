@@ -254,6 +254,8 @@ class Scheduler:
         keep, rest = leader.followers[:fit], leader.followers[fit:]
         for f in reversed(rest):
             f.status, f.leader = ReqStatus.WAITING, None
+            if leader.prompt_logprobs is not None:  # this step asks the leader's last entries: share them
+                f.prompt_logprobs, f.prompt_lp_asked = leader.prompt_logprobs, leader.prompt_len - 1
             self.waiting.appendleft(f)
         leader.followers = keep
         if keep:

@@ -134,19 +134,22 @@ class OpenAIServing:
         def echo(c: int) -> str:
             return req.prompts[c // req.n].text or ""
 
+        unechoed = set(range(len(offsets))) if req.echo else set()  # with logprobs: until the prompt's entries
+
         async def body() -> AsyncIterator[str]:
-            if req.echo:
-                for c in range(len(offsets)):
-                    offsets[c] = TextOffsets(len(echo(c)))
-                    if not req.logprobs:  # with logprobs the echo waits for the prompt's entries
-                        yield chunk(c, echo(c))
+            for c in sorted(unechoed):
+                offsets[c] = TextOffsets(len(echo(c)))
+                if not req.logprobs:
+                    unechoed.discard(c)
+                    yield chunk(c, echo(c))
             async for out in h.results():
                 lp, plp = CompletionLogprobs() if req.logprobs else None, None
                 if out.prompt_lps is not None:
                     plp = _prompt_logprobs(req, out, lp)
-                    if req.echo and lp is not None:
-                        yield chunk(out.choice, echo(out.choice), lp, plp=plp)
-                        lp, plp = CompletionLogprobs(), None
+                if out.choice in unechoed:  # its entries, or an end before them (an abort mid-prompt): no entries
+                    unechoed.discard(out.choice)
+                    yield chunk(out.choice, echo(out.choice), lp if out.prompt_lps is not None else None, plp=plp)
+                    lp, plp = CompletionLogprobs(), None
                 add_completion_logprobs(lp, out, offsets[out.choice])
                 if _worth_a_chunk(h, out, bool(lp and lp.tokens)) or plp is not None:
                     yield chunk(out.choice, out.text, lp, out.reason, plp=plp)
