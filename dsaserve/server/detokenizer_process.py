@@ -34,12 +34,12 @@ from dsaserve.server.startup_clock import child_phases
 
 def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[dict]:
     """Engine logprobs ({"logprob", "top": [[id, logprob], ...]} per token) with the token text and bytes:
-    {id, token, bytes, logprob, top: [[token, logprob, bytes], ...]}."""
+    {id, token, bytes, logprob, top: [[token, logprob, bytes, id], ...]}."""
     out = []
     for tid, lp in zip(ids, lps, strict=False):
-        top = [[tok.token_text(int(t)), float(v), list(tok.token_bytes(int(t)))] for t, v in lp.get("top", [])]
-        out.append({"id": tid, "token": tok.token_text(tid), "bytes": list(tok.token_bytes(tid)),
-                    "logprob": float(lp["logprob"]), "top": top})
+        text, raw = tok.token_strings(tid)
+        out.append({"id": tid, "token": text, "bytes": raw, "logprob": float(lp["logprob"]),
+                    "top": [_alternative(tok, t, v) for t, v in lp.get("top", [])]})
     return out
 
 
@@ -49,13 +49,19 @@ def prompt_entries(tok: HFTokenizer, ids: list[int], plps: list[dict | None]) ->
     token's logprob, rank and top are None."""
     out = []
     for tid, lp in zip(ids, plps, strict=True):
-        e = {"id": tid, "token": tok.token_text(tid), "bytes": list(tok.token_bytes(tid)), "logprob": None,
-             "rank": None, "top": None}
+        text, raw = tok.token_strings(tid)
+        e = {"id": tid, "token": text, "bytes": raw, "logprob": None, "rank": None, "top": None}
         if lp is not None:
-            top = [[tok.token_text(int(t)), float(v), list(tok.token_bytes(int(t))), int(t)] for t, v in lp["top"]]
-            e.update(logprob=float(lp["logprob"]), rank=int(lp["rank"]), top=top)
+            e.update(logprob=float(lp["logprob"]), rank=int(lp["rank"]),
+                     top=[_alternative(tok, t, v) for t, v in lp["top"]])
         out.append(e)
     return out
+
+
+def _alternative(tok: HFTokenizer, tid: int, logprob: float) -> list:
+    """[token, logprob, bytes, id]: one top alternative of a logprob entry."""
+    text, raw = tok.token_strings(int(tid))
+    return [text, float(logprob), raw, int(tid)]
 
 
 class Detokenizer:

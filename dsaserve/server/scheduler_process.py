@@ -159,8 +159,8 @@ class SchedulerLoop:
         out = {"rid": d.request_id, "index": d.index, "ids": list(d.new_token_ids), "lps": plain(d.new_logprobs),
                "finished": d.finished, "reason": d.finish_reason, "prompt_tokens": d.prompt_tokens,
                "cached_tokens": d.cached_tokens}
-        if d.prompt_logprobs is not None:
-            out["plps"] = plain(d.prompt_logprobs)
+        if d.prompt_logprobs is not None:  # already plain: the engine built them from .tolist() (1 s of plain() at 32K)
+            out["plps"] = d.prompt_logprobs
         return out
 
 
