@@ -41,6 +41,7 @@ from dsaserve.common.request_limits import RequestLimits
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
+from dsaserve.engine.prompt_entry_cache import PromptEntryCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta, placeholder
 
 
@@ -91,6 +92,7 @@ class Scheduler:
         self.max_pages_per_seq = -(-self.max_seq_len // ps)
         self.alloc = PageAllocator(cfg.num_pages)
         self.cache = PrefixCache(self.alloc, ps, cfg.enable_prefix_caching)
+        self.prompt_entries = PromptEntryCache(self.cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # sorted by priority (oldest first)
         self.groups: dict[str, list[Req]] = {}  # request_id -> its n samples
@@ -204,6 +206,7 @@ class Scheduler:
             free_rows = cfg.max_running_requests - len(self.running) - self.reserved_rows
             if free_rows < 1:
                 return
+            self.prompt_entries.fill(req)
             hits = self.cache.match(req.tokens, req.page_hashes, req.cacheable_tokens // ps)
             n = min(len(req.tokens) - len(hits) * ps, cfg.chunked_prefill_size, st.budget)
             need = -(-(len(hits) * ps + n) // ps) - len(hits)
@@ -314,6 +317,8 @@ class Scheduler:
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
                     self._finish(req, reason)
+            if req.prompt_logprobs is not None and not req.prompt_lp_sent:
+                self.prompt_entries.store(req)
             deltas.append(req.delta(reason is not None))
         return deltas
 

@@ -52,9 +52,18 @@ def test_prompt_logprobs_match_transformers_over_chunks_and_the_cache(engine):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     [first] = engine.generate([prompt], params)
     _check(first.prompt_logprobs, prompt, ref, 3)
-    # the same prompt again: its pages are cached now, but a request for prompt logprobs computes every position
+    # the same prompt again: its 4 full pages' entries are cached (engine/prompt_entry_cache.py), so it takes them and
+    # 3 pages of KV; the position before the 4th page's end and the partial page are computed again
     [again] = engine.generate([prompt], params)
-    assert again.num_cached_tokens == 0 and again.prompt_logprobs == first.prompt_logprobs
+    assert again.num_cached_tokens == 192
+    assert again.prompt_logprobs[:256] == first.prompt_logprobs[:256]
+    _check(again.prompt_logprobs, prompt, ref, 3)
+    # fewer alternatives than cached are served cut; more are computed
+    [fewer] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    assert fewer.num_cached_tokens == 192 and all(len(e["top"]) == 1 for e in fewer.prompt_logprobs[1:])
+    [more] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5))
+    assert more.num_cached_tokens == 0
+    _check(more.prompt_logprobs, prompt, ref, 5)
     # without prompt logprobs the cache serves it as before, and none are returned
     [plain] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
     assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None

@@ -103,3 +103,29 @@ def test_n_samples_compute_the_prompt_entries_once_even_without_free_rows(overla
     assert all(len(v) == len(p) for k, v in got.items() if k[0] == "r")
     rows = sum(b.prompt_rows.numel() for b in core.runner.batches if b.prompt_rows is not None)
     assert rows == len(p) - 1, f"{rows} prompt rows computed for a {len(p)}-token prompt"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_choices_sharing_a_context_take_its_entries_from_the_cache(overlap):
+    """lm-eval's multiple choice: 4 requests of one 200-token context and different 20-token endings. The first
+    scores the whole prompt; the others take the context's 3 full pages of entries (engine/prompt_entry_cache.py),
+    2 pages of KV, and compute from position 128 on — every entry exact."""
+    core = make(overlap, num_pages=64, max_num_batched_tokens=96, chunked_prefill_size=64, max_running_requests=8)
+    ctx = prompts(1, 200, 200, seed=21)[0]
+    ends = prompts(4, 20, 20, seed=22)
+    want = {}
+    for j, end in enumerate(ends):
+        core.add_request(EngineRequest(f"c{j}", ctx + end, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                           prompt_logprobs=1)))
+        want[(f"c{j}", 0)] = oracle(ctx + end)
+        if j == 0:
+            drive(core)  # the first choice finishes before the others arrive (lm-eval sends them one at a time)
+            first_rows = sum(b.prompt_rows.numel() for b in core.runner.batches if b.prompt_rows is not None)
+    got, _ = drive(core)
+    rows = sum(b.prompt_rows.numel() for b in core.runner.batches if b.prompt_rows is not None)
+    assert first_rows == 219 and rows - first_rows == 3 * (220 - 192)  # each later choice: positions 191..218
+    assert core.scheduler.prompt_entries.hit_tokens == 3 * 192
+    for key in [("c1", 0), ("c2", 0), ("c3", 0)]:
+        assert len(got[key]) == 220
+        assert all((a is None and b is None) or abs(a - b) < 1e-5 for a, b in zip(got[key], want[key], strict=True))
+    core.check_no_leak()
