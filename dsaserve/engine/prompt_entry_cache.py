@@ -14,7 +14,9 @@ from collections import OrderedDict
 
 from dsaserve.engine.prefix_cache import PrefixCache, token_bytes
 
-ENTRY_CACHE_PAGES = 4096  # full prompt pages whose entries are kept (LRU): 262K prompt tokens' at 64 a page
+# what the cache keeps, in (token, logprob) pairs, LRU: ~120 B each in Python, so ~120 MB of the scheduler process
+# at most; 512K prompt tokens' entries at top-1 (lm-eval's), 50K at top-20
+ENTRY_CACHE_PAIRS = 1 << 20
 
 
 class PromptEntryCache:
@@ -24,9 +26,10 @@ class PromptEntryCache:
     vLLM recomputes it for each. Entries with at least the top-k asked serve (the top lists cut to k); the page's
     tokens are compared as the prefix cache compares them. Off where the prefix cache is."""
 
-    def __init__(self, cache: PrefixCache, max_pages: int = ENTRY_CACHE_PAGES):
-        self.cache, self.max_pages = cache, max_pages
+    def __init__(self, cache: PrefixCache, max_pairs: int = ENTRY_CACHE_PAIRS):
+        self.cache, self.max_pairs = cache, max_pairs
         self.pages: OrderedDict[bytes, tuple[bytes, int, list]] = OrderedDict()  # key -> (tokens, k, entries)
+        self.pairs = 0  # (token, logprob) pairs held: each entry's own and its k alternatives
         self.hit_tokens = 0
 
     def fill(self, req) -> None:
@@ -60,9 +63,14 @@ class PromptEntryCache:
         k = req.sampling.prompt_logprobs
         for i in range(full):
             key = req.page_hashes[i]
-            if key in self.pages and self.pages[key][1] >= k:
+            old = self.pages.get(key)
+            if old is not None and old[1] >= k:
                 self.pages.move_to_end(key)
                 continue
+            if old is not None:
+                self.pairs -= ps * (old[1] + 1)
             self.pages[key] = (token_bytes(req.tokens[i * ps:(i + 1) * ps]), k, plp[i * ps:(i + 1) * ps])
-        while len(self.pages) > self.max_pages:
-            self.pages.popitem(last=False)
+            self.pages.move_to_end(key)
+            self.pairs += ps * (k + 1)
+        while self.pairs > self.max_pairs and self.pages:
+            self.pairs -= ps * (self.pages.popitem(last=False)[1][1] + 1)

@@ -129,3 +129,24 @@ def test_choices_sharing_a_context_take_its_entries_from_the_cache(overlap):
         assert len(got[key]) == 220
         assert all((a is None and b is None) or abs(a - b) < 1e-5 for a, b in zip(got[key], want[key], strict=True))
     core.check_no_leak()
+
+
+def test_the_entry_cache_keeps_at_most_its_pairs_oldest_first():
+    from dsaserve.engine.prompt_entry_cache import PromptEntryCache
+    from dsaserve.engine.request import Req
+
+    core = make(False, num_pages=64, max_num_batched_tokens=96)
+    cache = PromptEntryCache(core.scheduler.cache, max_pairs=3 * 64 * 2)  # three pages at top-1
+
+    def scored(seed: int, k: int) -> Req:
+        p = prompts(1, 128, 128, seed=seed)[0]
+        r = Req(f"s{seed}", 0, p, SamplingParams(prompt_logprobs=k), 0.0, seed, 1000, frozenset())
+        r.prompt_logprobs = [None] + [{"logprob": -1.0, "rank": 1, "top": [[1, -1.0]] * k} for _ in p[1:]]
+        return r
+
+    a, b = scored(1, 1), scored(2, 1)
+    cache.store(a)
+    cache.store(b)  # 4 pages at top-1 > 3: a's first page goes
+    assert cache.pairs == 3 * 128 and len(cache.pages) == 3 and a.page_hashes[0] not in cache.pages
+    cache.store(scored(3, 2))  # two pages at top-2 (3 pairs an entry): only they fit
+    assert cache.pairs == 2 * 64 * 3 and len(cache.pages) == 2
