@@ -6,14 +6,16 @@
 Every engine argument (`--dtype`, `--kv-layout`, `--num-pages`, `--max-num-batched-tokens`, ...) is
 accepted with the same meaning as in `dsaserve serve`. `--temperature` defaults to 0 (greedy) here,
 so the command is reproducible; `--seed` seeds sampling when it is not greedy. `--json` prints one JSON
-object: prompt_token_ids, token_ids, text, finish_reason, num_cached_tokens, logprobs, seconds,
-startup_time.
+object: prompt_token_ids, token_ids, text, finish_reason, num_cached_tokens, logprobs, prompt_logprobs,
+seconds, startup_time. `--prompt-logprobs N` scores the prompt itself (each token's logprob given the ones before
+it, its rank and the top-N; the text output adds the prompt's perplexity).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -35,6 +37,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of every token")
+    p.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="score the prompt: each token's logprob and rank, with the top-N alternatives")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         prompt: str | list[int] = args.prompt if args.prompt is not None else parse_ids(args.prompt_ids)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, stop=args.stop, ignore_eos=args.ignore_eos,
-                                logprobs=args.logprobs)
+                                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
         engine_args = EngineArgs.from_cli_args(args)
     except ValueError as e:
         print(f"dsaserve generate: error: {e}", file=sys.stderr)
@@ -77,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
-            "logprobs": out.logprobs, "seconds": round(seconds, 4),
+            "logprobs": out.logprobs, "prompt_logprobs": out.prompt_logprobs, "seconds": round(seconds, 4),
             "startup_time": engine.core.scheduler_info["startup_time"],
         }))
     else:
         print(out.text)
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, {seconds:.2f}s]", file=sys.stderr)
+        scored = [e["logprob"] for e in out.prompt_logprobs or [] if e is not None]
+        if scored:
+            print(f"[prompt: {len(scored)} tokens scored, logprob {sum(scored):.3f}, perplexity "
+                  f"{math.exp(-sum(scored) / len(scored)):.3f}]", file=sys.stderr)
     return 0

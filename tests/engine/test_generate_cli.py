@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -51,3 +52,17 @@ def test_a_kv_budget_below_one_page_is_refused_before_the_weights_load(capsys, m
     monkeypatch.setattr(model_runner.ModelRunner, "_build_and_load", lambda *a: pytest.fail("the weights loaded"))
     assert main(["generate", "--prompt-ids", "1,2", "--kv-cache-bytes", "100", "--device", "cpu"]) == 2
     assert "--kv-cache-bytes: 100 bytes is less than one 64-token page" in capsys.readouterr().err
+
+
+def test_generate_scores_the_prompt_with_prompt_logprobs(capsys):
+    """--prompt-logprobs: the JSON's entries are the engine's; the text output adds the prompt's perplexity."""
+    argv = ["generate", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "1", "--prompt-logprobs", "2", "--device", "cpu",
+            "--num-pages", "4"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plp = out["prompt_logprobs"]
+    assert len(plp) == 5 and plp[0] is None and all(len(e["top"]) == 2 and e["rank"] >= 1 for e in plp[1:])
+    assert main(argv) == 0
+    mean = sum(e["logprob"] for e in plp[1:]) / 4
+    assert f"[prompt: 4 tokens scored, logprob {4 * mean:.3f}, perplexity {math.exp(-mean):.3f}]" in \
+        capsys.readouterr().err
