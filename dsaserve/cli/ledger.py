@@ -200,23 +200,23 @@ def engine_run_settings(args: argparse.Namespace) -> dict[str, Any]:
 def check_outputs(args: argparse.Namespace) -> None:
     """Every path the command will write, checked before any work (a run of the engine may take minutes); the
     engine run's flags only where the engine runs."""
-    if args.reconcile != "":
-        given = [k for k in ENGINE_RUN if getattr(args, k) is not None]
-        if given:
-            why = "without --reconcile nothing runs" if args.reconcile is None else \
-                f"--reconcile {args.reconcile} reads a saved run"
-            raise ValueError(f"--{given[0].replace('_', '-')}: only with --reconcile and no RUN.json, which runs "
-                             f"the engine; {why}")
+    for name in (*ENGINE_RUN, "save_run"):
+        if getattr(args, name) is not None:
+            _needs_engine_run(f"--{name.replace('_', '-')}", args)
     if args.out:
         check_file("--out", args.out)
     if args.plot:
         check_dir("--plot", args.plot)
     if args.save_run:
-        if args.reconcile != "":  # None: no --reconcile, nothing runs; a path: the run is that file already
-            why = "without --reconcile nothing runs" if args.reconcile is None else \
-                f"--reconcile {args.reconcile} reads a saved run"
-            raise ValueError(f"--save-run: only with --reconcile and no RUN.json, which runs the engine; {why}")
         check_file("--save-run", args.save_run)
+
+
+def _needs_engine_run(flag: str, args: argparse.Namespace) -> None:
+    """A flag of the engine run given where none runs: None, no --reconcile; a path, the run is that file."""
+    if args.reconcile != "":
+        why = "without --reconcile nothing runs" if args.reconcile is None else \
+            f"--reconcile {args.reconcile} reads a saved run"
+        raise ValueError(f"{flag}: only with --reconcile and no RUN.json, which runs the engine; {why}")
 
 
 def _os_error(flag: str, path: str, e: OSError) -> ValueError:

@@ -1,10 +1,10 @@
-"""Host lists onto the device without waiting for it.
+"""Host lists onto the device, and device results back to the host, without waiting for the device.
 
-Owns: `to_device`. `torch.tensor(values, device="cuda")` copies from pageable memory, which synchronises the
-stream: the host waits for every queued kernel (under overlap scheduling the whole forward; in a chunked
-prefill loop the GPU then idles while the host launches the next chunk). A non-blocking copy out of pinned
-memory is queued behind the work in flight instead; PyTorch's caching host allocator keeps the pinned block
-until that copy has run.
+Owns: `to_device` and `HostCopy`. `torch.tensor(values, device="cuda")` copies from pageable memory, which
+synchronises the stream: the host waits for every queued kernel (under overlap scheduling the whole forward; in a
+chunked prefill loop the GPU then idles while the host launches the next chunk). A non-blocking copy out of pinned
+memory is queued behind the work in flight instead; PyTorch's caching host allocator keeps the pinned block until
+that copy has run.
 """
 
 from __future__ import annotations
@@ -20,3 +20,20 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors on their way to the host: non-blocking copies (out of the GPU they land in pinned memory)
+    queued at once behind an event; `lists()` waits for the event and gives them as Python lists. The sampler's
+    tokens and logprobs and the prompt logprobs come back so, behind the step that made them."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self._event = torch.cuda.Event() if tensors and tensors[0].is_cuda else None
+        if self._event is not None:
+            self._event.record()
+
+    def lists(self) -> list[list[Any]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.tolist() for t in self._host]

@@ -68,7 +68,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = _bias_ids(self.logit_bias)
+        self.logit_bias = logit_bias_ids(self.logit_bias)
         self.validate()
 
     # ---- validation ----------------------------------------------------------------------
@@ -159,7 +159,7 @@ class SamplingParams:
         return cls(**d)
 
 
-def _bias_ids(bias: Any) -> dict[int, float] | None:
+def logit_bias_ids(bias: Any) -> dict[int, float] | None:
     """logit_bias with int token ids: OpenAI and the IPC send them as strings of digits."""
     if bias is None:
         return None

@@ -223,8 +223,6 @@ class EngineArgs:
         """Token buckets of the piecewise CUDA graphs ([] when they are off)."""
         if self.disable_cuda_graph or self.disable_piecewise_cuda_graph:
             return []
-        if self.precompile_schemas is not None and not os.path.isfile(self.precompile_schemas):
-            raise ValueError(f"--precompile-schemas: {self.precompile_schemas} is not a file")  # before the load
         if self.piecewise_cuda_graph_tokens is not None:
             return parse_buckets(str(self.piecewise_cuda_graph_tokens), "--piecewise-cuda-graph-tokens")
         return piecewise_buckets(self.max_num_batched_tokens)

@@ -53,7 +53,6 @@ from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.device_timer import DeviceTimer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
-from dsaserve.engine.prompt_logprobs import PromptLogprobsFuture
 from dsaserve.engine.request import EngineRequest, Req, TokenDelta
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.model.sampler import SampleFuture, Sampler
@@ -98,7 +97,7 @@ class EngineCore:
         self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
         # launched, tokens (and prompt entries) not yet on the host
-        self._pending: tuple[list[Req], SampleFuture | None, PromptLogprobsFuture | None] | None = None
+        self._pending: tuple[list[Req], SampleFuture | None, prompt_logprobs.PromptLogprobsFuture | None] | None = None
         self._grammars: GrammarCompiler | None = None
         self.warmed_schemas = 0
         self._startup = dict(getattr(self.runner, "startup_time", {}) or {})
@@ -216,12 +215,14 @@ class EngineCore:
                 self.runner.forward_idle()
             return deltas + self._resolve()
         t = self.device_timer.start()
-        batch, prompt = self.builder.build(sched), prompt_logprobs.prompt_rows(sched.reqs, sched.num_new)
+        batch = self.builder.build(sched)
+        prompt = (prompt_logprobs.prompt_rows(sched.reqs, sched.num_new) if self.scheduler.prompt_lp_groups
+                  else None)
         if prompt is not None:
             prompt.ask(batch)
         logits = self.runner.forward(batch)  # a host batch: the runner copies it over
         if prompt is not None:
-            prompt = PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
+            prompt = prompt_logprobs.PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
         deltas += self._resolve()  # overlap: the previous step's tokens, waited for while this forward runs
         self._launch_sample(sched, logits, prompt)
         self.device_timer.stop(t)
@@ -230,7 +231,7 @@ class EngineCore:
         return deltas
 
     def _launch_sample(self, sched: ScheduledBatch, logits: torch.Tensor,
-                       prompt: PromptLogprobsFuture | None = None) -> None:
+                       prompt: prompt_logprobs.PromptLogprobsFuture | None = None) -> None:
         """Queue the sampling of the rows still wanted; their tokens become the next step's placeholders."""
         samples, rows = self.scheduler.live_samples(sched)
         if rows != list(range(logits.shape[0])):  # n>1 forks reuse a row; finished samples drop theirs

@@ -387,6 +387,7 @@ class ModelRunner(RunnerStartup):
             self.model.forward_idle(dp_rows=step.rows, dp_tokens=step.tokens if gather else ())
         return None
 
+
 def _dummy_tokenizer_dir(model: str) -> Path | None:
     """Where a dummy load's tokenizer is: the checkpoint directory given, or the packaged model of that name."""
     from dsaserve.weights.checkpoint_cache import packaged_checkpoint

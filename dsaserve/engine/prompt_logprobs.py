@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.common.host_lists import HostCopy
+
 BLOCK_ROWS = 256
 
 
@@ -85,17 +87,11 @@ class PromptLogprobsFuture:
     """A step's prompt entries on their way to the host (queued at once, behind an event, as the sampler's)."""
 
     def __init__(self, plan: PromptRows, device_out: tuple[torch.Tensor, ...]):
-        self.plan = plan
-        self._host = [t.to("cpu", non_blocking=True) for t in device_out]
-        self._event = torch.cuda.Event() if device_out[0].is_cuda else None
-        if self._event is not None:
-            self._event.record()
+        self.plan, self._copy = plan, HostCopy(device_out)
 
     def attach(self) -> None:
         """Append each request's entries, in position order, to `Req.prompt_logprobs`."""
-        if self._event is not None:
-            self._event.synchronize()
-        chosen, rank, top_v, top_i = (t.tolist() for t in self._host)
+        chosen, rank, top_v, top_i = self._copy.lists()
         j = 0
         for req, count in self.plan.spans:
             n = req.sampling.prompt_logprobs

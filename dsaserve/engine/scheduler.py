@@ -93,6 +93,7 @@ class Scheduler:
         self.alloc = PageAllocator(cfg.num_pages)
         self.cache = PrefixCache(self.alloc, ps, cfg.enable_prefix_caching)
         self.prompt_entries = PromptEntryCache(self.cache)
+        self.prompt_lp_groups = 0  # unfinished requests asking prompt logprobs: a step looks for their rows only then
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # sorted by priority (oldest first)
         self.groups: dict[str, list[Req]] = {}  # request_id -> its n samples
@@ -121,6 +122,7 @@ class Scheduler:
             f.status, f.leader = ReqStatus.PARKED, leader
         leader.followers = reqs[1:]
         self.groups[request_id] = reqs
+        self.prompt_lp_groups += sampling.prompt_logprobs is not None
         self.waiting.append(leader)
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["requests"] += 1
@@ -376,7 +378,7 @@ class Scheduler:
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
         group = self.groups.get(req.request_id)
         if group is not None and all(r.status is ReqStatus.FINISHED for r in group):
-            del self.groups[req.request_id]
+            self._drop_group(req.request_id)
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """Abort a request (or one of its n samples) wherever it is; its pages are free on return."""
@@ -403,9 +405,13 @@ class Scheduler:
             req.status, req.finish_reason = ReqStatus.FINISHED, "abort"
             self._abort_deltas.append(req.delta(True))
         if all(r.status is ReqStatus.FINISHED for r in group):
-            del self.groups[request_id]
+            self._drop_group(request_id)
         self.counters["aborted" if index is None else "aborted_samples"] += 1  # whole request / one sample
         return True
+
+    def _drop_group(self, request_id: str) -> None:
+        """Every sample of the request finished."""
+        self.prompt_lp_groups -= self.groups.pop(request_id)[0].sampling.prompt_logprobs is not None
 
     def _shrink_reservation(self, leader: Req) -> None:
         """A parked follower left: its leader never holds more reserved rows than it has followers."""
@@ -440,9 +446,9 @@ class Scheduler:
     def check_no_leak(self) -> None:
         """AssertionError unless every page is free or held only by the prefix cache, and nothing is left."""
         problems = []
-        if self.running or self.waiting or self.groups:
+        if self.running or self.waiting or self.groups or self.prompt_lp_groups:
             problems.append(f"requests left: running={self.running} waiting={list(self.waiting)} "
-                            f"groups={list(self.groups)}")
+                            f"groups={list(self.groups)} asking prompt logprobs={self.prompt_lp_groups}")
         held = [p for p in range(self.cfg.num_pages) if self.alloc.refcount(p)]
         if held:
             problems.append(f"{len(held)} pages still referenced: {held[:16]}")

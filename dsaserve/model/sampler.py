@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dsaserve.common.host_lists import to_device
+from dsaserve.common.host_lists import HostCopy, to_device
 from dsaserve.common.sampling_params import SamplingParams
 
 
@@ -78,27 +78,21 @@ class SampleFuture:
     def __init__(self, rows: Sequence[SampleSource], tokens: torch.Tensor,
                  logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, want: list[int]):
         self.rows, self.tokens, self._want = rows, tokens, want
-        # a non-blocking copy out of the GPU lands in pinned memory: valid once the event has passed
-        self._host = [t.to("cpu", non_blocking=True) for t in (tokens, *(logprobs or ()))]
-        self._event = torch.cuda.Event() if tokens.is_cuda else None
-        if self._event is not None:
-            self._event.record()
+        self._copy = HostCopy([tokens, *(logprobs or ())])
 
     def result(self) -> SamplerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        token_list = self._host[0].tolist()
+        token_list, *logprobs = self._copy.lists()
         for r, t in zip(self.rows, token_list, strict=True):
             g = getattr(r, "grammar", None)
             if g is not None:
                 g.observe(t)
-        return SamplerOutput(token_list, self._logprob_dicts())
+        return SamplerOutput(token_list, self._logprob_dicts(logprobs))
 
-    def _logprob_dicts(self) -> list[dict | None]:
+    def _logprob_dicts(self, logprobs: list[list]) -> list[dict | None]:
         out: list[dict | None] = [None] * len(self.rows)
         if not self._want:
             return out
-        chosen, top_v, top_i = (t.tolist() for t in self._host[1:])
+        chosen, top_v, top_i = logprobs
         for j, i in enumerate(self._want):
             n = self.rows[i].sampling.logprobs
             out[i] = {"logprob": chosen[j], "top": [[t, v] for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)]}

@@ -99,6 +99,7 @@ class HFTokenizer:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception for unparsable files
             raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
+        self._strings: dict[int, tuple[str, list[int]]] = {}  # token_strings' memo
         cfg_path = d / "tokenizer_config.json"
         self.config: dict[str, Any] = read_json_object(cfg_path) if cfg_path.is_file() else {}
         self.special_tokens = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(self.config.get(k)))}
@@ -129,10 +130,9 @@ class HFTokenizer:
     def token_strings(self, token_id: int) -> tuple[str, list[int]]:
         """(token_text, token_bytes as a list) of one token, memoised: logprob entries name every alternative of
         every position (a 32K-token prompt's top-20 is 690K names: 4.3 s unmemoised, once per vocabulary entry now)."""
-        memo = self.__dict__.setdefault("_strings", {})
-        got = memo.get(token_id)
+        got = self._strings.get(token_id)
         if got is None:
-            got = memo[token_id] = (self.token_text(token_id), list(self.token_bytes(token_id)))
+            got = self._strings[token_id] = (self.token_text(token_id), list(self.token_bytes(token_id)))
         return got
 
     def token_text(self, token_id: int) -> str:

@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from dsaserve.common.request_limits import LimitError, RequestLimits
-from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.common.sampling_params import SamplingParams, logit_bias_ids
 from dsaserve.server.chat_encoding.glm5 import TemplateEncoder
 from dsaserve.server.chat_features import ChatPlan, ChatPlanError, ChatSettings, format_grammar, plan_chat
 from dsaserve.server.hf_tokenizer import ChatTemplateError, HFTokenizer
@@ -59,7 +59,8 @@ class Processor:
         prompts = await self._completion_prompts(req.prompt)
         max_tokens = self._check_prompts(prompts, req, req.max_tokens, "prompt")
         # echo with logprobs: the prompt's tokens get entries too (lm-eval-harness's loglikelihood requests)
-        prompt_k = _most(req.prompt_logprobs, req.logprobs if req.echo else None)
+        prompt_k = max((k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None),
+                       default=None)
         sampling = self.sampling(req, req.max_tokens, req.logprobs, fmt[1] if fmt else None, prompt_k)
         if fmt:
             await self._check_grammar(*fmt)
@@ -119,7 +120,7 @@ class Processor:
             limits = self.limits()
             limits.check_n(req.n)
             limits.check_ids(req.stop_token_ids or [], "stop_token_ids", allow_empty=True)
-            limits.check_ids(_bias_ids(req.logit_bias), "logit_bias", allow_empty=True)
+            limits.check_ids(list(_bias(req.logit_bias)), "logit_bias", allow_empty=True)
 
     def _check_prompts(self, prompts: list[Prompt], req: Any, max_tokens: int | None, param: str,
                        tokens_field: str | None = None) -> int:
@@ -233,9 +234,12 @@ def _plan_or_400(fn: Callable[..., Any], *args: Any) -> Any:
         raise bad_request(str(e), e.param) from None
 
 
-def _bias_ids(bias: dict[str, Any] | None) -> list[Any]:
-    """logit_bias's token ids as integers where they are digits (the rest fail check_ids, naming logit_bias)."""
-    return [int(t) if t.isascii() and t.isdigit() else t for t in bias or {}]
+def _bias(bias: dict[str, Any] | None) -> dict[int, float]:
+    """logit_bias with int token ids, as SamplingParams reads it (a key that is not one: a 400 naming the field)."""
+    try:
+        return logit_bias_ids(bias) or {}
+    except ValueError as e:
+        raise bad_request(str(e), "logit_bias") from None
 
 
 def _usage_options(req: Any) -> dict[str, bool]:
@@ -255,9 +259,3 @@ def _message_bytes(message: dict[str, Any]) -> int:
     if isinstance(content, list):
         return sum(_utf8_len(part.get("text", "")) for part in content)
     return _utf8_len(content) if isinstance(content, str) else 0
-
-
-def _most(*ks: int | None) -> int | None:
-    """The larger of the top-k counts asked (None: none asked)."""
-    given = [k for k in ks if k is not None]
-    return max(given) if given else None
