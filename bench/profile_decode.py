@@ -36,8 +36,8 @@ from dsaserve.kernels import (
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
+from dsaserve.model.layers import embedding, moe
 from dsaserve.model.layers import indexer as indexer_module
-from dsaserve.model.layers import moe
 
 
 def cuda_events(fn, steps: int) -> list:
@@ -208,7 +208,8 @@ def ab_setting(runner, name: str):
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
     "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
     narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
-    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits then a float copy, "busy:k=v/k=v" busy experts' decode MoE
+    GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits, "float_logits" bf16 logits copied to float32 in the step (the
+    lm_head before the thirty-second session, `embedding.FLOAT_COPY`), "busy:k=v/k=v" busy experts' decode MoE
     tiles overridden (`triton_moe.BUSY_CONFIG`; g2_-prefixed keys GEMM2's own, e.g. busy:g2_block_n=64),
     "align_launches" the expert sort of up to 2048 pairs as its four launches (not `_align_one_kernel`),
     "shared_inline" an unfused shared expert (batch 33+) in the step's chain (not on the side stream),
@@ -230,7 +231,8 @@ def ab_setting(runner, name: str):
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single"),
                     "align_launches": (triton_moe_align, "ONE_LAUNCH_PAIRS", 0),
-                    "idx_queries": (indexer_module, "SKIP_QUERIES_FOR_ALL_KEYS", False)}
+                    "idx_queries": (indexer_module, "SKIP_QUERIES_FOR_ALL_KEYS", False),
+                    "float_logits": (embedding, "FLOAT_COPY", True)}
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")

@@ -214,7 +214,8 @@ class ModelRunner(RunnerStartup):
             self._warmup_prefill()
         with PhaseTimer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
-            sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids))
+            sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids),
+                                   self.model.logits_dtype())
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
                            "core_shapes": cores, "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
                            "prefill_warmup": "skipped (preloaded)" if deferred and preloaded else "ran",
@@ -297,8 +298,9 @@ class ModelRunner(RunnerStartup):
 
     # ---- steps -----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32 for one scheduled step (a replayed decode step's
-        may be a view of the graph's output: read them before the next forward). A host batch goes to the
+        """Logits [len(batch.logits_indices), vocab] (the lm_head's dtype: bf16 or float32) for one scheduled step
+        (a replayed decode step's may be a view of the graph's output: read them before the next forward). A host
+        batch goes to the
         device here: into a graph runner's static inputs in one copy, or field by field for an eager step.
         Under overlap scheduling an input id -1-j is the token the step before sampled in row j
         (`future_token_ids[j]`), resolved on the device — inside the decode graph for a replay. Under

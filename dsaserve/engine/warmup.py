@@ -82,10 +82,13 @@ class _AllowAll:
         pass
 
 
-def warm_sampler(device: torch.device, vocab: int, eos: tuple[int, ...]) -> list[str]:
-    """Each sampler variant once on the device, beside a greedy row; the variants run."""
+def warm_sampler(device: torch.device, vocab: int, eos: tuple[int, ...], dtype: torch.dtype = torch.float32
+                 ) -> list[str]:
+    """Each sampler variant once on the device, beside a greedy row, on logits of the lm_head's dtype; the
+    variants run."""
     sampler = Sampler(seed=0)
-    logits = torch.randn(2, vocab, device=device, generator=torch.Generator(device).manual_seed(0))
+    logits = torch.randn(2, vocab, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
+    sampler.sample(logits[:1], [_Row(SamplingParams(temperature=0.0))])  # a plain greedy batch: the argmax alone
     for kw in SAMPLER_VARIANTS.values():
         row = _Row(SamplingParams(**kw), suppressed_token_ids=tuple(eos) if kw.get("min_tokens") else (),
                    grammar=_AllowAll(vocab) if kw.get("structured_outputs") else None)

@@ -248,9 +248,13 @@ class DsaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def logits_dtype(self) -> torch.dtype:
+        return self.lm_head.out_dtype()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [L, V] fp32 for batch.logits_indices, pre-norm-free final hidden [T, H])."""
+        """(logits [L, V] for batch.logits_indices (the lm_head's dtype: `logits_dtype`), pre-norm-free final
+        hidden [T, H])."""
         hidden = self.forward_hidden(batch, pool)
         logits = self.compute_logits(_logit_rows(hidden, batch))
         count_step(self.forward_shape(), pool, batch)

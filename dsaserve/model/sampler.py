@@ -105,14 +105,17 @@ class Sampler:
         self._shared: dict[str, torch.Generator] = {}  # device -> generator of unseeded requests
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleSource]) -> SamplerOutput:
-        """logits: [len(rows), vocab] float32 (one row per sample). Waits for the tokens."""
+        """logits: [len(rows), vocab] float32 or bf16 (one row per sample). Waits for the tokens."""
         return self.sample_async(logits, rows).result()
 
     def sample_async(self, logits: torch.Tensor, rows: Sequence[SampleSource]) -> SampleFuture:
         """Queue the sampling of [len(rows), vocab] logits on their device; nothing here waits for the device
         (every host list reaches it through `to_device`), so on a GPU the host returns while the forward the
         logits come from may still run. Host state (grammar matchers, output ids for penalties, min_tokens) is
-        read now: it must already hold every earlier token of these rows."""
+        read now: it must already hold every earlier token of these rows. bf16 logits (the lm_head's own dtype)
+        are read as they are by the argmax of a batch of plain greedy rows (exact: bf16 -> float32 is), and turned
+        to float32 by the first step that changes or normalises them, so every other result is the float32
+        logits' bit for bit."""
         params = [r.sampling for r in rows]
         raw = logits
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -121,6 +124,7 @@ class Sampler:
         x = self._suppress(x, rows)
         x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
+            x = x.float()
             x = apply_penalties(x if x is not raw else x.clone(), rows)
         if all(p.greedy for p in params):
             tokens = x.argmax(dim=-1)
@@ -137,7 +141,8 @@ class Sampler:
         if not cells:
             return x
         r, c = to_device([(i, t) for i, t, _ in cells], torch.int64, x.device).unbind(1)
-        return x.index_put((r, c), to_device([b for *_, b in cells], x.dtype, x.device), accumulate=True)
+        return x.float().index_put((r, c), to_device([b for *_, b in cells], torch.float32, x.device),
+                                   accumulate=True)
 
     @staticmethod
     def _suppress(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
@@ -150,6 +155,7 @@ class Sampler:
         if not cells:
             return x
         r, c = to_device(cells, torch.int64, dev).unbind(1)
+        x = x.float()
         return x.index_put((r, c), x.new_full((), float("-inf")))
 
     @staticmethod
@@ -163,6 +169,7 @@ class Sampler:
                               pin_memory=x.is_cuda)
         for j, (_, g) in enumerate(states):
             g.fill(bitmask, j)
+        x = x.float()
         if any(rows[i].suppressed_token_ids for i, _ in states):  # min_tokens + grammar: the grammar wins
             x = _unsuppress_dead_rows(x, rows, states, bitmask)
         if len(states) == len(rows):
@@ -171,7 +178,7 @@ class Sampler:
         return x.index_copy(0, idx, apply_token_bitmask(x.index_select(0, idx), bitmask))
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
-        dev = x.device
+        x, dev = x.float(), x.device
         greedy = to_device([p.greedy for p in params], torch.bool, dev)
         temp = to_device([1.0 if p.greedy else p.temperature for p in params], x.dtype, dev)
         scaled = x / temp.unsqueeze(1)

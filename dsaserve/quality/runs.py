@@ -51,7 +51,7 @@ def open_runner(model_dir: str, s: Setting, max_tokens: int):
                                    max_num_batched_tokens=max(max_tokens, 2048))
 
 
-def _bases(lengths: list[int]) -> list[int]:
+def page_bases(lengths: list[int]) -> list[int]:
     """Page-aligned slot bases, one contiguous range per request."""
     out, at = [], 0
     for n in lengths:
@@ -68,7 +68,7 @@ def perplexity(runner, wins: list[list[int]], batch: int) -> dict:
     mtp_error = None
     for i in range(0, len(wins), batch):
         chunk = wins[i:i + batch]
-        bases = _bases([len(w) for w in chunk])
+        bases = page_bases([len(w) for w in chunk])
         b = contiguous_batch(chunk, [0] * len(chunk), bases)
         b.logits_indices = torch.arange(b.num_tokens)
         b = b.to(runner.device)
@@ -112,7 +112,7 @@ def _offsets(chunk: list[list[int]]) -> list[int]:
 @torch.no_grad()
 def greedy(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
     """n greedy tokens per prompt (EOS ignored), all prompts batched; also each step's top-1 margin (nats)."""
-    bases = _bases([len(p) + n for p in prompts])
+    bases = page_bases([len(p) + n for p in prompts])
     b = contiguous_batch(prompts, [0] * len(prompts), bases)
     logits, _ = runner.model(b.to(runner.device), runner.kv_pool)
     toks: list[list[int]] = [[] for _ in prompts]

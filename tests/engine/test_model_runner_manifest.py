@@ -4,6 +4,7 @@ prediction for it (the same arithmetic, so they must agree exactly)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsaserve.engine.model_runner import ModelRunner
 
@@ -55,7 +56,8 @@ def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp
     r.parallel = SimpleNamespace(world_size=ranks)
     r.args = SimpleNamespace(piecewise_tokens=[256, 512], disable_cuda_graph=True)
     r.cfg = SimpleNamespace(index_topk=64, vocab_size=128, eos_token_ids=[1])
-    r.max_model_len, r.chunked_prefill_size, r.dp_world, r.model, r.kv_pool, r.device = 1024, 512, 1, None, None, "cpu"
+    r.max_model_len, r.chunked_prefill_size, r.dp_world, r.kv_pool, r.device = 1024, 512, 1, None, "cpu"
+    r.model = SimpleNamespace(logits_dtype=lambda: torch.float32)
     r._jit_loads = lambda: loads_after_capture
     r._warmup_and_capture()
     assert runs == ([[512, 513]] if prefill_ran else [])  # the chunk, and one token over the piecewise buckets

@@ -21,6 +21,7 @@ class Row:
     output_token_ids: list[int] = field(default_factory=list)
     suppressed_token_ids: tuple[int, ...] = ()
     generator: Any = None
+    grammar: Any = None
 
 
 def _logits(seed: int = 0, n: int = 1) -> torch.Tensor:
@@ -146,3 +147,52 @@ def test_logprobs_are_the_raw_distribution_with_top_n_sorted():
 def test_rows_without_logprobs_get_none():
     out = Sampler().sample(_logits(6, 2), [Row(SamplingParams(temperature=0)), Row(SamplingParams(logprobs=1))])
     assert out.logprobs[0] is None and out.logprobs[1] is not None
+
+
+class _BanFirstHalf:
+    """A grammar state whose bitmask allows tokens V/2.. only."""
+
+    active, vocab_size = True, V
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -(1 << (V // 2))  # V = 32, one int32 word: bits V/2..31 set
+
+    def observe(self, token: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["greedy", "bias", "suppress", "penalties", "grammar", "seeded", "filters",
+                                  "logprobs", "mixed"])
+def test_bf16_logits_sample_as_their_float32_copy(kind):
+    """The lm_head hands the sampler bf16 logits (no float copy in the step): a batch of plain greedy rows takes
+    the argmax of the bf16 values, every other step turns them to float32 first, so tokens and logprobs equal
+    the float32 copy's bit for bit, near-ties in bf16 included."""
+    x = (_logits(11, 6) * 4).bfloat16()
+    x[0, 3] = x[0, 5] = x[0].max()  # an exact bf16 tie: the first index wins on both
+    sps = {"greedy": [SamplingParams(temperature=0)] * 6,
+           "bias": [SamplingParams(temperature=0, logit_bias={3: -100.0, 7: 0.01})] * 6,
+           "suppress": [SamplingParams(temperature=0)] * 6,
+           "penalties": [SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.7)] * 6,
+           "grammar": [SamplingParams(temperature=0)] * 6,
+           "seeded": [SamplingParams(temperature=0.9, seed=j) for j in range(6)],
+           "filters": [SamplingParams(temperature=1.1, top_k=5, top_p=0.8, min_p=0.05, seed=7 + j) for j in range(6)],
+           "logprobs": [SamplingParams(temperature=0, logprobs=4)] * 6,
+           "mixed": [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3),
+                     SamplingParams(temperature=0, logprobs=2), SamplingParams(frequency_penalty=0.5, seed=1),
+                     SamplingParams(temperature=0, logit_bias={0: 5.0}), SamplingParams(temperature=0)]}[kind]
+
+    def rows() -> list:
+        out = [Row(sp, output_token_ids=[3, 5, 5]) for sp in sps]
+        for j, r in enumerate(out):
+            if kind == "suppress" or (kind == "mixed" and j == 5):
+                r.suppressed_token_ids = (int(x[j].argmax()),)
+            if kind == "grammar":
+                r.grammar = _BanFirstHalf()
+        return out
+
+    a, b = Sampler(seed=5).sample(x, rows()), Sampler(seed=5).sample(x.float(), rows())
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    if kind == "greedy":
+        assert a.token_ids[0] == 3 and a.token_ids == x.float().argmax(-1).tolist()
+    if kind == "grammar":
+        assert all(t >= V // 2 for t in a.token_ids)

@@ -119,6 +119,8 @@ def test_warmup_runs_the_plans_core_shapes_and_sampler_variants_on_the_sink_page
     assert warm_core_shapes(pw, plan, r.max_model_len, preloaded=True) == len(plan.class_shapes) > 0
     assert seen == list(plan.class_shapes) and len(seen) < len(plan.core_shapes)
     assert warm_sampler(torch.device("cpu"), r.cfg.vocab_size, (1,)) == list(SAMPLER_VARIANTS)
+    # a bf16 lm_head's logits (the GPU's): the greedy argmax on them as they are, every variant through float32
+    assert warm_sampler(torch.device("cpu"), r.cfg.vocab_size, (1,), torch.bfloat16) == list(SAMPLER_VARIANTS)
     b = core_batch(3, 16, 64, 100, 9)
     assert b.positions.tolist() == [97, 98, 99] and b.page_table.shape == (1, 16)
     assert b.out_cache_loc.tolist() == [9 * 64 + 33, 9 * 64 + 34, 9 * 64 + 35]

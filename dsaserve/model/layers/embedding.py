@@ -38,13 +38,30 @@ class Embedding(nn.Module):
         return all_reduce(out, self.group)
 
 
+# the old path: bf16 logits copied to float32 here, a 79 MB write at batch 128 (58 us on the H200); `profile_decode
+# --ab float_logits` times it against the GEMM's own dtype
+FLOAT_COPY = False
+
+
 class LMHead(Embedding):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits in the GEMM's dtype (float32 under DSASERVE_FP32_LM_HEAD or a float32 model): bf16 logits go to
+        the sampler as they are, whose argmax is exact on them and which turns them to float32 before anything
+        that changes or normalises them (model/sampler.py). Under TP the vocab gather stays float32 (the ledger's
+        `logits_bytes`)."""
         if envs.DSASERVE_FP32_LM_HEAD and h.dtype != torch.float32:
             logits = _logits_fp32(h, self.weight)
         else:  # bf16 logits: at a logit of ~10-20 one bf16 step is 0.06-0.12, so close tokens tie exactly
-            logits = (h @ self.weight.t()).float()
+            logits = h @ self.weight.t()
+            if FLOAT_COPY or self.group.size > 1:
+                logits = logits.float()
         return all_gather(logits, self.group, dim=-1)
+
+    def out_dtype(self) -> torch.dtype:
+        """The dtype `forward` returns (the sampler's warmup uses it)."""
+        if self.weight.dtype == torch.float32 or envs.DSASERVE_FP32_LM_HEAD or FLOAT_COPY or self.group.size > 1:
+            return torch.float32
+        return self.weight.dtype
 
 
 def _logits_fp32(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
