@@ -160,6 +160,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split,
         if A_FP8:
             a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask, mask=mmask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * bs[None, :]
+        elif a_ptr.dtype.element_ty == tl.float32:  # the float32 path: float32 products, no bf16 rounding of x
+            acc += tl.dot(a, b.to(tl.float32), input_precision="ieee") * bs[None, :]
         else:
             acc += tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16)) * bs[None, :]
     c_ptrs = c_ptr + pid_s * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
@@ -236,6 +238,8 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
         elif A_FP8:
             a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask, mask=mmask, other=0.0)
             acc += tl.dot(w, tl.trans(a)) * bs[:, None] * a_s[None, :]
+        elif a_ptr.dtype.element_ty == tl.float32:  # the float32 path: float32 products, no bf16 rounding of x
+            acc += tl.dot(w.to(tl.float32), tl.trans(a), input_precision="ieee") * bs[:, None]
         else:
             acc += tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16))) * bs[:, None]
     if FMA:
@@ -379,8 +383,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
                exact_act: bool = False) -> torch.Tensor:
     """GPU `reference.fp8_linear`: y = x @ dequant(W)^T, x [M, K] -> [M, N] in x.dtype.
 
-    exact_act keeps activations bf16 (FP8 weight tiles widened in registers; ~1.4x slower at decode): the
-    reference's numbers up to bf16 rounding, for comparisons with the CPU path (bench/logit_distance.py).
+    exact_act keeps activations as they are (FP8 weight tiles widened in registers; ~1.4x slower at decode): bf16
+    ones on the tensor cores, the reference's numbers up to bf16 rounding; float32 ones (a float32 model, the
+    float32 comparisons of `dsaserve eval`) in float32 with IEEE products, the reference's up to summation order.
+    For comparisons with the CPU path (bench/logit_distance.py, tests/quality/test_gpu_vs_cpu.py).
     """
     _check(x, weight, weight_scale_inv)
     lead = x.shape[:-1]

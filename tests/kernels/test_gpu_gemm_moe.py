@@ -219,6 +219,22 @@ def test_fp8_linear_exact_activations_match_reference_to_bf16(gen, m):
     assert torch.isfinite(got).all() and rel(got, R.fp8_linear(x, w, s)) < BF16, f"seed {gen.initial_seed()}"
 
 
+@pytest.mark.parametrize("m", [1, 40, 100])
+def test_fp8_linear_exact_float32_activations_are_not_rounded_to_bf16(gen, m):
+    """A float32 model's exact path (`dsaserve eval`'s GPU-in-float32 comparison) multiplies in float32: within
+    float32 summation order of the reference, far inside what rounding x to bf16 costs (it did, until 2026-12-05:
+    on glm-5.3-mini that rounding alone parts 4 of 10 greedy continuations from the CPU reference's)."""
+    gemm = gpu_modules()[0]
+    n, k = (640, 1152) if BIG else (320, 256)
+    w, s = quantize_fp8_block(randn(n, k, gen=gen))
+    x = randn(m, k, gen=gen, dtype=torch.float32)
+    poison_free_memory()
+    got = gemm.fp8_linear(x, w, s, exact_act=True)
+    ref = R.fp8_linear(x, w, s)
+    via_bf16 = rel(R.fp8_linear(x.bfloat16().float(), w, s), ref)
+    assert got.dtype == torch.float32 and rel(got, ref) < 1e-5 < via_bf16 / 10, f"seed {gen.initial_seed()}"
+
+
 @pytest.mark.parametrize("tokens", [37, 1100])  # one program; one program per 256 ids (past 4096 ids)
 def test_count_distinct_matches_reference(gen, tokens):
     from dsaserve.kernels import triton_moe_route as RT
