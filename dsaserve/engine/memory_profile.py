@@ -21,6 +21,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS
 from dsaserve.common.kv_layout import KVLayout
+from dsaserve.engine import prompt_logprobs
 from dsaserve.engine.dp_step import as_gather_step
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import get_ops
@@ -125,6 +126,9 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
         get_ops(device), layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_prefill_tokens)
     queries = unscored_query_bytes(cfg, prefill, dtype)
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only + queries
+    # a step that scores its prompt projects blocks of rows through the LM head after the forward: as much again of
+    # a small model's activations (at GLM-5.3: 555 MB against GBs of a 2K chunk's)
+    peak = max(peak, prompt_logprobs.block_bytes(cfg.vocab_size))
     del scratch
     torch.cuda.empty_cache()
     # the graphs' pool holds neither the scores nor the staging: the attention core allocates them eagerly (the

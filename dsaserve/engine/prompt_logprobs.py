@@ -6,8 +6,8 @@ Owns: which of a step's tokens give a prompt entry — every computed prompt pos
 sample the first output token (the sampler's row) — their projection through the LM head in blocks of rows, and
 handing each request its entries when the step resolves. A block bounds the step's extra memory: a 2K-token
 chunk's logits at once would be 2K x 155K x 4 B = 1.3 GB at GLM-5.3's vocabulary; 256 rows are 160 MB (x ~3 at
-the peak: the logits, their log-softmax and, under TP, the LM head's vocabulary gather), within the static share's
-headroom, which the memory profile does not measure for this path.
+the peak: the logits, their float32 copy and log-softmax, under TP the LM head's vocabulary gather: `block_bytes`,
+which the memory profile takes as a floor of a step's peak activations).
 
 Invariants: a request asks for each position once (`Req.prompt_lp_asked` moves at build time, before the step
 that computes it resolves: the overlap scheduler builds the next step first); the prefix cache never serves a
@@ -25,6 +25,14 @@ import torch
 from dsaserve.common.host_lists import HostCopy
 
 BLOCK_ROWS = 256
+# a block's bytes per (row, vocabulary entry) at its peak: bf16 logits (2), their float32 copy (4), the
+# log-softmax (4), and under TP the float32 shard beside the gathered rows (4)
+BLOCK_BYTES_PER_LOGIT = 14
+
+
+def block_bytes(vocab_size: int) -> int:
+    """The most one block of prompt-logprob rows allocates after the forward (the memory profile's floor)."""
+    return BLOCK_ROWS * vocab_size * BLOCK_BYTES_PER_LOGIT
 
 
 @dataclass

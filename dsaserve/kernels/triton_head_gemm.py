@@ -70,7 +70,8 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, 
         else:
             x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc += tl.dot(x, w)
+        # float32 operands (a float32 model: eval's GPU-in-float32 comparison) as IEEE products, not TF32
+        acc += tl.dot(x, w, input_precision="ieee" if w_ptr.dtype.element_ty == tl.float32 else None)
     y = acc.to(y_ptr.dtype.element_ty)
     col = h * N + offs_n
     tl.store(y_ptr + offs_t[:, None] * hn + col[None, :], y, mask=tmask[:, None] & nmask[None, :])

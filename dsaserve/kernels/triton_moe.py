@@ -63,8 +63,8 @@ def _weight_dot(a, a_s, b_ptrs, bs_ptrs, kmask, nmask, A_FP8: tl.constexpr, B_SC
     times the weight's 128-block scale of each column (B_SCALED) and the activations' of each row (A_FP8)."""
     b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
     if not A_FP8:
-        b = b.to(tl.bfloat16)
-    part = tl.dot(a, b)
+        b = b.to(a.dtype)
+    part = tl.dot(a, b, input_precision="ieee" if a.dtype == tl.float32 else None)  # float32: not TF32
     if B_SCALED:
         part = part * tl.load(bs_ptrs, mask=nmask, other=0.0)[None, :]
     if A_FP8:
@@ -77,7 +77,8 @@ def _weight_dot_swap(a_t, a_s, w_ptrs, ws_ptrs, kmask, nmask, A_FP8: tl.constexp
     """`_weight_dot` swap-AB, [BLOCK_N, BLOCK_M]: the W tile (rows at w_ptrs, [BN, BK]) @ a^T, scaled per weight
     row (B_SCALED) and per activation column (A_FP8: a_s is [1, BLOCK_M])."""
     w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-    part = tl.dot(w if A_FP8 else w.to(tl.bfloat16), a_t)
+    part = tl.dot(w if A_FP8 else w.to(a_t.dtype), a_t,
+                  input_precision="ieee" if a_t.dtype == tl.float32 else None)  # float32: not TF32
     if B_SCALED:
         part = part * tl.load(ws_ptrs, mask=nmask, other=0.0)[:, None]
     if A_FP8:
@@ -121,9 +122,10 @@ def _moe_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, sorted_ptr, be
         a = tl.load(a_ptrs + kb * BLOCK_K, mask=pmask[:, None] & kmask[None, :], other=0.0)
         if A_FP8:
             a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=pmask, other=0.0)
-        else:
-            a = a.to(tl.bfloat16)
-            a_s = 1.0  # bf16 activations carry no scale (never read)
+        else:  # exact activations: bf16, or a float32 model's float32 (eval's GPU-in-float32 comparison)
+            if a_ptr.dtype.element_ty != tl.float32:
+                a = a.to(tl.bfloat16)
+            a_s = 1.0  # exact activations carry no scale (never read)
         acc_g += _weight_dot(a, a_s, g_ptrs + kb * BLOCK_K, gs_ptrs + kb * stride_bsk, kmask, nmask, A_FP8, B_SCALED)
         if GATED:
             acc_u += _weight_dot(a, a_s, u_ptrs + kb * BLOCK_K, us_ptrs + kb * stride_bsk, kmask, nmask, A_FP8,
@@ -163,9 +165,10 @@ def _expert_tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, tw_ptr, e, pairs, pmask, p
         a = tl.load(a_ptrs + kb * BLOCK_K, mask=pmask[:, None] & kmask[None, :], other=0.0)
         if A_FP8:
             a_s = tl.load(as_ptr + rows * stride_asm + kb * stride_ask, mask=pmask, other=0.0)[None, :]
-        else:
-            a = a.to(tl.bfloat16)
-            a_s = 1.0  # bf16 activations carry no scale (never read)
+        else:  # exact activations: bf16, or a float32 model's float32 (eval's GPU-in-float32 comparison)
+            if a_ptr.dtype.element_ty != tl.float32:
+                a = a.to(tl.bfloat16)
+            a_s = 1.0  # exact activations carry no scale (never read)
         a = tl.trans(a)
         acc_g += _weight_dot_swap(a, a_s, g_ptrs + kb * BLOCK_K, gs_ptrs + kb * stride_bsk, kmask, nmask, A_FP8,
                                   B_SCALED)
@@ -421,7 +424,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
         return torch.empty(t, h, dtype=x.dtype, device=x.device) if add is None else add.clone()
     route = topk_ids.contiguous() if kernel == "unsorted" else moe_align(topk_ids, e, bm)
     x = x.contiguous()  # the same tensor when contiguous: keeps its FP8 copy (`cached_fp8`)
-    act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    # a float32 model's exact path keeps float32 between the GEMMs (eval's GPU-in-float32 comparison)
+    act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) or not cfg["fp8_act"] else torch.bfloat16
 
     def activations(v: torch.Tensor):  # (a, scales): FP8 per (token, 128) for FP8 experts
         return (cached_fp8(v) or quant_act_fp8(v)) if fp8 and cfg["fp8_act"] else (v, None)

@@ -96,10 +96,12 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
     cmask = offs_c < dc
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < dr
+    # a float32 model (eval's GPU-in-float32 comparison): float32 operands and IEEE products, no bf16 rounding
+    F32: tl.constexpr = qn_ptr.dtype.element_ty == tl.float32
     qn = tl.load(qn_ptr + t * stride_qnt + offs_h[:, None] * stride_qnh + offs_c[None, :],
-                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.bfloat16)
+                 mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
     qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
-                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.bfloat16)
+                 mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32 if F32 else tl.bfloat16)
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)  # finite: a block of all-skipped slots gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
@@ -121,14 +123,15 @@ def _sparse_mla_kernel(qn_ptr, qr_ptr, c_ptr, cs_ptr, r_ptr, slot_ptr, o_ptr, ls
         else:
             kr = tl.load(c_ptr + row[:, None] * stride_c + dc + offs_r[None, :],
                          mask=valid[:, None] & rmask[None, :], other=0.0)
-        c = c.to(tl.bfloat16)
-        s = tl.dot(qn, tl.trans(c)) + tl.dot(qr, tl.trans(kr.to(tl.bfloat16)))
+        c = c.to(qn.dtype)
+        s = (tl.dot(qn, tl.trans(c), input_precision="ieee" if F32 else None)
+             + tl.dot(qr, tl.trans(kr.to(qn.dtype)), input_precision="ieee" if F32 else None))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units: qk_scale = scale * log2(e)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), c, input_precision="ieee" if F32 else None)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_ptrs = o_ptr + sp * stride_os + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]

@@ -220,6 +220,25 @@ def test_sparse_mla_attention_matches_reference(gen, layout, t):
             assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} grouped={grouped}"
 
 
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_sparse_mla_attention_in_float32_is_not_rounded_to_bf16(gen, t):
+    """A float32 model's queries (eval's GPU-in-float32 comparison) at glm-5.3-mini's latent (the generic kernel):
+    float32 operands and products, within summation order of the reference, far inside what rounding q and the
+    probabilities to bf16 cost (they were, until 2026-12-05)."""
+    mla = gpu_modules()[4]
+    h, dc, dr, k, n_slots = 6, 256, 32, 64, 300
+    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), "fp8_ds_mla", dc)
+    slots = torch.randint(0, n_slots, (t, k), generator=gen, device=DEVICE)
+    slots[0, k // 3: k // 2] = -1
+    qn, qr = randn(t, h, dc, gen=gen), randn(t, h, dr, gen=gen)
+    poison_free_memory()
+    got = mla.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc)
+    ref = R.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc)
+    via_bf16 = rel(R.sparse_mla_attention(qn.bfloat16().float(), qr.bfloat16().float(), cache, "fp8_ds_mla", slots,
+                                          0.04, dc), ref)
+    assert got.dtype == torch.float32 and rel(got, ref) < 1e-5 < via_bf16 / 10, f"seed {gen.initial_seed()}"
+
+
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("model", MODELS)
 def test_sparse_mla_attention_takes_each_models_shapes(gen, model, layout):

@@ -129,6 +129,23 @@ def test_fused_moe_matches_reference(gen, t, fp8):
     assert torch.equal(moe.fused_moe(*args, config={**swap, "pairs_fastest": True}), moe.fused_moe(*args, config=swap))
 
 
+@pytest.mark.parametrize("t", [1, 9, 300])
+def test_fused_moe_float32_exact_path_is_not_rounded_to_bf16(gen, t):
+    """A float32 model's MoE without FP8 activations (eval's GPU-in-float32 comparison), through each grouped-GEMM
+    kernel: float32 activations between the GEMMs and float32 products, within summation order of the reference,
+    far inside what rounding them to bf16 costs (they were, until 2026-12-05)."""
+    moe = gpu_modules()[3]
+    e, h, inter, k = MOE
+    x, *rest = _moe_inputs(gen, t, e, h, inter, k, fp8=True)
+    x = x.float() + randn(t, h, gen=gen, scale=1e-3)  # values off the bf16 grid
+    ref = R.fused_moe(x, *rest)
+    via_bf16 = rel(R.fused_moe(x.bfloat16().float(), *rest), ref)
+    for conf in ({"fp8_act": False}, {"kernel": "swap", "fp8_act": False}, {"kernel": "gemm", "fp8_act": False},
+                 {"kernel": "unsorted", "block_m": 16, "fp8_act": False}):
+        got = moe.fused_moe(x, *rest, config=conf)
+        assert got.dtype == torch.float32 and rel(got, ref) < 1e-5 < via_bf16 / 10, f"seed {gen.initial_seed()} {conf}"
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_fused_moe_takes_each_models_shapes(gen, model):
     """The config's hidden size, expert width and top-k (experts capped at 32: the kernels index them the same
@@ -208,31 +225,26 @@ def test_fused_moe_replays_from_a_cuda_graph(gen):
     assert rel(out, R.fused_moe(x, w13, s13, w2, s2, tw, ids)) < FP8A, f"seed {gen.initial_seed()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 40, 100])
-def test_fp8_linear_exact_activations_match_reference_to_bf16(gen, m):
+def test_fp8_linear_exact_activations_match_reference(gen, m, dtype):
+    """bf16 activations: the reference's numbers to bf16 rounding. float32 ones (a float32 model: `dsaserve eval`'s
+    GPU-in-float32 comparison) multiply in float32: within summation order, far inside what rounding x to bf16
+    costs (they were rounded until 2026-12-05: on glm-5.3-mini that alone parts 4 of 10 greedy continuations from
+    the CPU reference's)."""
     gemm = gpu_modules()[0]
     n, k = (640, 1152) if BIG else (320, 256)
     w, s = quantize_fp8_block(randn(n, k, gen=gen))
-    x = randn(m, k, gen=gen, dtype=torch.bfloat16)
-    poison_free_memory()
-    got = gemm.fp8_linear(x, w, s, exact_act=True)
-    assert torch.isfinite(got).all() and rel(got, R.fp8_linear(x, w, s)) < BF16, f"seed {gen.initial_seed()}"
-
-
-@pytest.mark.parametrize("m", [1, 40, 100])
-def test_fp8_linear_exact_float32_activations_are_not_rounded_to_bf16(gen, m):
-    """A float32 model's exact path (`dsaserve eval`'s GPU-in-float32 comparison) multiplies in float32: within
-    float32 summation order of the reference, far inside what rounding x to bf16 costs (it did, until 2026-12-05:
-    on glm-5.3-mini that rounding alone parts 4 of 10 greedy continuations from the CPU reference's)."""
-    gemm = gpu_modules()[0]
-    n, k = (640, 1152) if BIG else (320, 256)
-    w, s = quantize_fp8_block(randn(n, k, gen=gen))
-    x = randn(m, k, gen=gen, dtype=torch.float32)
+    x = randn(m, k, gen=gen, dtype=dtype)
     poison_free_memory()
     got = gemm.fp8_linear(x, w, s, exact_act=True)
     ref = R.fp8_linear(x, w, s)
-    via_bf16 = rel(R.fp8_linear(x.bfloat16().float(), w, s), ref)
-    assert got.dtype == torch.float32 and rel(got, ref) < 1e-5 < via_bf16 / 10, f"seed {gen.initial_seed()}"
+    assert got.dtype == dtype and torch.isfinite(got).all(), f"seed {gen.initial_seed()}"
+    if dtype == torch.bfloat16:
+        assert rel(got, ref) < BF16, f"seed {gen.initial_seed()}"
+    else:
+        via_bf16 = rel(R.fp8_linear(x.bfloat16().float(), w, s), ref)
+        assert rel(got, ref) < 1e-5 < via_bf16 / 10, f"seed {gen.initial_seed()}"
 
 
 @pytest.mark.parametrize("tokens", [37, 1100])  # one program; one program per 256 ids (past 4096 ids)
