@@ -11,15 +11,7 @@ from dsaserve.model.layers import embedding
 from dsaserve.model.layers.embedding import LMHead
 
 
-def _with_float_copy(head: LMHead, h: torch.Tensor) -> torch.Tensor:
-    embedding.FLOAT_COPY = True
-    try:
-        return head(h)
-    finally:
-        embedding.FLOAT_COPY = False
-
-
-def test_the_fp32_lm_head_keeps_what_bf16_logits_round_away():
+def test_the_fp32_lm_head_keeps_what_bf16_logits_round_away(monkeypatch):
     torch.manual_seed(0)
     head = LMHead(512, 64)
     head.weight.data.normal_()
@@ -32,8 +24,30 @@ def test_the_fp32_lm_head_keeps_what_bf16_logits_round_away():
     with envs.override(DSASERVE_FP32_LM_HEAD="1"):
         assert head.out_dtype() == torch.float32
     assert (fp32.double() - exact).abs().max() < 1e-4 < (default.double() - exact).abs().max()
-    copied = _with_float_copy(head, h)
-    assert copied.dtype == torch.float32 and torch.equal(copied, default.float())  # the copy the step made before
+    monkeypatch.setattr(embedding, "FLOAT_COPY", True)  # the copy the step made before
+    copied = head(h)
+    monkeypatch.setattr(embedding, "FLOAT_COPY", False)
+    assert copied.dtype == torch.float32 and torch.equal(copied, default.float())
     head.finalize(torch.float32)  # a float32 model (the CPU reference): the switch changes nothing
     with envs.override(DSASERVE_FP32_LM_HEAD="1"):
         assert torch.equal(head(h.float()), h.float() @ head.weight.t())
+
+
+def test_a_bf16_engine_samples_the_same_with_and_without_the_float_copy(monkeypatch):
+    """End to end on the CPU in bf16: the engine's tokens and logprobs are the same whether the lm_head hands the
+    sampler its bf16 logits or their float32 copy (the step before 2026-12-05), greedy, seeded, penalised, n = 2."""
+    from dsaserve import Engine, SamplingParams
+
+    prompts = [[5, 6, 7, 8] * 5, [11, 12, 13] * 7, [40, 41] * 9]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, presence_penalty=0.5, logit_bias={9: 2.0}, max_tokens=8,
+                             ignore_eos=True)]
+    outs = []
+    for copy in (False, True):
+        monkeypatch.setattr(embedding, "FLOAT_COPY", copy)
+        eng = Engine("glm-5.3-tiny", device="cpu", dtype="bfloat16", num_pages=32)
+        assert eng.core.runner.model.logits_dtype() == (torch.float32 if copy else torch.bfloat16)
+        outs.append([(c.token_ids, c.logprobs) for o in eng.generate(prompts, params) for c in o.outputs])
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t, _ in outs[0]}) > 1
