@@ -158,8 +158,11 @@ def _decode_row(runner, ceilings, bs: int, ctx: int, same: bool) -> dict:
     need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
     bound = need["total"] / ceilings["copy_bytes_per_s"]
     piped = pipelined_time(lambda: runner.forward(batch))  # the overlap scheduler's steady state
+    # what a plain greedy batch's sampler adds on the device: the argmax of the step's logits (model/sampler.py)
+    greedy = pipelined_time(lambda: runner.forward(batch).argmax(dim=-1))
     return {"bs": bs, "ctx": ctx, "same_token": same, "step_ms": t * 1e3, "roofline_ms": bound * 1e3,
             "ratio": t / bound, "overlapped_ms": piped * 1e3, "overlapped_ratio": piped / bound,
+            "overlapped_greedy_ms": greedy * 1e3,
             "tokens_per_s": bs / t, "bytes": need, "experts_touched": touched["moe_experts_touched"] / 23,
             "uniform_routing_bytes": decode_bytes(runner, bs, ctx)["total"]}
 
@@ -300,12 +303,13 @@ def main() -> None:
 def print_table(r: dict) -> None:
     print(f"\ncopy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {r['ceilings']['bf16_flops'] / 1e12:.0f} "
           f"TFLOP/s, fp8 {r['ceilings']['fp8_flops'] / 1e12:.0f} TFLOP/s")
-    print("decode: bs ctx | ms/step | roofline ms | ratio | tok/s | overlapped ms/step | ratio")
+    print("decode: bs ctx | ms/step | roofline ms | ratio | tok/s | overlapped ms/step | ratio | + greedy argmax")
     for d in r["decode"]:
         if "step_ms" in d:
             bs = f"{d['bs']:4d}{'s' if d.get('same_token') else ' '}"
             print(f"  {bs} {d['ctx']:6d} | {d['step_ms']:8.3f} | {d['roofline_ms']:8.3f} | {d['ratio']:5.2f} | "
-                  f"{d['tokens_per_s']:9.1f} | {d['overlapped_ms']:8.3f} | {d['overlapped_ratio']:5.2f}")
+                  f"{d['tokens_per_s']:9.1f} | {d['overlapped_ms']:8.3f} | {d['overlapped_ratio']:5.2f} | "
+                  f"{d.get('overlapped_greedy_ms', float('nan')):8.3f}")
     for p in r["prefill"]:
         print(f"prefill {p['tokens']}: {p['seconds']:.3f}s {p['tokens_per_s']:.0f} tok/s, roofline "
               f"{p['roofline_s']:.3f}s ratio {p['ratio']:.2f}")
