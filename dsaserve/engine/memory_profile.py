@@ -126,14 +126,14 @@ def profile_memory(model, cfg, layout: KVLayout, dtype, device, kv_layer_ids: li
         get_ops(device), layout, cfg.kv_lora_rank, cfg.qk_rope_head_dim, max_prefill_tokens)
     queries = unscored_query_bytes(cfg, prefill, dtype)
     peak = torch.cuda.max_memory_allocated(device) - weights - scratch_bytes + eager_only + queries
-    # a step that scores its prompt projects blocks of rows through the LM head after the forward: as much again of
-    # a small model's activations (at GLM-5.3: 555 MB against GBs of a 2K chunk's)
-    peak = max(peak, prompt_logprobs.block_bytes(cfg.vocab_size))
     del scratch
     torch.cuda.empty_cache()
     # the graphs' pool holds neither the scores nor the staging: the attention core allocates them eagerly (the
     # queries are the segments' own: in it)
     graph_pool = max(peak - eager_only, 0) * (activation_copies - 1)
+    # a step that scores its prompt projects blocks of rows through the LM head after the forward, eagerly (not in
+    # the graphs' pool): as much again of a small model's activations (at GLM-5.3: 555 MB against GBs of a 2K chunk's)
+    peak = max(peak, prompt_logprobs.block_bytes(cfg.vocab_size))
     budget = int(total * mem_fraction_static - weights - peak - graph_pool - graph_reserve_bytes)
     if budget <= 0:
         raise RuntimeError(f"mem_fraction_static: {mem_fraction_static} leaves no room for the KV pool "

@@ -196,3 +196,22 @@ def test_bf16_logits_sample_as_their_float32_copy(kind):
         assert a.token_ids[0] == 3 and a.token_ids == x.float().argmax(-1).tolist()
     if kind == "grammar":
         assert all(t >= V // 2 for t in a.token_ids)
+
+
+def test_steps_that_change_bf16_logits_compute_in_float32():
+    """Rows where the step's arithmetic in bf16 would flip the token (bf16's step is 0.0625 at 10): a penalty
+    (10 / 1.3 = 7.6923 rounds to 7.6875, tying the unseen 7.6875 ahead of it), a bias (10 + 0.03 rounds back to 10,
+    tying the unbiased 10 ahead of it), and temperature draws (2,000 seeded rows)."""
+    x = torch.full((2, V), -5.0)
+    x[0, 2], x[0, 9] = 7.6875, 10.0
+    x[1, 2], x[1, 9] = 10.0, 10.0
+    x = x.bfloat16()
+    rows = [Row(SamplingParams(temperature=0, repetition_penalty=1.3), prompt_token_ids=[9]),
+            Row(SamplingParams(temperature=0, logit_bias={9: 0.03}))]
+    for i, row in enumerate(rows):  # apart: a batch's bias turns every row to float32 before its penalties
+        assert Sampler().sample(x[i:i + 1], [row]).token_ids == [9] == Sampler().sample(x[i:i + 1].float(),
+                                                                                          [row]).token_ids
+    many = (torch.randn(2000, V, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    draws = [Sampler().sample(logits, [Row(SamplingParams(temperature=0.7, seed=i)) for i in range(2000)]).token_ids
+             for logits in (many, many.float())]
+    assert draws[0] == draws[1]

@@ -22,9 +22,12 @@ from dsaserve.kernels import triton_fp8_gemm, triton_head_gemm, triton_moe, trit
 from dsaserve.weights.fp8 import quantize_fp8_block  # noqa: E402
 from tests.offline_triton import offline_jit  # noqa: E402
 
-KERNELS = (triton_fp8_gemm._fp8_gemm_kernel, triton_fp8_gemm._fp8_skinny_kernel, triton_sparse_mla._sparse_mla_kernel,
+# the kernels whose products are checked; every kernel the calls launch gets a private in-memory cache (a kernel
+# compiled offline has no module: a later launch on a GPU must not find it)
+CHECKED = (triton_fp8_gemm._fp8_gemm_kernel, triton_fp8_gemm._fp8_skinny_kernel, triton_sparse_mla._sparse_mla_kernel,
            triton_moe._moe_gemm_kernel, triton_moe._moe_skinny_kernel, triton_moe._moe_unsorted_kernel,
            triton_head_gemm._head_gemm_kernel)
+KERNELS = (*CHECKED, triton_moe._combine_k_kernel)
 LOW_PRECISION_MMA = re.compile(r"\bw?mma\S*\.(bf16|f16|tf32)\b")
 
 
@@ -65,7 +68,7 @@ def test_the_float32_path_compiles_without_bf16_or_tf32_products(monkeypatch, tm
             monkeypatch.setattr(module, "_sm_count", lambda *a: 132)
     _compile_all()
     variants = _variants(tmp_path / "triton")
-    for fn in KERNELS:
+    for fn in CHECKED:
         f32, bf16 = variants[fn.__name__, "f32"], variants[fn.__name__, "bf16"]
         assert f32 and bf16, (fn.__name__, sorted(variants))
         assert not any(LOW_PRECISION_MMA.search(p) for p in f32), f"{fn.__name__}: a float32 variant rounds"
