@@ -113,18 +113,17 @@ class Sampler:
         (every host list reaches it through `to_device`), so on a GPU the host returns while the forward the
         logits come from may still run. Host state (grammar matchers, output ids for penalties, min_tokens) is
         read now: it must already hold every earlier token of these rows. bf16 logits (the lm_head's own dtype)
-        are read as they are by the argmax of a batch of plain greedy rows (exact: bf16 -> float32 is), and turned
-        to float32 by the first step that changes or normalises them, so every other result is the float32
-        logits' bit for bit."""
+        are read as they are by the argmax of a batch of plain greedy rows (exact: bf16 -> float32 is); any other
+        batch works on their float32 copy, so every result is the float32 logits' bit for bit."""
         params = [r.sampling for r in rows]
         raw = logits
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs = self._logprobs_inputs(raw, want)
-        x = self._bias(logits, params)
+        x = logits if _plain_greedy(rows, params) else logits.float()
+        x = self._bias(x, params)
         x = self._suppress(x, rows)
         x = self._grammar_mask(x, rows)
         if any(p.needs_penalties for p in params):
-            x = x.float()
             x = apply_penalties(x if x is not raw else x.clone(), rows)
         if all(p.greedy for p in params):
             tokens = x.argmax(dim=-1)
@@ -141,8 +140,7 @@ class Sampler:
         if not cells:
             return x
         r, c = to_device([(i, t) for i, t, _ in cells], torch.int64, x.device).unbind(1)
-        return x.float().index_put((r, c), to_device([b for *_, b in cells], torch.float32, x.device),
-                                   accumulate=True)
+        return x.index_put((r, c), to_device([b for *_, b in cells], x.dtype, x.device), accumulate=True)
 
     @staticmethod
     def _suppress(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
@@ -155,7 +153,6 @@ class Sampler:
         if not cells:
             return x
         r, c = to_device(cells, torch.int64, dev).unbind(1)
-        x = x.float()
         return x.index_put((r, c), x.new_full((), float("-inf")))
 
     @staticmethod
@@ -169,7 +166,6 @@ class Sampler:
                               pin_memory=x.is_cuda)
         for j, (_, g) in enumerate(states):
             g.fill(bitmask, j)
-        x = x.float()
         if any(rows[i].suppressed_token_ids for i, _ in states):  # min_tokens + grammar: the grammar wins
             x = _unsuppress_dead_rows(x, rows, states, bitmask)
         if len(states) == len(rows):
@@ -178,7 +174,7 @@ class Sampler:
         return x.index_copy(0, idx, apply_token_bitmask(x.index_select(0, idx), bitmask))
 
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
-        x, dev = x.float(), x.device
+        dev = x.device
         greedy = to_device([p.greedy for p in params], torch.bool, dev)
         temp = to_device([1.0 if p.greedy else p.temperature for p in params], x.dtype, dev)
         scaled = x / temp.unsqueeze(1)
@@ -230,6 +226,13 @@ class Sampler:
         k = max(params[i].logprobs for i in want)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         return chosen, top_v, top_i
+
+
+def _plain_greedy(rows: Sequence[SampleSource], params: list[SamplingParams]) -> bool:
+    """Whether the batch only takes the argmax of its logits as they are (no bias, suppression, grammar or
+    penalty changes them, nothing draws from them): the one batch that may read bf16 logits."""
+    return (all(p.greedy and not p.logit_bias and not p.needs_penalties for p in params)
+            and not any(r.suppressed_token_ids or getattr(r, "grammar", None) is not None for r in rows))
 
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -52,13 +52,11 @@ class LMHead(Embedding):
         if envs.DSASERVE_FP32_LM_HEAD and h.dtype != torch.float32:
             logits = _logits_fp32(h, self.weight)
         else:  # bf16 logits: at a logit of ~10-20 one bf16 step is 0.06-0.12, so close tokens tie exactly
-            logits = h @ self.weight.t()
-            if FLOAT_COPY or self.group.size > 1:
-                logits = logits.float()
+            logits = (h @ self.weight.t()).to(self.out_dtype())  # a copy only under FLOAT_COPY or TP
         return all_gather(logits, self.group, dim=-1)
 
     def out_dtype(self) -> torch.dtype:
-        """The dtype `forward` returns (the sampler's warmup uses it)."""
+        """The dtype `forward` returns: the GEMM's, float32 under TP (the gather) or FLOAT_COPY."""
         if self.weight.dtype == torch.float32 or envs.DSASERVE_FP32_LM_HEAD or FLOAT_COPY or self.group.size > 1:
             return torch.float32
         return self.weight.dtype
