@@ -176,7 +176,9 @@ class Sampler:
     def _random(self, x: torch.Tensor, rows: Sequence[SampleSource], params: list[SamplingParams]) -> torch.Tensor:
         dev = x.device
         greedy = to_device([p.greedy for p in params], torch.bool, dev)
-        temp = to_device([1.0 if p.greedy else p.temperature for p in params], x.dtype, dev)
+        # past float32's range a temperature would round to inf, and -inf / inf (a masked token) is NaN
+        fmax = torch.finfo(x.dtype).max
+        temp = to_device([1.0 if p.greedy else min(p.temperature, fmax) for p in params], x.dtype, dev)
         scaled = x / temp.unsqueeze(1)
         if any(p.needs_filters for p in params):
             scaled = apply_filters(scaled, params)
@@ -266,10 +268,17 @@ def _unsuppress_dead_rows(x: torch.Tensor, rows: Sequence[SampleSource], states:
     return x
 
 
+# Repetition penalties in [_REP_LO, _REP_HI] keep vLLM's arithmetic as it is: logits up to 1e10 in size stay within
+# _PENALISED_MAX there. Further out float32 breaks (r rounds to 0 or inf), so `_repetition` bounds what grows.
+_REP_LO, _REP_HI = 1e-20, 1e20
+_PENALISED_MAX = 1e30  # divided by the smallest sampled temperature (1e-5) it stays finite in float32 (< 3.4e38)
+
+
 def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tensor:
     """In place on x (a private copy): vLLM semantics.
 
-    repetition_penalty r on tokens seen in prompt or output: positive logits / r, negative * r;
+    repetition_penalty r on tokens seen in prompt or output: positive logits / r, negative * r
+    (`_repetition`: every r > 0 gives finite logits, extreme ones their limit);
     frequency f and presence p on output tokens: logit -= f * count + p * (count > 0).
     """
     vocab, dev = x.shape[1], x.device
@@ -284,12 +293,33 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SampleSource]) -> torch.Tens
         if sp.repetition_penalty != 1.0:
             seen = counts > 0
             seen.index_fill_(0, to_device(row.prompt_token_ids, torch.int64, dev), True)  # `seen[ids] = True` syncs
-            r = sp.repetition_penalty
-            xi = x[i]
-            x[i] = torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
+            x[i] = _repetition(x[i], seen, sp.repetition_penalty)
         if sp.frequency_penalty or sp.presence_penalty:
             x[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
     return x
+
+
+def _repetition(xi: torch.Tensor, seen: torch.Tensor, r: float) -> torch.Tensor:
+    """One row's repetition penalty: seen positive logits / r, seen negative ones * r.
+
+    Inside [_REP_LO, _REP_HI] exactly that. Outside, plain float32 would answer NaN or inf (1e-308 rounds to 0:
+    x / 0 = inf, -inf * 0 = NaN; 1e308 rounds to inf: 0 * inf = NaN, and every seen negative logit ties at
+    -inf), and softmax or argmax of those is garbage. There the side that grows is scaled by the row's largest
+    such logit so that it ends at most _PENALISED_MAX in size: the seen tokens keep their order, they still
+    dominate (r -> 0) or drop out (r -> inf) as in the limit, and masked tokens (-inf) stay masked.
+    """
+    if _REP_LO <= r <= _REP_HI:
+        return torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
+    info = torch.finfo(xi.dtype)
+    pos = seen & (xi > 0)
+    if r < _REP_LO:  # no sync: the row's largest seen positive logit stays on the device
+        top = xi.masked_fill(~pos, 0).amax()
+        grown = xi / (top / _PENALISED_MAX).clamp(min=max(r, info.tiny))
+        return torch.where(pos, grown, torch.where(seen, xi * max(r, info.tiny), xi))
+    r = min(r, info.max)
+    bottom = (-xi).masked_fill(~(seen & (xi <= 0) & xi.isfinite()), 0).amax()
+    grown = xi * (_PENALISED_MAX / bottom).clamp(max=r)
+    return torch.where(pos, xi / r, torch.where(seen, grown, xi))
 
 
 def apply_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

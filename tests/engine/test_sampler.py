@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,3 +216,95 @@ def test_steps_that_change_bf16_logits_compute_in_float32():
     draws = [Sampler().sample(logits, [Row(SamplingParams(temperature=0.7, seed=i)) for i in range(2000)]).token_ids
              for logits in (many, many.float())]
     assert draws[0] == draws[1]
+
+
+def _rows_of(sp: SamplingParams, n: int, **kw) -> list[Row]:
+    return [Row(sp.for_sample(i) if sp.seed is not None else sp, **kw) for i in range(n)]
+
+
+def _check_limit(x: torch.Tensor, rows: list[Row], want: int) -> None:
+    """Every row samples `want`, with the raw model's (finite) logprob; the penalised logits hold no NaN or +inf,
+    and -inf only where the input had it (a masked token stays masked, nothing else is dropped by overflow)."""
+    x = x.expand(len(rows), -1)
+    masked = x.clone()
+    for i, r in enumerate(rows):
+        masked[i, list(r.suppressed_token_ids)] = float("-inf")
+    y = apply_penalties(masked.clone(), rows)
+    assert not y.isnan().any() and not y.isposinf().any()
+    assert torch.equal(y.isneginf(), masked.isneginf())
+    out = Sampler(seed=3).sample(x, rows)
+    assert out.token_ids == [want] * len(rows)
+    raw = float(torch.log_softmax(x[0], -1)[want])
+    assert all(math.isfinite(d["logprob"]) and abs(d["logprob"] - raw) < 1e-6 for d in out.logprobs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0, 2.0])
+@pytest.mark.parametrize("r", [1e-308, 1e-40, 1e-35])
+def test_a_vanishing_repetition_penalty_makes_the_best_seen_positive_token_certain(r, temperature):
+    """r -> 0 sends every seen positive logit x / r to +inf in their order, so the best of them is the limit's only
+    token, under greedy and sampling alike. In float32 1e-308 is 0 (x / 0 = inf; a masked seen token's -inf * 0 =
+    NaN, which argmax picks), 1e-40 overflows every seen positive to inf (ties, a NaN softmax), and 1e-35 overflows
+    once divided by the temperature."""
+    x = torch.full((1, V), -3.0)
+    x[0, [0, 1, 4, 7, 9, 12]] = torch.tensor([0.0, 1.0, 2.0, -1.0, 3.5, 6.0])  # 12: the best, unseen
+    sp = SamplingParams(temperature=temperature, repetition_penalty=r, seed=5, logprobs=1)
+    _check_limit(x, _rows_of(sp, 8, prompt_token_ids=[1, 4, 0, 7], output_token_ids=[9],
+                             suppressed_token_ids=(0,)), want=9)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+@pytest.mark.parametrize("r", [1e37, 1e39, 1e308])
+def test_a_huge_repetition_penalty_keeps_the_order_of_the_seen_negative_logits(r, temperature):
+    """r -> inf sends every seen negative logit x * r to -inf; where every token was seen (the masked one aside),
+    the least negative stays the only token of the limit. In float32 1e39 and 1e308 are inf: every x * r ties at
+    -inf (argmax answers the masked token 0, softmax NaN); 1e37 overflows once divided by the temperature."""
+    x = -torch.linspace(1.0, 9.0, V).unsqueeze(0)
+    x[0, 5] = -0.5
+    sp = SamplingParams(temperature=temperature, repetition_penalty=r, seed=5, logprobs=1)
+    _check_limit(x, _rows_of(sp, 8, prompt_token_ids=list(range(V)), suppressed_token_ids=(0,)), want=5)
+
+
+@pytest.mark.parametrize("r", [1e39, 1e308])
+def test_a_huge_repetition_penalty_leaves_a_seen_zero_logit_at_zero(r):
+    """0 * r stays 0 (not 0 * inf = NaN, which argmax would answer): the unseen 0.5 wins."""
+    x = torch.full((1, V), -2.0)
+    x[0, 3], x[0, 8] = 0.0, 0.5
+    sp = SamplingParams(temperature=0, repetition_penalty=r, logprobs=0)
+    _check_limit(x, _rows_of(sp, 1, prompt_token_ids=[3, 1]), want=8)
+
+
+@pytest.mark.parametrize("r", [1e-20, 0.3, 0.77, 1.3, 7.0, 1e20])
+def test_ordinary_repetition_penalties_keep_the_plain_arithmetic_bit_for_bit(r):
+    x = _logits(8, 1) * 10
+    x[0, 2], x[0, 6], x[0, 11] = 0.0, float("-inf"), -0.0
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[::3] = True
+    xi = x[0]
+    plain = torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
+    y = apply_penalties(x.clone(), [Row(SamplingParams(repetition_penalty=r), prompt_token_ids=list(range(0, V, 3)))])
+    assert torch.equal(y[0], plain) and torch.equal(y[0].signbit(), plain.signbit())
+
+
+def test_a_tiny_temperature_is_greedy():
+    x = _logits(9, 1)
+    rows = _rows_of(SamplingParams(temperature=1e-30, seed=1), 6)
+    assert Sampler().sample(x.expand(6, -1), rows).token_ids == [int(x.argmax())] * 6
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_a_temperature_past_float32_samples_uniformly_among_allowed_tokens(temperature):
+    """temperature -> inf flattens the distribution over the tokens left; in float32 1e39 is inf and a masked
+    token's -inf / inf is NaN, which made every draw token 0, the masked one."""
+    x = _logits(10, 1)
+    rows = _rows_of(SamplingParams(temperature=temperature, seed=1), 400, suppressed_token_ids=(0,))
+    drawn = torch.tensor(Sampler().sample(x.expand(400, -1), rows).token_ids)
+    assert 0 not in drawn.tolist()
+    counts = torch.bincount(drawn, minlength=V)[1:]
+    assert counts.min() >= 2 and counts.max() <= 35  # 400 draws over 31 tokens: about 13 each
+
+
+def test_the_edges_of_top_p_and_min_p_keep_only_the_best_token():
+    x = _logits(12, 1)
+    for sp in (SamplingParams(top_p=1e-300, seed=1), SamplingParams(min_p=1.0, seed=1),
+               SamplingParams(top_p=5e-324, min_p=1.0, top_k=1, temperature=2.0, seed=1)):
+        assert Sampler().sample(x.expand(6, -1), _rows_of(sp, 6)).token_ids == [int(x.argmax())] * 6

@@ -204,6 +204,20 @@ def test_logit_bias_forces_the_token_it_favours(client):
     assert len(set(a)) == len(set(b)) == 1 and a[0] != b[0]  # each run is its favoured token, every step
 
 
+def test_a_vanishing_repetition_penalty_answers_its_limit_not_garbage(client):
+    """repetition_penalty=1e-308 is valid (> 0) but 0 in float32: seen positive logits / r overflowed to inf, the
+    softmax turned NaN and the sampled request answered token 0 every step. Its limit is deterministic (the best
+    seen positive token), so a sampled request must answer what a greedy one does, with finite logprobs."""
+    def run(**kw) -> object:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=0, **kw,
+                                         extra_body={"ignore_eos": True, "repetition_penalty": 1e-308}
+                                         ).choices[0].logprobs
+
+    greedy, sampled = run(temperature=0), run(temperature=1.0, seed=7)
+    assert sampled.tokens == greedy.tokens
+    assert all(math.isfinite(v) for v in greedy.token_logprobs + sampled.token_logprobs)
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2)
