@@ -25,6 +25,7 @@ from dsaserve.common.index_pages import write_rows
 from dsaserve.common.kv_layout import encode_index_k, encode_latent
 from dsaserve.engine.memory_profile import dummy_decode, dummy_prefill
 from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.kernels.registry import get_ops
 from dsaserve.ledger.reconcile import graph_width
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.moe import Experts, fold_device_expert_counts
@@ -158,8 +159,10 @@ def _decode_row(runner, ceilings, bs: int, ctx: int, same: bool) -> dict:
     need = decode_bytes(runner, bs, ctx, touched["weight_bytes_read"] / 23)
     bound = need["total"] / ceilings["copy_bytes_per_s"]
     piped = pipelined_time(lambda: runner.forward(batch))  # the overlap scheduler's steady state
-    # what a plain greedy batch's sampler adds on the device: the argmax of the step's logits (model/sampler.py)
-    greedy = pipelined_time(lambda: runner.forward(batch).argmax(dim=-1))
+    # what a plain greedy batch's sampler adds on the device: the argmax of the step's logits (model/sampler.py's,
+    # the registry's row_argmax)
+    argmax = get_ops(runner.device).row_argmax
+    greedy = pipelined_time(lambda: argmax(runner.forward(batch)))
     return {"bs": bs, "ctx": ctx, "same_token": same, "step_ms": t * 1e3, "roofline_ms": bound * 1e3,
             "ratio": t / bound, "overlapped_ms": piped * 1e3, "overlapped_ratio": piped / bound,
             "overlapped_greedy_ms": greedy * 1e3,

@@ -210,6 +210,12 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
     torch.where(input_ids < 0, future_token_ids.index_select(0, rows), input_ids, out=input_ids)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The greedy sampler's token of each row of logits x [rows, vocab]: int64 [rows], the first maximum (NaN above
+    every number), torch's argmax."""
+    return x.argmax(dim=-1)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear without bias over a dense weight (`Linear` not kept FP8: the indexer's bf16 weights_proj; the
     reference path's dequantised projections): x @ W^T in x.dtype."""

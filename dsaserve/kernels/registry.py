@@ -35,7 +35,7 @@ FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations 
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_k_norm_write", "indexer_topk", "sparse_mla_attention", "moe_route",
        "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots",
-       "resolve_placeholders")
+       "resolve_placeholders", "row_argmax")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -63,6 +63,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     install_compile_hook()  # before any launch: the disk-cache entries the precompile and the preload name
     from dsaserve.kernels import (
         gluon_sparse_mla,
+        triton_argmax,
         triton_elementwise,
         triton_fp8_gemm,
         triton_head_gemm,
@@ -89,8 +90,9 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         gemm, moe = gemm.replace("FP8 activations", "bf16 activations"), moe.replace("FP8", "bf16")
     elif device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
-    if device.type == "cuda":  # the split GEMMs' shared counters: made here, never first inside a graph capture
+    if device.type == "cuda":  # the split kernels' shared counters: made here, never first inside a graph capture
         triton_fp8_gemm.split_counters(device)
+        triton_argmax.counters(device)
     gemv_t, tile_t = triton_moe_route.ROUTER_GEMV_MAX_T, triton_moe_route.TILE_GEMM_MAX_T
     ops = _reference_ops()
     ops.update({
@@ -107,6 +109,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "resolve_placeholders": (triton_elementwise.resolve_placeholders, "triton one-launch placeholder ids"),
+        "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch"),
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),

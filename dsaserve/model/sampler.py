@@ -34,6 +34,7 @@ import torch
 
 from dsaserve.common.host_lists import HostCopy, to_device
 from dsaserve.common.sampling_params import SamplingParams
+from dsaserve.kernels.registry import get_ops
 
 
 class SampleSource(Protocol):
@@ -126,7 +127,7 @@ class Sampler:
         if any(p.needs_penalties for p in params):
             x = apply_penalties(x if x is not raw else x.clone(), rows)
         if all(p.greedy for p in params):
-            tokens = x.argmax(dim=-1)
+            tokens = get_ops(x.device).row_argmax(x)
         else:
             tokens = self._random(x, rows, params)
         return SampleFuture(rows, tokens, self._logprobs(logprobs, params, want, tokens), want)
@@ -197,8 +198,8 @@ class Sampler:
                     r.generator = torch.Generator(device=dev)
                     r.generator.manual_seed(generator_seed(p.seed))
                 q[i].exponential_(generator=r.generator)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, x.argmax(dim=-1), sampled)
+        argmax = get_ops(dev).row_argmax
+        return torch.where(greedy, argmax(x), argmax(probs / q))
 
     def _shared_generator(self, dev: torch.device) -> torch.Generator:
         g = self._shared.get(str(dev))
