@@ -9,6 +9,17 @@ user turn unless `clear_thinking` is false, and the generation prompt ending in 
 default) or `</think>` (`enable_thinking=false`)), and the special / added tokens of each family's
 tokenizer. DeepSeek-V3.2 ships no Jinja template: its prompts are encoded in Python
 (server/chat_encoding/deepseek_v32.py), so its tokenizer_config carries none.
+
+Also owns the template of the trained built-in `glm-5.3-mini` (dsaserve/builtin/glm-5.3-mini/
+tokenizer_config.json holds this exact string; tests/server/test_builtin_chat_template.py holds the two
+together). That model was trained on the layout of the GLM-4.5 era (`<|user|>\\n<question><|assistant|>\\n
+<answer>`: a newline after every role marker, no `<think>`; commit 16a2c79's corpus), and its tokenizer has
+none of the `<think>` / `<tool_call>` added tokens, so it cannot take GLM5_CHAT_TEMPLATE. Its template keeps
+that layout byte for byte for plain chats and adds GLM-5's tool format in it: the same `# Tools` system block,
+assistant calls as `<tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>` right after
+the content, and a run of tool results as one `<|observation|>\\n` turn of `<tool_response>..</tool_response>`.
+Those tags are plain text to that tokenizer (several BPE tokens each); the GLM-5 tool parser reads text,
+so it parses them all the same.
 """
 
 from __future__ import annotations
@@ -60,6 +71,37 @@ GLM5_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}"
     "{{- '<|assistant|>' + ('</think>' if enable_thinking is defined and not enable_thinking else '<think>') -}}"
     "{%- endif -%}"
+)
+
+# The built-in glm-5.3-mini's template (see the module docstring). Every literal is a Jinja string, so the
+# environment's trim_blocks / lstrip_blocks cannot touch a newline. A plain chat renders exactly as the
+# template it was shipped with: `<|role|>\n` + the content as given (not stripped), `reasoning_content` and
+# `enable_thinking` ignored (the model never saw `<think>`), and the generation prompt `<|assistant|>\n`.
+GLM5_MINI_CHAT_TEMPLATE = (
+    "{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- elif c is not none -%}{%- for p in c -%}"
+    "{%- if p['type'] == 'text' -%}{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+    "{{- '[gMASK]<sop>' -}}"
+    "{%- if tools -%}{{- '" + _TOOLS_INTRO + "' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson(ensure_ascii=False) -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '" + _TOOLS_OUTRO + "' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    # consecutive results share one observation turn, as GLM-5's do
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|observation|>\\n' -}}{%- endif -%}"
+    "{{- '<tool_response>' + text(m['content']) + '</tool_response>' -}}"
+    "{%- elif m['role'] in ['system', 'user', 'assistant', 'observation'] -%}"
+    "{{- '<|' + m['role'] + '|>\\n' + text(m['content']) -}}"
+    "{%- if m['role'] == 'assistant' -%}{%- for tc in m['tool_calls'] or [] -%}"
+    "{%- set f = tc['function'] if tc['function'] is defined else tc -%}"
+    "{{- '<tool_call>' + f['name'] -}}"
+    "{%- for k, v in (f['arguments'] or {}).items() -%}{{- '<arg_key>' + k + '</arg_key><arg_value>' -}}"
+    "{{- v if v is string else (v | tojson(ensure_ascii=False)) -}}{{- '</arg_value>' -}}{%- endfor -%}"
+    "{{- '</tool_call>' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- else -%}{{- raise_exception('chat template: unknown message role ' ~ m['role']) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )
 
 # Added tokens that must survive skip_special_tokens (the parsers read them), as in the real tokenizers.
