@@ -47,9 +47,10 @@ def no_gpu_present() -> bool:
 
 DTYPES = ("auto", "float32", "bfloat16")
 _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_init_addr", "precompile_schemas",
-               "piecewise_cuda_graph_tokens", "dp_moe")
+               "piecewise_cuda_graph_tokens", "dp_moe", "speculative_algorithm")
 DEVICES = ("cpu", "cuda")
 DP_MOE = ("auto", "gather", "a2a")  # engine/dp_step.py
+SPECULATIVE = ("mtp", "nextn")  # the MTP layer drafts (engine/mtp.py); nextn: SGLang's name for it
 
 
 def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
@@ -101,6 +102,10 @@ class EngineArgs:
         "cuda, where the host prepares step N+1 while the GPU runs step N; off on cpu, where nothing runs "
         "asynchronously; --no-disable-overlap-schedule forces it on, as the CPU tests do)", bool_flag=True)
     load_mtp: bool = _arg("also load the MTP layer's weights", False)
+    speculative_algorithm: str | None = _arg(
+        "speculative decoding: mtp (SGLang's NEXTN, vLLM's deepseek_mtp method; nextn is taken too) drafts one "
+        "token a step with the checkpoint's MTP layer and verifies it in the next decode step (engine/mtp.py): "
+        "loads the MTP layer, steps synchronously, one rank", choices=SPECULATIVE)
     # parallel layout (one process per rank; validated against the model before any weight is read)
     tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
     expert_parallel_size: int = _arg("expert-parallel ranks (routed experts split over them)", 1,
@@ -173,6 +178,18 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"--seed: must be an integer, got {self.seed!r}")
         self._validate_parallel()
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        """What speculative decoding does not do yet, refused with the flags that ask for it."""
+        if self.speculative_algorithm is None:
+            return
+        if self.world_size > 1:
+            raise ValueError("--speculative-algorithm: runs on one rank for now (--tp / --ep 1), "
+                             f"got {self.world_size} ranks")
+        if self.disable_overlap_schedule is False:
+            raise ValueError("--speculative-algorithm: steps synchronously (its drafts need the step's tokens); "
+                             "drop --no-disable-overlap-schedule")
 
     def _validate_parallel(self) -> None:
         from dsaserve.distributed.layout import check_sizes
@@ -197,6 +214,11 @@ class EngineArgs:
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
                 or self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout: must be a positive number of seconds, got {self.dist_timeout!r}")
+
+    @property
+    def loads_mtp(self) -> bool:
+        """Whether the MTP layer is built and read: --load-mtp, or speculative decoding (its drafter)."""
+        return self.load_mtp or self.speculative_algorithm is not None
 
     @property
     def world_size(self) -> int:
@@ -246,7 +268,7 @@ class EngineArgs:
         cuda only."""
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
-        return self.resolved_device() == "cuda"
+        return self.resolved_device() == "cuda" and self.speculative_algorithm is None
 
     def resolved_device(self) -> str:
         if self.device is not None:
@@ -305,7 +327,7 @@ class EngineArgs:
         memory is refused at once (the full GLM-5.3 in float32 would need ~3 TB; it used to grow until killed)."""
         from dsaserve.weights.spec import checkpoint_specs
 
-        mtp = () if self.load_mtp else tuple(f"model.layers.{i}." for i in cfg.mtp_layer_ids)  # built only if asked
+        mtp = () if self.loads_mtp else tuple(f"model.layers.{i}." for i in cfg.mtp_layer_ids)  # built only if asked
         params = sum(math.prod(t.shape) for t in checkpoint_specs(cfg)
                      if not t.name.endswith("_scale_inv") and not (mtp and t.name.startswith(mtp)))
         need = params * (4 if self.resolved_dtype() == "float32" else 2) / self.nnodes

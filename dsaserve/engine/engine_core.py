@@ -53,6 +53,7 @@ from dsaserve.engine.batch import BatchBuilder
 from dsaserve.engine.device_timer import DeviceTimer
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, load_precompile_file
+from dsaserve.engine.mtp import MTPDrafter
 from dsaserve.engine.request import EngineRequest, Req, TokenDelta
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.model.sampler import SampleFuture, Sampler
@@ -71,7 +72,7 @@ def _overlap(args: EngineArgs, runner: Any) -> bool:
     """Overlap scheduling needs a runner that reads placeholder input ids from its `future_token_ids`; by
     default it is on where that buffer is on a GPU (a test's fake runner on a GPU machine stays synchronous)."""
     future = getattr(runner, "future_token_ids", None)
-    if future is None:
+    if future is None or args.speculative_algorithm is not None:
         return False
     return future.is_cuda if args.disable_overlap_schedule is None else not args.disable_overlap_schedule
 
@@ -96,6 +97,7 @@ class EngineCore:
         self.device_timer = DeviceTimer(torch.device(self.runner.device))
         self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
+        self.mtp = MTPDrafter(self.runner) if args.speculative_algorithm is not None else None
         # launched, tokens (and prompt entries) not yet on the host
         self._pending: tuple[list[Req], SampleFuture | None, prompt_logprobs.PromptLogprobsFuture | None] | None = None
         self._grammars: GrammarCompiler | None = None
@@ -159,6 +161,7 @@ class EngineCore:
             "kv_layout": self.args.kv_layout,
             "enable_prefix_caching": s.cfg.enable_prefix_caching,
             "overlap_schedule": self.overlap,
+            "speculative_algorithm": self.args.speculative_algorithm,
             "vocab_size": s.cfg.vocab_size,
             "eos_token_ids": list(self.eos_token_ids),
             "startup_time": dict(self._startup),
@@ -220,6 +223,10 @@ class EngineCore:
                   else None)
         if prompt is not None:
             prompt.ask(batch)
+        if self.mtp is not None:
+            deltas += self._speculative_step(sched, batch, prompt)
+            self.device_timer.stop(t)
+            return deltas
         logits = self.runner.forward(batch)  # a host batch: the runner copies it over
         if prompt is not None:
             prompt = prompt_logprobs.PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
@@ -244,6 +251,29 @@ class EngineCore:
         self.scheduler.launched(sched, samples)
         self._pending = (samples, future, prompt)
 
+    def _speculative_step(self, sched: ScheduledBatch, batch: Any, prompt: Any) -> list[TokenDelta]:
+        """A synchronous step with drafts (engine/mtp.py): verify them in the forward, sample every row and each
+        draft's next row, keep the drafts the samples agree with, then the MTP layer's extend and next drafts."""
+        starts = [req.num_computed for req in sched.reqs]
+        logits, hidden = self.runner.forward_with_hidden(batch)
+        if prompt is not None:
+            prompt = prompt_logprobs.PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
+        samples, rows = self.scheduler.live_samples(sched)
+        sources, rows = self.mtp.sample_rows(sched, samples, rows)
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
+        out = self.sampler.sample(logits, sources) if sources else None
+        self.scheduler.launched(sched, samples)
+        if prompt is not None:
+            prompt.attach()
+        kept = self.mtp.kept(sources, out) if out is not None else {}
+        deltas = []
+        if out is not None:
+            k = len(samples)
+            deltas = self.scheduler.resolve(samples, out.token_ids[:k], out.logprobs[:k], kept)
+        self.mtp.extend(sched, batch, hidden, starts, kept)
+        return deltas
+
     def _resolve(self) -> list[TokenDelta]:
         """The launched step's tokens on the host (waiting for them) -> finish checks and deltas."""
         if self._pending is None:
@@ -259,7 +289,8 @@ class EngineCore:
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         g = self._grammars.stats if self._grammars is not None else {}
-        return {**self.scheduler.stats(), "overlap_schedule": self.overlap, "overlap_steps": self.overlap_steps,
+        spec = self.mtp.stats() if self.mtp is not None else {}
+        return {**self.scheduler.stats(), **spec, "overlap_schedule": self.overlap, "overlap_steps": self.overlap_steps,
                 "grammar_compiles": g.get("misses", 0),
                 "grammar_cache_hits": g.get("hits", 0), "grammar_compile_failures": g.get("failures", 0),
                 "grammar_compile_timeouts": g.get("timeouts", 0)}

@@ -36,7 +36,7 @@ from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, warmup_p
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
 from dsaserve.engine.runner_startup import PhaseTimer, RunnerStartup
-from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_sampler
+from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_mtp, warm_sampler
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import get_ops
@@ -69,7 +69,7 @@ class ModelRunner(RunnerStartup):
         self._check_kv_budget(args)
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings  # within it: check_layout
         with PhaseTimer(self.startup_time, "load_weights"):
-            self.model, self.load_report = self._build_and_load(args.load_format, args.load_mtp)
+            self.model, self.load_report = self._build_and_load(args.load_format, args.loads_mtp)
         self._wait_precompile()
         # warm start: the kernels a start of this configuration loaded, into the JITs before any forward needs them
         self.warm_start = self._preload() if self.device.type == "cuda" else None
@@ -214,10 +214,13 @@ class ModelRunner(RunnerStartup):
             self._warmup_prefill()
         with PhaseTimer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
+            drafter = self.args.speculative_algorithm is not None and self.kv_pool.sink_page >= 0
+            mtp = warm_mtp(self.model, self.kv_pool, plan, self.max_model_len, preloaded) if drafter else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids),
                                    self.model.logits_dtype())
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
-                           "core_shapes": cores, "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
+                           "core_shapes": cores, "mtp_shapes": mtp,
+                           "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
                            "prefill_warmup": "skipped (preloaded)" if deferred and preloaded else "ran",
                            "sampler_variants": sampler}
 
@@ -363,6 +366,29 @@ class ModelRunner(RunnerStartup):
         logits, hidden = self.model(batch, self.kv_pool)
         self._prompt_logprobs(batch, hidden)
         return logits
+
+    def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits as `forward` gives them, the final hidden rows [T, H] of every token): speculative decoding's
+        step (engine/mtp.py), whose MTP layer reads the hidden rows. A decode graph keeps no hidden rows, so such a
+        step replays the piecewise graphs where they take it, else runs eagerly."""
+        if self.dp_sync is not None:
+            raise RuntimeError("forward_with_hidden: not under DP-attention")
+        self.last_prompt_logprobs = None
+        if self.piecewise is not None and self.piecewise.fallback_reason(batch) is None:
+            logits, hidden = self.piecewise.forward_with_hidden(batch)
+        else:
+            if batch.input_ids.device != self.device:
+                batch = batch.to(self.device)
+            if self.future_token_ids is not None:
+                resolve_placeholders_(batch.input_ids, self.future_token_ids)
+            logits, hidden = self.model(batch, self.kv_pool)
+        self._prompt_logprobs(batch, hidden)
+        return logits, hidden
+
+    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over a host batch (eagerly): its KV at the batch's slots, logits at its logits rows
+        (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch)."""
+        return self.model.forward_mtp(batch.to(self.device), self.kv_pool, prev_hidden)
 
     def _prompt_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         """The step's prompt entries from its hidden rows, on the device (`last_prompt_logprobs`, read by the

@@ -69,6 +69,9 @@ class ScheduledBatch:
     sample_reqs: list[Req]  # the sampler's rows: logit_reqs plus n>1 followers forked this step
     sample_logit_rows: list[int]  # logits row each sample_req reads
     num_tokens: int
+    # speculative decoding (engine/mtp.py): each row computing its draft after its last token, and the logits row
+    # of that draft (the token after it); the row's own sample reads the row before
+    draft_rows: list[tuple[Req, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -172,10 +175,11 @@ class Scheduler:
             if len(req.tokens) - req.num_computed != 1:
                 prefilling.append(req)
                 continue
-            if req.num_computed >= len(req.pages) * ps and not self._reserve(req, 1, st):
+            n = 1 if req.draft is None or st.budget < 2 else 2  # a draft rides with the last token (engine/mtp.py)
+            if req.num_computed + n > len(req.pages) * ps and not self._reserve(req, n, st):
                 continue  # its last page is full and the pool is short even after preemption
-            sched[req] = 1
-            st.budget -= 1
+            sched[req] = n
+            st.budget -= n
         if sched and self.cfg.mixed_step_tokens:  # decodes ride this step: bound what prefills add to it
             cap = self.cfg.mixed_step_tokens
             st.budget = min(st.budget, max(cap - len(sched), cap // 4))
@@ -236,18 +240,24 @@ class Scheduler:
 
     def _batch(self, st: _Step) -> ScheduledBatch:
         reqs, num_new = list(st.sched), list(st.sched.values())
-        logit_reqs, sample_reqs, rows = [], [], []
+        logit_reqs, sample_reqs, rows, drafts = [], [], [], []
+        row = 0  # the logits row: one a sampling request, two where its draft rides along
         for req, n in st.sched.items():
-            if req.num_computed + n == len(req.tokens):
-                row = len(logit_reqs)
-                logit_reqs.append(req)
-                sample_reqs.append(req)
+            end = req.num_computed + n
+            if end < len(req.tokens):
+                continue
+            logit_reqs.append(req)
+            sample_reqs.append(req)
+            rows.append(row)
+            if end > len(req.tokens):  # the draft's row: the token after it, kept if the draft is
+                row += 1
+                drafts.append((req, row))
+            for f in self._followers_with_rows(req):  # the prompt is complete: they sample from it too
+                sample_reqs.append(f)
                 rows.append(row)
-                for f in self._followers_with_rows(req):  # the prompt is complete: they sample from it too
-                    sample_reqs.append(f)
-                    rows.append(row)
+            row += 1
         self.counters["steps"] += 1
-        return ScheduledBatch(reqs, num_new, logit_reqs, sample_reqs, rows, sum(num_new))
+        return ScheduledBatch(reqs, num_new, logit_reqs, sample_reqs, rows, sum(num_new), drafts)
 
     def _followers_with_rows(self, leader: Req) -> list[Req]:
         """The leader's followers that fork this step: as many as rows are free now (its own reserved ones
@@ -280,49 +290,66 @@ class Scheduler:
         """The step is queued on the device: its tokens count as in KV (full pages go to the prefix cache; every
         token they hold is known), n>1 followers fork, and sample j gets the placeholder of sample row j
         (engine/overlap.py) until `resolve` brings its token."""
-        ps, cache = self.cfg.page_size, self.cache
         computed = 0
         for req, n in zip(sched.reqs, sched.num_new, strict=True):
             if req.status is ReqStatus.FINISHED:  # overlap: it ended after it was scheduled; the row is wasted
                 self.counters["overlap_discarded_tokens"] += n
                 continue
-            req.num_computed += n
             computed += n
-            full = req.num_computed // ps
-            if full > req.num_registered and cache.enabled:
-                req.chain_uid = cache.insert(req.pages, req.tokens, req.page_hashes, req.num_registered, full,
-                                             req.chain_uid)
-                req.num_registered = full
+            req.num_computed += min(n, len(req.tokens) - req.num_computed)  # a draft counts once it is kept
+            self._register_full_pages(req)
         self.counters["computed_tokens"] += computed
         for j, req in enumerate(samples):
             if req.followers:
                 self._fork(req)
             req.tokens.append(placeholder(j))
 
-    def resolve(self, samples: list[Req], token_ids: list[int], logprobs: list[dict | None]) -> list[TokenDelta]:
+    def _register_full_pages(self, req: Req) -> None:
+        """Offer the request's pages that its computed tokens filled to the prefix cache."""
+        full = req.num_computed // self.cfg.page_size
+        if full > req.num_registered and self.cache.enabled:
+            req.chain_uid = self.cache.insert(req.pages, req.tokens, req.page_hashes, req.num_registered, full,
+                                              req.chain_uid)
+            req.num_registered = full
+
+    def resolve(self, samples: list[Req], token_ids: list[int], logprobs: list[dict | None],
+                kept_drafts: dict[Req, tuple[int, dict | None]] | None = None) -> list[TokenDelta]:
         """The launched step's tokens reached the host: they replace the placeholders, then the finish checks
-        (stop ids, EOS, max_tokens, context, a completed grammar) and one delta per sample."""
+        (stop ids, EOS, max_tokens, context, a completed grammar) and one delta per sample. `kept_drafts`
+        (speculative decoding, engine/mtp.py): a sample whose draft equals the token just sampled has the draft's
+        KV computed, and takes the token sampled after it (token and logprobs) unless the first one ended it."""
         deltas = []
         for req, tok, lp in zip(samples, token_ids, logprobs, strict=True):
             if req.status is ReqStatus.FINISHED:  # aborted while its token was on the way: dropped
                 self.counters["overlap_discarded_tokens"] += 1
                 continue
             req.tokens[-1] = tok
-            self.counters["generation_tokens"] += 1
-            if lp is not None and req.pending_logprobs is not None:
-                req.pending_logprobs.append(lp)
-            reason = None
-            if req.grammar is not None and req.grammar.terminated and tok not in req.stop_ids:
-                self._finish(req, "stop")  # the grammar is complete (and ignore_eos kept EOS out of stop_ids)
-                reason = "stop"
-            elif tok in req.stop_ids or len(req.tokens) >= req.max_len:  # req.max_len <= max_seq_len
-                reason = self._finish_reason(req, tok)
-                if reason is not None:
-                    self._finish(req, reason)
+            finished = self._take(req, tok, lp)
+            kept = kept_drafts.get(req) if kept_drafts else None
+            if kept is not None and not finished:
+                req.num_computed += 1  # the draft's KV is this token's
+                self._register_full_pages(req)
+                req.tokens.append(kept[0])
+                finished = self._take(req, *kept)
             if req.prompt_logprobs is not None and not req.prompt_lp_sent:
                 self.prompt_entries.store(req)
-            deltas.append(req.delta(reason is not None))
+            deltas.append(req.delta(finished))
         return deltas
+
+    def _take(self, req: Req, tok: int, lp: dict | None) -> bool:
+        """A sampled token, the last of req.tokens: its logprobs, then the finish checks; whether it ended req."""
+        self.counters["generation_tokens"] += 1
+        if lp is not None and req.pending_logprobs is not None:
+            req.pending_logprobs.append(lp)
+        if req.grammar is not None and req.grammar.terminated and tok not in req.stop_ids:
+            self._finish(req, "stop")  # the grammar is complete (and ignore_eos kept EOS out of stop_ids)
+            return True
+        if tok in req.stop_ids or len(req.tokens) >= req.max_len:  # req.max_len <= max_seq_len
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+                return True
+        return False
 
     def _finish_reason(self, req: Req, tok: int) -> str | None:
         if tok in req.stop_ids and req.num_output > req.sampling.min_tokens:
@@ -356,7 +383,7 @@ class Scheduler:
         req.pages = []
         req.num_computed = req.num_registered = req.chain_uid = 0
         self.free_rows.append(req.row)
-        req.row, req.pages_synced = -1, 0
+        req.row, req.pages_synced, req.draft = -1, 0, None
         self.running.remove(req)
         self.row_reservations.pop(req, None)  # parked followers wait for the leader's next admission
 

@@ -1,10 +1,11 @@
 """Warmup of what the graphs do not capture (startup chain: "warmup", after "capture CUDA graphs").
 
 Owns: running `engine/warmup_plan.py`'s attention-core shapes through the piecewise runner (each a real
-step whose KV goes to the sink page) and its sampler variants through a throwaway Sampler, so each kernel
-variant is compiled (Triton) or loaded (CUDA's lazy module loading) before Up; and `KernelLoads`, the
-in-process count of Triton kernels the JIT had to compile or load after Up (`kernel_loads_after_up`: unlike
-`kernel_compiles_after_up`, the cache-directory count, it also sees a variant a warm disk cache loads).
+step whose KV goes to the sink page) and, for speculative decoding, through the MTP layer, and its sampler
+variants through a throwaway Sampler, so each kernel variant is compiled (Triton) or loaded (CUDA's lazy
+module loading) before Up; and `KernelLoads`, the in-process count of Triton kernels the JIT had to compile or
+load after Up (`kernel_loads_after_up`: unlike `kernel_compiles_after_up`, the cache-directory count, it also
+sees a variant a warm disk cache loads).
 """
 
 from __future__ import annotations
@@ -50,6 +51,25 @@ def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int, preloaded: bool 
             run(core_batch(rows, pages, pool.page_size, max_len, pool.sink_page))
         if pool.kv_buffer.is_cuda:
             torch.cuda.synchronize()
+    finally:
+        COUNTERS.enabled = enabled
+    return len(shapes)
+
+
+def warm_mtp(model, pool, plan: WarmupPlan, max_len: int, preloaded: bool = False) -> int:
+    """The MTP layer's forward (speculative decoding's extend, engine/mtp.py: eager every step) at the plan's
+    attention-core shapes, so its kernel variants load before Up; each batch's KV goes to the sink page. The
+    number of shapes run."""
+    shapes = plan.class_shapes if preloaded else plan.core_shapes
+    device = pool.kv_buffer.device
+    enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
+    try:
+        for rows, pages in shapes:
+            batch = core_batch(rows, pages, pool.page_size, max_len, pool.sink_page).to(device)
+            model.forward_mtp(batch, pool, torch.zeros(batch.num_tokens, model.cfg.hidden_size, dtype=model.dtype,
+                                                       device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     finally:
         COUNTERS.enabled = enabled
     return len(shapes)

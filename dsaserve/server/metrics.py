@@ -65,6 +65,10 @@ ENGINE_COUNTERS = {
     "overlap_discarded_tokens": ("dsaserve_overlap_discarded_tokens", "tokens computed or sampled for a sample that "
                                  "had already finished (a stop token or an abort found one step late under overlap "
                                  "scheduling); never emitted nor counted in usage"),
+    "spec_draft_tokens": ("dsaserve_spec_decode_num_draft_tokens", "draft tokens the MTP layer proposed and a "
+                          "decode step verified (speculative decoding, engine/mtp.py)"),
+    "spec_accepted_tokens": ("dsaserve_spec_decode_num_accepted_tokens", "draft tokens kept: the sampler drew the "
+                             "draft itself at its position (accepted / draft = the acceptance rate)"),
     "aborted_samples": ("dsaserve_engine_stop_string_samples", "samples the detokenizer ended in the scheduler "
                         "because a stop string matched (a normal finish, not a failure)"),
 }

@@ -54,7 +54,7 @@ def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp
     r = ModelRunner.__new__(ModelRunner)
     r.warm_start, r.startup_time, r.graphs, r.piecewise, r.warmed_prefill = warm, {}, None, None, []
     r.parallel = SimpleNamespace(world_size=ranks)
-    r.args = SimpleNamespace(piecewise_tokens=[256, 512], disable_cuda_graph=True)
+    r.args = SimpleNamespace(piecewise_tokens=[256, 512], disable_cuda_graph=True, speculative_algorithm=None)
     r.cfg = SimpleNamespace(index_topk=64, vocab_size=128, eos_token_ids=[1])
     r.max_model_len, r.chunked_prefill_size, r.dp_world, r.kv_pool, r.device = 1024, 512, 1, None, "cpu"
     r.model = SimpleNamespace(logits_dtype=lambda: torch.float32)

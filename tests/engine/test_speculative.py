@@ -1,0 +1,237 @@
+"""Speculative decoding with the MTP layer (engine/mtp.py) on the trained built-in glm-5.3-mini, CPU reference path:
+drafts change no output (greedy, with penalties, chunked, prefix-cached, preempted, stop tokens, max_tokens at
+every boundary, grammars beside), seeded sampling keeps its draws, the drafts are exactly the MTP layer's over the
+finished sequence, and the flags refuse what is not built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve import Engine, SamplingParams
+from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.model.forward_batch import contiguous_batch
+from tests.engine.test_engine_real_model import greedy_close, outputs, over_time, prompts
+
+MODEL = "glm-5.3-mini"
+TEXTS = ["The quick brown fox", "def fibonacci(n):", "A language model reads a sequence of tokens",
+         "Sparse attention selects", "import json\n\ndata = {"]
+
+
+def _engine(spec: bool, **kw) -> Engine:
+    return Engine(MODEL, device="cpu", speculative_algorithm="mtp" if spec else None, **{"num_pages": 64, **kw})
+
+
+def _both(params: SamplingParams, texts=TEXTS, **kw) -> tuple[list, list, dict]:
+    """(the plain engine's outputs, the drafting engine's, its stats); the drafting engine leaks nothing."""
+    base = _engine(False, **kw).generate(texts, params)
+    eng = _engine(True, **kw)
+    spec = eng.generate(texts, params)
+    eng.core.check_no_leak()
+    return base, spec, eng.core.stats()
+
+
+def _same(base, spec) -> None:
+    """Greedy equality, parting only at near-ties (tests/engine/test_engine_real_model.py's rule; the requests
+    ask logprobs for it)."""
+    same = [greedy_close(b, s, f"request {i}") for i, (b, s) in enumerate(zip(outputs(base), outputs(spec),
+                                                                                strict=True))]
+    assert sum(same) >= len(same) - 1
+
+
+def test_greedy_outputs_and_logprobs_are_those_without_drafts_in_fewer_steps():
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    base, spec, stats = _both(params)
+    _same(base, spec)
+    for b, s in zip(base, spec, strict=True):
+        if b.token_ids == s.token_ids:  # the kept drafts' tokens carry their own position's logprobs
+            torch.testing.assert_close([lp["logprob"] for lp in s.logprobs], [lp["logprob"] for lp in b.logprobs],
+                                       rtol=1e-4, atol=1e-4)
+    assert stats["spec_accepted_tokens"] >= 0.25 * stats["spec_draft_tokens"] > 0
+    assert stats["steps"] < 40  # the plain engine's: one token a request a step
+    assert stats["generation_tokens"] == 40 * len(TEXTS)
+
+
+def test_the_drafts_are_the_mtp_layers_argmax_over_the_finished_sequence():
+    """Replaying each finished greedy sequence through the main model and the MTP layer in one forward gives the
+    drafts the engine verified, and so exactly its kept count (its MTP KV was written at the right slots from the
+    right tokens and hidden rows; a draft not kept never fed it)."""
+    eng = _engine(True)
+    outs = eng.generate(TEXTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    runner, drafted, kept = eng.core.runner, 0, 0
+    for o in outs:
+        seq, p = o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)
+        b = contiguous_batch([seq], [0], [0])
+        b.logits_indices = torch.arange(len(seq))
+        _, hidden = runner.model(b, runner.kv_pool)
+        mb = contiguous_batch([seq[1:]], [0], [0])
+        mb.logits_indices = torch.arange(len(seq) - 1)
+        guess = runner.model.forward_mtp(mb, runner.kv_pool, hidden[:-1]).argmax(-1).tolist()
+        i, known = p - 1, p + 1  # the draft made at position i guesses token i + 2
+        while known + 2 <= p + 30:
+            drafted += 1
+            step = 2 if guess[i] == seq[i + 2] else 1
+            kept += step == 2
+            i, known = i + step, known + step
+    stats = eng.core.stats()
+    assert (stats["spec_draft_tokens"], stats["spec_accepted_tokens"]) == (drafted, kept)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 9])
+def test_max_tokens_at_every_boundary(max_tokens):
+    """A verify step may give two tokens: never past max_tokens, and a draft only where both fit."""
+    base, spec, _ = _both(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2), TEXTS[:3])
+    _same(base, spec)
+    assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in spec)
+
+
+def test_a_stop_token_ends_a_request_inside_a_verify_step():
+    """Each request's stop token is one it emits mid-way (its 5th / 6th / 7th greedy token), so some stops come
+    as a kept draft and some as the token after it: the token after a stop is never emitted."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _engine(False).generate(TEXTS, greedy)
+    for k in (4, 5, 6):
+        stops = sorted({o.token_ids[k] for o in plain})
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stops, logprobs=2)
+        base, spec, _ = _both(params)
+        _same(base, spec)
+        assert all(o.finish_reason == "stop" and o.token_ids[-1] in stops for o in spec if len(o.token_ids) < 24)
+
+
+def test_penalties_and_min_tokens_see_the_draft_in_its_row():
+    """The draft's row is sampled as if the draft were output already: a repetition / frequency penalty and
+    min_tokens there give what the plain engine gives one step later."""
+    params = SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.4, frequency_penalty=0.6,
+                            presence_penalty=0.3, min_tokens=20, logprobs=2)
+    base, spec, stats = _both(params)
+    _same(base, spec)
+    assert stats["spec_accepted_tokens"] > 0
+
+
+def test_chunked_prefill_prefix_cache_and_preemption_change_nothing():
+    """Prompts prefilled in chunks of 16 (the MTP layer extends over each chunk), arriving over time, sharing
+    prefixes (their pages, MTP KV included, from the prefix cache) in a pool small enough to preempt."""
+    ps = [p + q for p in prompts(3, 40, 90, seed=3) for q in prompts(3, 5, 30, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    kw = dict(num_pages=9, max_num_batched_tokens=64, chunked_prefill_size=16, max_running_requests=8)
+    base = outputs(over_time(_engine(False, num_pages=64), ps, params))
+    eng = _engine(True, **kw)
+    spec = outputs(over_time(eng, ps, params))
+    eng.core.check_no_leak()
+    stats = eng.core.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    same = [greedy_close(b, s, f"request {i}") for i, (b, s) in enumerate(zip(base, spec, strict=True))]
+    assert sum(same) >= len(same) - 1
+
+
+def test_seeded_samples_keep_their_draws_until_a_draft_is_not_kept():
+    """A seed draws r0 then r1 from its own stream, as the plain engine draws those two positions one step
+    apart: every request's second token equals the plain engine's, and its third wherever its draft was kept
+    (max_tokens 3: one verify step a request, so the kept count is the requests whose draft was kept)."""
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=3, seed=s, ignore_eos=True) for s in range(40)]
+    texts = [TEXTS[s % 2] for s in range(40)]
+    base, spec, stats = _both(params, texts)
+    assert [o.token_ids[:2] for o in base] == [o.token_ids[:2] for o in spec]
+    third = sum(b.token_ids == s.token_ids for b, s in zip(base, spec, strict=True))
+    assert stats["spec_draft_tokens"] == 40 and third >= stats["spec_accepted_tokens"] > 0
+
+
+def test_n_samples_fork_and_draft_on_their_own():
+    """n = 3 seeded samples: the followers fork from the leader's prompt and draft after their own first step;
+    each sample's tokens up to its first verify step's own draw equal the plain engine's (the leader's first
+    two, a follower's first three: one more step of its own before its first draft)."""
+    params = SamplingParams(temperature=0.9, max_tokens=12, seed=7, n=3, ignore_eos=True)
+    base, spec, stats = _both(params, TEXTS[:2])
+    for b, s in zip(base, spec, strict=True):
+        for i, (bo, so) in enumerate(zip(b.outputs, s.outputs, strict=True)):
+            k = 2 if i == 0 else 3
+            assert bo.token_ids[:k] == so.token_ids[:k] and len(so.token_ids) == 12
+    assert stats["spec_draft_tokens"] >= 6 and stats["generation_tokens"] == 2 * 3 * 12
+
+
+def test_structured_output_requests_run_beside_drafting_ones_without_drafts():
+    from dsaserve.engine.grammar import make_spec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_params = SamplingParams(temperature=0, max_tokens=24,
+                                 structured_outputs=make_spec("json_schema", schema).to_dict())
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for spec in (False, True):
+        eng = _engine(spec)
+        rids = [eng.add_request(t, json_params if i % 2 else plain) for i, t in enumerate(TEXTS)]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        eng.core.check_no_leak()
+        runs.append([done[r].token_ids for r in rids])
+    assert runs[0] == runs[1]
+
+
+def test_an_abort_mid_generation_frees_everything():
+    eng = _engine(True)
+    rids = [eng.add_request(t, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) for t in TEXTS]
+    for _ in range(6):
+        eng.step()
+    eng.abort(rids[1])
+    while eng.has_unfinished():
+        eng.step()
+    eng.core.check_no_leak()
+
+
+def test_the_flags_refuse_what_is_not_built():
+    with pytest.raises(ValueError, match="--speculative-algorithm: runs on one rank"):
+        EngineArgs(model=MODEL, speculative_algorithm="mtp", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--speculative-algorithm: steps synchronously"):
+        EngineArgs(model=MODEL, speculative_algorithm="mtp", disable_overlap_schedule=False)
+    with pytest.raises(ValueError, match="--speculative-algorithm: 'eagle' is not one of mtp, nextn"):
+        EngineArgs(model=MODEL, speculative_algorithm="eagle")
+    args = EngineArgs(model=MODEL, speculative_algorithm="nextn", device="cuda")
+    assert args.loads_mtp and not args.overlap_schedule
+
+
+def test_a_model_without_an_mtp_layer_is_refused_by_name():
+    from dsaserve.engine.engine_core import EngineCore
+    from tests.engine.fake_runner import FakeRunner
+
+    with pytest.raises(ValueError, match="--speculative-algorithm: this model has no MTP layer"):
+        EngineCore(EngineArgs(model=MODEL, speculative_algorithm="mtp"), runner=FakeRunner())
+
+
+def test_the_draft_row_is_its_request_with_the_draft_output():
+    """What the sampler reads of a draft's row r1: the request's outputs and the draft, min_tokens one output on,
+    the request's own seeded generator; a penalty then moves r1 as the draft's output would."""
+    from dsaserve.engine.mtp import DraftRow
+    from dsaserve.engine.request import Req
+    from dsaserve.model.sampler import Sampler
+
+    req = Req("r", 0, [1, 2, 3], SamplingParams(temperature=0, presence_penalty=2.0, min_tokens=3), 0.0, 0, 100,
+              frozenset({9}))
+    req.tokens.append(5)
+    row = DraftRow(req, 7)
+    assert (row.output_token_ids, req.output_token_ids, row.prompt_token_ids) == ([5, 7], [5], [1, 2, 3])
+    assert req.suppressed_token_ids == row.suppressed_token_ids == (9,)  # 1 and 2 outputs of 3
+    req.tokens.append(6)
+    assert (req.suppressed_token_ids, row.suppressed_token_ids) == ((9,), ())  # 2 outputs, the draft the 3rd
+    logits = torch.zeros(2, 10)
+    logits[:, 7], logits[:, 9], logits[:, 4] = 1.0, 0.8, 0.5
+    assert Sampler().sample(logits, [req, row]).token_ids == [7, 9]  # r1: 7 was output (1 - 2), stop 9 allowed
+    g = torch.Generator()
+    row.generator = g
+    assert req.generator is g and row.sampling is req.sampling and row.grammar is None
+
+
+def test_the_warmup_runs_the_mtp_layer_at_the_core_shapes_on_the_sink_page():
+    """What a GPU start runs before Up for a drafting engine (its MTP extend is eager every step): the MTP layer
+    at each attention-core shape of the plan, writing only the sink page (here on the CPU, with a sink page)."""
+    from dsaserve.engine.kv_pool import KVPool
+    from dsaserve.engine.warmup import warm_mtp
+    from dsaserve.engine.warmup_plan import WarmupPlan
+
+    runner = _engine(True).core.runner
+    model, cfg = runner.model, runner.cfg
+    pool = KVPool(cfg, 4, runner.kv_pool.layout, model.kv_layer_ids, 64, model.dtype, "cpu", sink_pages=1)
+    plan = WarmupPlan.build(0, [16, 64], 4, 64, cfg.index_topk)
+    assert warm_mtp(model, pool, plan, 256) == len(plan.core_shapes) > 3
+    mtp_kv = pool.kv_cache(cfg.mtp_layer_ids[0]).view(5, 64, -1)
+    assert mtp_kv[4].any() and not mtp_kv[:4].any() and not pool.kv_buffer[0].any()
