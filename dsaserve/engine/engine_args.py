@@ -105,7 +105,7 @@ class EngineArgs:
     speculative_algorithm: str | None = _arg(
         "speculative decoding: mtp (SGLang's NEXTN, vLLM's deepseek_mtp method; nextn is taken too) drafts one "
         "token a step with the checkpoint's MTP layer and verifies it in the next decode step (engine/mtp.py): "
-        "loads the MTP layer, steps synchronously, one rank", choices=SPECULATIVE)
+        "loads the MTP layer, steps synchronously, not with DP-attention", choices=SPECULATIVE)
     # parallel layout (one process per rank; validated against the model before any weight is read)
     tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
     expert_parallel_size: int = _arg("expert-parallel ranks (routed experts split over them)", 1,
@@ -184,9 +184,9 @@ class EngineArgs:
         """What speculative decoding does not do yet, refused with the flags that ask for it."""
         if self.speculative_algorithm is None:
             return
-        if self.world_size > 1:
-            raise ValueError("--speculative-algorithm: runs on one rank for now (--tp / --ep 1), "
-                             f"got {self.world_size} ranks")
+        if self.enable_dp_attention:  # each rank's own batch: its MTP steps would need idle partners
+            raise ValueError("--speculative-algorithm: not with --enable-dp-attention yet (TP / EP ranks step "
+                             "together and draft alike)")
         if self.disable_overlap_schedule is False:
             raise ValueError("--speculative-algorithm: steps synchronously (its drafts need the step's tokens); "
                              "drop --no-disable-overlap-schedule")

@@ -21,7 +21,14 @@ Drafts are proposals: a wrong or stale one (a prefix-cache page whose MTP KV ano
 preempted and recomputed) costs acceptance, never a different output. Not drafted: structured-output requests
 (their grammar would have to take d before r1's mask), and a request with room for one more token only. A step
 without drafts runs the same way (its hidden rows feed the MTP layer's extend). Counters: `spec_draft_tokens`,
-`spec_accepted_tokens` (the engine's stats and Prometheus).
+`spec_accepted_tokens` (the engine's stats and Prometheus). TP / EP ranks run the same steps and sample alike
+(engine/rank_group.py), so they draft alike.
+
+Left for later: more than one draft a step (the MTP layer chained on its own hidden rows, SGLang's
+`--speculative-num-steps`); overlap scheduling (the drafts are read on the host before the next step is
+scheduled); DP-attention (a rank's MTP steps would need the others' idle partners, `forward_idle(mtp_layer)`);
+CUDA graphs for the verify step (it replays the piecewise graphs, not the decode graphs) and for the MTP layer's
+extend (eager).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`dsaserve serve` over several ranks on the CPU (gloo): TP2, EP2 and DP-attention + EP2 answer through the real
-openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling), and so do
+openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling, TP2 also with
+MTP drafts: the ranks verify and draft alike), and so do
 structured-output requests (json_schema, regex, choice: every rank compiles the grammar before the request is
 admitted, engine/grammar_gate.py), whose outputs obey their grammars; a schema that cannot compile is a 400 and
 the server goes on serving; two
@@ -24,7 +25,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from tests.server.harness import MODEL, START_TIMEOUT_S, ServerProcess, alive, free_port
+from tests.server.harness import MODEL, START_TIMEOUT_S, ServerProcess, alive, free_port, scrape, value
 
 EXACT = ("--kv-layout", "fp32", "--device", "cpu", "--dtype", "float32")
 PROMPTS = [[5, 6, 7, 8, 9] * 8, [11, 12, 13] * 12, list(range(40, 75))]
@@ -79,8 +80,9 @@ OVERLAP = "--no-disable-overlap-schedule"  # overlap scheduling, off by default 
 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2", OVERLAP), ("--enable-dp-attention", "--ep", "2"),
-                                    ("--enable-dp-attention", "--ep", "2", OVERLAP)],
-                         ids=["tp2", "ep2_overlap", "dp2_ep2", "dp2_ep2_overlap"])
+                                    ("--enable-dp-attention", "--ep", "2", OVERLAP),
+                                    ("--tp", "2", "--speculative-algorithm", "mtp")],
+                         ids=["tp2", "ep2_overlap", "dp2_ep2", "dp2_ep2_overlap", "tp2_mtp"])
 def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path, one_rank, layout):
     s = ServerProcess(tmp_path, *EXACT, *layout)
     try:
@@ -93,6 +95,8 @@ def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path
         assert startup["scheduler_info"]["slowest_rank"] in (0, 1)
         assert startup["scheduler_info"]["overlap_schedule"] is (OVERLAP in layout)
         assert {"scheduler", "scheduler rank 1"} <= set(startup["processes"])
+        if "--speculative-algorithm" in layout:  # the drafts were verified, on both ranks alike
+            assert value(scrape(s)[1], "dsaserve_spec_decode_num_draft_tokens_total") > 0
     finally:
         assert s.stop() == 0
 
