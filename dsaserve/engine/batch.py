@@ -4,8 +4,8 @@ Owns: the host-side page table (one row per running request, `max_pages_per_seq`
 req_to_token pool at page granularity) and the flat per-token tensors of model/forward_batch.py:
 input_ids, positions, req_index, out_cache_loc, seq_lens, extend_lens, page_table, logits_indices.
 Only the last token of a request that finishes its pending tokens produces logits: a prefill chunk
-that is not the prompt's last computes KV only (note 001: "prefill 不做采样"). A decode row with its draft
-(speculative decoding, engine/mtp.py) computes the last token and the draft, and both produce logits.
+that is not the prompt's last computes KV only (note 001: "prefill 不做采样"). A decode row with drafts
+(speculative decoding, engine/mtp.py) computes the last token and its drafts, and each produces logits.
 
 Cost model (note 001, "每步的 Python 预算"): rows are written only when a request gains pages (once per
 64 decode steps), decode rows are a handful of list appends each, prefill chunks are sliced in numpy,
@@ -51,15 +51,15 @@ class BatchBuilder:
                 out.append(pages[nc // ps] * ps + nc % ps)
             else:
                 p = np.arange(nc, end)
-                ids += req.tokens[nc:end] if end <= len(req.tokens) else [*req.tokens[nc:], req.draft]
+                ids += req.tokens[nc:end] if end <= len(req.tokens) else [*req.tokens[nc:], *req.drafts]
                 pos += range(nc, end)
                 req_index += [r] * n
                 out += (table[row, p // ps] * ps + p % ps).tolist()
             t += n
             if end == len(req.tokens):
                 logit_idx.append(t - 1)
-            elif end > len(req.tokens):  # its draft rides along (engine/mtp.py): the last token's and the draft's
-                logit_idx += [t - 2, t - 1]
+            elif end > len(req.tokens):  # its drafts ride along (engine/mtp.py): the last token's and each draft's
+                logit_idx += range(t - 1 - (end - len(req.tokens)), t)
             seq_lens.append(end)
             rows.append(row)
         ext = list(sched.num_new)

@@ -51,6 +51,7 @@ _STR_FIELDS = ("model", "dtype", "kv_layout", "device", "load_format", "dist_ini
 DEVICES = ("cpu", "cuda")
 DP_MOE = ("auto", "gather", "a2a")  # engine/dp_step.py
 SPECULATIVE = ("mtp", "nextn")  # the MTP layer drafts (engine/mtp.py); nextn: SGLang's name for it
+MAX_SPECULATIVE_STEPS = 8  # each chained draft is one more MTP forward a step; past a few they are rarely kept
 
 
 def _arg(help_: str, default: Any = None, **kw: Any) -> Any:
@@ -106,6 +107,8 @@ class EngineArgs:
         "speculative decoding: mtp (SGLang's NEXTN, vLLM's deepseek_mtp method; nextn is taken too) drafts one "
         "token a step with the checkpoint's MTP layer and verifies it in the next decode step (engine/mtp.py): "
         "loads the MTP layer, steps synchronously, not with DP-attention", choices=SPECULATIVE)
+    speculative_num_steps: int = _arg("drafts a request a step with --speculative-algorithm: the MTP layer once, then "
+                                      "chained on its own output (SGLang's --speculative-num-steps)", 1)
     # parallel layout (one process per rank; validated against the model before any weight is read)
     tensor_parallel_size: int = _arg("tensor-parallel ranks", 1, aliases=("--tp", "--tp-size"))
     expert_parallel_size: int = _arg("expert-parallel ranks (routed experts split over them)", 1,
@@ -182,6 +185,10 @@ class EngineArgs:
 
     def _validate_speculative(self) -> None:
         """What speculative decoding does not do yet, refused with the flags that ask for it."""
+        _positive("speculative_num_steps", self.speculative_num_steps)
+        if self.speculative_num_steps > MAX_SPECULATIVE_STEPS:
+            raise ValueError(f"--speculative-num-steps: at most {MAX_SPECULATIVE_STEPS}, got "
+                             f"{self.speculative_num_steps}")
         if self.speculative_algorithm is None:
             return
         if self.enable_dp_attention:  # each rank's own batch: its MTP steps would need idle partners

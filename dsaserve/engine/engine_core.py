@@ -97,7 +97,8 @@ class EngineCore:
         self.device_timer = DeviceTimer(torch.device(self.runner.device))
         self.overlap = _overlap(args, self.runner)
         self.overlap_steps = 0
-        self.mtp = MTPDrafter(self.runner) if args.speculative_algorithm is not None else None
+        self.mtp = (MTPDrafter(self.runner, self.scheduler, args.speculative_num_steps)
+                    if args.speculative_algorithm is not None else None)
         # launched, tokens (and prompt entries) not yet on the host
         self._pending: tuple[list[Req], SampleFuture | None, prompt_logprobs.PromptLogprobsFuture | None] | None = None
         self._grammars: GrammarCompiler | None = None

@@ -385,10 +385,10 @@ class ModelRunner(RunnerStartup):
         self._prompt_logprobs(batch, hidden)
         return logits, hidden
 
-    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over a host batch (eagerly): its KV at the batch's slots, logits at its logits rows
-        (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch)."""
-        return self.model.forward_mtp(batch.to(self.device), self.kv_pool, prev_hidden)
+    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over a host batch (eagerly): its KV at the batch's slots; its logits and normed output at
+        the batch's logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch)."""
+        return self.model.forward_mtp(batch.to(self.device), self.kv_pool, prev_hidden, with_hidden=True)
 
     def _prompt_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         """The step's prompt entries from its hidden rows, on the device (`last_prompt_logprobs`, read by the

@@ -1,38 +1,42 @@
 """Speculative decoding with the checkpoint's MTP layer (request path stage 7: "MTP draft and verify").
 
-Owns: the drafts — one token a request, the MTP layer's greedy guess at the token after the last one — their
-verification in the next decode step, and the MTP layer's KV. `--speculative-algorithm mtp` (SGLang's NEXTN with
-one step, vLLM's `deepseek_mtp` with one speculative token).
+Owns: the drafts — up to `--speculative-num-steps` tokens a request, the MTP layer's greedy guesses at the tokens
+after the last one — their verification in the next decode step, and the MTP layer's KV. `--speculative-algorithm
+mtp` (SGLang's NEXTN with one top-1 chain, vLLM's `deepseek_mtp`).
 
 A step with drafts (`EngineCore.step`, synchronous):
-  1. verify: each decode row with a draft d computes its last token t and d together (the scheduler reserves two
-     slots; engine/batch.py writes [t, d] and asks logits at both), so the forward gives the distribution of the
-     token after t (row r0) and, as if d followed, of the token after d (row r1).
-  2. sample: r0 is sampled as any step samples its row, and r1 as a row whose output already holds d (`DraftRow`:
-     penalties and min_tokens see d). The token a0 drawn from r0 is the step's first token whatever d was, so the
-     output distribution is exactly the model's; d is kept when a0 == d, and then r1's draw a1 is valid too: two
-     tokens in one step. With a one-hot draft this is speculative sampling's rule (d kept with probability p(d), else
-     a draw from p without d), and for greedy rows the argmax test.
+  1. verify: each decode row with drafts d1..dk computes its last token t and them together (the scheduler
+     reserves k + 1 slots; engine/batch.py writes [t, d1..dk] and asks logits at each), so the forward gives the
+     distribution of the token after t (row r0) and, as if d1..dj followed, of the token after dj (row rj).
+  2. sample: r0 is sampled as any step samples its row, and rj as a row whose output already holds d1..dj
+     (`DraftRow`: penalties and min_tokens see them; one seeded stream, r0 first). The token a0 drawn from r0 is the
+     step's first token whatever the drafts were; d1 is kept when a0 == d1, and then a1 (drawn from r1) is valid
+     too, d2 is kept when a1 == d2, and so on: 1 + kept tokens in one step. Every token comes from the model's own
+     distribution, so the outputs are plain decoding's; with one-hot drafts this is speculative sampling's rule (dj
+     kept with probability p(dj), else a draw from p without it), and for greedy rows the argmax test.
   3. the MTP layer's extend (`MTPDrafter.extend`): at position i the layer reads the main model's final hidden h_i
      and the embedding of token i+1, writes its own KV at i and predicts token i+2. It runs over every position a
      request computed this step whose next token is known now (a prompt chunk's, the kept tokens' — never a draft
-     that was not kept), and the argmax at the request's last one is its next draft.
+     that was not kept), and its argmax at the request's last one is d1. Drafts 2..k chain the layer on its own
+     output (`_chain`): at the next position, the embedding of the draft before and the layer's output in place of
+     the main model's hidden row, as SGLang's NextN steps do; their KV there is rewritten from real inputs when the
+     position is computed.
 Drafts are proposals: a wrong or stale one (a prefix-cache page whose MTP KV another request wrote, a request
 preempted and recomputed) costs acceptance, never a different output. Not drafted: structured-output requests
-(their grammar would have to take d before r1's mask), and a request with room for one more token only. A step
-without drafts runs the same way (its hidden rows feed the MTP layer's extend). Counters: `spec_draft_tokens`,
-`spec_accepted_tokens` (the engine's stats and Prometheus). TP / EP ranks run the same steps and sample alike
-(engine/rank_group.py), so they draft alike.
+(their grammar would have to take the drafts before the later rows' masks), and no more drafts than the request's
+max_tokens leaves room for. A step without drafts runs the same way (its hidden rows feed the MTP layer's extend).
+Counters: `spec_draft_tokens`, `spec_accepted_tokens` (the engine's stats and Prometheus). TP / EP ranks run the
+same steps and sample alike (engine/rank_group.py), so they draft alike.
 
-Left for later: more than one draft a step (the MTP layer chained on its own hidden rows, SGLang's
-`--speculative-num-steps`); overlap scheduling (the drafts are read on the host before the next step is
-scheduled); DP-attention (a rank's MTP steps would need the others' idle partners, `forward_idle(mtp_layer)`);
-CUDA graphs for the verify step (it replays the piecewise graphs, not the decode graphs) and for the MTP layer's
-extend (eager).
+Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled);
+DP-attention (a rank's MTP steps would need the others' idle partners, `forward_idle(mtp_layer)`); CUDA graphs for
+the verify step (it replays the piecewise graphs, not the decode graphs) and for the MTP layer's forwards (eager).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -45,13 +49,13 @@ from dsaserve.model.sampler import SamplerOutput
 
 
 class DraftRow:
-    """The draft's logits row (r1) as the sampler sees it: the request with its draft as one more output token.
-    Its seeded generator is the request's own, so a seed draws r0 and then r1 from one stream."""
+    """A draft's logits row as the sampler sees it: the request with its drafts up to this one as more output tokens.
+    Its seeded generator is the request's own, so a seed draws r0, r1, ... from one stream, in order."""
 
     grammar = None
 
-    def __init__(self, req: Req, draft: int):
-        self.req, self.draft = req, draft
+    def __init__(self, req: Req, drafts: list[int]):
+        self.req, self.drafts = req, drafts
 
     @property
     def sampling(self) -> Any:
@@ -71,92 +75,143 @@ class DraftRow:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return [*self.req.output_token_ids, self.draft]
+        return [*self.req.output_token_ids, *self.drafts]
 
     @property
     def suppressed_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.req.stop_ids) if self.req.num_output + 1 < self.req.sampling.min_tokens else ()
+        return tuple(self.req.stop_ids) if self.req.num_output + len(self.drafts) < self.req.sampling.min_tokens else ()
+
+
+@dataclass
+class _Rows:
+    """One MTP forward's rows, request by request: positions, the token after each, the hidden row it reads."""
+
+    reqs: list[Req] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    logits: list[bool] = field(default_factory=list)  # whether the request's last row gives a draft
+
+    def add(self, req: Req, start: int, tokens: list[int], draft: bool) -> None:
+        self.reqs.append(req)
+        self.starts.append(start)
+        self.tokens.append(tokens)
+        self.logits.append(draft)
+
+    def batch(self, page_size: int) -> ForwardBatch:
+        """The host batch over each request's own pages (chained drafts write past what the step's table holds)."""
+        ids, pos, req_index, loc, logit_idx = [], [], [], [], []
+        seq_lens = [s + len(t) for s, t in zip(self.starts, self.tokens, strict=True)]
+        width = -(-max(seq_lens) // page_size)
+        table = np.zeros((len(self.reqs), width), dtype=np.int64)
+        for k, (req, start, toks, draft) in enumerate(zip(self.reqs, self.starts, self.tokens, self.logits,
+                                                          strict=True)):
+            pages = req.pages[:-(-seq_lens[k] // page_size)]
+            table[k, :len(pages)] = pages
+            ids += toks
+            pos += range(start, start + len(toks))
+            req_index += [k] * len(toks)
+            loc += [pages[p // page_size] * page_size + p % page_size for p in range(start, start + len(toks))]
+            if draft:
+                logit_idx.append(len(ids) - 1)
+        ext = [len(t) for t in self.tokens]
+        return ForwardBatch(_i64(ids), _i64(pos), _i64(req_index), _i64(seq_lens), _i64(ext), torch.from_numpy(table),
+                            _i64(loc), _i64(logit_idx), page_size, seq_lens, ext)
 
 
 class MTPDrafter:
-    """Drafts for one engine core's requests, from its runner's MTP layer (`forward_mtp`)."""
+    """Drafts for one engine core's requests, from its runner's MTP layer (`forward_mtp`): up to `steps` a request,
+    the layer chained on its own output past the first."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, scheduler: Any, steps: int = 1):
         model = getattr(runner, "model", None)
         if not getattr(model, "with_mtp", False) or not hasattr(runner, "forward_mtp"):
             raise ValueError("--speculative-algorithm: this model has no MTP layer to draft with "
                              "(num_nextn_predict_layers = 0, or a runner without forward_mtp)")
-        self.runner = runner
+        self.runner, self.scheduler, self.steps = runner, scheduler, steps
+        self.page_size = scheduler.cfg.page_size
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
-    @staticmethod
-    def drafts_for(req: Req) -> bool:
-        """Whether req takes drafts: no grammar, and room for the two tokens a verify step may give it."""
-        return req.grammar is None and len(req.tokens) + 2 <= req.max_len
+    def drafts_for(self, req: Req) -> int:
+        """How many drafts req takes: none under a grammar; else up to `steps`, as many as the tokens a verify step
+        may give it leave room for (the last token, then one more per draft)."""
+        return 0 if req.grammar is not None else max(0, min(self.steps, req.max_len - len(req.tokens) - 1))
 
     def sample_rows(self, sched: ScheduledBatch, samples: list[Req], rows: list[int]
                     ) -> tuple[list[Any], list[int]]:
-        """The sampler's rows: the step's samples, then each draft's row r1 (`DraftRow`)."""
-        extra = [(DraftRow(req, req.draft), r1) for req, r1 in sched.draft_rows if req.status is ReqStatus.RUNNING]
+        """The sampler's rows: the step's samples, then each draft's row (`DraftRow`), a request's in order."""
+        extra = [(DraftRow(req, req.drafts[:j + 1]), first + j) for req, n, first in sched.draft_rows
+                 if req.status is ReqStatus.RUNNING for j in range(n)]
         return [*samples, *(d for d, _ in extra)], [*rows, *(r for _, r in extra)]
 
-    def kept(self, samples: list[Any], out: SamplerOutput) -> dict[Req, tuple[int, dict | None]]:
-        """Each request whose draft equals the token its row r0 drew -> (r1's token, its logprobs); counts."""
+    def kept(self, samples: list[Any], out: SamplerOutput) -> dict[Req, list[tuple[int, dict | None]]]:
+        """Each request's kept drafts -> the tokens drawn after each (token, logprobs): draft j is kept when the row
+        before it drew it and every draft before it was kept. Counts drafts and kept ones."""
         first = {r: i for i, r in enumerate(samples) if isinstance(r, Req)}
-        kept = {}
+        rows: dict[Req, list[int]] = {}
         for j in range(len(first), len(samples)):
-            row: DraftRow = samples[j]
-            self.draft_tokens += 1
-            if out.token_ids[first[row.req]] == row.draft:
-                self.accepted_tokens += 1
-                kept[row.req] = (out.token_ids[j], out.logprobs[j])
+            rows.setdefault(samples[j].req, []).append(j)
+        kept: dict[Req, list[tuple[int, dict | None]]] = {}
+        for req, js in rows.items():
+            drawn = out.token_ids[first[req]]
+            after = kept[req] = []
+            for j in js:
+                if drawn != samples[j].drafts[-1]:
+                    break
+                drawn = out.token_ids[j]
+                after.append((drawn, out.logprobs[j]))
+            self.draft_tokens += len(js)
+            self.accepted_tokens += len(after)
         return kept
 
     def extend(self, sched: ScheduledBatch, batch: ForwardBatch, hidden: torch.Tensor, starts: list[int],
-               kept: dict[Req, tuple[int, dict | None]]) -> None:
+               kept: dict[Req, list[tuple[int, dict | None]]]) -> None:
         """The MTP layer over the positions each request computed this step whose next token is known (its KV),
-        and the next drafts from the last position of each request that sampled (its argmax there)."""
-        plan = self._plan(sched, batch, starts, kept)
+        its argmax at the last position of each request that sampled (the first draft), then chained on its own
+        output for the others."""
         for req in sched.reqs:
-            req.draft = None
-        if plan is None:
+            req.drafts = []
+        rows, keep = self._extend_rows(sched, starts, kept)
+        if not rows.reqs:
             return
-        mtp_batch, keep, drafting = plan
-        logits = self.runner.forward_mtp(mtp_batch, hidden.index_select(0, keep.to(hidden.device)))
+        logits, h = self.runner.forward_mtp(rows.batch(self.page_size), hidden.index_select(0, keep.to(hidden.device)))
+        drafting = list(compress(rows.reqs, rows.logits))
         for req, tok in zip(drafting, logits.argmax(dim=-1).tolist(), strict=True):
-            req.draft = tok
+            req.drafts = [tok]
+        self._chain(drafting, h)
 
-    def _plan(self, sched: ScheduledBatch, batch: ForwardBatch, starts: list[int],
-              kept: dict[Req, tuple[int, dict | None]]) -> tuple[ForwardBatch, torch.Tensor, list[Req]] | None:
-        """(the MTP layer's host batch, the step's hidden rows it reads, the requests drafting from it) or None."""
-        sampling, verified = set(sched.logit_reqs), {req for req, _ in sched.draft_rows}
-        out_loc = batch.out_cache_loc
-        ids, pos, req_index, loc, seq_lens, ext, rows, keep, logit_idx, drafting = ([] for _ in range(10))
-        t = 0  # the step's first token of this request
-        for r, (req, n, start) in enumerate(zip(sched.reqs, sched.num_new, starts, strict=True)):
-            valid = n - (req in verified and req not in kept)  # a draft not kept: its hidden row is another token's
+    def _extend_rows(self, sched: ScheduledBatch, starts: list[int], kept: dict[Req, list]
+                     ) -> tuple[_Rows, torch.Tensor]:
+        """Per request of the step: the positions whose hidden row is its own token's (a draft not kept: another
+        token's) and whose next token is known, and the step's hidden rows they read."""
+        sampling, verified = set(sched.logit_reqs), {req: n for req, n, _ in sched.draft_rows}
+        rows, keep, t = _Rows(), [], 0  # t: the step's first token of this request
+        for req, n, start in zip(sched.reqs, sched.num_new, starts, strict=True):
+            valid = n - (verified.get(req, 0) - len(kept.get(req, ())))
             if req.status is ReqStatus.RUNNING and req.grammar is None and valid > 0:
-                k = len(rows)
-                ids += req.tokens[start + 1:start + valid + 1]
-                pos += range(start, start + valid)
-                req_index += [k] * valid
-                loc += out_loc[t:t + valid].tolist()
+                rows.add(req, start, req.tokens[start + 1:start + valid + 1],
+                         req in sampling and self.drafts_for(req) > 0)
                 keep += range(t, t + valid)
-                seq_lens.append(start + valid)
-                ext.append(valid)
-                rows.append(r)
-                if req in sampling and self.drafts_for(req):
-                    logit_idx.append(len(ids) - 1)
-                    drafting.append(req)
             t += n
-        if not rows:
-            return None
-        table = batch.page_table if batch.page_table_cpu is None else batch.page_table_cpu
-        width = -(-max(seq_lens) // batch.page_size)
-        mtp = ForwardBatch(_i64(ids), _i64(pos), _i64(req_index), _i64(seq_lens), _i64(ext),
-                           table[rows, :width].cpu(), _i64(loc), _i64(logit_idx), batch.page_size, seq_lens, ext)
-        return mtp, _i64(keep), drafting
+        return rows, torch.tensor(keep, dtype=torch.int64)
+
+    def _chain(self, reqs: list[Req], h: torch.Tensor) -> None:
+        """Drafts 2.. of each request: the MTP layer at the position after its last draft's, on the embedding of that
+        draft and its own output there (SGLang's chained NextN steps). Their KV is rewritten from real inputs when
+        those positions are computed; a request whose pool is short of a page for them stops drafting there."""
+        for j in range(2, self.steps + 1):
+            rows, pick = _Rows(), []
+            for k, req in enumerate(reqs):
+                pos = len(req.tokens) + j - 3  # the last token's position is len - 1; draft j - 1 guessed len + j - 2
+                if self.drafts_for(req) >= j and self.scheduler.grow_pages(req, pos + 1):
+                    rows.add(req, pos, [req.drafts[-1]], True)
+                    pick.append(k)
+            if not rows.reqs:
+                return
+            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h[torch.tensor(pick, device=h.device)])
+            for req, tok in zip(rows.reqs, logits.argmax(dim=-1).tolist(), strict=True):
+                req.drafts.append(tok)
+            reqs = rows.reqs
 
     def stats(self) -> dict[str, int]:
         return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens}

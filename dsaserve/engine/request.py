@@ -81,7 +81,7 @@ class Req:
         "chain_uid",
         "row", "pages_synced", "generator", "finish_reason", "stop_reason", "followers", "leader",
         "num_emitted", "pending_logprobs", "num_preemptions", "grammar", "prompt_logprobs", "prompt_lp_asked",
-        "prompt_lp_sent", "draft",
+        "prompt_lp_sent", "drafts",
     )
 
     def __init__(self, request_id: str, index: int, prompt: list[int], sampling: SamplingParams,
@@ -115,9 +115,9 @@ class Req:
         self.prompt_lp_sent = False
         self.num_preemptions = 0
         self.grammar: Any = None  # engine/grammar.py GrammarState of a structured-output request
-        # speculative decoding (engine/mtp.py): the MTP layer's guess at the token after the last one; the next
-        # decode step computes the last token and this one together and keeps it if the sampler agrees
-        self.draft: int | None = None
+        # speculative decoding (engine/mtp.py): the MTP layer's guesses at the tokens after the last one; the next
+        # decode step computes the last token and these together and keeps those the sampler agrees with
+        self.drafts: list[int] = []
 
     # ---- views the sampler reads (model/sampler.py SampleSource) ---------------------------
     @property

@@ -69,9 +69,10 @@ class ScheduledBatch:
     sample_reqs: list[Req]  # the sampler's rows: logit_reqs plus n>1 followers forked this step
     sample_logit_rows: list[int]  # logits row each sample_req reads
     num_tokens: int
-    # speculative decoding (engine/mtp.py): each row computing its draft after its last token, and the logits row
-    # of that draft (the token after it); the row's own sample reads the row before
-    draft_rows: list[tuple[Req, int]] = field(default_factory=list)
+    # speculative decoding (engine/mtp.py): per row computing drafts after its last token, (the request, how many
+    # drafts, the logits row of the first: the token after it; the others follow it); its own sample reads the row
+    # before
+    draft_rows: list[tuple[Req, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Scheduler:
             if len(req.tokens) - req.num_computed != 1:
                 prefilling.append(req)
                 continue
-            n = 1 if req.draft is None or st.budget < 2 else 2  # a draft rides with the last token (engine/mtp.py)
+            n = 1 + len(req.drafts) if st.budget > len(req.drafts) else 1  # drafts ride along (engine/mtp.py)
             if req.num_computed + n > len(req.pages) * ps and not self._reserve(req, n, st):
                 continue  # its last page is full and the pool is short even after preemption
             sched[req] = n
@@ -249,9 +250,9 @@ class Scheduler:
             logit_reqs.append(req)
             sample_reqs.append(req)
             rows.append(row)
-            if end > len(req.tokens):  # the draft's row: the token after it, kept if the draft is
-                row += 1
-                drafts.append((req, row))
+            if end > len(req.tokens):  # the drafts' rows: the token after each, kept if the drafts up to it are
+                drafts.append((req, end - len(req.tokens), row + 1))
+                row += end - len(req.tokens)
             for f in self._followers_with_rows(req):  # the prompt is complete: they sample from it too
                 sample_reqs.append(f)
                 rows.append(row)
@@ -304,6 +305,17 @@ class Scheduler:
                 self._fork(req)
             req.tokens.append(placeholder(j))
 
+    def grow_pages(self, req: Req, tokens: int) -> bool:
+        """Pages for req's first `tokens` positions, from what the pool has free (never a preemption): speculative
+        decoding's chained drafts write the MTP layer's KV ahead of the request's tokens (engine/mtp.py), where the
+        next step's drafts go anyway. Whether they are there."""
+        need = -(-tokens // self.cfg.page_size) - len(req.pages)
+        if need > self.cache.num_available():
+            return False
+        if need > 0:
+            req.pages += self.cache.allocate(need)
+        return True
+
     def _register_full_pages(self, req: Req) -> None:
         """Offer the request's pages that its computed tokens filled to the prefix cache."""
         full = req.num_computed // self.cfg.page_size
@@ -313,11 +325,11 @@ class Scheduler:
             req.num_registered = full
 
     def resolve(self, samples: list[Req], token_ids: list[int], logprobs: list[dict | None],
-                kept_drafts: dict[Req, tuple[int, dict | None]] | None = None) -> list[TokenDelta]:
+                kept_drafts: dict[Req, list[tuple[int, dict | None]]] | None = None) -> list[TokenDelta]:
         """The launched step's tokens reached the host: they replace the placeholders, then the finish checks
         (stop ids, EOS, max_tokens, context, a completed grammar) and one delta per sample. `kept_drafts`
-        (speculative decoding, engine/mtp.py): a sample whose draft equals the token just sampled has the draft's
-        KV computed, and takes the token sampled after it (token and logprobs) unless the first one ended it."""
+        (speculative decoding, engine/mtp.py): a sample whose drafts equal the tokens just sampled has their KV
+        computed, and takes the token sampled after each (token and logprobs) until one ends it."""
         deltas = []
         for req, tok, lp in zip(samples, token_ids, logprobs, strict=True):
             if req.status is ReqStatus.FINISHED:  # aborted while its token was on the way: dropped
@@ -325,12 +337,13 @@ class Scheduler:
                 continue
             req.tokens[-1] = tok
             finished = self._take(req, tok, lp)
-            kept = kept_drafts.get(req) if kept_drafts else None
-            if kept is not None and not finished:
-                req.num_computed += 1  # the draft's KV is this token's
+            for after in (kept_drafts.get(req, ()) if kept_drafts else ()):
+                if finished:
+                    break
+                req.num_computed += 1  # the kept draft's KV is the last token's
                 self._register_full_pages(req)
-                req.tokens.append(kept[0])
-                finished = self._take(req, *kept)
+                req.tokens.append(after[0])
+                finished = self._take(req, *after)
             if req.prompt_logprobs is not None and not req.prompt_lp_sent:
                 self.prompt_entries.store(req)
             deltas.append(req.delta(finished))
@@ -383,7 +396,7 @@ class Scheduler:
         req.pages = []
         req.num_computed = req.num_registered = req.chain_uid = 0
         self.free_rows.append(req.row)
-        req.row, req.pages_synced, req.draft = -1, 0, None
+        req.row, req.pages_synced, req.drafts = -1, 0, []
         self.running.remove(req)
         self.row_reservations.pop(req, None)  # parked followers wait for the leader's next admission
 

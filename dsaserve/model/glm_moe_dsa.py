@@ -261,18 +261,21 @@ class DsaForCausalLM(nn.Module):
         return logits, hidden
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, pool: PagedKV, prev_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, pool: PagedKV, prev_hidden: torch.Tensor, k: int = 0,
+                    with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """MTP layer k: batch.input_ids are the *next* tokens, prev_hidden the main model's final hidden
-        states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V]."""
+        states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V], and
+        with_hidden the layer's own normed output at those rows (what a chained draft step feeds it again)."""
         if not self.with_mtp:
             raise RuntimeError("this model was built without its MTP layer (num_nextn_predict_layers=0)")
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
         ctx = self._context(batch, pool)
         h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
         join_side_stream(ctx)
-        logits = self.compute_logits(_logit_rows(h, batch))
+        rows = _logit_rows(h, batch)
+        logits = self.compute_logits(rows)
         count_step(self.forward_shape(k), pool, batch)
-        return logits
+        return (logits, rows) if with_hidden else logits
 
 
 def _logit_rows(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

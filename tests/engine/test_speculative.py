@@ -18,14 +18,15 @@ TEXTS = ["The quick brown fox", "def fibonacci(n):", "A language model reads a s
          "Sparse attention selects", "import json\n\ndata = {"]
 
 
-def _engine(spec: bool, **kw) -> Engine:
-    return Engine(MODEL, device="cpu", speculative_algorithm="mtp" if spec else None, **{"num_pages": 64, **kw})
+def _engine(spec: bool, steps: int = 1, **kw) -> Engine:
+    spec_kw = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if spec else {}
+    return Engine(MODEL, device="cpu", **spec_kw, **{"num_pages": 64, **kw})
 
 
-def _both(params: SamplingParams, texts=TEXTS, **kw) -> tuple[list, list, dict]:
+def _both(params: SamplingParams, texts=TEXTS, steps: int = 1, **kw) -> tuple[list, list, dict]:
     """(the plain engine's outputs, the drafting engine's, its stats); the drafting engine leaks nothing."""
     base = _engine(False, **kw).generate(texts, params)
-    eng = _engine(True, **kw)
+    eng = _engine(True, steps, **kw)
     spec = eng.generate(texts, params)
     eng.core.check_no_leak()
     return base, spec, eng.core.stats()
@@ -39,9 +40,12 @@ def _same(base, spec) -> None:
     assert sum(same) >= len(same) - 1
 
 
-def test_greedy_outputs_and_logprobs_are_those_without_drafts_in_fewer_steps():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_greedy_outputs_and_logprobs_are_those_without_drafts_in_fewer_steps(steps):
+    """fp32 KV: a step of several tokens reads its own rows exactly where a one-token step reads them back from the
+    FP8 cache (~1e-3 nats apart over a few steps), so only the exact layout compares logprobs this closely."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
-    base, spec, stats = _both(params)
+    base, spec, stats = _both(params, steps=steps, kv_layout="fp32")
     _same(base, spec)
     for b, s in zip(base, spec, strict=True):
         if b.token_ids == s.token_ids:  # the kept drafts' tokens carry their own position's logprobs
@@ -77,15 +81,19 @@ def test_the_drafts_are_the_mtp_layers_argmax_over_the_finished_sequence():
     assert (stats["spec_draft_tokens"], stats["spec_accepted_tokens"]) == (drafted, kept)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 9])
-def test_max_tokens_at_every_boundary(max_tokens):
-    """A verify step may give two tokens: never past max_tokens, and a draft only where both fit."""
-    base, spec, _ = _both(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2), TEXTS[:3])
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 9])
+def test_max_tokens_at_every_boundary(max_tokens, steps):
+    """A verify step may give one token more than it has drafts: never past max_tokens, and only as many drafts as
+    fit."""
+    base, spec, _ = _both(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2), TEXTS[:3],
+                          steps)
     _same(base, spec)
     assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in spec)
 
 
-def test_a_stop_token_ends_a_request_inside_a_verify_step():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_stop_token_ends_a_request_inside_a_verify_step(steps):
     """Each request's stop token is one it emits mid-way (its 5th / 6th / 7th greedy token), so some stops come
     as a kept draft and some as the token after it: the token after a stop is never emitted."""
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -93,29 +101,31 @@ def test_a_stop_token_ends_a_request_inside_a_verify_step():
     for k in (4, 5, 6):
         stops = sorted({o.token_ids[k] for o in plain})
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stops, logprobs=2)
-        base, spec, _ = _both(params)
+        base, spec, _ = _both(params, steps=steps)
         _same(base, spec)
         assert all(o.finish_reason == "stop" and o.token_ids[-1] in stops for o in spec if len(o.token_ids) < 24)
 
 
-def test_penalties_and_min_tokens_see_the_draft_in_its_row():
-    """The draft's row is sampled as if the draft were output already: a repetition / frequency penalty and
-    min_tokens there give what the plain engine gives one step later."""
+@pytest.mark.parametrize("steps", [1, 3])
+def test_penalties_and_min_tokens_see_the_draft_in_its_row(steps):
+    """A draft's row is sampled as if the drafts up to it were output already: a repetition / frequency penalty
+    and min_tokens there give what the plain engine gives steps later."""
     params = SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.4, frequency_penalty=0.6,
                             presence_penalty=0.3, min_tokens=20, logprobs=2)
-    base, spec, stats = _both(params)
+    base, spec, stats = _both(params, steps=steps)
     _same(base, spec)
     assert stats["spec_accepted_tokens"] > 0
 
 
-def test_chunked_prefill_prefix_cache_and_preemption_change_nothing():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_chunked_prefill_prefix_cache_and_preemption_change_nothing(steps):
     """Prompts prefilled in chunks of 16 (the MTP layer extends over each chunk), arriving over time, sharing
     prefixes (their pages, MTP KV included, from the prefix cache) in a pool small enough to preempt."""
     ps = [p + q for p in prompts(3, 40, 90, seed=3) for q in prompts(3, 5, 30, seed=4)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     kw = dict(num_pages=9, max_num_batched_tokens=64, chunked_prefill_size=16, max_running_requests=8)
     base = outputs(over_time(_engine(False, num_pages=64), ps, params))
-    eng = _engine(True, **kw)
+    eng = _engine(True, steps, **kw)
     spec = outputs(over_time(eng, ps, params))
     eng.core.check_no_leak()
     stats = eng.core.stats()
@@ -136,12 +146,13 @@ def test_seeded_samples_keep_their_draws_until_a_draft_is_not_kept():
     assert stats["spec_draft_tokens"] == 40 and third >= stats["spec_accepted_tokens"] > 0
 
 
-def test_n_samples_fork_and_draft_on_their_own():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_n_samples_fork_and_draft_on_their_own(steps):
     """n = 3 seeded samples: the followers fork from the leader's prompt and draft after their own first step;
     each sample's tokens up to its first verify step's own draw equal the plain engine's (the leader's first
     two, a follower's first three: one more step of its own before its first draft)."""
     params = SamplingParams(temperature=0.9, max_tokens=12, seed=7, n=3, ignore_eos=True)
-    base, spec, stats = _both(params, TEXTS[:2])
+    base, spec, stats = _both(params, TEXTS[:2], steps)
     for b, s in zip(base, spec, strict=True):
         for i, (bo, so) in enumerate(zip(b.outputs, s.outputs, strict=True)):
             k = 2 if i == 0 else 3
@@ -158,7 +169,7 @@ def test_structured_output_requests_run_beside_drafting_ones_without_drafts():
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = []
     for spec in (False, True):
-        eng = _engine(spec)
+        eng = _engine(spec, steps=3)
         rids = [eng.add_request(t, json_params if i % 2 else plain) for i, t in enumerate(TEXTS)]
         done = {}
         while eng.has_unfinished():
@@ -169,7 +180,7 @@ def test_structured_output_requests_run_beside_drafting_ones_without_drafts():
 
 
 def test_an_abort_mid_generation_frees_everything():
-    eng = _engine(True)
+    eng = _engine(True, steps=3)
     rids = [eng.add_request(t, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) for t in TEXTS]
     for _ in range(6):
         eng.step()
@@ -186,6 +197,10 @@ def test_the_flags_refuse_what_is_not_built():
         EngineArgs(model=MODEL, speculative_algorithm="mtp", disable_overlap_schedule=False)
     with pytest.raises(ValueError, match="--speculative-algorithm: 'eagle' is not one of mtp, nextn"):
         EngineArgs(model=MODEL, speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="--speculative-num-steps: at most 8"):
+        EngineArgs(model=MODEL, speculative_algorithm="mtp", speculative_num_steps=9)
+    with pytest.raises(ValueError, match="--speculative-num-steps: must be a positive integer"):
+        EngineArgs(model=MODEL, speculative_algorithm="mtp", speculative_num_steps=0)
     args = EngineArgs(model=MODEL, speculative_algorithm="nextn", device="cuda")
     assert args.loads_mtp and not args.overlap_schedule
 
@@ -208,7 +223,7 @@ def test_the_draft_row_is_its_request_with_the_draft_output():
     req = Req("r", 0, [1, 2, 3], SamplingParams(temperature=0, presence_penalty=2.0, min_tokens=3), 0.0, 0, 100,
               frozenset({9}))
     req.tokens.append(5)
-    row = DraftRow(req, 7)
+    row = DraftRow(req, [7])
     assert (row.output_token_ids, req.output_token_ids, row.prompt_token_ids) == ([5, 7], [5], [1, 2, 3])
     assert req.suppressed_token_ids == row.suppressed_token_ids == (9,)  # 1 and 2 outputs of 3
     req.tokens.append(6)
