@@ -104,9 +104,9 @@ class EngineArgs:
         "asynchronously; --no-disable-overlap-schedule forces it on, as the CPU tests do)", bool_flag=True)
     load_mtp: bool = _arg("also load the MTP layer's weights", False)
     speculative_algorithm: str | None = _arg(
-        "speculative decoding: mtp (SGLang's NEXTN, vLLM's deepseek_mtp method; nextn is taken too) drafts one "
-        "token a step with the checkpoint's MTP layer and verifies it in the next decode step (engine/mtp.py): "
-        "loads the MTP layer, steps synchronously, not with DP-attention", choices=SPECULATIVE)
+        "speculative decoding: mtp (SGLang's NEXTN, vLLM's deepseek_mtp method; nextn is taken too) drafts "
+        "--speculative-num-steps tokens a step with the checkpoint's MTP layer and verifies them in the next decode "
+        "step (engine/mtp.py): loads the MTP layer, steps synchronously, not with DP-attention", choices=SPECULATIVE)
     speculative_num_steps: int = _arg("drafts a request a step with --speculative-algorithm: the MTP layer once, then "
                                       "chained on its own output (SGLang's --speculative-num-steps)", 1)
     # parallel layout (one process per rank; validated against the model before any weight is read)
