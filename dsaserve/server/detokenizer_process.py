@@ -20,6 +20,7 @@ FIRST_LINE = time.time()
 import json
 import sys
 import traceback
+from itertools import chain
 from typing import Any
 
 import zmq
@@ -43,19 +44,27 @@ def logprob_entries(tok: HFTokenizer, ids: list[int], lps: list[dict]) -> list[d
     return out
 
 
-def prompt_entries(tok: HFTokenizer, ids: list[int], plps: list[dict | None]) -> list[dict]:
-    """Engine prompt logprobs (None for the first token, else {"logprob", "rank", "top"}) with each prompt
-    token's text and bytes: {id, token, bytes, logprob, rank, top: [[token, logprob, bytes, id], ...]}; the first
-    token's logprob, rank and top are None."""
-    out = []
-    for tid, lp in zip(ids, plps, strict=True):
-        text, raw = tok.token_strings(tid)
-        e = {"id": tid, "token": text, "bytes": raw, "logprob": None, "rank": None, "top": None}
-        if lp is not None:
-            e.update(logprob=float(lp["logprob"]), rank=int(lp["rank"]),
-                     top=[_alternative(tok, t, v) for t, v in lp["top"]])
-        out.append(e)
-    return out
+def prompt_entries(tok: HFTokenizer, ids: list[int], plps: list[dict | None]) -> dict[str, Any]:
+    """Engine prompt logprobs (None for the first token, else {"logprob", "rank", "top": [[id, logprob], ...]}) with
+    each prompt token's text and bytes, as columns (logprob_format.PromptEntries reads them): per prompt token
+    `logprob`, `rank` (None for the first) and `top_len`, its alternatives' count; `top_ids` / `top_lps`, every
+    alternative in position order, packed (ipc.pack_ints, ipc.pack_floats); `ids` and `bytes` of the prompt's tokens;
+    `vocab` / `text`, the token text of each id named.
+
+    Columns, not a dict per token and a list per alternative: a 32K-token prompt's top-20 is 690K alternatives, and
+    that many small containers took ~1 s here and as much again to pack and unpack (most of it the garbage
+    collector's passes over them); packed, the 690K numbers cross as two byte strings."""
+    if len(ids) != len(plps):
+        raise ValueError(f"prompt logprobs: {len(plps)} entries for {len(ids)} prompt tokens")
+    pairs = list(chain.from_iterable(chain.from_iterable(lp["top"] for lp in plps if lp is not None)))
+    top_ids = pairs[0::2]  # pairs: id, logprob, id, logprob, ...
+    vocab = list(set(top_ids).union(ids))
+    return {"ids": ids, "bytes": [bytes(tok.token_strings(t)[1]) for t in ids],
+            "logprob": [None if lp is None else float(lp["logprob"]) for lp in plps],
+            "rank": [None if lp is None else int(lp["rank"]) for lp in plps],
+            "top_len": [0 if lp is None else len(lp["top"]) for lp in plps],
+            "top_ids": ipc.pack_ints(top_ids), "top_lps": ipc.pack_floats(pairs[1::2]),
+            "vocab": vocab, "text": tok.token_texts(vocab)}
 
 
 def _alternative(tok: HFTokenizer, tid: int, logprob: float) -> list:

@@ -46,6 +46,14 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
 _UNICODE_TO_BYTE = _gpt2_byte_alphabet()
 
 
+def _display_text(raw: bytes) -> str:
+    """A token's bytes as logprobs show them: the text, or OpenAI's `bytes:\\xNN` where they are not whole UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class ChatTemplateError(ValueError):
     """The template is missing, or it raised (e.g. `raise_exception('unknown role')`)."""
 
@@ -132,16 +140,19 @@ class HFTokenizer:
         every position (a 32K-token prompt's top-20 is 690K names: 4.3 s unmemoised, once per vocabulary entry now)."""
         got = self._strings.get(token_id)
         if got is None:
-            got = self._strings[token_id] = (self.token_text(token_id), list(self.token_bytes(token_id)))
+            raw = self.token_bytes(token_id)  # once: the text is made of the same bytes
+            got = self._strings[token_id] = (_display_text(raw), list(raw))
         return got
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """token_text of each id, from token_strings' memo (a long prompt's entries name ~100K distinct ids: the
+        memo read inline, not a method call each)."""
+        memo = self._strings
+        return [(memo.get(t) or self.token_strings(t))[0] for t in ids]
 
     def token_text(self, token_id: int) -> str:
         """One token as text for logprobs; a token that is not whole UTF-8 becomes OpenAI's `bytes:\\xNN`."""
-        raw = self.token_bytes(token_id)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return _display_text(self.token_bytes(token_id))
 
     @cached_property
     def max_token_bytes(self) -> int:

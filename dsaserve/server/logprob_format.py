@@ -7,8 +7,12 @@ the detokenizer's entries (server/detokenizer_process.py: logprob_entries, promp
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
+from dsaserve.server import ipc
 from dsaserve.server.protocol import CompletionLogprobs, PromptLogprobs, TokenLogprob, TopLogprob
 from dsaserve.server.request_state import SampleOutput
 
@@ -23,7 +27,7 @@ class TextOffsets:
         self.at = start
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def take(self, token_bytes: list[int]) -> int:
+    def take(self, token_bytes: bytes | list[int]) -> int:
         raw = bytes(token_bytes)
         pending = self._decoder.getstate()[0]
         # an unfinished character before a token that does not continue it ends as replacement characters
@@ -52,27 +56,56 @@ def chat_logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob]:
     return out
 
 
-def add_prompt_logprobs(lp: CompletionLogprobs, entries: list[dict[str, Any]], k: int) -> None:
+@dataclass(frozen=True)
+class PromptEntries:
+    """A prompt's entries as the detokenizer sends them, in columns (detokenizer_process.prompt_entries): per
+    prompt token its id, bytes, logprob and rank (None for the first token: nothing comes before it) and its
+    alternatives, most likely first; `text`, each id's text."""
+
+    ids: list[int]
+    raw: list[bytes]
+    logprob: list[float | None]
+    rank: list[int | None]
+    starts: list[int]  # token i's alternatives are top_ids[starts[i]:starts[i + 1]], their logprobs top_lps'
+    top_ids: list[int]
+    top_lps: list[float]
+    text: dict[int, str]
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PromptEntries:
+        return cls(d["ids"], d["bytes"], d["logprob"], d["rank"], list(accumulate(d["top_len"], initial=0)),
+                   ipc.unpack_ints(d["top_ids"]), ipc.unpack_floats(d["top_lps"]),
+                   dict(zip(d["vocab"], d["text"], strict=True)))
+
+    def top(self, i: int, k: int) -> Iterator[tuple[int, float]]:
+        """(id, logprob) of token i's first k alternatives: the request's k (the engine's lists have the largest
+        k any of its requests asked)."""
+        a = self.starts[i]
+        b = min(self.starts[i + 1], a + k)
+        return zip(self.top_ids[a:b], self.top_lps[a:b], strict=True)
+
+
+def add_prompt_logprobs(lp: CompletionLogprobs, e: PromptEntries, k: int) -> None:
     """Echo with logprobs: the prompt's tokens ahead of the completion's, their top-k alternatives; the first
     token has no logprob (nothing comes before it), as OpenAI's legacy echo."""
     offsets = TextOffsets(0)
-    for e in entries:
-        lp.tokens.append(e["token"])
-        lp.token_logprobs.append(e["logprob"])
-        lp.top_logprobs.append(None if e["top"] is None else {t[0]: t[1] for t in e["top"][:k]})
-        lp.text_offset.append(offsets.take(e["bytes"]))
+    for i, tid in enumerate(e.ids):
+        lp.tokens.append(e.text[tid])
+        lp.token_logprobs.append(e.logprob[i])
+        lp.top_logprobs.append(None if e.logprob[i] is None else {e.text[t]: v for t, v in e.top(i, k)})
+        lp.text_offset.append(offsets.take(e.raw[i]))
 
 
-def vllm_prompt_logprobs(entries: list[dict[str, Any]], k: int) -> PromptLogprobs:
+def vllm_prompt_logprobs(e: PromptEntries, k: int) -> PromptLogprobs:
     """vLLM's prompt_logprobs: per prompt token None (the first) or the token itself and its top-k alternatives,
     keyed by token id, each with its logprob, rank (1 = most likely) and text."""
     out: PromptLogprobs = []
-    for e in entries:
-        if e["logprob"] is None:
+    for i, tid in enumerate(e.ids):
+        if e.logprob[i] is None:
             out.append(None)
             continue
-        d = {str(e["id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
-        for rank, t in enumerate(e["top"][:k], start=1):
-            d.setdefault(str(t[3]), {"logprob": t[1], "rank": rank, "decoded_token": t[0]})
+        d = {str(tid): {"logprob": e.logprob[i], "rank": e.rank[i], "decoded_token": e.text[tid]}}
+        for rank, (t, v) in enumerate(e.top(i, k), start=1):
+            d.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": e.text[t]})
         out.append(d)
     return out

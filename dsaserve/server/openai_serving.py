@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from dsaserve.common.sampling_params import MAX_N
 from dsaserve.server.chat_features import ChatPlan, ChatSettings, ChoiceOutput
 from dsaserve.server.logprob_format import (
+    PromptEntries,
     TextOffsets,
     add_completion_logprobs,
     add_prompt_logprobs,
@@ -171,7 +172,7 @@ class OpenAIServing:
                 lps[out.choice].content.extend(chat_logprobs(out.lps))
             reasons[out.choice] = out.reason or reasons[out.choice]
             if out.prompt_lps is not None and h.req.prompt_logprobs is not None:
-                prompt_lps = vllm_prompt_logprobs(out.prompt_lps, h.req.prompt_logprobs)
+                prompt_lps = vllm_prompt_logprobs(PromptEntries.from_wire(out.prompt_lps), h.req.prompt_logprobs)
         readers = [_reader(h) for _ in range(n)]  # reasoning / tool calls split off the text
         choices = [ChatChoice(index=i, message=ChatMessageOut(**readers[i].whole("".join(t))), logprobs=lps[i],
                               finish_reason=readers[i].finish_reason(reasons[i])) for i, t in enumerate(texts)]
@@ -194,7 +195,7 @@ class OpenAIServing:
                 lp = ChatLogprobs(content=chat_logprobs(out.lps)) if req.logprobs and out.lps else None
                 plp = None  # vLLM's prompt_logprobs: on the chunk of the first output
                 if out.prompt_lps is not None and req.prompt_logprobs is not None and out.choice == 0:
-                    plp = vllm_prompt_logprobs(out.prompt_lps, req.prompt_logprobs)
+                    plp = vllm_prompt_logprobs(PromptEntries.from_wire(out.prompt_lps), req.prompt_logprobs)
                 reader = readers[out.choice]
                 fields = reader.feed(out.text, final=out.finished)  # content / reasoning_content / tool_calls
                 # buffered text (a tool call being read) is not worth an empty delta, unless usage is timed
@@ -256,9 +257,10 @@ def _running_usage(h: Handle) -> UsageInfo | None:
 def _prompt_logprobs(req: GenerateRequest, out: SampleOutput, lp: CompletionLogprobs | None) -> PromptLogprobs | None:
     """A choice's prompt entries: into `lp` where echo asked for logprobs (ahead of the completion's); returned in
     vLLM's shape where the request asked prompt_logprobs."""
+    entries = PromptEntries.from_wire(out.prompt_lps)
     if req.echo and lp is not None:
-        add_prompt_logprobs(lp, out.prompt_lps, req.sampling.logprobs or 0)
-    return vllm_prompt_logprobs(out.prompt_lps, req.prompt_logprobs) if req.prompt_logprobs is not None else None
+        add_prompt_logprobs(lp, entries, req.sampling.logprobs or 0)
+    return vllm_prompt_logprobs(entries, req.prompt_logprobs) if req.prompt_logprobs is not None else None
 
 
 def _worth_a_chunk(h: Handle, out: SampleOutput, has_logprobs: bool) -> bool:

@@ -86,7 +86,8 @@ class SampleOutput:
     finished: bool
     reason: str | None
     tokens: int = 0  # token ids this output carries (its text may be empty: a partial UTF-8 character)
-    prompt_lps: list[dict[str, Any]] | None = None  # the prompt's entries, on the choice's first output
+    prompt_lps: dict[str, Any] | None = None  # the prompt's entries as columns, on the choice's first output
+    # (detokenizer_process.prompt_entries; logprob_format.PromptEntries.from_wire reads them)
 
     @classmethod
     def from_item(cls, choice: int, item: dict[str, Any]) -> SampleOutput:
