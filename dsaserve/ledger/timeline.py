@@ -38,7 +38,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(6, "layers", "RMSNorm, A-proj, norm+RoPE+KV write, indexer / reuse, sparse MLA, MoE", "GPU",
           "model/glm_moe_dsa.py, model/layers/*", "per-layer reductions, MoE dispatch/combine"),
     Stage(7, "speculate", "MTP draft and verify", "GPU",
-          "not built yet (the MTP layer's forward: model/glm_moe_dsa.py)", "as stage 6, for the MTP layer"),
+          "engine/mtp.py (the MTP layer's forward: model/glm_moe_dsa.py)", "as stage 6, for the MTP layer"),
     Stage(8, "lm head", "vocab-parallel GEMM + logits gather", "GPU", "model/layers/embedding.py",
           "vocab all-gather"),
     Stage(9, "sample", "temperature/top-k/top-p, penalties, grammar mask, MTP acceptance", "GPU (+CPU mask)",

@@ -99,5 +99,4 @@ def test_timeline_cites_only_modules_that_exist():
     assert len(cited) >= 10
     missing = [(no, m) for no, m in cited if not (list(pkg.glob(m)) if "*" in m else (pkg / m).is_file())]
     assert not missing, f"the timeline cites modules that do not exist: {missing}"
-    unbuilt = {s.no for s in STAGES if "not built yet" in s.module}
-    assert unbuilt == {7}  # MTP draft / verify (the grammar mask, stage 9, is built)
+    assert not [s.no for s in STAGES if "not built yet" in s.module]  # every stage is built (MTP: engine/mtp.py)
