@@ -56,23 +56,39 @@ def warm_core_shapes(piecewise, plan: WarmupPlan, max_len: int, preloaded: bool 
     return len(shapes)
 
 
+def decode_rows_batch(rows: int, pages: int, page_size: int, max_len: int, sink_page: int) -> ForwardBatch:
+    """`rows` requests of one token each at the end of a context `pages` wide (as `core_batch`, on the sink page):
+    a decode step's shape, and speculative decoding's chained draft steps' (engine/mtp.py)."""
+    seq = min(pages * page_size, max_len)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    slot = sink_page * page_size + (seq - 1) % page_size
+    return ForwardBatch(i64([1] * rows), i64([seq - 1] * rows), i64(list(range(rows))), i64([seq] * rows),
+                        i64([1] * rows), torch.full((rows, pages), sink_page, dtype=torch.int64), i64([slot] * rows),
+                        i64(list(range(rows))), page_size, [seq] * rows, [1] * rows)
+
+
 def warm_mtp(model, pool, plan: WarmupPlan, max_len: int, preloaded: bool = False) -> int:
-    """The MTP layer's forward (speculative decoding's extend, engine/mtp.py: eager every step) at the plan's
-    attention-core shapes, so its kernel variants load before Up; each batch's KV goes to the sink page. The
-    number of shapes run."""
+    """The MTP layer's forward (speculative decoding, engine/mtp.py: eager every step) before Up, so its kernel
+    variants load then: at the plan's attention-core shapes (one request's chunk: the extend after a prefill) and
+    at each decode bucket's one token a request (the chained draft steps), each selection class's width. Every
+    batch's KV goes to the sink page. The number of forwards run."""
     shapes = plan.class_shapes if preloaded else plan.core_shapes
+    widths = sorted({pages for _, pages in plan.class_shapes or shapes})
+    batches = [core_batch(rows, pages, pool.page_size, max_len, pool.sink_page) for rows, pages in shapes]
+    batches += [decode_rows_batch(bs, pages, pool.page_size, max_len, pool.sink_page)
+                for bs in plan.decode for pages in widths]
     device = pool.kv_buffer.device
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
     try:
-        for rows, pages in shapes:
-            batch = core_batch(rows, pages, pool.page_size, max_len, pool.sink_page).to(device)
+        for batch in batches:
+            batch = batch.to(device)
             model.forward_mtp(batch, pool, torch.zeros(batch.num_tokens, model.cfg.hidden_size, dtype=model.dtype,
                                                        device=device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
         COUNTERS.enabled = enabled
-    return len(shapes)
+    return len(batches)
 
 
 @dataclass
