@@ -290,8 +290,7 @@ class EngineCore:
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         g = self._grammars.stats if self._grammars is not None else {}
-        spec = self.mtp.stats() if self.mtp is not None else {}
-        return {**self.scheduler.stats(), **spec, "overlap_schedule": self.overlap, "overlap_steps": self.overlap_steps,
+        return {**self.scheduler.stats(), "overlap_schedule": self.overlap, "overlap_steps": self.overlap_steps,
                 "grammar_compiles": g.get("misses", 0),
                 "grammar_cache_hits": g.get("hits", 0), "grammar_compile_failures": g.get("failures", 0),
                 "grammar_compile_timeouts": g.get("timeouts", 0)}

@@ -24,9 +24,10 @@ A step with drafts (`EngineCore.step`, synchronous):
 Drafts are proposals: a wrong or stale one (a prefix-cache page whose MTP KV another request wrote, a request
 preempted and recomputed) costs acceptance, never a different output. Not drafted: structured-output requests
 (their grammar would have to take the drafts before the later rows' masks), and no more drafts than the request's
-max_tokens leaves room for. A step without drafts runs the same way (its hidden rows feed the MTP layer's extend).
-Counters: `spec_draft_tokens`, `spec_accepted_tokens` (the engine's stats and Prometheus). TP / EP ranks run the
-same steps and sample alike (engine/rank_group.py), so they draft alike.
+max_tokens leaves room for, the budget and `--mixed-step-tokens` take, and the free pages hold (drafts never
+preempt). A step without drafts runs the same way (its hidden rows feed the MTP layer's extend). Counters (the
+scheduler's, in the engine's stats and Prometheus): `spec_draft_tokens` verified, `spec_accepted_tokens` kept and
+emitted. TP / EP ranks run the same steps and sample alike (engine/rank_group.py), so they draft alike.
 
 Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled);
 DP-attention (a rank's MTP steps would need the others' idle partners, `forward_idle(mtp_layer)`); CUDA graphs for
@@ -129,8 +130,6 @@ class MTPDrafter:
                              "(num_nextn_predict_layers = 0, or a runner without forward_mtp)")
         self.runner, self.scheduler, self.steps = runner, scheduler, steps
         self.page_size = scheduler.cfg.page_size
-        self.draft_tokens = 0
-        self.accepted_tokens = 0
 
     def drafts_for(self, req: Req) -> int:
         """How many drafts req takes: none under a grammar; else up to `steps`, as many as the tokens a verify step
@@ -144,9 +143,11 @@ class MTPDrafter:
                  if req.status is ReqStatus.RUNNING for j in range(n)]
         return [*samples, *(d for d, _ in extra)], [*rows, *(r for _, r in extra)]
 
-    def kept(self, samples: list[Any], out: SamplerOutput) -> dict[Req, list[tuple[int, dict | None]]]:
+    @staticmethod
+    def kept(samples: list[Any], out: SamplerOutput) -> dict[Req, list[tuple[int, dict | None]]]:
         """Each request's kept drafts -> the tokens drawn after each (token, logprobs): draft j is kept when the row
-        before it drew it and every draft before it was kept. Counts drafts and kept ones."""
+        before it drew it and every draft before it was kept (the scheduler counts the drafts and the kept tokens
+        it takes: none past one that ends the request)."""
         first = {r: i for i, r in enumerate(samples) if isinstance(r, Req)}
         rows: dict[Req, list[int]] = {}
         for j in range(len(first), len(samples)):
@@ -160,8 +161,6 @@ class MTPDrafter:
                     break
                 drawn = out.token_ids[j]
                 after.append((drawn, out.logprobs[j]))
-            self.draft_tokens += len(js)
-            self.accepted_tokens += len(after)
         return kept
 
     def extend(self, sched: ScheduledBatch, batch: ForwardBatch, hidden: torch.Tensor, starts: list[int],
@@ -212,10 +211,6 @@ class MTPDrafter:
             for req, tok in zip(rows.reqs, logits.argmax(dim=-1).tolist(), strict=True):
                 req.drafts.append(tok)
             reqs = rows.reqs
-
-    def stats(self) -> dict[str, int]:
-        return {"spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens}
-
 
 def _i64(values: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))

@@ -80,6 +80,8 @@ class _Step:
     budget: int
     sched: dict[Req, int] = field(default_factory=dict)
     preempted: bool = False
+    draft_cap: int | None = None  # the step's tokens up to which decodes take their drafts (made on first use)
+    decoders: int = 0  # the running requests that decode this step, drafts or not
 
 
 class Scheduler:
@@ -107,7 +109,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
                              prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0,
-                             overlap_discarded_tokens=0)
+                             overlap_discarded_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -176,14 +178,14 @@ class Scheduler:
             if len(req.tokens) - req.num_computed != 1:
                 prefilling.append(req)
                 continue
-            n = 1 + len(req.drafts) if st.budget > len(req.drafts) else 1  # drafts ride along (engine/mtp.py)
+            n = self._decode_tokens(req, st)
             if req.num_computed + n > len(req.pages) * ps and not self._reserve(req, n, st):
                 continue  # its last page is full and the pool is short even after preemption
             sched[req] = n
             st.budget -= n
         if sched and self.cfg.mixed_step_tokens:  # decodes ride this step: bound what prefills add to it
             cap = self.cfg.mixed_step_tokens
-            st.budget = min(st.budget, max(cap - len(sched), cap // 4))
+            st.budget = min(st.budget, max(cap - sum(sched.values()), cap // 4))
         for req in prefilling:
             if st.budget <= 0:
                 return
@@ -193,6 +195,23 @@ class Scheduler:
             if self._reserve(req, n, st):
                 sched[req] = n
                 st.budget -= n
+
+    def _decode_tokens(self, req: Req, st: _Step) -> int:
+        """A decoding request's tokens this step: its last one, and its drafts (speculative decoding, engine/mtp.py)
+        where the budget, the mixed-step cap and the free pages take them (drafts never preempt anyone)."""
+        k = len(req.drafts)
+        if not k or st.budget <= k:
+            return 1
+        if st.draft_cap is None:  # a prompt waiting or mid-way: leave it the quarter of the cap it is promised
+            cap = self.cfg.mixed_step_tokens
+            pending = [len(r.tokens) - r.num_computed for r in self.running]
+            st.decoders = pending.count(1)
+            st.draft_cap = (cap - cap // 4 if self.waiting or max(pending) > 1 else cap) if cap else st.budget
+        later = st.decoders - len(st.sched) - 1  # decodes after this one: one token each at least
+        if sum(st.sched.values()) + 1 + k + later > st.draft_cap:
+            return 1
+        need = -(-(req.num_computed + 1 + k) // self.cfg.page_size) - len(req.pages)
+        return 1 + k if need <= self.cache.num_available() else 1
 
     def _reserve(self, req: Req, n: int, st: _Step) -> bool:
         """Pages for `req`'s next n tokens, preempting newer running requests if short."""
@@ -251,6 +270,7 @@ class Scheduler:
             sample_reqs.append(req)
             rows.append(row)
             if end > len(req.tokens):  # the drafts' rows: the token after each, kept if the drafts up to it are
+                assert not req.followers, "a leader drafts only after its followers forked"  # they read `row`
                 drafts.append((req, end - len(req.tokens), row + 1))
                 row += end - len(req.tokens)
             for f in self._followers_with_rows(req):  # the prompt is complete: they sample from it too
@@ -300,6 +320,8 @@ class Scheduler:
             req.num_computed += min(n, len(req.tokens) - req.num_computed)  # a draft counts once it is kept
             self._register_full_pages(req)
         self.counters["computed_tokens"] += computed
+        self.counters["spec_draft_tokens"] += sum(n for req, n, _ in sched.draft_rows
+                                                  if req.status is not ReqStatus.FINISHED)
         for j, req in enumerate(samples):
             if req.followers:
                 self._fork(req)
@@ -310,7 +332,7 @@ class Scheduler:
         decoding's chained drafts write the MTP layer's KV ahead of the request's tokens (engine/mtp.py), where the
         next step's drafts go anyway. Whether they are there."""
         need = -(-tokens // self.cfg.page_size) - len(req.pages)
-        if need > self.cache.num_available():
+        if need > self.alloc.num_free:  # free pages only: a draft never evicts the prefix cache
             return False
         if need > 0:
             req.pages += self.cache.allocate(need)
@@ -341,6 +363,7 @@ class Scheduler:
                 if finished:
                     break
                 req.num_computed += 1  # the kept draft's KV is the last token's
+                self.counters["spec_accepted_tokens"] += 1
                 self._register_full_pages(req)
                 req.tokens.append(after[0])
                 finished = self._take(req, *after)

@@ -92,7 +92,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
     if device.type == "cuda":  # the split kernels' shared counters: made here, never first inside a graph capture
         triton_fp8_gemm.split_counters(device)
-        triton_argmax.counters(device)
+        triton_argmax.workspace(device)
     gemv_t, tile_t = triton_moe_route.ROUTER_GEMV_MAX_T, triton_moe_route.TILE_GEMM_MAX_T
     ops = _reference_ops()
     ops.update({

@@ -22,7 +22,7 @@ MAX_SPLITS = 64  # programs a row at most: the last one reduces their partials i
 MAX_ROWS = 4096  # rows one launch takes (the counters' length); a larger batch takes torch's argmax
 PROGRAMS_PER_SM = 4  # programs a launch aims at an SM: enough bytes in flight to read at the copy rate
 KEY_NONE = tl.constexpr(-(1 << 31))  # no value's key: -inf's is -2**31 + 2**23 - 1
-_COUNTERS: dict[int | None, torch.Tensor] = {}
+_WORKSPACES: dict[tuple[int | None, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
@@ -76,15 +76,21 @@ def _row_argmax_kernel(x_ptr, key_ptr, idx_ptr, count_ptr, out_ptr, n_cols, stri
         tl.store(count_ptr + row, 0)  # zero for the next launch (stream order puts it after this one)
 
 
-def counters(device: torch.device) -> torch.Tensor:
-    """One int32 arrival counter a row, zero between launches (each row's last program resets its own). Made once
-    per device, when the registry binds the GPU ops (never first inside a CUDA-graph capture, as
-    `triton_fp8_gemm.split_counters`); shared by every launch, which run one after another on the sampler's stream."""
-    if device.index not in _COUNTERS:
+def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(arrival counters, partial keys, partial indices) of the current stream: one int32 counter a row, zero
+    between launches (each row's last program resets its own), and the programs' partials. One set a stream, made
+    on its first launch (the registry makes the default stream's when it binds the GPU ops; never first inside a
+    CUDA-graph capture, as `triton_fp8_gemm.split_counters`): launches on one stream run one after another, while
+    two streams' launches could run at once and mix their arrivals."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.index, stream)
+    if key not in _WORKSPACES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("row_argmax: its counters first made inside a CUDA-graph capture (make them before)")
-        _COUNTERS[device.index] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-    return _COUNTERS[device.index]
+            raise RuntimeError("row_argmax: its workspace first made inside a CUDA-graph capture (make it before)")
+        _WORKSPACES[key] = (torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
+                            torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device),
+                            torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
 
 
 def split_plan(rows: int, n_cols: int, sms: int) -> tuple[int, int]:
@@ -114,8 +120,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     splits, chunk = split_plan(rows, n_cols, _sm_count(x.device))
-    keys = torch.empty(rows, MAX_SPLITS, dtype=torch.int32, device=x.device)
-    idx = torch.empty(rows, MAX_SPLITS, dtype=torch.int32, device=x.device)
-    _row_argmax_kernel[(rows, splits)](x, keys, idx, counters(x.device), out, n_cols, x.stride(0), chunk // BLOCK,
-                                       splits, BLOCK=BLOCK, SPLITS=MAX_SPLITS, num_warps=8)
+    counters, keys, idx = workspace(x.device)
+    _row_argmax_kernel[(rows, splits)](x, keys, idx, counters, out, n_cols, x.stride(0), chunk // BLOCK, splits,
+                                       BLOCK=BLOCK, SPLITS=MAX_SPLITS, num_warps=8)
     return out

@@ -253,3 +253,52 @@ def test_the_warmup_runs_the_mtp_layer_at_the_core_shapes_on_the_sink_page():
     assert len(plan.core_shapes) > 3 and len(plan.decode) > 1 and widths
     mtp_kv = pool.kv_cache(cfg.mtp_layer_ids[0]).view(5, 64, -1)
     assert mtp_kv[4].any() and not mtp_kv[:4].any() and not pool.kv_buffer[0].any()
+
+
+def test_drafts_stay_within_the_mixed_step_cap_and_never_preempt():
+    """A step's drafts count as tokens against --mixed-step-tokens (8 requests with 4 drafts each and a long prompt
+    arriving: no step past the cap of 32), and a request whose drafts would need pages another request holds
+    decodes without them instead of preempting it (a pool of 3 pages: no more preemptions than plain decoding)."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng = _engine(True, 4, mixed_step_tokens=32)
+    for t in TEXTS[:4] * 2:
+        eng.add_request(t, greedy)
+    for _ in range(3):
+        eng.step()
+    sizes, schedule = [], eng.core.scheduler.schedule
+
+    def spy():
+        s = schedule()
+        sizes.append(s.num_tokens if s is not None else 0)
+        return s
+
+    eng.core.scheduler.schedule = spy
+    eng.add_request([5] * 200, greedy)
+    while eng.has_unfinished():
+        eng.step()
+    assert max(sizes) <= 32 and eng.core.stats()["spec_accepted_tokens"] > 0
+    eng.core.check_no_leak()
+    ps = [p for p in prompts(6, 20, 60, seed=5)]
+    preempted = []
+    for spec in (False, True):
+        e = _engine(spec, 3, num_pages=3, max_num_batched_tokens=64, max_running_requests=4)
+        over_time(e, ps, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        e.core.check_no_leak()
+        preempted.append(e.core.stats()["preemptions"])
+    assert preempted[1] <= preempted[0]
+
+
+def test_the_kept_count_is_of_tokens_emitted():
+    """A stop token kept as a draft ends the request: the drafts after it are not counted as kept (nor emitted)."""
+    text = TEXTS[0]
+    plain = _engine(False).generate([text], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    for i in range(2, 12):
+        eng = _engine(True, 3)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[plain.token_ids[i]])
+        eng.add_request(text, params)
+        kept, emitted = 0, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                kept += max(0, len(o.token_ids) - emitted - 1)  # a step's tokens past its first: kept drafts'
+                emitted = len(o.token_ids)
+        assert eng.core.stats()["spec_accepted_tokens"] == kept
