@@ -43,6 +43,7 @@ from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
 from dsaserve.engine.prompt_entry_cache import PromptEntryCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta, placeholder
+from dsaserve.engine.scheduler_audit import check_no_leak, scheduler_stats
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,8 @@ class ScheduledBatch:
     sample_reqs: list[Req]  # the sampler's rows: logit_reqs plus n>1 followers forked this step
     sample_logit_rows: list[int]  # logits row each sample_req reads
     num_tokens: int
-    # speculative decoding (engine/mtp.py): per row computing drafts after its last token, (the request, how many
-    # drafts, the logits row of the first: the token after it; the others follow it); its own sample reads the row
-    # before
+    # speculative decoding (engine/mtp.py): per row computing drafts after its last token, (the request, its drafts,
+    # the logits row of the first draft: the token after it; the others follow); its own sample reads the row before
     draft_rows: list[tuple[Req, int, int]] = field(default_factory=list)
 
 
@@ -490,38 +490,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._abort_deltas)
 
-    # ---- observability ---------------------------------------------------------------------
+    # ---- observability (engine/scheduler_audit.py) ---------------------------------------------
     def stats(self) -> dict:
-        free, evictable = self.alloc.num_free, self.cache.num_evictable
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            # used + cached + free == total; in_prefix_cache overlaps used (live requests share cached pages)
-            "kv_pages_total": self.cfg.num_pages,
-            "kv_pages_used": self.cfg.num_pages - free - evictable,
-            "kv_pages_cached": evictable,
-            "kv_pages_free": free,
-            "kv_pages_in_prefix_cache": self.cache.num_cached,
-            "evicted_pages": self.cache.evicted_pages,
-            **self.counters,
-        }
+        return scheduler_stats(self)
 
     def check_no_leak(self) -> None:
         """AssertionError unless every page is free or held only by the prefix cache, and nothing is left."""
-        problems = []
-        if self.running or self.waiting or self.groups or self.prompt_lp_groups:
-            problems.append(f"requests left: running={self.running} waiting={list(self.waiting)} "
-                            f"groups={list(self.groups)} asking prompt logprobs={self.prompt_lp_groups}")
-        held = [p for p in range(self.cfg.num_pages) if self.alloc.refcount(p)]
-        if held:
-            problems.append(f"{len(held)} pages still referenced: {held[:16]}")
-        free, evictable = self.alloc.free_set(), self.cache.evictable_pages()
-        if len(free) != self.alloc.num_free:
-            problems.append("a page is on the free list twice")
-        if free & evictable or len(free) + len(evictable) != self.cfg.num_pages:
-            problems.append(f"free ({len(free)}) + evictable ({len(evictable)}) != {self.cfg.num_pages} pages")
-        if sorted(self.free_rows) != list(range(self.cfg.max_running_requests)) or self.reserved_rows:
-            problems.append(f"page-table rows leaked: {self.cfg.max_running_requests - len(self.free_rows)} "
-                            f"held, {self.reserved_rows} reserved")
-        if problems:
-            raise AssertionError("KV leak: " + "; ".join(problems))
+        check_no_leak(self)
