@@ -68,6 +68,14 @@ def build_runner(args: EngineArgs, rank: int | None = None) -> Any:
     return ModelRunner(args, rank=rank)
 
 
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The logits rows the samples read, in their order (n>1 forks reuse a row, finished samples drop theirs, a
+    draft's row follows its request's): the logits as they are when that is every row in order."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, to_device(rows, torch.int64, logits.device))
+
+
 def _overlap(args: EngineArgs, runner: Any) -> bool:
     """Overlap scheduling needs a runner that reads placeholder input ids from its `future_token_ids`; by
     default it is on where that buffer is on a GPU (a test's fake runner on a GPU machine stays synchronous)."""
@@ -242,9 +250,7 @@ class EngineCore:
                        prompt: prompt_logprobs.PromptLogprobsFuture | None = None) -> None:
         """Queue the sampling of the rows still wanted; their tokens become the next step's placeholders."""
         samples, rows = self.scheduler.live_samples(sched)
-        if rows != list(range(logits.shape[0])):  # n>1 forks reuse a row; finished samples drop theirs
-            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
-        future = self.sampler.sample_async(logits, samples) if samples else None
+        future = self.sampler.sample_async(_rows_of(logits, rows), samples) if samples else None
         if self.overlap:
             self.overlap_steps += 1
             if future is not None:
@@ -261,9 +267,7 @@ class EngineCore:
             prompt = prompt_logprobs.PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
         samples, rows = self.scheduler.live_samples(sched)
         sources, rows = self.mtp.sample_rows(sched, samples, rows)
-        if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
-        out = self.sampler.sample(logits, sources) if sources else None
+        out = self.sampler.sample(_rows_of(logits, rows), sources) if sources else None
         self.scheduler.launched(sched, samples)
         if prompt is not None:
             prompt.attach()

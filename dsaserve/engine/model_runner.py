@@ -346,26 +346,14 @@ class ModelRunner(RunnerStartup):
         rank can; otherwise eager, its own tokens, the MoE layers padding them to the agreed rows."""
         bucket = step.rows if step is not None and step.graph else None
         route = self.route(batch, bucket)
-        self.last_prompt_logprobs = None
         if route == "decode_graph":
+            self.last_prompt_logprobs = None
             return self.graphs.replay(batch, bucket)
-        if route == "piecewise":
-            logits, hidden = self.piecewise.forward_with_hidden(batch)
-            self._prompt_logprobs(batch, hidden)
-            return logits
         if route == "eager_large":
             COUNTERS.add("eager_large_steps")
-        elif route != "eager":
+        elif route.startswith("eager:"):
             COUNTERS.add(f"eager_fallbacks.{route.removeprefix('eager:')}")
-        if batch.input_ids.device != self.device:
-            batch = batch.to(self.device)
-        if self.future_token_ids is not None:
-            resolve_placeholders_(batch.input_ids, self.future_token_ids)
-        if step is not None:
-            batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
-        logits, hidden = self.model(batch, self.kv_pool)
-        self._prompt_logprobs(batch, hidden)
-        return logits
+        return self._run(batch, route == "piecewise", step)[0]
 
     def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits as `forward` gives them, the final hidden rows [T, H] of every token): speculative decoding's
@@ -373,14 +361,22 @@ class ModelRunner(RunnerStartup):
         step replays the piecewise graphs where they take it, else runs eagerly."""
         if self.dp_sync is not None:
             raise RuntimeError("forward_with_hidden: not under DP-attention")
+        return self._run(batch, self.piecewise is not None and self.piecewise.fallback_reason(batch) is None)
+
+    def _run(self, batch: ForwardBatch, piecewise: bool, step: DPStep | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden rows) of a step on the piecewise graphs or eagerly (a host batch moved to the device,
+        its placeholders resolved), and its prompt entries."""
         self.last_prompt_logprobs = None
-        if self.piecewise is not None and self.piecewise.fallback_reason(batch) is None:
+        if piecewise:
             logits, hidden = self.piecewise.forward_with_hidden(batch)
         else:
             if batch.input_ids.device != self.device:
                 batch = batch.to(self.device)
             if self.future_token_ids is not None:
                 resolve_placeholders_(batch.input_ids, self.future_token_ids)
+            if step is not None:
+                batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
             logits, hidden = self.model(batch, self.kv_pool)
         self._prompt_logprobs(batch, hidden)
         return logits, hidden

@@ -208,7 +208,8 @@ class Scheduler:
             st.decoders = pending.count(1)
             st.draft_cap = (cap - cap // 4 if self.waiting or max(pending) > 1 else cap) if cap else st.budget
         later = st.decoders - len(st.sched) - 1  # decodes after this one: one token each at least
-        if sum(st.sched.values()) + 1 + k + later > st.draft_cap:
+        used = self.cfg.max_num_batched_tokens - st.budget  # the step's tokens so far (no sum over its rows)
+        if used + 1 + k + later > st.draft_cap:
             return 1
         need = -(-(req.num_computed + 1 + k) // self.cfg.page_size) - len(req.pages)
         return 1 + k if need <= self.cache.num_available() else 1
@@ -261,7 +262,7 @@ class Scheduler:
     def _batch(self, st: _Step) -> ScheduledBatch:
         reqs, num_new = list(st.sched), list(st.sched.values())
         logit_reqs, sample_reqs, rows, drafts = [], [], [], []
-        row = 0  # the logits row: one a sampling request, two where its draft rides along
+        row = 0  # the logits row: one a sampling request, and one more for each draft riding along
         for req, n in st.sched.items():
             end = req.num_computed + n
             if end < len(req.tokens):
