@@ -313,8 +313,8 @@ def _repetition(xi: torch.Tensor, seen: torch.Tensor, r: float) -> torch.Tensor:
         return torch.where(seen, torch.where(xi > 0, xi / r, xi * r), xi)
     info = torch.finfo(xi.dtype)
     pos = seen & (xi > 0)
-    if r < _REP_LO:  # no sync: the row's largest seen positive logit stays on the device
-        top = xi.masked_fill(~pos, 0).amax()
+    if r < _REP_LO:  # no sync: the row's largest finite seen positive logit stays on the device (+inf / inf: NaN)
+        top = xi.masked_fill(~(pos & xi.isfinite()), 0).amax()
         grown = xi / (top / _PENALISED_MAX).clamp(min=max(r, info.tiny))
         return torch.where(pos, grown, torch.where(seen, xi * max(r, info.tiny), xi))
     r = min(r, info.max)

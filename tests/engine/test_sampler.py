@@ -252,6 +252,18 @@ def test_a_vanishing_repetition_penalty_makes_the_best_seen_positive_token_certa
                              suppressed_token_ids=(0,)), want=9)
 
 
+@pytest.mark.parametrize("r", [1e-308, 1e-25, 0.5])
+def test_a_seen_infinite_logit_stays_the_only_token_under_any_penalty(r):
+    """A +inf logit (a model's overflow) that was seen stays +inf: scaled by the largest *finite* seen positive (the
+    vanishing-penalty path divided every seen positive by inf / 1e30: +inf / inf = NaN, which argmax answers)."""
+    x = torch.full((1, V), -1.0)
+    x[0, [2, 5, 10]] = torch.tensor([float("inf"), 4.0, 7.0])
+    rows = _rows_of(SamplingParams(temperature=0, repetition_penalty=r), 1, prompt_token_ids=[2, 5])
+    y = apply_penalties(x.clone(), rows)
+    assert not y.isnan().any() and y[0, 2] == float("inf")
+    assert Sampler(seed=1).sample(x, rows).token_ids == [2]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
 @pytest.mark.parametrize("r", [1e37, 1e39, 1e308])
 def test_a_huge_repetition_penalty_keeps_the_order_of_the_seen_negative_logits(r, temperature):
