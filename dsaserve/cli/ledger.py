@@ -54,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--mem-fraction-static", type=float, help="share of HBM for weights + KV pool (0.85)")
     a.add_argument("--indexer-q-tile", type=int, help="queries sharing one read of an indexer key (32)")
     a.add_argument("--mla-kv", choices=("replicated", "split"), help="pure-TP MLA KV per rank (replicated)")
+    a.add_argument("--speculative-num-steps", type=int, metavar="K",
+                   help="speculative decoding with the MTP layer on, K drafts a request a step (1-8; off)")
+    a.add_argument("--draft-acceptance", type=float, metavar="A",
+                   help="chance a draft is kept when the ones before it were (0.8)")
     a.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE", help="set any assumption")
     o = p.add_argument_group("output")
     fmt = o.add_mutually_exclusive_group()
@@ -109,6 +113,8 @@ def _assumptions(args: argparse.Namespace):
         k, v = item.split("=", 1)
         updates[k.strip()] = v.strip()
     flagged = {k: getattr(args, k) for k in ASSUMPTION_FLAGS if getattr(args, k) is not None}
+    if args.speculative_num_steps is not None:  # the flag is the engine's: drafting at all is what it asks
+        updates["speculative"] = "true"
     return Assumptions().with_updates(updates).with_updates(flagged, via_flags=True)
 
 

@@ -15,6 +15,7 @@ from dsaserve.ledger.deployment import Assumptions
 from dsaserve.ledger.inputs import LedgerInputs
 from dsaserve.ledger.report import Report, Section
 from dsaserve.ledger.sections_notes import notes_check
+from dsaserve.ledger.sections_speculative import speculative
 from dsaserve.ledger.units import CONVENTIONS
 
 # key -> builder; the prefill builders share one computed Prefill (see build_report)
@@ -33,6 +34,7 @@ SECTIONS: dict[str, Callable[..., Section]] = {
     "marginal_vs_batch": step.marginal_vs_batch,
     "marginal_vs_context": step.marginal_vs_context,
     "switch_points": step.switch_point_section,
+    "speculative": speculative,
     "prefill_chunks": pre.prefill_chunks,
     "prefill_totals": pre.prefill_totals,
     "pd_transfer": pre.pd_transfer,

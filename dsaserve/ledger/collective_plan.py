@@ -80,11 +80,23 @@ def row_time(row: CollectiveRow, hw: Hardware, asm: Assumptions, link: str = "nv
     return link_time(row.total_message, row.wire_bytes, row.calls, hw, asm, link)
 
 
+def forward_layers(cfg: ModelConfig, mtp: bool | str = False) -> tuple[int, int]:
+    """(decoder layers, MoE layers) of one forward: the main model's, with the MTP layers' too (`mtp` True: a prefill
+    chunk the MTP layer extends over), or the MTP layers' alone (`mtp` "only": a draft forward)."""
+    main = (cfg.num_hidden_layers, len(cfg.moe_layers))
+    extra = (len(cfg.mtp_layer_ids), sum(cfg.is_moe(i) for i in cfg.mtp_layer_ids))
+    if mtp == "only":
+        return extra
+    return (main[0] + extra[0], main[1] + extra[1]) if mtp else main
+
+
 def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, logits_rows: int | None = None,
-              mtp: bool = False, one_request: bool = False, rank_rows: int | None = None) -> list[CollectiveRow]:
+              mtp: bool | str = False, one_request: bool = False, rank_rows: int | None = None
+              ) -> list[CollectiveRow]:
     """Collectives of one forward over `tokens` tokens of the whole deployment (decode: b; prefill: chunk).
 
     `logits_rows` = rows the lm_head computes (decode: b; prefill chunk: 1 per request, 0 mid-prompt).
+    `mtp`: see `forward_layers` (a draft forward embeds its tokens and computes logits as the main model does).
     `one_request`: the tokens are one request's (a prefill chunk), so under DP-attention one rank holds them
     all. MoE dispatch / combine rows are one rank's: see `a2a_tokens`.
     DP-attention with `asm.dp_moe` "a2a" or "padded" is dsaserve's engine (`dp_a2a_plan`, `dp_padded_plan`;
@@ -96,9 +108,8 @@ def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, 
         rows = ceil_div(tokens, dep.dp) if rank_rows is None else rank_rows
         return dp_padded_plan(cfg, dep, asm, rows, mtp)
     h, n = cfg.hidden_size, dep.tp
-    layers = cfg.num_hidden_layers + (len(cfg.mtp_layer_ids) if mtp else 0)
-    n_dense = len(cfg.dense_layers)
-    n_moe = layers - n_dense
+    layers, n_moe = forward_layers(cfg, mtp)
+    n_dense = layers - n_moe
     act = tokens * h * asm.act_bytes
     logits_rows = tokens if logits_rows is None else logits_rows
     rows: list[CollectiveRow] = []
@@ -137,14 +148,14 @@ def step_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int, 
 
 
 def dp_a2a_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int,
-                mtp: bool = False) -> list[CollectiveRow]:
+                mtp: bool | str = False) -> list[CollectiveRow]:
     """dsaserve's DP-attention (distributed/expert_parallel.py `dp_exchange`): attention, dense MLPs, shared
     experts, embedding and lm_head run replicated on each rank's own batch (no collective); every MoE layer
     exchanges pair counts, then dispatches rows (+ expert id and weight) and combines the weighted outputs.
     `tokens` = all ranks' tokens together; messages are sender totals summed over the ranks (each rank's own
     share depends on routing). Ranks with no tokens make the same calls (`forward_idle`)."""
     n, h, k = dep.ep, cfg.hidden_size, cfg.num_experts_per_tok
-    n_moe = len(cfg.moe_layers) + (sum(cfg.is_moe(i) for i in cfg.mtp_layer_ids) if mtp else 0)
+    n_moe = forward_layers(cfg, mtp)[1]
     pairs = tokens * k
     rows = [CollectiveRow("MoE count exchange", "all_to_all", n_moe, n * n * COUNT_BYTES, n,
                           "ranks route their own tokens: each tells every rank how many pairs follow"),
@@ -158,7 +169,7 @@ def dp_a2a_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, tokens: int
 
 
 def dp_padded_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, rank_rows: int,
-                   mtp: bool = False) -> list[CollectiveRow]:
+                   mtp: bool | str = False) -> list[CollectiveRow]:
     """dsaserve's DP-attention gather steps (distributed/expert_parallel.py `dp_gather_forward`): every rank
     contributes the same `rank_rows` (engine/dp_step.py: at decode the graph bucket of the busiest rank's
     tokens, an idle rank's batch all padding; eager steps the busiest rank's count), and each MoE layer
@@ -169,7 +180,7 @@ def dp_padded_plan(cfg: ModelConfig, dep: Deployment, asm: Assumptions, rank_row
     2 (n-1) x rank_rows x h x a instead of about 2 k (n-1)/n x tokens x h x a (k = top-k): fewer bytes
     whenever rank_rows < k/n x the rank's tokens, i.e. for GLM-5.3 at n = 2 unless a rank holds 4x another's."""
     n, h = dep.ep, cfg.hidden_size
-    n_moe = len(cfg.moe_layers) + (sum(cfg.is_moe(i) for i in cfg.mtp_layer_ids) if mtp else 0)
+    n_moe = forward_layers(cfg, mtp)[1]
     message = n * rank_rows * h * asm.act_bytes
     rows = [CollectiveRow("MoE all-gather of every DP rank's rows", "all_gather", n_moe, message, n,
                           f"{n} ranks x {rank_rows:,} padded rows: each rank runs its experts on every token"),

@@ -135,7 +135,13 @@ class Assumptions:
     dispatch_bytes: int = _a(1, "FP8 tokens in MoE dispatch (DeepEP)")
     combine_bytes: int = _a(2, "BF16 expert outputs in MoE combine")
     logits_bytes: int = _a(4, "FP32 logits in the vocab all-gather")
-    speculative: bool = _a(False, "MTP on: the MTP layer is loaded, read and has KV")
+    speculative: bool = _a(False, "MTP on: the MTP layer is loaded and has KV, and every decode step verifies drafts")
+    speculative_num_steps: int = _a(1, "with speculative on: drafts a request a decode step verifies "
+                                    "(--speculative-num-steps, 1-8): the main model computes 1 + k tokens a request, "
+                                    "the MTP layer runs k forwards (engine/mtp.py)")
+    draft_acceptance: float = _a(0.8, "with speculative on: chance a draft is kept when the drafts before it were, one "
+                                 "rate at every position (DeepSeek-V3's report: 85-90 % of second tokens accepted; "
+                                 "the built-in mini's MTP layer keeps 0.68 at one draft, bench_speculative.py)")
     nvfp4_rope: str = _a("fp8", "nvfp4_ds_mla rope part: FP8 (352 B/token/layer, the notes' figure) or BF16 (416)",
                          ("fp8", "bf16"))
     page_size: int = _a(64, "tokens per KV page (SGLang / dsaserve)")
@@ -205,7 +211,9 @@ class Assumptions:
 
 # assumptions with a flag of their own (cli/ledger.py): the flag names them, unless set through --assume
 ASSUMPTION_FLAGS = {"mem_fraction_static": "--mem-fraction-static", "indexer_q_tile": "--indexer-q-tile",
-                    "mla_kv": "--mla-kv"}
+                    "mla_kv": "--mla-kv", "speculative_num_steps": "--speculative-num-steps",
+                    "draft_acceptance": "--draft-acceptance"}
+MAX_DRAFTS = 8  # engine/engine_args.MAX_SPECULATIVE_STEPS (the ledger imports no engine code; a test ties the two)
 
 
 def _problem(name: str, v: Any) -> str | None:
@@ -214,6 +222,10 @@ def _problem(name: str, v: Any) -> str | None:
         return "must be in (0, 1]"
     if name in ("indexer_q_tile", "page_size") and v < 1:
         return "must be >= 1"
+    if name == "speculative_num_steps" and not 1 <= v <= MAX_DRAFTS:
+        return f"must be in [1, {MAX_DRAFTS}] (the engine's --speculative-num-steps)"
+    if name == "draft_acceptance" and not 0 <= v <= 1:
+        return "must be in [0, 1]"
     return None
 
 

@@ -2,21 +2,31 @@
 
 Owns: note 001's three ledgers — communication (collectives of the step), weight read (experts the step
 touches + the replicated part), KV + indexer read (top-k main KV, every key of the indexer) — as step
-times on one GPU's critical path, their per-token values (step term / batch), the worked step (batch 32,
-128K) and the switch points where one ledger overtakes another. Request-path stage: 6 (decode).
+times on one GPU's critical path, their per-token values (step term / tokens the step emits), the worked step
+(batch 32, 128K) and the switch points where one ledger overtakes another. Request-path stages: 6 (decode), 7 (the
+verify and draft forwards of speculative decoding, speculative.py).
 Pure Python.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dsaserve.common.causal import keys_within_topk
 from dsaserve.config import ModelConfig
-from dsaserve.ledger.collective_plan import CollectiveRow, a2a_tokens, hidden_reduction_rows, row_time, step_plan
+from dsaserve.ledger.collective_plan import (
+    CollectiveRow,
+    a2a_tokens,
+    forward_layers,
+    hidden_reduction_rows,
+    row_time,
+    step_plan,
+)
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
+from dsaserve.ledger.speculative import Forward, drafts, expected_tokens, step_forwards
 from dsaserve.ledger.units import ceil_div
 from dsaserve.ledger.weights import WeightInventory, experts_touched_fraction, step_read_per_gpu
 
@@ -38,6 +48,8 @@ class DecodeStep:
     requests_per_gpu: int
     experts_touched: float
     terms: tuple[Term, ...]
+    tokens_per_request: float = 1.0  # expected tokens a request emits a step (> 1 with speculation: speculative.py)
+    drafts: int = 0
 
     def term(self, key: str) -> Term:
         return next(t for t in self.terms if t.key == key)
@@ -65,49 +77,94 @@ def _rows_term(key: str, name: str, rows: list[CollectiveRow], hw: Hardware, asm
     return Term(key, name, wire, sum(r.calls for r in rows), sum(row_time(r, hw, asm) for r in rows), why)
 
 
-def _a2a_why(cfg: ModelConfig, dep: Deployment, asm: Assumptions, batch: int, rows: list[CollectiveRow]) -> str:
+def _a2a_why(cfg: ModelConfig, dep: Deployment, asm: Assumptions, batch: int, rows: list[CollectiveRow],
+             k: int = 0) -> str:
     if not rows:
         return "no EP: none"
-    sent, n = a2a_tokens(dep, asm, batch), dep.ep
+    tokens = batch * (k + 1)
+    sent, n = a2a_tokens(dep, asm, tokens), dep.ep
+    verify = f" ({k + 1} a request: the verify; the MTP forwards alike)" if k else ""
     per = (f"top-{cfg.num_experts_per_tok} x hidden x ({asm.dispatch_bytes} + {asm.combine_bytes}) B per MoE "
            "layer")
     if asm.a2a_count == "deployment":
-        return f"all b = {batch:,} tokens, every sender summed (a2a_count=deployment) x {per}"
-    return f"this rank's {sent:,} of b = {batch:,} tokens x {per}; {n - 1}/{n} of the copies leave the GPU"
+        return f"all {tokens:,} tokens{verify}, every sender summed (a2a_count=deployment) x {per}"
+    return f"this rank's {sent:,} of {tokens:,} tokens{verify} x {per}; {n - 1}/{n} of the copies leave the GPU"
 
 
 def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Hardware, asm: Assumptions,
                 kv_layout: str, batch: int, context: int) -> DecodeStep:
-    plan = step_plan(cfg, dep, asm, batch, logits_rows=batch)
+    """One decode step of `batch` requests at `context` keys each: its forwards' terms summed (speculative.py: with
+    speculation on, the verify over 1 + k tokens a request and the MTP layer's k draft forwards)."""
+    k = drafts(asm)
+    fwds = step_forwards(batch, k, asm.draft_acceptance)
+    plan = [r for f in fwds for r in step_plan(cfg, dep, asm, f.tokens, logits_rows=f.logits_rows,
+                                               mtp="only" if f.part == "mtp" else False)]
     per_tok = kv_per_token(cfg, kv_layout, asm)
     share = kv_share_per_gpu(dep, asm)
     req_gpu = ceil_div(batch, dep.dp) if dep.dp_attention else batch
     selected = min(cfg.index_topk, context)
     every_key = keys_within_topk(context, asm.page_size, cfg.index_topk)
-    kv_bytes = req_gpu * selected * per_tok.main * share
-    idx_bytes = 0 if every_key else req_gpu * context * per_tok.indexer * share
-    w = sum(step_read_per_gpu(cfg, inv, dep, asm, batch, context=context).values())
+    kv_bytes = share * req_gpu * per_tok.main_per_layer * sum(
+        _kv_rows(f, selected, asm) * forward_layers(cfg, _mtp(f))[0] for f in fwds)
+    idx_bytes = 0 if every_key else share * req_gpu * context * per_tok.indexer_per_layer * sum(
+        _indexer_layers(cfg, f) * math.ceil(f.queries / asm.indexer_q_tile) for f in fwds)
+    w = sum(decode_weight_read(cfg, inv, dep, asm, batch, context).values())
     red = hidden_reduction_rows(plan)
     a2a = [r for r in plan if r.kind == "all_to_all"]
     gather = [r for r in plan if r.point.startswith("vocab")]
+    spec = f"; {k} drafts a request: verify + {k} MTP forwards" if k else ""
     terms = (
         _rows_term("reductions", "hidden-size reductions", red, hw, asm,
-                   "embedding / per-layer all-reduce or DP gather + reduce-scatter, at b x hidden x 2 B"),
-        _rows_term("moe_a2a", "MoE dispatch + combine", a2a, hw, asm, _a2a_why(cfg, dep, asm, batch, a2a)),
+                   "embedding / per-layer all-reduce or DP gather + reduce-scatter, at b x hidden x 2 B" + spec),
+        _rows_term("moe_a2a", "MoE dispatch + combine", a2a, hw, asm, _a2a_why(cfg, dep, asm, batch, a2a, k)),
         Term("kv", "main KV read", kv_bytes, 0, kv_bytes / hw.hbm_bw,
-             f"{req_gpu} requests/GPU x top-{selected} slots x {per_tok.main_per_layer} B x {per_tok.kv_layers} "
-             f"layers" + (" / TP (layer split)" if share < 1 else "")),
+             f"{req_gpu} requests/GPU x top-{selected} slots x {per_tok.main_per_layer} B x "
+             f"{cfg.num_hidden_layers} layers" + (" / TP (layer split)" if share < 1 else "")
+             + (f"; verify: {k + 1} queries a request ({asm.prefill_kv_gather}), MTP layer: {len(fwds) - 1} "
+                "forwards" if k else "")),
         Term("indexer", "indexer K read", idx_bytes, 0, idx_bytes / hw.hbm_bw,
              f"none: {context:,} keys are within the top-{cfg.index_topk}, every one is taken unscored" if every_key
              else f"{req_gpu} requests/GPU x {context:,} keys x {per_tok.indexer_per_layer} B x "
-             f"{per_tok.indexer_layers} full layers"),
+             f"{len(cfg.full_indexer_layers)} full layers" + (f", + the MTP layer's in each of its {k} forwards "
+                                                              "(a request's queries share a key read)" if k else "")),
         Term("weights", "weight read", w, 0, w / hw.hbm_bw,
              "replicated part + this GPU's experts touched by the step's tokens"
-             + (" (within the top-k: no indexer query projections)" if every_key else "")),
-        _rows_term("lm_gather", "LM-head logits gather", gather, hw, asm, "b x vocab x 4 B, ring all-gather"),
+             + (" (within the top-k: no indexer query projections)" if every_key else "")
+             + (f"; the MTP layer and the lm_head once a draft forward ({k})" if k else "")),
+        _rows_term("lm_gather", "LM-head logits gather", gather, hw, asm,
+                   "b x vocab x 4 B, ring all-gather" + (f", at each of the verify's {k + 1} rows a request and "
+                                                         "each draft forward" if k else "")),
     )
-    frac = experts_touched_fraction(cfg, batch, asm.expert_routing)
-    return DecodeStep(batch, context, req_gpu, frac, terms)
+    frac = experts_touched_fraction(cfg, fwds[0].tokens, asm.expert_routing)
+    return DecodeStep(batch, context, req_gpu, frac, terms, expected_tokens(k, asm.draft_acceptance), k)
+
+
+def _mtp(f: Forward) -> str | bool:
+    return "only" if f.part == "mtp" else False
+
+
+def _kv_rows(f: Forward, selected: int, asm: Assumptions) -> float:
+    """Main-KV rows a request's queries of one forward gather a layer: its top-k, once a query ('slots'), or once a
+    row ('rows': consecutive queries select nearly the same rows, each new position adds one)."""
+    if f.queries == 1 or asm.prefill_kv_gather == "slots":
+        return f.queries * selected
+    return selected + f.queries - 1
+
+
+def _indexer_layers(cfg: ModelConfig, f: Forward) -> int:
+    return forward_layers(cfg, _mtp(f))[0] if f.part == "mtp" else len(cfg.full_indexer_layers)
+
+
+def decode_weight_read(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, asm: Assumptions, batch: int,
+                       context: int) -> dict[str, float]:
+    """One GPU's weight bytes by group that a decode step of `batch` requests reads over its forwards: the main
+    model's groups in the verify (or the plain step), the MTP layer's and the shared lm_head in each draft forward."""
+    out: dict[str, float] = {}
+    for f in step_forwards(batch, drafts(asm), asm.draft_acceptance):
+        for g, b in step_read_per_gpu(cfg, inv, dep, asm, f.tokens, context=context).items():
+            if (g.startswith("mtp.") or g == "lm_head") if f.part == "mtp" else not g.startswith("mtp."):
+                out[g] = out.get(g, 0.0) + b
+    return out
 
 
 @dataclass(frozen=True)
@@ -121,8 +178,8 @@ class MarginalPoint:
 
 
 def marginal(step: DecodeStep) -> MarginalPoint:
-    b = step.batch
-    return MarginalPoint(b, step.context, step.ledger("comm") / b, step.ledger("weights") / b,
+    b = step.batch * step.tokens_per_request  # tokens the step emits
+    return MarginalPoint(step.batch, step.context, step.ledger("comm") / b, step.ledger("weights") / b,
                          step.ledger("kv") / b, step.serial_s)
 
 

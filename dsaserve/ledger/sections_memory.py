@@ -17,9 +17,11 @@ from dsaserve.ledger.kv import (
     layout_parts,
     prefix_hit,
 )
+from dsaserve.ledger.marginal import decode_weight_read
 from dsaserve.ledger.report import ROW_UNIT, Column, Section
+from dsaserve.ledger.speculative import drafts
 from dsaserve.ledger.units import GB, K_TOKENS, ceil_div
-from dsaserve.ledger.weights import GROUPS, active_params_per_token, divisor, step_read_per_gpu, stored_per_gpu
+from dsaserve.ledger.weights import GROUPS, active_params_per_token, divisor, stored_per_gpu
 
 QTY = [Column("quantity", "quantity"), Column("value", "value", ROW_UNIT), Column("why", "why")]
 
@@ -63,14 +65,14 @@ def model_constants(li: LedgerInputs) -> Section:
 
 def weights_per_gpu(li: LedgerInputs) -> Section:
     stored = stored_per_gpu(li.inv, li.dep, li.asm)
-    read = step_read_per_gpu(li.cfg, li.inv, li.dep, li.asm, li.work.batch, context=li.work.decode_context)
+    read = decode_weight_read(li.cfg, li.inv, li.dep, li.asm, li.work.batch, li.work.decode_context)
     rows = [{"group": g, "checkpoint": li.inv.bytes[g], "ranks_sharing": divisor(g, li.dep, li.asm),
              "stored_per_gpu": stored[g], "read_per_step": read.get(g, 0.0), "why": GROUPS[g.removeprefix("mtp.")]}
             for g in stored]
     rows.append({"group": "total", "checkpoint": sum(li.inv.bytes[g] for g in stored), "ranks_sharing": None,
                  "stored_per_gpu": sum(stored.values()), "read_per_step": sum(read.values()),
                  "why": f"read at batch {li.work.batch}, context {li.work.decode_context:,}: routed experts as far as "
-                        f"{li.work.batch} tokens touch them"})
+                        f"{li.work.batch} tokens touch them" + _drafts_note(li)})
     cols = [Column("group", "group"), Column("checkpoint", "checkpoint", "B"), Column("ranks_sharing", "/ranks"),
             Column("stored_per_gpu", "stored per GPU", "B"), Column("read_per_step", "read per decode step", "B"),
             Column("why", "why")]
@@ -179,3 +181,9 @@ def scheduler_pages(li: LedgerInputs) -> Section:
     ]
     return Section("scheduler_pages", "Scheduler page arithmetic", "stage 3/4 CPU work that scales with pages", QTY,
                    rows)
+
+
+def _drafts_note(li: LedgerInputs) -> str:
+    k = drafts(li.asm)
+    return (f"; speculation: the verify's {li.work.batch * (k + 1)} tokens, then the MTP layer and the lm_head in "
+            f"each of {k} draft forwards") if k else ""

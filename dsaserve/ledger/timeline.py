@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dsaserve.config import ModelConfig
 from dsaserve.ledger.deployment import Assumptions, Deployment
+from dsaserve.ledger.speculative import drafts
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def operator_list(cfg: ModelConfig, dep: Deployment, asm: Assumptions) -> list[O
     n = cfg.num_hidden_layers
     full, moe, dense = len(cfg.full_indexer_layers), len(cfg.moe_layers), len(cfg.dense_layers)
     ep = dep.ep > 1
-    mtp = len(cfg.mtp_layer_ids) if asm.speculative else 0
+    mtp = len(cfg.mtp_layer_ids) * drafts(asm)  # one MTP forward a draft (speculative.py)
     reduce_kind = "reduce-scatter" if dep.dp_attention else "all-reduce"
     return [
         Operator(1, "residual add + RMSNorm", n, n, "fused with the previous reduction", "every layer"),
@@ -92,7 +93,9 @@ def operator_list(cfg: ModelConfig, dep: Deployment, asm: Assumptions) -> list[O
                  "decode: every step, after the last layer; prefill: only the chunk that ends the prompt"),
         Operator(14, "sampling", 1, 1, "GPU kernel",
                  "prefill samples once, in the last chunk (the first output token); the note writes 'none'"),
-        Operator(15, "MTP draft / verify", mtp, 0, "separate forward", "only with speculation on"),
+        Operator(15, "MTP draft / verify", mtp, 0, "separate forward",
+                 f"only with speculation on: one forward a draft, the verify is the main forward over 1 + "
+                 f"{drafts(asm)} tokens a request" if mtp else "only with speculation on"),
     ]
 
 

@@ -20,8 +20,8 @@ TOP_KEYS = {"schema", "conventions", "model", "deployment", "hardware", "workloa
             "sections"}
 SECTION_KEYS = ["model_constants", "weights_per_gpu", "kv_bytes", "kv_capacity", "kv_capacity_vs_context",
                 "scheduler_pages", "timeline", "operators", "collectives", "bytes_to_time", "decode_step",
-                "marginal_vs_batch", "marginal_vs_context", "switch_points", "prefill_chunks", "prefill_totals",
-                "pd_transfer", "first_request", "notes_check"]
+                "marginal_vs_batch", "marginal_vs_context", "switch_points", "speculative", "prefill_chunks",
+                "prefill_totals", "pd_transfer", "first_request", "notes_check"]
 COLUMNS = {  # the documented column keys of the sections other tools read (docs/LEDGER.md)
     "collectives": ["topology", "point", "kind", "calls", "per_token", "message", "total_message", "wire",
                     "nvlink_s", "ib_s", "why"],

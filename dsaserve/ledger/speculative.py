@@ -1,0 +1,63 @@
+"""Speculative decoding with the MTP layer in the ledger: which forwards one decode step runs, and how many tokens
+a request gains from it.
+
+Owns: the forwards of a decode step (`step_forwards`) — without speculation the main model over the batch; with it
+(engine/mtp.py, request-path stage 7; note 000's "draft, verify, draft_extend") the main model over each request's
+last token and its k drafts (the verify), the MTP layer over the positions whose next token is known (E a request,
+its first draft at the last), then k - 1 chained MTP forwards of one token a request — the tokens a step emits
+under a per-position acceptance rate (`expected_tokens`), and the rate at which drafting stops paying
+(`break_even_acceptance`). The byte and collective terms of each forward are marginal.py's. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dsaserve.ledger.deployment import Assumptions
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward of a decode step. `part` "main": the decoder layers and the lm_head; "mtp": the MTP layer and
+    the lm_head it shares. `queries`: tokens a request (each gathers its own top-k rows), `logits_rows`: rows the
+    lm_head computes over the deployment."""
+
+    part: str
+    tokens: int
+    queries: float
+    logits_rows: int
+
+
+def drafts(asm: Assumptions) -> int:
+    """Drafts a request each decode step verifies (0: speculation off)."""
+    return asm.speculative_num_steps if asm.speculative else 0
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a request emits in a step verifying k drafts: the token sampled after the last kept draft, plus each
+    draft j kept with probability a^j (kept only when every draft before it was)."""
+    return sum(acceptance ** j for j in range(k + 1))
+
+
+def step_forwards(batch: int, k: int, acceptance: float) -> list[Forward]:
+    """The forwards of one decode step over `batch` requests verifying k drafts each (k = 0: plain decoding)."""
+    if k == 0:
+        return [Forward("main", batch, 1, batch)]
+    verify = batch * (k + 1)
+    e = expected_tokens(k, acceptance)
+    extend = Forward("mtp", max(batch, round(batch * e)), e, batch)  # the kept tokens' positions, + the last
+    return [Forward("main", verify, k + 1, verify), extend, *[Forward("mtp", batch, 1, batch)] * (k - 1)]
+
+
+def break_even_acceptance(cost: Callable[[float], float], k: int, tol: float = 1e-4) -> float | None:
+    """The acceptance rate from which a step verifying k drafts costs less a token than plain decoding: the a with
+    E(k, a) = cost(a), where cost(a) is that step's time over the plain step's (it grows a little with a: the MTP
+    layer's first forward covers the kept tokens). None when even a = 1 does not pay."""
+    if expected_tokens(k, 1.0) < cost(1.0):
+        return None
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(k, mid) < cost(mid) else (lo, mid)
+    return hi
