@@ -78,11 +78,13 @@ class DPStepSync:
         self._mine = torch.zeros(2, dtype=torch.int64)
         self._table = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
 
-    def agree(self, batch: ForwardBatch | None) -> DPStep:
+    def agree(self, batch: ForwardBatch | None, graph: bool = True) -> DPStep:
+        """`graph=False`: this rank runs its batch eagerly whatever it holds (a forward that must keep its hidden
+        rows, an MTP forward), so it reports no decode-only batch and no rank's step replays a graph."""
         if batch is None:
             self._mine[0], self._mine[1] = 0, 1
         else:
-            self._mine[0], self._mine[1] = batch.num_tokens, all(n == 1 for n in batch.host_lens()[1])
+            self._mine[0], self._mine[1] = batch.num_tokens, graph and all(n == 1 for n in batch.host_lens()[1])
         dist.all_gather(self._table, self._mine, group=self.group)
         table = torch.stack(self._table).tolist()
         return choose_dp_step([t for t, _ in table], [bool(d) for _, d in table], self.buckets,

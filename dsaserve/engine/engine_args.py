@@ -191,9 +191,6 @@ class EngineArgs:
                              f"{self.speculative_num_steps}")
         if self.speculative_algorithm is None:
             return
-        if self.enable_dp_attention:  # each rank's own batch: its MTP steps would need idle partners
-            raise ValueError("--speculative-algorithm: not with --enable-dp-attention yet (TP / EP ranks step "
-                             "together and draft alike)")
         if self.disable_overlap_schedule is False:
             raise ValueError("--speculative-algorithm: steps synchronously (its drafts need the step's tokens); "
                              "drop --no-disable-overlap-schedule")

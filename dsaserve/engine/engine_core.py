@@ -225,6 +225,8 @@ class EngineCore:
         if sched is None:
             if idle_forward:
                 self.runner.forward_idle()
+                if self.mtp is not None:
+                    self.mtp.idle()
             return deltas + self._resolve()
         t = self.device_timer.start()
         batch = self.builder.build(sched)

@@ -359,8 +359,9 @@ class ModelRunner(RunnerStartup):
         """(logits as `forward` gives them, the final hidden rows [T, H] of every token): speculative decoding's
         step (engine/mtp.py), whose MTP layer reads the hidden rows. A decode graph keeps no hidden rows, so such a
         step replays the piecewise graphs where they take it, else runs eagerly."""
-        if self.dp_sync is not None:
-            raise RuntimeError("forward_with_hidden: not under DP-attention")
+        if self.dp_sync is not None:  # agreed as an eager step: its MoE layers meet the others' as `_dp_forward`'s
+            step = self.dp_step = self.dp_sync.agree(batch, graph=False)
+            return self._run(batch, False, step if step.mode == GATHER else None)
         return self._run(batch, self.piecewise is not None and self.piecewise.fallback_reason(batch) is None)
 
     def _run(self, batch: ForwardBatch, piecewise: bool, step: DPStep | None = None
@@ -381,10 +382,25 @@ class ModelRunner(RunnerStartup):
         self._prompt_logprobs(batch, hidden)
         return logits, hidden
 
-    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_mtp(self, batch: ForwardBatch | None, prev_hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The MTP layer over a host batch (eagerly): its KV at the batch's slots; its logits and normed output at
-        the batch's logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch)."""
-        return self.model.forward_mtp(batch.to(self.device), self.kv_pool, prev_hidden, with_hidden=True)
+        the batch's logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch). Under DP-attention
+        every rank calls this together, a rank with no rows with `batch` None (its MoE layer's share of the
+        exchange; None returned), after agreeing on the step as the main forward does."""
+        step = None
+        if self.dp_sync is not None:
+            step = self.dp_step = self.dp_sync.agree(batch, graph=False)
+            if step.mode == SKIP:
+                return None
+            if batch is None:
+                gather = step.mode == GATHER
+                self.model.forward_idle(0, step.rows if gather else 0, step.tokens if gather else ())
+                return None
+        batch = batch.to(self.device)
+        if step is not None and step.mode == GATHER:
+            batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
+        return self.model.forward_mtp(batch, self.kv_pool, prev_hidden, with_hidden=True)
 
     def _prompt_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         """The step's prompt entries from its hidden rows, on the device (`last_prompt_logprobs`, read by the

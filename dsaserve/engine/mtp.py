@@ -29,9 +29,13 @@ preempt). A step without drafts runs the same way (its hidden rows feed the MTP 
 scheduler's, in the engine's stats and Prometheus): `spec_draft_tokens` verified, `spec_accepted_tokens` kept and
 emitted. TP / EP ranks run the same steps and sample alike (engine/rank_group.py), so they draft alike.
 
-Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled);
-DP-attention (a rank's MTP steps would need the others' idle partners, `forward_idle(mtp_layer)`); CUDA graphs for
-the verify step (it replays the piecewise graphs, not the decode graphs) and for the MTP layer's forwards (eager).
+Under DP-attention each rank drafts for its own requests; the MTP layer's MoE meets the other ranks', so every rank
+runs `--speculative-num-steps` MTP forwards every step (the ranks agree on each as on a main forward, an idle rank
+or one whose requests stopped drafting takes part with no rows), and the verify and MTP forwards run eagerly.
+
+Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled); CUDA graphs
+for the verify step (it replays the piecewise graphs, not the decode graphs; under DP-attention, eager) and for the
+MTP layer's forwards (eager).
 """
 
 from __future__ import annotations
@@ -130,6 +134,15 @@ class MTPDrafter:
                              "(num_nextn_predict_layers = 0, or a runner without forward_mtp)")
         self.runner, self.scheduler, self.steps = runner, scheduler, steps
         self.page_size = scheduler.cfg.page_size
+        # DP-attention: the ranks' MTP forwards meet in the MoE layer, so every rank runs `steps` of them every step,
+        # a rank without rows for one as an idle partner (ModelRunner.forward_mtp with no batch)
+        self.lockstep = getattr(runner, "dp_sync", None) is not None
+
+    def idle(self, forwards: int | None = None) -> None:
+        """DP-attention: this rank's share of the others' MTP forwards (all of a step's, by default) with no rows."""
+        if self.lockstep:
+            for _ in range(self.steps if forwards is None else forwards):
+                self.runner.forward_mtp(None, None)
 
     def drafts_for(self, req: Req) -> int:
         """How many drafts req takes: none under a grammar; else up to `steps`, as many as the tokens a verify step
@@ -172,6 +185,7 @@ class MTPDrafter:
             req.drafts = []
         rows, keep = self._extend_rows(sched, starts, kept)
         if not rows.reqs:
+            self.idle()
             return
         logits, h = self.runner.forward_mtp(rows.batch(self.page_size), hidden.index_select(0, keep.to(hidden.device)))
         drafting = list(compress(rows.reqs, rows.logits))
@@ -206,6 +220,7 @@ class MTPDrafter:
                     rows.add(req, pos, [req.drafts[-1]], True)
                     pick.append(k)
             if not rows.reqs:
+                self.idle(self.steps - j + 1)
                 return
             logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h[torch.tensor(pick, device=h.device)])
             for req, tok in zip(rows.reqs, logits.argmax(dim=-1).tolist(), strict=True):

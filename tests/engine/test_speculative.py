@@ -191,8 +191,6 @@ def test_an_abort_mid_generation_frees_everything():
 
 
 def test_the_flags_refuse_what_is_not_built():
-    with pytest.raises(ValueError, match="--speculative-algorithm: not with --enable-dp-attention"):
-        EngineArgs(model=MODEL, speculative_algorithm="mtp", enable_dp_attention=True, expert_parallel_size=2)
     with pytest.raises(ValueError, match="--speculative-algorithm: steps synchronously"):
         EngineArgs(model=MODEL, speculative_algorithm="mtp", disable_overlap_schedule=False)
     with pytest.raises(ValueError, match="--speculative-algorithm: 'eagle' is not one of mtp, nextn"):

@@ -1,6 +1,7 @@
 """`dsaserve serve` over several ranks on the CPU (gloo): TP2, EP2 and DP-attention + EP2 answer through the real
-openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling, TP2 also with
-MTP drafts: the ranks verify and draft alike), and so do
+openai client with the greedy tokens of one rank (EP2 and DP-attention also with overlap scheduling, TP2 and
+DP-attention also with MTP drafts: TP ranks verify and draft alike, DP ranks each their own requests, in lockstep
+MTP forwards), and so do
 structured-output requests (json_schema, regex, choice: every rank compiles the grammar before the request is
 admitted, engine/grammar_gate.py), whose outputs obey their grammars; a schema that cannot compile is a 400 and
 the server goes on serving; two
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -32,10 +34,10 @@ PROMPTS = [[5, 6, 7, 8, 9] * 8, [11, 12, 13] * 12, list(range(40, 75))]
 EXIT_S = 5.0  # a killed rank must bring the server down within this
 
 
-def greedy(server: ServerProcess) -> list[tuple[str, list[str]]]:
+def greedy(server: ServerProcess, prompts: list[list[int]] = PROMPTS) -> list[tuple[str, list[str]]]:
     client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
     out = []
-    for p in PROMPTS:
+    for p in prompts:
         c = client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, logprobs=1,
                                       extra_body={"ignore_eos": True}).choices[0]
         out.append((c.text, list(c.logprobs.tokens)))
@@ -81,8 +83,10 @@ OVERLAP = "--no-disable-overlap-schedule"  # overlap scheduling, off by default 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2", OVERLAP), ("--enable-dp-attention", "--ep", "2"),
                                     ("--enable-dp-attention", "--ep", "2", OVERLAP),
-                                    ("--tp", "2", "--speculative-algorithm", "mtp")],
-                         ids=["tp2", "ep2_overlap", "dp2_ep2", "dp2_ep2_overlap", "tp2_mtp"])
+                                    ("--tp", "2", "--speculative-algorithm", "mtp"),
+                                    ("--enable-dp-attention", "--ep", "2", "--speculative-algorithm", "mtp",
+                                     "--speculative-num-steps", "2")],
+                         ids=["tp2", "ep2_overlap", "dp2_ep2", "dp2_ep2_overlap", "tp2_mtp", "dp2_ep2_mtp"])
 def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path, one_rank, layout):
     s = ServerProcess(tmp_path, *EXACT, *layout)
     try:
@@ -97,6 +101,9 @@ def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path
         assert {"scheduler", "scheduler rank 1"} <= set(startup["processes"])
         if "--speculative-algorithm" in layout:  # the drafts were verified, on both ranks alike
             assert value(scrape(s)[1], "dsaserve_spec_decode_num_draft_tokens_total") > 0
+            # at once: DP ranks busy together, one with more requests (drafting or not) than the other
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                assert list(pool.map(lambda p: greedy(s, [p])[0], PROMPTS)) == one_rank[0]
     finally:
         assert s.stop() == 0
 
