@@ -32,7 +32,21 @@ def run(model: str, device: str | None, steps: int, prompts: list[str], max_toke
     outs = eng.generate(prompts, params)
     seconds = time.perf_counter() - t0
     after = eng.core.stats()
-    return outs, seconds, {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    diff = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    was, now = before.get("spec_accepted_per_pos", []), after.get("spec_accepted_per_pos", [])
+    diff["per_pos"] = [n - (was[j] if j < len(was) else 0) for j, n in enumerate(now)]
+    return outs, seconds, diff
+
+
+def position_rates(stats: dict) -> str:
+    """Each position's kept drafts over the request-steps that verified drafts, and in brackets over the position
+    before's (the chance a draft is kept when the one before it was: the ledger's --draft-acceptance)."""
+    steps, per, out, prev = stats.get("spec_num_drafts", 0), stats.get("per_pos", []), [], None
+    for n in per:
+        rate = n / max(steps, 1)
+        out.append(f"{rate:.2f}" + (f" ({rate / prev:.2f})" if prev else ""))
+        prev = rate
+    return ", ".join(out) or "none kept"
 
 
 def main() -> None:
@@ -56,6 +70,7 @@ def main() -> None:
                   f"{kept}/{drafts} ({kept / max(drafts, 1):.2f}), tokens a step a request "
                   f"{tokens / max(s_spec['steps'], 1) / bs:.2f} | mtp / plain time {t_spec / t_base:.2f} | greedy "
                   f"outputs equal {same}/{bs}")
+            print(f"    kept by position / request-steps: {position_rates(s_spec)}")
 
 
 if __name__ == "__main__":

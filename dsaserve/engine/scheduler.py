@@ -43,7 +43,7 @@ from dsaserve.engine.page_allocator import PageAllocator
 from dsaserve.engine.prefix_cache import PrefixCache
 from dsaserve.engine.prompt_entry_cache import PromptEntryCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta, placeholder
-from dsaserve.engine.scheduler_audit import check_no_leak, scheduler_stats
+from dsaserve.engine.scheduler_audit import check_no_leak, count_drafts, count_kept, scheduler_stats, spec_counters
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Scheduler:
         self._seq = itertools.count()
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
                              prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0,
-                             overlap_discarded_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+                             overlap_discarded_tokens=0, **spec_counters())
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -321,8 +321,7 @@ class Scheduler:
             req.num_computed += min(n, len(req.tokens) - req.num_computed)  # a draft counts once it is kept
             self._register_full_pages(req)
         self.counters["computed_tokens"] += computed
-        self.counters["spec_draft_tokens"] += sum(n for req, n, _ in sched.draft_rows
-                                                  if req.status is not ReqStatus.FINISHED)
+        count_drafts(self.counters, [n for req, n, _ in sched.draft_rows if req.status is not ReqStatus.FINISHED])
         for j, req in enumerate(samples):
             if req.followers:
                 self._fork(req)
@@ -360,11 +359,11 @@ class Scheduler:
                 continue
             req.tokens[-1] = tok
             finished = self._take(req, tok, lp)
-            for after in (kept_drafts.get(req, ()) if kept_drafts else ()):
+            for pos, after in enumerate(kept_drafts.get(req, ()) if kept_drafts else ()):
                 if finished:
                     break
                 req.num_computed += 1  # the kept draft's KV is the last token's
-                self.counters["spec_accepted_tokens"] += 1
+                count_kept(self.counters, pos)
                 self._register_full_pages(req)
                 req.tokens.append(after[0])
                 finished = self._take(req, *after)

@@ -1,7 +1,10 @@
 """What the scheduler reports and how its bookkeeping is audited (stage 3 and 10's observability).
 
 Owns: `scheduler_stats` (the level and counter snapshot behind `EngineCore.stats()` and Prometheus: requests,
-KV pages used / cached / free / total, the scheduler's counters) and `check_no_leak` (the tests' and the
+KV pages used / cached / free / total, the scheduler's counters), the speculative-decoding counters (`count_drafts`,
+`count_kept`: drafts verified, request-steps that verified any, drafts kept by position — vLLM's
+`spec_decode_num_accepted_tokens_per_pos`, whose ratio to the drafts is the acceptance at each position, what
+`dsaserve ledger --draft-acceptance` asks) and `check_no_leak` (the tests' and the
 engine's end-of-run audit: every page free or held only by the prefix cache, no request or page-table row
 left). Read-only over a `Scheduler`; torch-free, like it.
 """
@@ -24,8 +27,27 @@ def scheduler_stats(s: Any) -> dict:
         "kv_pages_free": free,
         "kv_pages_in_prefix_cache": s.cache.num_cached,
         "evicted_pages": s.cache.evicted_pages,
-        **s.counters,
+        **{k: list(v) if isinstance(v, list) else v for k, v in s.counters.items()},  # a snapshot, not a view
     }
+
+
+def spec_counters() -> dict[str, Any]:
+    """The speculative-decoding counters at zero: `spec_accepted_per_pos[j]` counts drafts kept at position j + 1."""
+    return {"spec_draft_tokens": 0, "spec_num_drafts": 0, "spec_accepted_tokens": 0, "spec_accepted_per_pos": []}
+
+
+def count_drafts(counters: dict[str, Any], drafts: list[int]) -> None:
+    """A step verified `drafts[i]` drafts of its i-th drafting request (live ones)."""
+    counters["spec_draft_tokens"] += sum(drafts)
+    counters["spec_num_drafts"] += sum(1 for n in drafts if n)
+
+
+def count_kept(counters: dict[str, Any], pos: int) -> None:
+    """The draft at 0-based position `pos` of a request's step was kept."""
+    per = counters["spec_accepted_per_pos"]
+    per.extend([0] * (pos + 1 - len(per)))
+    per[pos] += 1
+    counters["spec_accepted_tokens"] += 1
 
 
 def check_no_leak(s: Any) -> None:

@@ -69,6 +69,8 @@ ENGINE_COUNTERS = {
                           "decode step verified (speculative decoding, engine/mtp.py)"),
     "spec_accepted_tokens": ("dsaserve_spec_decode_num_accepted_tokens", "draft tokens kept: the sampler drew the "
                              "draft itself at its position (accepted / draft = the acceptance rate)"),
+    "spec_num_drafts": ("dsaserve_spec_decode_num_drafts", "request-steps that verified drafts (accepted_per_pos / "
+                        "this = the acceptance at each position)"),
     "aborted_samples": ("dsaserve_engine_stop_string_samples", "samples the detokenizer ended in the scheduler "
                         "because a stop string matched (a normal finish, not a failure)"),
 }
@@ -94,6 +96,11 @@ class EngineCollector(Collector):
                                 value=used / total if total else 0.0)
         for key, (name, help_) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=float(stats.get(key, 0) or 0))
+        per_pos = CounterMetricFamily("dsaserve_spec_decode_num_accepted_tokens_per_pos", "draft tokens kept at each "
+                                      "position of a request's drafts (1 = the MTP layer's first)", labels=["position"])
+        for j, n in enumerate(stats.get("spec_accepted_per_pos") or []):
+            per_pos.add_metric([str(j + 1)], float(n))
+        yield per_pos
         yield from _graph_counters(counters)
         fam = GaugeMetricFamily("dsaserve_engine_counter", "engine COUNTERS (common/counters.py), by name",
                                 labels=["name"])

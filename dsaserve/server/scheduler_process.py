@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import traceback
+from itertools import zip_longest
 from typing import Any
 
 import zmq
@@ -53,12 +54,15 @@ GATE_POLL_MS = 2  # ... while a parked request's grammar compiles: it is picked 
 
 
 def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """DP-attention: the ranks' scheduler stats summed (pages, requests and tokens add across pools)."""
+    """DP-attention: the ranks' scheduler stats summed (pages, requests and tokens add across pools; per-position
+    counts position by position)."""
     out = dict(per_rank[0])
     for other in per_rank[1:]:
         for k, v in other.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out.get(k), (int, float)):
                 out[k] = out[k] + v
+            elif isinstance(v, list) and isinstance(out.get(k), list):
+                out[k] = [a + b for a, b in zip_longest(out[k], v, fillvalue=0)]
     return out
 
 

@@ -79,6 +79,19 @@ def test_the_drafts_are_the_mtp_layers_argmax_over_the_finished_sequence():
             i, known = i + step, known + step
     stats = eng.core.stats()
     assert (stats["spec_draft_tokens"], stats["spec_accepted_tokens"]) == (drafted, kept)
+    assert stats["spec_num_drafts"] == drafted and stats["spec_accepted_per_pos"] == [kept]  # one draft a step
+
+
+def test_drafts_kept_by_position_count_each_request_steps_run_of_kept_drafts():
+    """With 3 drafts a draft is kept only after the ones before it: the per-position counts fall, add up to the
+    kept drafts, and each request-step that verified drafts (spec_num_drafts) keeps at most one at each position."""
+    eng = _engine(True, 3)
+    eng.generate(TEXTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    s = eng.core.stats()
+    per = s["spec_accepted_per_pos"]
+    assert len(per) == 3 and sum(per) == s["spec_accepted_tokens"] > 0
+    assert s["spec_num_drafts"] >= per[0] >= per[1] >= per[2] > 0
+    assert s["spec_num_drafts"] < s["spec_draft_tokens"] <= 3 * s["spec_num_drafts"]
 
 
 @pytest.mark.parametrize("steps", [1, 3])

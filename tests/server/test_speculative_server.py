@@ -38,5 +38,7 @@ def test_completions_equal_the_engine_without_drafts_and_metrics_count_the_draft
     drafts = value(samples, "dsaserve_spec_decode_num_draft_tokens_total")
     kept = value(samples, "dsaserve_spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and 0 < kept <= drafts
+    per_pos = value(samples, "dsaserve_spec_decode_num_accepted_tokens_per_pos_total", position="1")
+    assert per_pos == kept and value(samples, "dsaserve_spec_decode_num_drafts_total") == drafts  # one draft a step
     info = spec_server.get("/startup").json()
     assert "speculative_algorithm" in str(info) and "mtp" in str(info)
