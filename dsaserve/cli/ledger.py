@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--mla-kv", choices=("replicated", "split"), help="pure-TP MLA KV per rank (replicated)")
     a.add_argument("--speculative-num-steps", type=int, metavar="K",
                    help="speculative decoding with the MTP layer on, K drafts a request a step (1-8; off)")
-    a.add_argument("--draft-acceptance", type=float, metavar="A",
-                   help="chance a draft is kept when the ones before it were (0.8)")
+    a.add_argument("--draft-acceptance", metavar="A[,A2,...]",
+                   help="chance a draft is kept when the ones before it were (0.8); several: positions 1, 2, ...")
     a.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE", help="set any assumption")
     o = p.add_argument_group("output")
     fmt = o.add_mutually_exclusive_group()
@@ -112,7 +112,9 @@ def _assumptions(args: argparse.Namespace):
             raise ValueError(f"--assume: {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         updates[k.strip()] = v.strip()
-    flagged = {k: getattr(args, k) for k in ASSUMPTION_FLAGS if getattr(args, k) is not None}
+    flagged = {k: getattr(args, k) for k in ASSUMPTION_FLAGS if getattr(args, k, None) is not None}
+    if args.draft_acceptance is not None and "," in args.draft_acceptance:  # rates by position
+        flagged["draft_acceptance_by_position"] = flagged.pop("draft_acceptance")
     if args.speculative_num_steps is not None:  # the flag is the engine's: drafting at all is what it asks
         updates["speculative"] = "true"
     return Assumptions().with_updates(updates).with_updates(flagged, via_flags=True)

@@ -142,6 +142,9 @@ class Assumptions:
     draft_acceptance: float = _a(0.8, "with speculative on: chance a draft is kept when the drafts before it were, one "
                                  "rate at every position (DeepSeek-V3's report: 85-90 % of second tokens accepted; "
                                  "the built-in mini's MTP layer keeps 0.68 at one draft, bench_speculative.py)")
+    draft_acceptance_by_position: str = _a("", "with speculative on: that chance at positions 1, 2, ... "
+                                           "(comma-separated, the last repeats; bench_speculative.py prints a run's), "
+                                           "in place of draft_acceptance (empty: draft_acceptance everywhere)")
     nvfp4_rope: str = _a("fp8", "nvfp4_ds_mla rope part: FP8 (352 B/token/layer, the notes' figure) or BF16 (416)",
                          ("fp8", "bf16"))
     page_size: int = _a(64, "tokens per KV page (SGLang / dsaserve)")
@@ -212,7 +215,7 @@ class Assumptions:
 # assumptions with a flag of their own (cli/ledger.py): the flag names them, unless set through --assume
 ASSUMPTION_FLAGS = {"mem_fraction_static": "--mem-fraction-static", "indexer_q_tile": "--indexer-q-tile",
                     "mla_kv": "--mla-kv", "speculative_num_steps": "--speculative-num-steps",
-                    "draft_acceptance": "--draft-acceptance"}
+                    "draft_acceptance": "--draft-acceptance", "draft_acceptance_by_position": "--draft-acceptance"}
 MAX_DRAFTS = 8  # engine/engine_args.MAX_SPECULATIVE_STEPS (the ledger imports no engine code; a test ties the two)
 
 
@@ -226,6 +229,13 @@ def _problem(name: str, v: Any) -> str | None:
         return f"must be in [1, {MAX_DRAFTS}] (the engine's --speculative-num-steps)"
     if name == "draft_acceptance" and not 0 <= v <= 1:
         return "must be in [0, 1]"
+    if name == "draft_acceptance_by_position" and v:
+        try:
+            rates = [float(x) for x in v.split(",")]
+        except ValueError:
+            return "must be comma-separated numbers"
+        if not all(0 <= r <= 1 for r in rates):
+            return "every rate must be in [0, 1]"
     return None
 
 

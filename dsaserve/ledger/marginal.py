@@ -26,7 +26,7 @@ from dsaserve.ledger.collective_plan import (
 from dsaserve.ledger.deployment import Assumptions, Deployment
 from dsaserve.ledger.hardware import Hardware
 from dsaserve.ledger.kv import kv_per_token, kv_share_per_gpu
-from dsaserve.ledger.speculative import Forward, drafts, expected_tokens, step_forwards
+from dsaserve.ledger.speculative import Forward, acceptance, drafts, expected_tokens, step_forwards
 from dsaserve.ledger.units import ceil_div
 from dsaserve.ledger.weights import WeightInventory, experts_touched_fraction, step_read_per_gpu
 
@@ -96,7 +96,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     """One decode step of `batch` requests at `context` keys each: its forwards' terms summed (speculative.py: with
     speculation on, the verify over 1 + k tokens a request and the MTP layer's k draft forwards)."""
     k = drafts(asm)
-    fwds = step_forwards(batch, k, asm.draft_acceptance)
+    fwds = step_forwards(batch, k, acceptance(asm))
     plan = [r for f in fwds for r in step_plan(cfg, dep, asm, f.tokens, logits_rows=f.logits_rows,
                                                mtp="only" if f.part == "mtp" else False)]
     per_tok = kv_per_token(cfg, kv_layout, asm)
@@ -136,7 +136,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
                                                          "each draft forward" if k else "")),
     )
     frac = experts_touched_fraction(cfg, fwds[0].tokens, asm.expert_routing)
-    return DecodeStep(batch, context, req_gpu, frac, terms, expected_tokens(k, asm.draft_acceptance), k)
+    return DecodeStep(batch, context, req_gpu, frac, terms, expected_tokens(k, acceptance(asm)), k)
 
 
 def _mtp(f: Forward) -> str | bool:
@@ -160,7 +160,7 @@ def decode_weight_read(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, 
     """One GPU's weight bytes by group that a decode step of `batch` requests reads over its forwards: the main
     model's groups in the verify (or the plain step), the MTP layer's and the shared lm_head in each draft forward."""
     out: dict[str, float] = {}
-    for f in step_forwards(batch, drafts(asm), asm.draft_acceptance):
+    for f in step_forwards(batch, drafts(asm), acceptance(asm)):
         for g, b in step_read_per_gpu(cfg, inv, dep, asm, f.tokens, context=context).items():
             if (g.startswith("mtp.") or g == "lm_head") if f.part == "mtp" else not g.startswith("mtp."):
                 out[g] = out.get(g, 0.0) + b

@@ -11,7 +11,7 @@ under a per-position acceptance rate (`expected_tokens`), and the rate at which 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsaserve.ledger.deployment import Assumptions
@@ -34,18 +34,30 @@ def drafts(asm: Assumptions) -> int:
     return asm.speculative_num_steps if asm.speculative else 0
 
 
-def expected_tokens(k: int, acceptance: float) -> float:
+def acceptance(asm: Assumptions) -> tuple[float, ...]:
+    """The chance a draft is kept when the ones before it were, at positions 1, 2, ... (the last repeats)."""
+    if asm.draft_acceptance_by_position:
+        return tuple(float(x) for x in asm.draft_acceptance_by_position.split(","))
+    return (asm.draft_acceptance,)
+
+
+def expected_tokens(k: int, rates: float | Sequence[float]) -> float:
     """Tokens a request emits in a step verifying k drafts: the token sampled after the last kept draft, plus each
-    draft j kept with probability a^j (kept only when every draft before it was)."""
-    return sum(acceptance ** j for j in range(k + 1))
+    draft j, kept with probability a_1 ... a_j (only when every draft before it was; one rate: a^j)."""
+    rates = (rates,) if isinstance(rates, int | float) else tuple(rates)
+    total = kept = 1.0
+    for j in range(k):
+        kept *= rates[min(j, len(rates) - 1)]
+        total += kept
+    return total
 
 
-def step_forwards(batch: int, k: int, acceptance: float) -> list[Forward]:
+def step_forwards(batch: int, k: int, rates: float | Sequence[float]) -> list[Forward]:
     """The forwards of one decode step over `batch` requests verifying k drafts each (k = 0: plain decoding)."""
     if k == 0:
         return [Forward("main", batch, 1, batch)]
     verify = batch * (k + 1)
-    e = expected_tokens(k, acceptance)
+    e = expected_tokens(k, rates)
     extend = Forward("mtp", max(batch, round(batch * e)), e, batch)  # the kept tokens' positions, + the last
     return [Forward("main", verify, k + 1, verify), extend, *[Forward("mtp", batch, 1, batch)] * (k - 1)]
 

@@ -35,6 +35,16 @@ def test_expected_tokens_is_the_geometric_sum_of_kept_drafts():
     assert expected_tokens(3, 1.0) == 4 and expected_tokens(3, 0.0) == 1
     assert expected_tokens(2, 0.5) == pytest.approx(1.75)
     assert expected_tokens(8, 0.9) == pytest.approx((1 - 0.9 ** 9) / (1 - 0.9))
+    # by position: draft 2 kept with 0.6 x 0.5, draft 3 with 0.6 x 0.5 x 0.5 (the last rate repeats)
+    assert expected_tokens(3, (0.6, 0.5)) == pytest.approx(1 + 0.6 + 0.3 + 0.15)
+    assert expected_tokens(2, [0.7]) == expected_tokens(2, 0.7)
+
+
+def test_rates_by_position_replace_the_one_rate():
+    a = Assumptions(speculative=True, speculative_num_steps=3, draft_acceptance=0.9,
+                    draft_acceptance_by_position="0.6,0.5")
+    st = decode_step(GLM, INV, TP8, PRESETS["h200"], a, "fp8_ds_mla", B, CTX)
+    assert st.tokens_per_request == pytest.approx(1.6 + 0.3 + 0.15)
 
 
 def test_a_verify_step_is_the_main_forward_over_one_plus_k_tokens_then_k_mtp_forwards():
@@ -136,7 +146,12 @@ def test_cli_flags_turn_speculation_on_and_name_themselves_in_errors(capsys):
     assert rows[3]["tokens"] == pytest.approx(expected_tokens(3, 0.7)) and len(rows) == MAX_DRAFTS + 1
     groups = {r["group"] for r in d["sections"]["weights_per_gpu"]["rows"]}
     assert "mtp.experts" in groups  # the MTP layer is stored with speculation on
+    main(["ledger", "--json", "--sections", "speculative", "--draft-acceptance", "0.6,0.5"])
+    d = json.loads(capsys.readouterr().out)
+    assert d["assumptions"]["draft_acceptance_by_position"] == "0.6,0.5"
+    assert d["sections"]["speculative"]["rows"][3]["tokens"] == pytest.approx(2.05)
     for argv, flag in ((["--speculative-num-steps", "9"], "--speculative-num-steps"),
+                       (["--draft-acceptance", "0.5,x"], "--draft-acceptance"),
                        (["--draft-acceptance", "1.5"], "--draft-acceptance"),
                        (["--assume", "speculative_num_steps=0"], "--assume speculative_num_steps")):
         assert main(["ledger", "--sections", "speculative", *argv]) == 2
