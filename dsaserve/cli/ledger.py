@@ -116,6 +116,9 @@ def _assumptions(args: argparse.Namespace):
     if args.draft_acceptance is not None and "," in args.draft_acceptance:  # rates by position
         flagged["draft_acceptance_by_position"] = flagged.pop("draft_acceptance")
     if args.speculative_num_steps is not None:  # the flag is the engine's: drafting at all is what it asks
+        if str(updates.get("speculative", "true")).lower() in ("0", "false", "no", "off"):
+            raise ValueError("--speculative-num-steps: speculation is turned off by --assume speculative="
+                             f"{updates['speculative']}")
         updates["speculative"] = "true"
     return Assumptions().with_updates(updates).with_updates(flagged, via_flags=True)
 

@@ -69,8 +69,10 @@ def choose_dp_step(tokens: Sequence[int], decode: Sequence[bool], buckets: Seque
 
 
 class DPStepSync:
-    """One rank's side of the agreement: `agree(batch)` (None: nothing scheduled here) before every main
-    forward, on every DP rank, in the same order — the contract `ModelRunner.forward` / `forward_idle` keep."""
+    """One rank's side of the agreement: `agree(batch)` (None: nothing scheduled here) before every forward whose
+    MoE layers meet the other ranks' — the main forward and, with speculative decoding, each MTP forward — on every
+    DP rank, in the same order: the contract `ModelRunner.forward` / `forward_with_hidden` / `forward_idle` /
+    `forward_mtp` keep. One CPU all-gather each (with k drafts, k + 1 a step)."""
 
     def __init__(self, group: object, world: int, buckets: Sequence[int], max_gather_rows: int,
                  policy: str = "auto"):

@@ -215,7 +215,9 @@ class ModelRunner(RunnerStartup):
         with PhaseTimer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
             drafter = self.args.speculative_algorithm is not None and self.kv_pool.sink_page >= 0
-            mtp = warm_mtp(self.model, self.kv_pool, plan, self.max_model_len, preloaded) if drafter else 0
+            # the MTP layer's MoE meets the other ranks': its shape list may not hang on a rank's own preload hit
+            one_rank_hit = preloaded and self.parallel.world_size == 1
+            mtp = warm_mtp(self.model, self.kv_pool, plan, self.max_model_len, one_rank_hit) if drafter else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids),
                                    self.model.logits_dtype())
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
@@ -307,7 +309,8 @@ class ModelRunner(RunnerStartup):
         device here: into a graph runner's static inputs in one copy, or field by field for an eager step.
         Under overlap scheduling an input id -1-j is the token the step before sampled in row j
         (`future_token_ids[j]`), resolved on the device — inside the decode graph for a replay. Under
-        DP-attention every rank calls this or `forward_idle()` once per step (they agree on the step first)."""
+        DP-attention every rank calls this, `forward_with_hidden` or `forward_idle()` once per step (they agree on the
+        step first), then with speculative decoding `forward_mtp` as many times as every other rank."""
         if self.dp_sync is not None:
             return self._dp_forward(batch)
         return self._forward(batch)

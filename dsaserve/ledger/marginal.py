@@ -97,8 +97,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     speculation on, the verify over 1 + k tokens a request and the MTP layer's k draft forwards)."""
     k = drafts(asm)
     fwds = step_forwards(batch, k, acceptance(asm))
-    plan = [r for f in fwds for r in step_plan(cfg, dep, asm, f.tokens, logits_rows=f.logits_rows,
-                                               mtp="only" if f.part == "mtp" else False)]
+    plan = [r for f in fwds for r in step_plan(cfg, dep, asm, f.tokens, logits_rows=f.logits_rows, mtp=_mtp(f))]
     per_tok = kv_per_token(cfg, kv_layout, asm)
     share = kv_share_per_gpu(dep, asm)
     req_gpu = ceil_div(batch, dep.dp) if dep.dp_attention else batch

@@ -72,7 +72,7 @@ def weights_per_gpu(li: LedgerInputs) -> Section:
     rows.append({"group": "total", "checkpoint": sum(li.inv.bytes[g] for g in stored), "ranks_sharing": None,
                  "stored_per_gpu": sum(stored.values()), "read_per_step": sum(read.values()),
                  "why": f"read at batch {li.work.batch}, context {li.work.decode_context:,}: routed experts as far as "
-                        f"{li.work.batch} tokens touch them" + _drafts_note(li)})
+                        + _drafts_note(li)})
     cols = [Column("group", "group"), Column("checkpoint", "checkpoint", "B"), Column("ranks_sharing", "/ranks"),
             Column("stored_per_gpu", "stored per GPU", "B"), Column("read_per_step", "read per decode step", "B"),
             Column("why", "why")]
@@ -185,5 +185,5 @@ def scheduler_pages(li: LedgerInputs) -> Section:
 
 def _drafts_note(li: LedgerInputs) -> str:
     k = drafts(li.asm)
-    return (f"; speculation: the verify's {li.work.batch * (k + 1)} tokens, then the MTP layer and the lm_head in "
-            f"each of {k} draft forwards") if k else ""
+    return (f"the verify's {li.work.batch * (k + 1)} tokens touch them (speculation, {k} drafts a request), then the "
+            f"MTP layer and the lm_head in each of {k} draft forwards") if k else f"{li.work.batch} tokens touch them"

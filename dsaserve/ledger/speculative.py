@@ -68,6 +68,8 @@ def break_even_acceptance(cost: Callable[[float], float], k: int, tol: float = 1
     layer's first forward covers the kept tokens). None when even a = 1 does not pay."""
     if expected_tokens(k, 1.0) < cost(1.0):
         return None
+    if expected_tokens(k, 0.0) >= cost(0.0):
+        return 0.0  # pays with no draft kept (a step costs no more with them)
     lo, hi = 0.0, 1.0
     while hi - lo > tol:
         mid = (lo + hi) / 2

@@ -234,8 +234,10 @@ def _add_status_routes(app: FastAPI, args: Any, tm: Any, readiness: Any, metrics
 
     @app.get("/admin/stats")
     async def admin_stats(check_leak: bool = False) -> JSONResponse:
-        """Fresh scheduler stats and engine counters; `?check_leak=true` also runs the KV leak check."""
+        """Fresh scheduler stats and engine counters (under DP-attention summed, and each rank's as `ranks`);
+        `?check_leak=true` also runs the KV leak check."""
         _require_up(readiness)
         snap = await tm.get_stats(timeout=5.0, check_leak=check_leak)
         return JSONResponse({"stats": snap.get("stats"), "counters": snap.get("counters"), "leak": snap.get("leak"),
-                             "inflight_samples": tm.inflight_samples()})
+                             "inflight_samples": tm.inflight_samples(),
+                             **({"ranks": snap["ranks"]} if "ranks" in snap else {})})

@@ -150,6 +150,8 @@ class SchedulerLoop:
     def stats(self, per_rank: list[dict[str, Any]], check_leak: bool) -> dict[str, Any]:
         merged = merge_stats(per_rank) if per_rank else self.core.stats()
         out: dict[str, Any] = {"stats": plain(merged), "counters": plain(self.counters.snapshot())}
+        if len(per_rank) > 1:  # DP-attention: each rank's own requests, pages and counters (/admin/stats)
+            out["ranks"] = [plain(r) for r in per_rank]
         if check_leak:
             try:
                 self.core.check_no_leak()

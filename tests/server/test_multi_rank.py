@@ -104,6 +104,9 @@ def test_a_multi_rank_server_answers_with_the_greedy_tokens_of_one_rank(tmp_path
             # at once: DP ranks busy together, one with more requests (drafting or not) than the other
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 assert list(pool.map(lambda p: greedy(s, [p])[0], PROMPTS)) == one_rank[0]
+            if "--enable-dp-attention" in layout:  # each rank drafted for requests of its own
+                ranks = s.get("/admin/stats").json()["ranks"]
+                assert len(ranks) == 2 and all(r["spec_draft_tokens"] > 0 for r in ranks), ranks
     finally:
         assert s.stop() == 0
 
