@@ -385,12 +385,13 @@ class ModelRunner(RunnerStartup):
         self._prompt_logprobs(batch, hidden)
         return logits, hidden
 
-    def forward_mtp(self, batch: ForwardBatch | None, prev_hidden: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward_mtp(self, batch: ForwardBatch | None, prev_hidden: torch.Tensor | None,
+                    input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The MTP layer over a host batch (eagerly): its KV at the batch's slots; its logits and normed output at
         the batch's logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch). Under DP-attention
         every rank calls this together, a rank with no rows with `batch` None (its MoE layer's share of the
-        exchange; None returned), after agreeing on the step as the main forward does."""
+        exchange; None returned), after agreeing on the step as the main forward does. `input_ids`: the batch's
+        tokens already on the device (chained drafts), in place of its host ids."""
         step = None
         if self.dp_sync is not None:
             step = self.dp_step = self.dp_sync.agree(batch, graph=False)
@@ -401,6 +402,8 @@ class ModelRunner(RunnerStartup):
                 self.model.forward_idle(0, step.rows if gather else 0, step.tokens if gather else ())
                 return None
         batch = batch.to(self.device)
+        if input_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=input_ids)
         if step is not None and step.mode == GATHER:
             batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
         return self.model.forward_mtp(batch, self.kv_pool, prev_hidden, with_hidden=True)

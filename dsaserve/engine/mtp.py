@@ -20,7 +20,8 @@ A step with drafts (`EngineCore.step`, synchronous):
      that was not kept), and its argmax at the request's last one is d1. Drafts 2..k chain the layer on its own
      output (`_chain`): at the next position, the embedding of the draft before and the layer's output in place of
      the main model's hidden row, as SGLang's NextN steps do; their KV there is rewritten from real inputs when the
-     position is computed.
+     position is computed. Each forward reads the drafts before it on the device; the host waits once, after the
+     last, for all of them (one wait a step, not k).
 Drafts are proposals: a wrong or stale one (a prefix-cache page whose MTP KV another request wrote, a request
 preempted and recomputed) costs acceptance, never a different output. Not drafted: structured-output requests
 (their grammar would have to take the drafts before the later rows' masks), and no more drafts than the request's
@@ -49,6 +50,7 @@ import torch
 
 from dsaserve.engine.request import Req, ReqStatus
 from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.sampler import SamplerOutput
 
@@ -189,9 +191,13 @@ class MTPDrafter:
             return
         logits, h = self.runner.forward_mtp(rows.batch(self.page_size), hidden.index_select(0, keep.to(hidden.device)))
         drafting = list(compress(rows.reqs, rows.logits))
-        for req, tok in zip(drafting, logits.argmax(dim=-1).tolist(), strict=True):
-            req.drafts = [tok]
-        self._chain(drafting, h)
+        draws = [(drafting, _argmax(logits))]
+        self._chain(draws, h)
+        tokens = torch.cat([t for _, t in draws]).tolist()  # the step's one wait for its drafts
+        it = iter(tokens)
+        for reqs, _ in draws:
+            for req in reqs:
+                req.drafts.append(next(it))
 
     def _extend_rows(self, sched: ScheduledBatch, starts: list[int], kept: dict[Req, list]
                      ) -> tuple[_Rows, torch.Tensor]:
@@ -208,24 +214,31 @@ class MTPDrafter:
             t += n
         return rows, torch.tensor(keep, dtype=torch.int64)
 
-    def _chain(self, reqs: list[Req], h: torch.Tensor) -> None:
+    def _chain(self, draws: list[tuple[list[Req], torch.Tensor]], h: torch.Tensor) -> None:
         """Drafts 2.. of each request: the MTP layer at the position after its last draft's, on the embedding of that
         draft and its own output there (SGLang's chained NextN steps). Their KV is rewritten from real inputs when
-        those positions are computed; a request whose pool is short of a page for them stops drafting there."""
+        those positions are computed; a request whose pool is short of a page for them stops drafting there. Each
+        forward reads the drafts before it on the device (`draws`: the requests and their tokens, appended to), so
+        the host waits for none of them: which requests chain depends only on what the host knows."""
         for j in range(2, self.steps + 1):
+            reqs, prev = draws[-1]
             rows, pick = _Rows(), []
             for k, req in enumerate(reqs):
                 pos = len(req.tokens) + j - 3  # the last token's position is len - 1; draft j - 1 guessed len + j - 2
                 if self.drafts_for(req) >= j and self.scheduler.grow_pages(req, pos + 1):
-                    rows.add(req, pos, [req.drafts[-1]], True)
+                    rows.add(req, pos, [0], True)  # the token: draft j - 1, on the device
                     pick.append(k)
             if not rows.reqs:
                 self.idle(self.steps - j + 1)
                 return
-            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h[torch.tensor(pick, device=h.device)])
-            for req, tok in zip(rows.reqs, logits.argmax(dim=-1).tolist(), strict=True):
-                req.drafts.append(tok)
-            reqs = rows.reqs
+            rows_dev = torch.tensor(pick, device=h.device)
+            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h[rows_dev], prev[rows_dev])
+            draws.append((rows.reqs, _argmax(logits)))
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy draft of each row, on the device (the sampler's one-launch argmax where the kernels have it)."""
+    return get_ops(logits.device).row_argmax(logits) if logits.shape[0] else logits.argmax(dim=-1)
+
 
 def _i64(values: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
