@@ -59,6 +59,7 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    hidden: torch.Tensor  # the final hidden rows [bucket, H] (speculative decoding's MTP layer reads them)
     static_counts: dict[str, float]  # collective calls/bytes one eager run of this bucket made (they do not
     # depend on the batch's contents); each replay adds them again
 
@@ -139,13 +140,13 @@ class CudaGraphRunner:
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
         self.capture_retries = 0
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
-            static, (graph, logits), _, retried = capture_bucket(
+            static, (graph, logits, hidden), _, retried = capture_bucket(
                 lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream, branch), warm_each or i == 0)
             warm_each = warm_each or bool(static)  # collectives: their counts are each bucket's own
             self.capture_retries += retried
             if self.pool_handle is None:
                 self.pool_handle = graph.pool()
-            self.graphs[bs] = _Graph(graph, logits, static)
+            self.graphs[bs] = _Graph(graph, logits, hidden, static)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         return sorted(self.graphs)
@@ -160,7 +161,7 @@ class CudaGraphRunner:
         return static
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream,
-                     branch: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                     branch: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
@@ -173,13 +174,13 @@ class CudaGraphRunner:
                 try:
                     if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
                         resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-                    logits, _ = self.model(self._static_batch(bs), self.pool)
+                    logits, hidden = self.model(self._static_batch(bs), self.pool)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
                     if self.copy_in_graph:
                         stream.wait_stream(branch)
         finally:
             COUNTERS.enabled = enabled
-        return graph, logits
+        return graph, logits, hidden
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it
@@ -203,6 +204,11 @@ class CudaGraphRunner:
         """Logits of the batch's logits rows (the graph of `bucket`, default the smallest that holds the
         batch). When every row samples (decode) they are a view of the graph's output buffer: valid until the
         next replay (the engine samples before it builds the next step)."""
+        return self.replay_with_hidden(batch, bucket)[0]
+
+    def replay_with_hidden(self, batch: ForwardBatch, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`replay`'s logits, the batch's final hidden rows [bs, H]): views of the graph's buffers, valid until the
+        next replay."""
         bs = batch.batch_size
         bucket = bucket or next(b for b in self.buckets if b >= bs)
         if batch.input_ids.is_cuda and not self.copy_in_graph:
@@ -214,8 +220,8 @@ class CudaGraphRunner:
         self._count(batch, g)
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
         if batch.samples_every_token:
-            return g.logits[:bs]
-        return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True))
+            return g.logits[:bs], g.hidden[:bs]
+        return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True)), g.hidden[:bs]
 
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph

@@ -85,3 +85,6 @@ class DecodeGraphs:
 
     def replay(self, batch: ForwardBatch, bucket: int | None = None):
         return self.runner_for(batch).replay(batch, bucket)
+
+    def replay_with_hidden(self, batch: ForwardBatch, bucket: int | None = None):
+        return self.runner_for(batch).replay_with_hidden(batch, bucket)

@@ -87,7 +87,8 @@ class EngineArgs:
     mem_fraction_static: float = _arg("fraction of GPU memory for weights + KV pool (memory profile)", 0.88,
                                       type=float)
     cuda_graph_max_bs: int | None = _arg("largest decode batch captured in a CUDA graph (default: "
-                                         "--max-running-requests, so every decode batch the scheduler forms has one)")
+                                         "--max-running-requests, so every decode batch the scheduler forms has one; "
+                                         "times 1 + --speculative-num-steps when drafting, for the verify rows)")
     disable_cuda_graph: bool = _arg("run every step eagerly (no decode or piecewise CUDA graphs)", False)
     disable_narrow_decode_graphs: bool = _arg(
         "capture the decode graphs at --max-model-len's page-table width only, not also at the indexer top-k's "
@@ -241,8 +242,10 @@ class EngineArgs:
     @property
     def graph_max_bs(self) -> int:
         """Largest captured decode batch: --cuda-graph-max-bs, else --max-running-requests (the old default, 64
-        against 128 running requests, left batches of 65-128 eager: 155 of 574 eager steps in one bench)."""
-        return self.cuda_graph_max_bs or self.max_running_requests
+        against 128 running requests, left batches of 65-128 eager: 155 of 574 eager steps in one bench), times
+        1 + --speculative-num-steps when drafting: a verify step replays them as one token a row."""
+        rows = 1 + (self.speculative_num_steps if self.speculative_algorithm is not None else 0)
+        return self.cuda_graph_max_bs or self.max_running_requests * rows
 
     @property
     def piecewise_tokens(self) -> list[int]:

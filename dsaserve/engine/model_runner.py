@@ -40,7 +40,7 @@ from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_mtp, warm
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import get_ops
-from dsaserve.model.forward_batch import ForwardBatch
+from dsaserve.model.forward_batch import ForwardBatch, as_decode_rows
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers.moe import fold_device_expert_counts
 from dsaserve.weights.loader import LoadReport, load_checkpoint, load_dummy
@@ -360,11 +360,19 @@ class ModelRunner(RunnerStartup):
 
     def forward_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits as `forward` gives them, the final hidden rows [T, H] of every token): speculative decoding's
-        step (engine/mtp.py), whose MTP layer reads the hidden rows. A decode graph keeps no hidden rows, so such a
-        step replays the piecewise graphs where they take it, else runs eagerly."""
+        step (engine/mtp.py), whose MTP layer reads the hidden rows. A step whose every token samples (decode and
+        verify rows) replays a decode graph as one token a row (`as_decode_rows`) where one holds it; else the
+        piecewise graphs where they take it, else eager."""
         if self.dp_sync is not None:  # agreed as an eager step: its MoE layers meet the others' as `_dp_forward`'s
             step = self.dp_step = self.dp_sync.agree(batch, graph=False)
             return self._run(batch, False, step if step.mode == GATHER else None)
+        rows = as_decode_rows(batch) if self.graphs is not None else None
+        if rows is not None and self.graphs.fallback_reason(rows) is None:
+            self.last_prompt_logprobs = None
+            return self.graphs.replay_with_hidden(rows)
+        if self.graphs is not None and batch.samples_every_token and self.graphs.fallback_reason(batch) is None:
+            self.last_prompt_logprobs = None
+            return self.graphs.replay_with_hidden(batch)  # a decode step without drafts
         return self._run(batch, self.piecewise is not None and self.piecewise.fallback_reason(batch) is None)
 
     def _run(self, batch: ForwardBatch, piecewise: bool, step: DPStep | None = None

@@ -34,9 +34,11 @@ Under DP-attention each rank drafts for its own requests; the MTP layer's MoE me
 runs `--speculative-num-steps` MTP forwards every step (the ranks agree on each as on a main forward, an idle rank
 or one whose requests stopped drafting takes part with no rows), and the verify and MTP forwards run eagerly.
 
-Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled); CUDA graphs
-for the verify step (it replays the piecewise graphs, not the decode graphs; under DP-attention, eager) and for the
-MTP layer's forwards (eager).
+On a GPU a verify step whose every token samples replays the decode CUDA graphs as one token a row
+(`forward_batch.as_decode_rows`: each token over its request's page table up to its own position; the default
+`--cuda-graph-max-bs` holds every running request's 1 + k rows); a step with a prompt chunk replays the piecewise
+graphs. Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled);
+CUDA graphs for the MTP layer's forwards (eager) and for DP-attention's verify steps (eager).
 """
 
 from __future__ import annotations

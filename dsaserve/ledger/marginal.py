@@ -10,7 +10,6 @@ Pure Python.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dsaserve.common.causal import keys_within_topk
@@ -106,7 +105,7 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
     kv_bytes = share * req_gpu * per_tok.main_per_layer * sum(
         _kv_rows(f, selected, asm) * forward_layers(cfg, _mtp(f))[0] for f in fwds)
     idx_bytes = 0 if every_key else share * req_gpu * context * per_tok.indexer_per_layer * sum(
-        _indexer_layers(cfg, f) * math.ceil(f.queries / asm.indexer_q_tile) for f in fwds)
+        _indexer_layers(cfg, f) * f.key_reads for f in fwds)
     w = sum(decode_weight_read(cfg, inv, dep, asm, batch, context).values())
     red = hidden_reduction_rows(plan)
     a2a = [r for r in plan if r.kind == "all_to_all"]
@@ -124,8 +123,9 @@ def decode_step(cfg: ModelConfig, inv: WeightInventory, dep: Deployment, hw: Har
         Term("indexer", "indexer K read", idx_bytes, 0, idx_bytes / hw.hbm_bw,
              f"none: {context:,} keys are within the top-{cfg.index_topk}, every one is taken unscored" if every_key
              else f"{req_gpu} requests/GPU x {context:,} keys x {per_tok.indexer_per_layer} B x "
-             f"{len(cfg.full_indexer_layers)} full layers" + (f", + the MTP layer's in each of its {k} forwards "
-                                                              "(a request's queries share a key read)" if k else "")),
+             f"{len(cfg.full_indexer_layers)} full layers" + (f", each of the verify's {k + 1} rows a request (decode "
+                                                              f"rows), + the MTP layer's in each of its {k} forwards"
+                                                              if k else "")),
         Term("weights", "weight read", w, 0, w / hw.hbm_bw,
              "replicated part + this GPU's experts touched by the step's tokens"
              + (" (within the top-k: no indexer query projections)" if every_key else "")

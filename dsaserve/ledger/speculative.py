@@ -3,8 +3,9 @@ a request gains from it.
 
 Owns: the forwards of a decode step (`step_forwards`) — without speculation the main model over the batch; with it
 (engine/mtp.py, request-path stage 7; note 000's "draft, verify, draft_extend") the main model over each request's
-last token and its k drafts (the verify), the MTP layer over the positions whose next token is known (E a request,
-its first draft at the last), then k - 1 chained MTP forwards of one token a request — the tokens a step emits
+last token and its k drafts (the verify, replayed as one token a row: forward_batch.as_decode_rows), the MTP layer
+over the positions whose next token is known (E a request, its first draft at the last), then k - 1 chained MTP
+forwards of one token a request — the tokens a step emits
 under a per-position acceptance rate (`expected_tokens`), and the rate at which drafting stops paying
 (`break_even_acceptance`). The byte and collective terms of each forward are marginal.py's. Pure Python.
 """
@@ -21,12 +22,15 @@ from dsaserve.ledger.deployment import Assumptions
 class Forward:
     """One forward of a decode step. `part` "main": the decoder layers and the lm_head; "mtp": the MTP layer and
     the lm_head it shares. `queries`: tokens a request (each gathers its own top-k rows), `logits_rows`: rows the
-    lm_head computes over the deployment."""
+    lm_head computes over the deployment, `key_reads`: reads of a request's indexer keys a full layer (the verify
+    replays the decode graphs as one token a row, each scoring the keys itself; an MTP extend's queries share a
+    read, as a prefill chunk's)."""
 
     part: str
     tokens: int
     queries: float
     logits_rows: int
+    key_reads: float = 1.0
 
 
 def drafts(asm: Assumptions) -> int:
@@ -59,7 +63,7 @@ def step_forwards(batch: int, k: int, rates: float | Sequence[float]) -> list[Fo
     verify = batch * (k + 1)
     e = expected_tokens(k, rates)
     extend = Forward("mtp", max(batch, round(batch * e)), e, batch)  # the kept tokens' positions, + the last
-    return [Forward("main", verify, k + 1, verify), extend, *[Forward("mtp", batch, 1, batch)] * (k - 1)]
+    return [Forward("main", verify, k + 1, verify, k + 1), extend, *[Forward("mtp", batch, 1, batch)] * (k - 1)]
 
 
 def break_even_acceptance(cost: Callable[[float], float], k: int, tol: float = 1e-4) -> float | None:

@@ -313,3 +313,13 @@ def test_the_kept_count_is_of_tokens_emitted():
                 kept += max(0, len(o.token_ids) - emitted - 1)  # a step's tokens past its first: kept drafts'
                 emitted = len(o.token_ids)
         assert eng.core.stats()["spec_accepted_tokens"] == kept
+
+
+def test_drafting_captures_decode_graphs_for_the_verify_rows():
+    """A verify step replays the decode graphs as one token a row (forward_batch.as_decode_rows): by default they
+    hold every running request's last token and drafts."""
+    assert EngineArgs(model=MODEL, max_running_requests=16).graph_max_bs == 16
+    assert EngineArgs(model=MODEL, max_running_requests=16, speculative_algorithm="mtp",
+                      speculative_num_steps=3).graph_max_bs == 64
+    assert EngineArgs(model=MODEL, max_running_requests=16, speculative_algorithm="mtp",
+                      cuda_graph_max_bs=8).graph_max_bs == 8

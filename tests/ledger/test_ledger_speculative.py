@@ -76,8 +76,8 @@ def test_kv_and_indexer_reads_of_the_verify_and_the_draft_forwards(gather: str):
     main_rows = 3 * 2048 if gather == "slots" else 2048 + 2
     mtp_rows = (e * 2048 if gather == "slots" else 2048 + e - 1) + 2048
     assert st.term("kv").bytes == pytest.approx(B * 656 * (main_rows * 78 + mtp_rows))
-    # a request's queries share one read of its keys; the MTP layer scores them in each of its forwards
-    assert st.term("indexer").bytes == pytest.approx(B * CTX * 132 * (21 + 2))
+    # the verify's 3 rows a request each score its keys (decode rows); the MTP layer once in each of its forwards
+    assert st.term("indexer").bytes == pytest.approx(B * CTX * 132 * (21 * 3 + 2))
 
 
 def test_each_draft_forward_reads_the_mtp_layer_and_the_lm_head():
