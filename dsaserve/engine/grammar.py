@@ -304,3 +304,63 @@ class GrammarState:
         if not ok:
             self.broken = True
         return ok
+
+
+class DraftGrammar:
+    """A draft's row of a constrained request (speculative decoding, engine/mtp.py): its mask is the grammar's as if
+    the drafts before the row had been taken — taken on the request's own matcher for the fill, then rolled back
+    (xgrammar keeps every step: rollback is unbounded). It takes no token itself: after the step the request's
+    state takes each kept draft's draw in order (`MTPDrafter.kept`). A row past a draft the grammar refuses, or
+    past its end, is unconstrained: the sampler never keeps such a draft, so its row is never read."""
+
+    __slots__ = ("state", "drafts")
+
+    def __init__(self, state: GrammarState, drafts: list[int]) -> None:
+        self.state, self.drafts = state, drafts
+
+    @property
+    def vocab_size(self) -> int:
+        return self.state.vocab_size
+
+    @property
+    def active(self) -> bool:
+        taken = self._take()
+        if taken is None:
+            return False
+        self._rollback(taken)
+        return True
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        taken = self._take()
+        if taken is None:  # `active` said no: never asked
+            raise RuntimeError("DraftGrammar.fill: the grammar is not active after the drafts")
+        try:
+            self.state.fill(bitmask, row)
+        finally:
+            self._rollback(taken)
+
+    def observe(self, token_id: int) -> None:
+        """A draft row's draw is taken, if its draft is kept, by the request's state (`MTPDrafter.kept`)."""
+
+    def _take(self) -> int | None:
+        """The drafts taken on the matcher as `GrammarState.observe` takes tokens: how many it accepted (to roll
+        back), or None (nothing left taken) when the grammar is not active after them."""
+        s, waiting, taken = self.state, self.state.wait_token, 0
+        if s.broken:
+            return None
+        for d in self.drafts:
+            if waiting is not None:  # the reasoning before the grammar starts: free text
+                waiting = None if d == waiting else waiting
+                continue
+            if s.matcher.is_terminated() or not s.matcher.accept_token(int(d)):
+                self._rollback(taken)
+                return None
+            taken += 1
+        if waiting is not None or s.matcher.is_terminated():
+            self._rollback(taken)
+            return None
+        return taken
+
+    def _rollback(self, taken: int) -> None:
+        if taken:
+            self.state.matcher.rollback(taken)

@@ -23,12 +23,13 @@ A step with drafts (`EngineCore.step`, synchronous):
      position is computed. Each forward reads the drafts before it on the device; the host waits once, after the
      last, for all of them (one wait a step, not k).
 Drafts are proposals: a wrong or stale one (a prefix-cache page whose MTP KV another request wrote, a request
-preempted and recomputed) costs acceptance, never a different output. Not drafted: structured-output requests
-(their grammar would have to take the drafts before the later rows' masks), and no more drafts than the request's
-max_tokens leaves room for, the budget and `--mixed-step-tokens` take, and the free pages hold (drafts never
-preempt). A step without drafts runs the same way (its hidden rows feed the MTP layer's extend). Counters (the
-scheduler's, in the engine's stats and Prometheus): `spec_draft_tokens` verified, `spec_accepted_tokens` kept and
-emitted. TP / EP ranks run the same steps and sample alike (engine/rank_group.py), so they draft alike.
+preempted and recomputed) costs acceptance, never a different output. Structured-output requests draft too: a
+draft's row is masked by the grammar as if the drafts before it were taken (`grammar.DraftGrammar`), and the kept
+draws are taken in order after the step. No more drafts than the request's max_tokens leaves room for, the budget
+and `--mixed-step-tokens` take, and the free pages hold (drafts never preempt). A step without drafts runs the same
+way (its hidden rows feed the MTP layer's extend). Counters (the scheduler's, in the engine's stats and
+Prometheus): `spec_draft_tokens` verified, `spec_accepted_tokens` kept and emitted. TP / EP ranks run the same
+steps and sample alike (engine/rank_group.py), so they draft alike.
 
 Under DP-attention each rank drafts for its own requests; the MTP layer's MoE meets the other ranks', so every rank
 runs `--speculative-num-steps` MTP forwards every step (the ranks agree on each as on a main forward, an idle rank
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsaserve.engine.grammar import DraftGrammar
 from dsaserve.engine.request import Req, ReqStatus
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.kernels.registry import get_ops
@@ -58,13 +60,16 @@ from dsaserve.model.sampler import SamplerOutput
 
 
 class DraftRow:
-    """A draft's logits row as the sampler sees it: the request with its drafts up to this one as more output tokens.
-    Its seeded generator is the request's own, so a seed draws r0, r1, ... from one stream, in order."""
-
-    grammar = None
+    """A draft's logits row as the sampler sees it: the request with its drafts up to this one as more output tokens
+    (its grammar too: `DraftGrammar`). Its seeded generator is the request's own, so a seed draws r0, r1, ... from
+    one stream, in order."""
 
     def __init__(self, req: Req, drafts: list[int]):
         self.req, self.drafts = req, drafts
+
+    @property
+    def grammar(self) -> DraftGrammar | None:
+        return None if self.req.grammar is None else DraftGrammar(self.req.grammar, self.drafts)
 
     @property
     def sampling(self) -> Any:
@@ -149,9 +154,9 @@ class MTPDrafter:
                 self.runner.forward_mtp(None, None)
 
     def drafts_for(self, req: Req) -> int:
-        """How many drafts req takes: none under a grammar; else up to `steps`, as many as the tokens a verify step
+        """How many drafts req takes: up to `steps`, as many as the tokens a verify step
         may give it leave room for (the last token, then one more per draft)."""
-        return 0 if req.grammar is not None else max(0, min(self.steps, req.max_len - len(req.tokens) - 1))
+        return max(0, min(self.steps, req.max_len - len(req.tokens) - 1))
 
     def sample_rows(self, sched: ScheduledBatch, samples: list[Req], rows: list[int]
                     ) -> tuple[list[Any], list[int]]:
@@ -178,6 +183,8 @@ class MTPDrafter:
                     break
                 drawn = out.token_ids[j]
                 after.append((drawn, out.logprobs[j]))
+                if req.grammar is not None:  # the sampler's result took the first draw; the kept rows' go after it
+                    req.grammar.observe(drawn)
         return kept
 
     def extend(self, sched: ScheduledBatch, batch: ForwardBatch, hidden: torch.Tensor, starts: list[int],
@@ -209,7 +216,7 @@ class MTPDrafter:
         rows, keep, t = _Rows(), [], 0  # t: the step's first token of this request
         for req, n, start in zip(sched.reqs, sched.num_new, starts, strict=True):
             valid = n - (verified.get(req, 0) - len(kept.get(req, ())))
-            if req.status is ReqStatus.RUNNING and req.grammar is None and valid > 0:
+            if req.status is ReqStatus.RUNNING and valid > 0:
                 rows.add(req, start, req.tokens[start + 1:start + valid + 1],
                          req in sampling and self.drafts_for(req) > 0)
                 keep += range(t, t + valid)

@@ -210,3 +210,34 @@ def test_bitmask_application_on_the_gpu_equals_the_cpu(compiler):
         xgr.GrammarMatcher(g).fill_next_token_bitmask(bitmask, row)
     logits = torch.randn(4, VOCAB)
     assert torch.equal(apply_token_bitmask(logits.cuda(), bitmask).cpu(), apply_token_bitmask(logits, bitmask))
+
+
+def _mask(g, vocab: int = VOCAB) -> torch.Tensor:
+    bitmask = torch.zeros((1, -(-vocab // 32)), dtype=torch.int32)
+    g.fill(bitmask, 0)
+    return bitmask
+
+
+def test_a_draft_rows_grammar_is_the_state_after_the_drafts_and_leaves_the_request_as_it_was(tok, compiler):
+    """speculative decoding (engine/mtp.py): a draft row's mask is the request's grammar after its drafts, taken and
+    rolled back; past a draft the grammar refuses, the row is not constrained; a grammar waiting for the reasoning's
+    end treats the drafts before it as free text."""
+    from dsaserve.engine.grammar import DraftGrammar
+
+    spec = make_spec("regex", "ab(c|d)e")
+    ids = {ch: tok.encode(ch, add_special_tokens=False).ids[0] for ch in "abcde"}
+    state = compiler.state(compiler.compile(spec), spec)
+    before = _mask(state)
+    after_ab = DraftGrammar(state, [ids["a"], ids["b"]])
+    assert after_ab.active
+    m = _mask(after_ab)
+    assert torch.equal(_mask(state), before) and not torch.equal(m, before)  # rolled back; another mask
+    reference = compiler.state(compiler.compile(spec), spec)
+    reference.observe(ids["a"])
+    reference.observe(ids["b"])
+    assert torch.equal(m, _mask(reference))
+    assert not DraftGrammar(state, [ids["a"], ids["e"]]).active and torch.equal(_mask(state), before)
+    waiting = compiler.state(compiler.compile(spec), spec, after=ids["e"])  # starts after token "e"
+    assert not DraftGrammar(waiting, [ids["c"]]).active  # still waiting: free text
+    assert torch.equal(_mask(DraftGrammar(waiting, [ids["c"], ids["e"]])), before)  # started, nothing taken yet
+    assert waiting.wait_token == ids["e"]

@@ -5,6 +5,8 @@ finished sequence, and the flags refuse what is not built."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -173,23 +175,34 @@ def test_n_samples_fork_and_draft_on_their_own(steps):
     assert stats["spec_draft_tokens"] >= 6 and stats["generation_tokens"] == 2 * 3 * 12
 
 
-def test_structured_output_requests_run_beside_drafting_ones_without_drafts():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_structured_output_requests_draft_under_their_grammar(steps):
+    """A constrained request's draft rows are masked as if the drafts before them were taken, and its kept draws
+    are taken in order: greedy outputs equal plain decoding's (valid JSON, a regex, free text beside), with drafts
+    verified and kept for the constrained requests alone too."""
     from dsaserve.engine.grammar import make_spec
 
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    json_params = SamplingParams(temperature=0, max_tokens=24,
-                                 structured_outputs=make_spec("json_schema", schema).to_dict())
-    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    runs = []
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "a": {"type": "integer", "maximum": 999}}, "required": ["name", "a"]}
+    specs = [make_spec("json_schema", schema), make_spec("regex", "(def|class) [a-z_]{2,12}\\(\\):")]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=sp.to_dict()) for sp in specs]
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    runs, stats = [], []
     for spec in (False, True):
-        eng = _engine(spec, steps=3)
-        rids = [eng.add_request(t, json_params if i % 2 else plain) for i, t in enumerate(TEXTS)]
+        eng = _engine(spec, steps=steps)
+        rids = [eng.add_request(t, params[i % 3]) for i, t in enumerate(TEXTS * 2)]
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
         eng.core.check_no_leak()
-        runs.append([done[r].token_ids for r in rids])
-    assert runs[0] == runs[1]
+        runs.append([done[r] for r in rids])
+        stats.append(eng.core.stats())
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert runs[1][0].finish_reason == "stop" and set(json.loads(runs[1][0].text)) == {"name", "a"}
+    assert stats[1]["spec_accepted_tokens"] > 0
+    eng = _engine(True, steps=steps)  # constrained requests alone: their own drafts are verified and kept
+    eng.generate(TEXTS[:2], params[0])
+    assert eng.core.stats()["spec_accepted_tokens"] > 0
 
 
 def test_an_abort_mid_generation_frees_everything():
