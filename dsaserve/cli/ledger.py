@@ -79,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"tokens generated per prompt ({ENGINE_RUN['reconcile_max_tokens']})")
     r.add_argument("--reconcile-device", choices=("cpu", "cuda"),
                    help=f"where the engine runs ({ENGINE_RUN['reconcile_device']})")
+    r.add_argument("--measured", metavar="RUN.json",
+                   help="a GPU run's decode steps (bench/bench_gpu.py's JSON) against the ledger, and a time model "
+                        "fitted to them")
     r.add_argument("--save-run", metavar="FILE",
                    help="save the engine run's counters as a run file (with --reconcile and no RUN.json)")
     p.set_defaults(func=main)
@@ -265,6 +268,13 @@ def write_outputs(report, args: argparse.Namespace) -> None:
 
 
 def build(args: argparse.Namespace):
+    if args.measured is not None:
+        if args.reconcile is not None:
+            raise ValueError("--measured: one report at a time, not with --reconcile")
+        from dsaserve.ledger.measured import load_measured
+        from dsaserve.ledger.sections_measured import measured_report
+
+        return measured_report(load_measured(args.measured))
     if args.reconcile is not None:
         return _reconcile(args)
     from dsaserve.ledger.build import build_report

@@ -1,0 +1,59 @@
+"""`dsaserve ledger --measured`: a GPU run's decode steps (bench_gpu's JSON) against the ledger's bytes and bound,
+the time model fitted to them, and bad run files named by field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsaserve.cli import main
+from dsaserve.ledger.measured import fit_time, load_measured, measured_rows, predictions
+
+# glm-5.3-slice on one H200 (the thirty-first session)
+RUN = str(Path(__file__).parents[2] / "bench/results/bench_gpu_call3_2026-12-05-thirtyfirst.json")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return measured_rows(load_measured(RUN))
+
+
+def test_the_ledger_counts_the_runs_bytes_and_every_step_is_past_its_bound(rows):
+    assert len(rows) == 9
+    for r in rows:  # bench_gpu counted the model's own bytes a step: weights, KV slots, indexer keys
+        assert r["ledger_bytes"] == pytest.approx(r["run_bytes"], rel=1e-4)
+        assert r["measured_s"] > r["bound_s"]  # a bound: no step beats it
+
+
+def test_the_fit_recovers_a_known_time_model_exactly():
+    truth = np.array([150e-6, 1 / 3.5e12, 1 / 1.2e12, 5e-6])
+    rng = np.random.default_rng(0)
+    fake = [{"weights": w, "kv": k, "batch": b} for w, k, b in
+            zip(rng.uniform(4e9, 8e9, 8), rng.uniform(1e6, 7e9, 8), rng.integers(1, 256, 8), strict=True)]
+    for r in fake:
+        r["measured_s"] = float(np.array([1.0, r["weights"], r["kv"], r["batch"]]) @ truth)
+    np.testing.assert_allclose(fit_time(fake), truth, rtol=1e-6)
+
+
+def test_a_term_the_steps_do_not_support_is_dropped_not_negative(rows):
+    coef, fitted, loo = predictions(rows)
+    assert (coef >= 0).all() and len(fitted) == len(loo) == len(rows)
+    assert all(abs(f / r["measured_s"] - 1) < 0.3 for f, r in zip(fitted, rows, strict=True))
+
+
+def test_the_cli_reports_the_run_and_names_bad_fields(capsys, tmp_path):
+    assert main(["ledger", "--measured", RUN, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    sec = d["sections"]["measured_steps"]
+    assert [r["batch"] for r in sec["rows"]] == [1, 64, 128] * 3 and "time model" in sec["notes"][0]
+    bad = tmp_path / "run.json"
+    for content, message in (("{", "not JSON"), ("{}", "no field 'manifest'"),
+                             (json.dumps({**json.loads(Path(RUN).read_text()), "decode": []}), "0 decode rows ran")):
+        bad.write_text(content)
+        assert main(["ledger", "--measured", str(bad)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["ledger", "--measured", RUN, "--reconcile", RUN]) == 2
+    assert "not with --reconcile" in capsys.readouterr().err
