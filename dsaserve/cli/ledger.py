@@ -274,7 +274,8 @@ def build(args: argparse.Namespace):
         from dsaserve.ledger.measured import load_measured
         from dsaserve.ledger.sections_measured import measured_report
 
-        return measured_report(load_measured(args.measured))
+        return measured_report(load_measured(args.measured),
+                               (args.batch, parse_tokens(args.decode_context, "--decode-context")))
     if args.reconcile is not None:
         return _reconcile(args)
     from dsaserve.ledger.build import build_report

@@ -13,12 +13,13 @@ from dsaserve.ledger.build import model_summary
 from dsaserve.ledger.deployment import Assumptions, Workload
 from dsaserve.ledger.hardware import PRESETS
 from dsaserve.ledger.inputs import LedgerInputs
-from dsaserve.ledger.measured import MeasuredRun, measured_rows, predictions
+from dsaserve.ledger.measured import MeasuredRun, ledger_step, measured_rows, predictions
 from dsaserve.ledger.report import Column, Report, Section
 from dsaserve.ledger.units import CONVENTIONS
 
 
-def measured_section(run: MeasuredRun) -> Section:
+def measured_section(run: MeasuredRun, ask: tuple[int, int] | None = None) -> Section:
+    """`ask`: (batch, context) of a step to price with the fitted model (the report's last note)."""
     rows = measured_rows(run)
     coef, fitted, loo = predictions(rows)
     out = []
@@ -47,11 +48,23 @@ def measured_section(run: MeasuredRun) -> Section:
                     f"each row predicted from the others: median error {statistics.median(errs):.1%}, largest "
                     f"{max(errs):.1%} ({len(out)} rows)",
                     f"the ledger's bytes against the run's own count: largest difference {max(counted):.3%}" if counted
-                    else "the run counted no bytes of its own"])
+                    else "the run counted no bytes of its own", *_asked(run, coef, ask)])
 
 
-def measured_report(run: MeasuredRun) -> Report:
+def _asked(run: MeasuredRun, coef, ask: tuple[int, int] | None) -> list[str]:
+    if ask is None:
+        return []
+    batch, context = ask
+    st = ledger_step(run, batch, context)
+    kv = st.term("kv").bytes + st.term("indexer").bytes
+    t = float(coef @ [1.0, st.term("weights").bytes, kv, batch])
+    bound = (st.term("weights").bytes + kv) / run.copy_bw
+    return [f"batch {batch}, context {context:,} (--batch, --decode-context): the time model gives {t * 1e3:.3f} ms "
+            f"a step, {t / bound:.2f}x its bound {bound * 1e3:.3f} ms"]
+
+
+def measured_report(run: MeasuredRun, ask: tuple[int, int] | None = None) -> Report:
     hw = PRESETS["h200"].with_overrides(hbm_bw=run.copy_bw)
     li = LedgerInputs(run.cfg, run.dep, hw, Workload(kv_layout=run.kv_layout), Assumptions(absorbed_heads="bf16"))
     return Report(dict(CONVENTIONS), model_summary(li), run.dep.to_dict(), hw.to_dict() | {"name": "measured run"},
-                  li.work.to_dict(), li.asm.to_dict(), [measured_section(run)])
+                  li.work.to_dict(), li.asm.to_dict(), [measured_section(run, ask)])

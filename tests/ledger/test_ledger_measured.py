@@ -45,10 +45,13 @@ def test_a_term_the_steps_do_not_support_is_dropped_not_negative(rows):
 
 
 def test_the_cli_reports_the_run_and_names_bad_fields(capsys, tmp_path):
-    assert main(["ledger", "--measured", RUN, "--json"]) == 0
+    assert main(["ledger", "--measured", RUN, "--json", "--batch", "32", "--decode-context", "64K"]) == 0
     d = json.loads(capsys.readouterr().out)
     sec = d["sections"]["measured_steps"]
     assert [r["batch"] for r in sec["rows"]] == [1, 64, 128] * 3 and "time model" in sec["notes"][0]
+    # between the run's batch-1 and batch-64 steps at 32K and 128K
+    ms = float(sec["notes"][-1].split("gives ")[1].split(" ms")[0])
+    assert "batch 32, context 65,536" in sec["notes"][-1] and 1.6 < ms < 5.2
     bad = tmp_path / "run.json"
     for content, message in (("{", "not JSON"), ("{}", "no field 'manifest'"),
                              (json.dumps({**json.loads(Path(RUN).read_text()), "decode": []}), "0 decode rows ran")):
