@@ -243,8 +243,10 @@ class EngineArgs:
     def graph_max_bs(self) -> int:
         """Largest captured decode batch: --cuda-graph-max-bs, else --max-running-requests (the old default, 64
         against 128 running requests, left batches of 65-128 eager: 155 of 574 eager steps in one bench), times
-        1 + --speculative-num-steps when drafting: a verify step replays them as one token a row."""
-        rows = 1 + (self.speculative_num_steps if self.speculative_algorithm is not None else 0)
+        1 + --speculative-num-steps when drafting: a verify step replays them as one token a row (not under
+        DP-attention, whose verify steps run eagerly)."""
+        drafting = self.speculative_algorithm is not None and not self.enable_dp_attention
+        rows = 1 + (self.speculative_num_steps if drafting else 0)
         return self.cuda_graph_max_bs or self.max_running_requests * rows
 
     @property

@@ -348,18 +348,22 @@ class DraftGrammar:
         s, waiting, taken = self.state, self.state.wait_token, 0
         if s.broken:
             return None
-        for d in self.drafts:
-            if waiting is not None:  # the reasoning before the grammar starts: free text
-                waiting = None if d == waiting else waiting
-                continue
-            if s.matcher.is_terminated() or not s.matcher.accept_token(int(d)):
-                self._rollback(taken)
-                return None
-            taken += 1
-        if waiting is not None or s.matcher.is_terminated():
+        try:
+            for d in self.drafts:
+                if waiting is not None:  # the reasoning before the grammar starts: free text
+                    waiting = None if d == waiting else waiting
+                    continue
+                if s.matcher.is_terminated() or not s.matcher.accept_token(int(d)):
+                    break
+                taken += 1
+            else:
+                if waiting is None and not s.matcher.is_terminated():
+                    return taken
+        except BaseException:
             self._rollback(taken)
-            return None
-        return taken
+            raise
+        self._rollback(taken)
+        return None
 
     def _rollback(self, taken: int) -> None:
         if taken:

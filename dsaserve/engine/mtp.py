@@ -168,8 +168,8 @@ class MTPDrafter:
     @staticmethod
     def kept(samples: list[Any], out: SamplerOutput) -> dict[Req, list[tuple[int, dict | None]]]:
         """Each request's kept drafts -> the tokens drawn after each (token, logprobs): draft j is kept when the row
-        before it drew it and every draft before it was kept (the scheduler counts the drafts and the kept tokens
-        it takes: none past one that ends the request)."""
+        before it drew it and every draft before it was kept (the scheduler counts the drafts and takes the kept
+        tokens, its grammar each in turn: none past one that ends the request)."""
         first = {r: i for i, r in enumerate(samples) if isinstance(r, Req)}
         rows: dict[Req, list[int]] = {}
         for j in range(len(first), len(samples)):
@@ -183,8 +183,6 @@ class MTPDrafter:
                     break
                 drawn = out.token_ids[j]
                 after.append((drawn, out.logprobs[j]))
-                if req.grammar is not None:  # the sampler's result took the first draw; the kept rows' go after it
-                    req.grammar.observe(drawn)
         return kept
 
     def extend(self, sched: ScheduledBatch, batch: ForwardBatch, hidden: torch.Tensor, starts: list[int],

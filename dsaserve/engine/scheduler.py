@@ -24,10 +24,9 @@ After the forward, `launched` counts the step's tokens as in KV (prefix-cache re
 each sample a placeholder token; `resolve` puts the sampled tokens in and runs the finish checks. They run
 back to back, or one step apart under overlap scheduling (engine/overlap.py): then a sample may be scheduled,
 or preempted, while its last token is still on the device, and `live_samples` leaves out those that ended.
-Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request
-(SGLang's PrefillAdder); a single request can always fit alone because a request's length is capped at
-`max_seq_len = min(max_model_len, pool tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room
-for one output token.
+Pages are allocated per step as tokens need them (vLLM v1), not reserved for the whole request (SGLang's
+PrefillAdder); a request always fits alone: its length is capped at `max_seq_len = min(max_model_len, pool
+tokens)`, and `max_req_input_len = max_seq_len - 1` leaves room for one output token.
 """
 
 from __future__ import annotations
@@ -366,6 +365,8 @@ class Scheduler:
                 count_kept(self.counters, pos)
                 self._register_full_pages(req)
                 req.tokens.append(after[0])
+                if req.grammar is not None:  # one token at a time: `_take` reads whether this one ended it
+                    req.grammar.observe(after[0])
                 finished = self._take(req, *after)
             if req.prompt_logprobs is not None and not req.prompt_lp_sent:
                 self.prompt_entries.store(req)

@@ -13,7 +13,9 @@ numpy; nothing runs on a device.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,9 +69,17 @@ def load_measured(path: str) -> MeasuredRun:
     for i, r in enumerate(_field(d, "decode", list, path)):
         if isinstance(r, dict) and "skipped" in r:
             continue
+        where = f"{path} decode[{i}]"
         for key in ("bs", "ctx"):
-            _field(r, key, int, f"{path} decode[{i}]")
-        _field(r, "step_ms", (int, float), f"{path} decode[{i}]")
+            if _field(r, key, int, where) < 1:
+                raise ValueError(f"--measured {where}: {key} must be >= 1, got {r[key]}")
+        for key in ("step_ms", "overlapped_ms"):
+            if key in r or key == "step_ms":
+                t = _field(r, key, (int, float), where)
+                if not math.isfinite(t) or t <= 0:
+                    raise ValueError(f"--measured {where}: {key} must be a positive time, got {t}")
+        if "bytes" in r:
+            _field(r, "bytes", dict, where)
         rows.append(r)
     if len(rows) < len(FEATURES) + 1:
         raise ValueError(f"--measured {path}: {len(rows)} decode rows ran; the time model needs at least "
@@ -107,15 +117,20 @@ def _design(rows: list[dict[str, Any]]) -> np.ndarray:
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients: a negative one's term is dropped and the rest solved again."""
-    keep = list(range(a.shape[1]))
-    while True:
-        coef = np.zeros(a.shape[1])
-        coef[keep] = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
-        neg = [j for j in keep if coef[j] < 0]
-        if not neg:
-            return coef
-        keep.remove(min(neg, key=lambda j: coef[j]))
+    """Least squares with non-negative coefficients, exactly: over every subset of the (four) terms, the unconstrained
+    fit whose coefficients are all >= 0 with the least residual (the optimum is such a subset's fit)."""
+    best, best_res = np.zeros(a.shape[1]), float(b @ b)
+    for n in range(1, a.shape[1] + 1):
+        for keep in itertools.combinations(range(a.shape[1]), n):
+            sol = np.linalg.lstsq(a[:, keep], b, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            coef = np.zeros(a.shape[1])
+            coef[list(keep)] = sol
+            res = float(np.sum((a @ coef - b) ** 2))
+            if res < best_res - 1e-15 * max(best_res, 1.0):
+                best, best_res = coef, res
+    return best
 
 
 def fit_time(rows: list[dict[str, Any]]) -> np.ndarray:

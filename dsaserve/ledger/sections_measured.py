@@ -32,7 +32,7 @@ def measured_section(run: MeasuredRun, ask: tuple[int, int] | None = None) -> Se
     errs = [abs(r["loo_error"]) for r in out]
     counted = [abs(r["ledger_bytes"] / r["run_bytes"] - 1) for r in out if r["run_bytes"]]
     fixed, per_w, per_kv, per_req = coef
-    rate = lambda c: f"{1 / c / 1e12:.2f} TB/s" if c > 0 else "free (dropped: a negative fit)"  # noqa: E731
+    rate = lambda c: f"{1 / c / 1e12:.2f} TB/s" if c > 0 else "no cost fitted (the term left out)"  # noqa: E731
     cols = [Column("batch", "batch"), Column("context", "context", "tokens"), Column("measured_s", "measured", "s"),
             Column("bound_s", "ledger bound", "s"), Column("ratio", "measured / bound", "x"),
             Column("ledger_bytes", "ledger bytes", "B"), Column("run_bytes", "run's bytes", "B"),

@@ -336,3 +336,5 @@ def test_drafting_captures_decode_graphs_for_the_verify_rows():
                       speculative_num_steps=3).graph_max_bs == 64
     assert EngineArgs(model=MODEL, max_running_requests=16, speculative_algorithm="mtp",
                       cuda_graph_max_bs=8).graph_max_bs == 8
+    assert EngineArgs(model=MODEL, max_running_requests=16, speculative_algorithm="mtp", speculative_num_steps=3,
+                      enable_dp_attention=True, expert_parallel_size=2).graph_max_bs == 16  # DP verifies eagerly

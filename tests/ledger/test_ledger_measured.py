@@ -38,10 +38,27 @@ def test_the_fit_recovers_a_known_time_model_exactly():
     np.testing.assert_allclose(fit_time(fake), truth, rtol=1e-6)
 
 
-def test_a_term_the_steps_do_not_support_is_dropped_not_negative(rows):
+def test_the_fit_of_the_run_carries_to_its_rows(rows):
     coef, fitted, loo = predictions(rows)
-    assert (coef >= 0).all() and len(fitted) == len(loo) == len(rows)
+    assert (coef > 0).all() and len(fitted) == len(loo) == len(rows)
     assert all(abs(f / r["measured_s"] - 1) < 0.3 for f, r in zip(fitted, rows, strict=True))
+
+
+def test_a_term_the_steps_do_not_support_gets_no_cost_not_a_negative_one():
+    """Times that fall with the batch would give the per-request term a negative cost; it gets none, and no
+    non-negative subset of the terms fits better."""
+    fake = [{"weights": 5e9, "kv": 1e9 * b, "batch": b, "measured_s": 2e-3 + 1e-4 * b - 2e-5 * b * b}
+            for b in range(1, 9)]
+    a = np.array([[1.0, r["weights"], r["kv"], r["batch"]] for r in fake]) / np.array([r["measured_s"]
+                                                                                       for r in fake])[:, None]
+    assert np.linalg.lstsq(a, np.ones(len(fake)), rcond=None)[0].min() < 0  # plain least squares goes negative
+    coef = fit_time(fake)
+    res = float(np.sum((a @ coef - 1) ** 2))
+    assert (coef >= 0).all() and (coef == 0).any()
+    for keep in ([0], [1], [2], [3], [0, 2], [0, 3], [2, 3], [0, 2, 3]):
+        sol = np.linalg.lstsq(a[:, keep], np.ones(len(fake)), rcond=None)[0]
+        if (sol >= 0).all():
+            assert res <= float(np.sum((a[:, keep] @ sol - 1) ** 2)) + 1e-12
 
 
 def test_the_cli_reports_the_run_and_names_bad_fields(capsys, tmp_path):
@@ -53,8 +70,11 @@ def test_the_cli_reports_the_run_and_names_bad_fields(capsys, tmp_path):
     ms = float(sec["notes"][-1].split("gives ")[1].split(" ms")[0])
     assert "batch 32, context 65,536" in sec["notes"][-1] and 1.6 < ms < 5.2
     bad = tmp_path / "run.json"
+    run = json.loads(Path(RUN).read_text())
+    zero = [{**r, "overlapped_ms": 0.0} if i == 2 else r for i, r in enumerate(run["decode"])]
     for content, message in (("{", "not JSON"), ("{}", "no field 'manifest'"),
-                             (json.dumps({**json.loads(Path(RUN).read_text()), "decode": []}), "0 decode rows ran")):
+                             (json.dumps({**run, "decode": []}), "0 decode rows ran"),
+                             (json.dumps({**run, "decode": zero}), "decode[2]: overlapped_ms must be a positive")):
         bad.write_text(content)
         assert main(["ledger", "--measured", str(bad)]) == 2
         assert message in capsys.readouterr().err
