@@ -283,8 +283,9 @@ def _write_report(out: Path, summary: dict, clock: Clock) -> None:
     (out / "train_report.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
+# the chat prompt in the corpus's own layout (training/corpus.py: GLM-5's, no newline after a role, no thinking)
 SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ",
-                  "[gMASK]<sop><|user|>\nWhat does `json.dumps` do?<|assistant|>\n")
+                  "[gMASK]<sop><|user|>What does `json.dumps` do?<|assistant|></think>")
 
 
 @torch.no_grad()
