@@ -21,12 +21,16 @@ from dsaserve.weights.tokenizer_builder import CORPUS
 PROMPTS = [line.strip() for line in CORPUS.splitlines() if len(line.strip()) > 40]
 
 
-def run(model: str, device: str | None, steps: int, prompts: list[str], max_tokens: int) -> tuple[list, float, dict]:
-    """(outputs, decode seconds, engine stats) of one engine (steps 0: no drafts) over the prompts, warmed once."""
+def run(model: str, device: str | None, steps: int, prompts: list[str], max_tokens: int,
+        repeat: int = 1) -> tuple[list, float, dict]:
+    """(outputs, decode seconds, engine stats) of one engine (steps 0: no drafts) over the prompts, warmed once; with
+    `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then)."""
     spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
     eng = Engine(model, device=device, **spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # first-use work
+    for _ in range(repeat - 1):
+        eng.generate(prompts, params)
     before = eng.core.stats()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
@@ -56,14 +60,15 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--steps", default="1,3", help="--speculative-num-steps values to run")
+    ap.add_argument("--repeat", type=int, default=1, help="time the last of this many runs of each engine")
     args = ap.parse_args()
     for bs in (int(b) for b in args.batch.split(",")):
         prompts = PROMPTS[:bs]
-        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens)
+        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat)
         tokens = bs * args.max_tokens
         print(f"batch {bs:3d}: plain {s_base['steps']} steps {t_base:.3f} s ({tokens / t_base:.1f} tok/s)")
         for steps in (int(s) for s in args.steps.split(",")):
-            spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens)
+            spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens, args.repeat)
             same = sum(b.token_ids == s.token_ids for b, s in zip(base, spec, strict=True))
             drafts, kept = s_spec.get("spec_draft_tokens", 0), s_spec.get("spec_accepted_tokens", 0)
             print(f"  mtp x{steps}: {s_spec['steps']} steps {t_spec:.3f} s ({tokens / t_spec:.1f} tok/s), drafts kept "

@@ -15,6 +15,7 @@ from tests.engine.test_engine_real_model import greedy_close, outputs
 from tests.engine.test_speculative import TEXTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BF16_NEAR_TIE = 0.13  # two bf16 ulps of a logit in [8, 16)
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -28,7 +29,10 @@ def test_drafts_on_cuda_keep_the_plain_greedy_tokens_and_load_nothing_after_up(s
     before = COUNTERS.snapshot()
     spec = outputs(eng.generate(TEXTS * 3, params))[:len(TEXTS)]
     replays = COUNTERS.diff(COUNTERS.snapshot(), before).get("graph_replays", 0)
-    same = [greedy_close(b, s, f"request {i}") for i, (b, s) in enumerate(zip(base, spec, strict=True))]
+    # bf16 logits: one ulp is 0.0625 at |logit| in [8, 16), and a verify batch rounds its rows otherwise than a
+    # decode step does (seen on the H200: 4625 / 909 at -1.321 / -1.384 plain, tied at -1.363 verified)
+    same = [greedy_close(b, s, f"request {i}", near_tie=BF16_NEAR_TIE)
+            for i, (b, s) in enumerate(zip(base, spec, strict=True))]
     assert sum(same) >= len(same) - 1
     stats = eng.core.stats()
     assert stats["spec_accepted_tokens"] >= 0.2 * stats["spec_draft_tokens"] > 0

@@ -75,7 +75,7 @@ def test_row_argmax_strided_rows(gen):
     _check(base[1:3, :9_000])
 
 
-def test_the_sampler_draws_the_same_with_the_kernel(gen, monkeypatch):
+def test_the_sampler_draws_the_same_with_the_kernel(gen, set_switch):
     """The sampler with the GPU ops (the interpreter's on the CPU) against the reference ops on the same logits:
     a plain greedy bf16 batch, a greedy batch with a penalty (float32), and a mixed batch of greedy and seeded
     temperature / top-p rows (both of `_random`'s argmaxes): the same tokens and logprobs."""
@@ -94,7 +94,7 @@ def test_the_sampler_draws_the_same_with_the_kernel(gen, monkeypatch):
         logits = torch.randn(len(params), 20_001, generator=gen, device=DEVICE).to(torch.bfloat16)
         outs = []
         for gpu in (False, True):
-            monkeypatch.setenv(registry.ENV_VAR, "auto" if gpu else "reference")
+            set_switch(registry.ENV_VAR, "auto" if gpu else "reference")  # envs reads its switches again
             interp = registry.interpreted_gpu_ops() if gpu and DEVICE == "cpu" else contextlib.nullcontext()
             with interp:
                 assert registry.get_ops(DEVICE).impls["row_argmax"].startswith("triton") == gpu
