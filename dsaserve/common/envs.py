@@ -49,6 +49,11 @@ SWITCHES: dict[str, Switch] = {
         "gemm", lambda raw: raw.strip().lower() or "gemm",
         "'stream': prefill indexer batches take the streaming top-k kernel (triton_indexer_prefill), not the tiled "
         "score GEMM + select (triton_indexer_gemm: 1.46-1.77x the streaming kernel on the H200)"),
+    "DSASERVE_ROW_ARGMAX": Switch(
+        "torch", lambda raw: raw.strip().lower() or "torch",
+        "'triton': the sampler's argmax is the split-row Triton kernel (kernels/triton_argmax.py), not torch's: "
+        "faster inside a CUDA graph up to 64 bf16 rows, but its eager launch costs ~80 us against torch's ~30 on the "
+        "H200 (bench_row_argmax.py), and the sampler runs eagerly"),
     "DSASERVE_PDL": Switch(
         True, _on_unless_exactly_zero, "'0': launch the Triton kernels without programmatic dependent launch"),
     "DSASERVE_GRAPH_H2D": Switch(
@@ -109,6 +114,7 @@ SWITCHES: dict[str, Switch] = {
 
 if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_KERNELS: str
+    DSASERVE_ROW_ARGMAX: str
     DSASERVE_FP8_ACTIVATIONS: str
     DSASERVE_INDEXER_PREFILL: str
     DSASERVE_PDL: bool

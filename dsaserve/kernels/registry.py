@@ -109,7 +109,9 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "resolve_placeholders": (triton_elementwise.resolve_placeholders, "triton one-launch placeholder ids"),
-        "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch"),
+        "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch")
+        if envs.DSASERVE_ROW_ARGMAX == "triton" else (ops["row_argmax"][0], "torch argmax (DSASERVE_ROW_ARGMAX="
+                                                      "triton: the split-row kernel, slower launched eagerly)"),
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
@@ -151,7 +153,7 @@ def get_ops(device: torch.device | str) -> SimpleNamespace:
     choice = envs.DSASERVE_KERNELS
     if choice not in CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(CHOICES)}")
-    key = (device.type, device.index, choice, envs.DSASERVE_FP8_ACTIVATIONS)
+    key = (device.type, device.index, choice, envs.DSASERVE_FP8_ACTIVATIONS, envs.DSASERVE_ROW_ARGMAX)
     if key not in _CACHE:
         usable, why = gpu_kernels_usable(device)
         if choice == "reference":

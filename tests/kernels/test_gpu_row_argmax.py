@@ -94,6 +94,7 @@ def test_the_sampler_draws_the_same_with_the_kernel(gen, set_switch):
         logits = torch.randn(len(params), 20_001, generator=gen, device=DEVICE).to(torch.bfloat16)
         outs = []
         for gpu in (False, True):
+            set_switch("DSASERVE_ROW_ARGMAX", "triton")  # the kernel is opt-in (envs.py says why)
             set_switch(registry.ENV_VAR, "auto" if gpu else "reference")  # envs reads its switches again
             interp = registry.interpreted_gpu_ops() if gpu and DEVICE == "cpu" else contextlib.nullcontext()
             with interp:

@@ -122,7 +122,9 @@ def test_registry_binds_gpu_kernels_on_cuda(set_switch):
     attention = "gluon" if available(torch.device("cuda")) else "triton"  # the Gluon kernels on sm_90
     assert ops.impls["fused_moe"].startswith("triton") and ops.impls["sparse_mla_attention"].startswith(attention)
     assert ops.fp8_linear is gpu_modules()[0].fp8_linear and ops.graph_safe
-    assert ops.impls["row_argmax"].startswith("triton split-row")  # the greedy sampler's argmax
+    assert ops.impls["row_argmax"].startswith("torch argmax")  # the greedy sampler's: the kernel only when asked
+    set_switch("DSASERVE_ROW_ARGMAX", "triton")
+    assert registry.get_ops("cuda").impls["row_argmax"].startswith("triton split-row")
     set_switch(registry.FP8_ACT_ENV, "0")
     assert "bf16 activations" in registry.get_ops("cuda").impls["fp8_linear"]
     set_switch(registry.ENV_VAR, "reference")
