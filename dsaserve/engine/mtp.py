@@ -55,6 +55,7 @@ from dsaserve.engine.grammar import DraftGrammar
 from dsaserve.engine.request import Req, ReqStatus
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.kernels.registry import get_ops
+from dsaserve.kernels.variants import core_width
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.sampler import SamplerOutput
 
@@ -115,7 +116,7 @@ class _Rows:
         """The host batch over each request's own pages (chained drafts write past what the step's table holds)."""
         ids, pos, req_index, loc, logit_idx = [], [], [], [], []
         seq_lens = [s + len(t) for s, t in zip(self.starts, self.tokens, strict=True)]
-        width = -(-max(seq_lens) // page_size)
+        width = core_width(-(-max(seq_lens) // page_size))  # the widths warm_mtp ran (not a kernel variant a width)
         table = np.zeros((len(self.reqs), width), dtype=np.int64)
         for k, (req, start, toks, draft) in enumerate(zip(self.reqs, self.starts, self.tokens, self.logits,
                                                           strict=True)):
