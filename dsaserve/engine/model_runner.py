@@ -366,13 +366,11 @@ class ModelRunner(RunnerStartup):
         if self.dp_sync is not None:  # agreed as an eager step: its MoE layers meet the others' as `_dp_forward`'s
             step = self.dp_step = self.dp_sync.agree(batch, graph=False)
             return self._run(batch, False, step if step.mode == GATHER else None)
-        rows = as_decode_rows(batch) if self.graphs is not None else None
-        if rows is not None and self.graphs.fallback_reason(rows) is None:
-            self.last_prompt_logprobs = None
-            return self.graphs.replay_with_hidden(rows)
-        if self.graphs is not None and batch.samples_every_token and self.graphs.fallback_reason(batch) is None:
-            self.last_prompt_logprobs = None
-            return self.graphs.replay_with_hidden(batch)  # a decode step without drafts
+        if self.graphs is not None:  # verify rows as one token a row; a decode step without drafts as it is
+            rows = as_decode_rows(batch) or (batch if batch.samples_every_token else None)
+            if rows is not None and self.graphs.fallback_reason(rows) is None:
+                self.last_prompt_logprobs = None
+                return self.graphs.replay_with_hidden(rows)
         return self._run(batch, self.piecewise is not None and self.piecewise.fallback_reason(batch) is None)
 
     def _run(self, batch: ForwardBatch, piecewise: bool, step: DPStep | None = None

@@ -244,8 +244,8 @@ class MTPDrafter:
             draws.append((rows.reqs, _argmax(logits)))
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy draft of each row, on the device (the sampler's one-launch argmax where the kernels have it)."""
-    return get_ops(logits.device).row_argmax(logits) if logits.shape[0] else logits.argmax(dim=-1)
+    """The greedy draft of each row, on the device (the sampler's argmax op)."""
+    return get_ops(logits.device).row_argmax(logits)
 
 
 def _i64(values: list[int]) -> torch.Tensor:

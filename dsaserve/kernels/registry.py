@@ -90,9 +90,11 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         gemm, moe = gemm.replace("FP8 activations", "bf16 activations"), moe.replace("FP8", "bf16")
     elif device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
+    argmax = envs.DSASERVE_ROW_ARGMAX == "triton"  # opt-in: launched eagerly it loses to torch's (envs.py)
     if device.type == "cuda":  # the split kernels' shared counters: made here, never first inside a graph capture
         triton_fp8_gemm.split_counters(device)
-        triton_argmax.workspace(device)
+        if argmax:
+            triton_argmax.workspace(device)
     gemv_t, tile_t = triton_moe_route.ROUTER_GEMV_MAX_T, triton_moe_route.TILE_GEMM_MAX_T
     ops = _reference_ops()
     ops.update({
@@ -109,9 +111,8 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "resolve_placeholders": (triton_elementwise.resolve_placeholders, "triton one-launch placeholder ids"),
-        "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch")
-        if envs.DSASERVE_ROW_ARGMAX == "triton" else (ops["row_argmax"][0], "torch argmax (DSASERVE_ROW_ARGMAX="
-                                                      "triton: the split-row kernel, slower launched eagerly)"),
+        "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch") if argmax else
+        (ops["row_argmax"][0], "torch argmax (DSASERVE_ROW_ARGMAX=triton: the split-row kernel)"),
         "head_bmm": (triton_head_gemm.head_bmm,
                      f"triton per-head GEMM + FP8 copy (T<={triton_fp8_gemm.SMALL_M}), else cuBLAS bmm"),
         "indexer_topk": (triton_indexer_dispatch.indexer_topk, _indexer_impl(triton_indexer, flag)),
@@ -153,7 +154,7 @@ def get_ops(device: torch.device | str) -> SimpleNamespace:
     choice = envs.DSASERVE_KERNELS
     if choice not in CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(CHOICES)}")
-    key = (device.type, device.index, choice, envs.DSASERVE_FP8_ACTIVATIONS, envs.DSASERVE_ROW_ARGMAX)
+    key = _cache_key(device)
     if key not in _CACHE:
         usable, why = gpu_kernels_usable(device)
         if choice == "reference":
@@ -167,6 +168,11 @@ def get_ops(device: torch.device | str) -> SimpleNamespace:
     return _CACHE[key]
 
 
+def _cache_key(device: torch.device) -> tuple:
+    """What an op namespace depends on: the device and every switch that picks an implementation."""
+    return device.type, device.index, envs.DSASERVE_KERNELS, envs.DSASERVE_FP8_ACTIVATIONS, envs.DSASERVE_ROW_ARGMAX
+
+
 @contextlib.contextmanager
 def interpreted_gpu_ops() -> Iterator[SimpleNamespace]:
     """Test hook: for the block, the CPU's ops are the GPU variants, run by the Triton interpreter (TRITON_INTERPRET=1
@@ -175,7 +181,7 @@ def interpreted_gpu_ops() -> Iterator[SimpleNamespace]:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("interpreted_gpu_ops: needs TRITON_INTERPRET=1 (set before Triton is imported)")
     device = torch.device("cpu")
-    key = (device.type, device.index, envs.DSASERVE_KERNELS, envs.DSASERVE_FP8_ACTIVATIONS)
+    key = _cache_key(device)
     ops, before = _gpu_ops(device), _CACHE.pop(key, None)
     _CACHE[key] = SimpleNamespace(**{name: fn for name, (fn, _) in ops.items()},
                                   impls={name: impl if impl == "reference" else f"{impl} (interpreted)"

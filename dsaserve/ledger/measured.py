@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ import numpy as np
 
 from dsaserve.config import ModelConfig, load_config
 from dsaserve.ledger.deployment import Assumptions, Deployment
-from dsaserve.ledger.hardware import PRESETS
-from dsaserve.ledger.marginal import DecodeStep, decode_step
+from dsaserve.ledger.hardware import PRESETS, Hardware
+from dsaserve.ledger.marginal import decode_step
 from dsaserve.ledger.weights import inventory
 
 FEATURES = ("fixed", "weights", "kv", "requests")  # the time model's terms, in `fit_time`'s column order
@@ -90,30 +90,42 @@ def load_measured(path: str) -> MeasuredRun:
                        str(d.get("device", "?")), tuple(rows))
 
 
-def ledger_step(run: MeasuredRun, bs: int, ctx: int) -> DecodeStep:
-    """The ledger's step for a row: the run's deployment at its copy rate, the GPU path's bf16 absorbed heads, and
-    ctx + 1 keys a request (bench_gpu's rows decode at position ctx)."""
-    hw = replace(PRESETS["h200"], name="measured", hbm_bw=run.copy_bw)
-    asm = Assumptions(absorbed_heads="bf16")
-    return decode_step(run.cfg, inventory(run.cfg), run.dep, hw, asm, run.kv_layout, bs, ctx + 1)
+RUN_ASSUMPTIONS = Assumptions(absorbed_heads="bf16")  # the GPU path holds the absorbed heads in bf16
+
+
+def run_hardware(run: MeasuredRun) -> Hardware:
+    """The H200 preset at the copy rate the run measured (the bound's rate)."""
+    return PRESETS["h200"].with_overrides(hbm_bw=run.copy_bw)
+
+
+def step_bytes(run: MeasuredRun, bs: int, ctx: int) -> tuple[float, float]:
+    """(weight bytes, KV + indexer bytes) of the ledger's step for a row: the run's deployment, ctx + 1 keys a request
+    (bench_gpu's rows decode at position ctx)."""
+    st = decode_step(run.cfg, inventory(run.cfg), run.dep, run_hardware(run), RUN_ASSUMPTIONS, run.kv_layout, bs,
+                     ctx + 1)
+    return st.term("weights").bytes, st.term("kv").bytes + st.term("indexer").bytes
+
+
+def predict(coef: np.ndarray, weights: float, kv: float, batch: int) -> float:
+    """The fitted time model's step seconds."""
+    return float(coef @ [1.0, weights, kv, batch])
 
 
 def measured_rows(run: MeasuredRun) -> list[dict[str, Any]]:
     """Per decode row: the measured step (overlapped where the run has it), the ledger's bytes and bound."""
     out = []
     for r in run.rows:
-        st = ledger_step(run, r["bs"], r["ctx"])
-        kv = st.term("kv").bytes + st.term("indexer").bytes
+        weights, kv = step_bytes(run, r["bs"], r["ctx"])
         t = float(r.get("overlapped_ms", r["step_ms"])) / 1e3
-        hbm = st.term("weights").bytes + kv
-        out.append({"batch": r["bs"], "context": r["ctx"], "measured_s": t, "weights": st.term("weights").bytes,
+        hbm = weights + kv
+        out.append({"batch": r["bs"], "context": r["ctx"], "measured_s": t, "weights": weights,
                     "kv": kv, "ledger_bytes": hbm, "run_bytes": (r.get("bytes") or {}).get("total"),
                     "bound_s": hbm / run.copy_bw, "ratio": t * run.copy_bw / hbm})
     return out
 
 
 def _design(rows: list[dict[str, Any]]) -> np.ndarray:
-    return np.array([[1.0, r["weights"], r["kv"], r["batch"]] for r in rows])
+    return np.array([[1.0, r["weights"], r["kv"], r["batch"]] for r in rows])  # FEATURES' order
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -143,5 +155,5 @@ def predictions(rows: list[dict[str, Any]]) -> tuple[np.ndarray, list[float], li
     """(the coefficients fitted on every row, each row's fitted time, each row's time fitted without it)."""
     coef = fit_time(rows)
     fitted = list(_design(rows) @ coef)
-    loo = [float((_design([r]) @ fit_time(rows[:i] + rows[i + 1:]))[0]) for i, r in enumerate(rows)]
+    loo = [predict(fit_time(rows[:i] + rows[i + 1:]), r["weights"], r["kv"], r["batch"]) for i, r in enumerate(rows)]
     return coef, fitted, loo

@@ -10,10 +10,17 @@ from __future__ import annotations
 import statistics
 
 from dsaserve.ledger.build import model_summary
-from dsaserve.ledger.deployment import Assumptions, Workload
-from dsaserve.ledger.hardware import PRESETS
+from dsaserve.ledger.deployment import Workload
 from dsaserve.ledger.inputs import LedgerInputs
-from dsaserve.ledger.measured import MeasuredRun, ledger_step, measured_rows, predictions
+from dsaserve.ledger.measured import (
+    RUN_ASSUMPTIONS,
+    MeasuredRun,
+    measured_rows,
+    predict,
+    predictions,
+    run_hardware,
+    step_bytes,
+)
 from dsaserve.ledger.report import Column, Report, Section
 from dsaserve.ledger.units import CONVENTIONS
 
@@ -55,16 +62,14 @@ def _asked(run: MeasuredRun, coef, ask: tuple[int, int] | None) -> list[str]:
     if ask is None:
         return []
     batch, context = ask
-    st = ledger_step(run, batch, context)
-    kv = st.term("kv").bytes + st.term("indexer").bytes
-    t = float(coef @ [1.0, st.term("weights").bytes, kv, batch])
-    bound = (st.term("weights").bytes + kv) / run.copy_bw
+    weights, kv = step_bytes(run, batch, context)
+    t, bound = predict(coef, weights, kv, batch), (weights + kv) / run.copy_bw
     return [f"batch {batch}, context {context:,} (--batch, --decode-context): the time model gives {t * 1e3:.3f} ms "
             f"a step, {t / bound:.2f}x its bound {bound * 1e3:.3f} ms"]
 
 
 def measured_report(run: MeasuredRun, ask: tuple[int, int] | None = None) -> Report:
-    hw = PRESETS["h200"].with_overrides(hbm_bw=run.copy_bw)
-    li = LedgerInputs(run.cfg, run.dep, hw, Workload(kv_layout=run.kv_layout), Assumptions(absorbed_heads="bf16"))
+    hw = run_hardware(run)
+    li = LedgerInputs(run.cfg, run.dep, hw, Workload(kv_layout=run.kv_layout), RUN_ASSUMPTIONS)
     return Report(dict(CONVENTIONS), model_summary(li), run.dep.to_dict(), hw.to_dict() | {"name": "measured run"},
                   li.work.to_dict(), li.asm.to_dict(), [measured_section(run, ask)])

@@ -104,9 +104,7 @@ def _unpackb(data: bytes) -> Any:
     containers, so the collections their count triggers free nothing, and the full ones walk every container of the
     process (a 32K-token prompt's logprobs as the scheduler sends them: 1.4M lists and dicts, 0.7 s to unpack with
     the collector on, 0.1 s paused)."""
-    if len(data) < GC_PAUSE_BYTES:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    with gc_paused():
+    with gc_paused() if len(data) >= GC_PAUSE_BYTES else contextlib.nullcontext():
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
 
 
