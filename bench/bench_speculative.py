@@ -7,7 +7,11 @@ the reference path is compute-bound, so two tokens a verify step cost about two 
 machinery's overhead, not the speedup a memory-bound GPU step would give.
 
     PYTHONPATH=. python bench/bench_speculative.py [--model glm-5.3-mini] [--device cpu] [--batch 1,8]
-        [--max-tokens 64]
+        [--max-tokens 64] [--load-format dummy]
+
+`--model glm-5.3-slice --load-format dummy` times the machinery at a real layer's size (random weights: drafts at
+chance). Each line also gives how the drafting engine's forwards ran: verify steps replayed in the decode graphs,
+MTP forwards in theirs (engine/mtp_graphs.py) or eagerly.
 """
 
 from __future__ import annotations
@@ -16,27 +20,31 @@ import argparse
 import time
 
 from dsaserve import Engine, SamplingParams
+from dsaserve.common.counters import COUNTERS
 from dsaserve.weights.tokenizer_builder import CORPUS
 
 PROMPTS = [line.strip() for line in CORPUS.splitlines() if len(line.strip()) > 40]
 
 
 def run(model: str, device: str | None, steps: int, prompts: list[str], max_tokens: int,
-        repeat: int = 1) -> tuple[list, float, dict]:
+        repeat: int = 1, load_format: str = "auto") -> tuple[list, float, dict]:
     """(outputs, decode seconds, engine stats) of one engine (steps 0: no drafts) over the prompts, warmed once; with
     `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then)."""
     spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
-    eng = Engine(model, device=device, **spec)
+    eng = Engine(model, device=device, load_format=load_format, **spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # first-use work
     for _ in range(repeat - 1):
         eng.generate(prompts, params)
-    before = eng.core.stats()
+    before, counts = eng.core.stats(), COUNTERS.snapshot()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     seconds = time.perf_counter() - t0
-    after = eng.core.stats()
+    after, counts = eng.core.stats(), COUNTERS.diff(COUNTERS.snapshot(), counts)
     diff = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    diff["forwards"] = {k: int(v) for k, v in counts.items()
+                        if k in ("graph_replays", "mtp_graph_replays", "piecewise_replays")
+                        or k.startswith(("eager_fallbacks", "mtp_eager"))}
     was, now = before.get("spec_accepted_per_pos", []), after.get("spec_accepted_per_pos", [])
     diff["per_pos"] = [n - (was[j] if j < len(was) else 0) for j, n in enumerate(now)]
     return outs, seconds, diff
@@ -61,21 +69,23 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--steps", default="1,3", help="--speculative-num-steps values to run")
     ap.add_argument("--repeat", type=int, default=1, help="time the last of this many runs of each engine")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (a config without a checkpoint)")
     args = ap.parse_args()
     for bs in (int(b) for b in args.batch.split(",")):
         prompts = PROMPTS[:bs]
-        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat)
+        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat, args.load_format)
         tokens = bs * args.max_tokens
         print(f"batch {bs:3d}: plain {s_base['steps']} steps {t_base:.3f} s ({tokens / t_base:.1f} tok/s)")
         for steps in (int(s) for s in args.steps.split(",")):
-            spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens, args.repeat)
+            spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens, args.repeat,
+                                       args.load_format)
             same = sum(b.token_ids == s.token_ids for b, s in zip(base, spec, strict=True))
             drafts, kept = s_spec.get("spec_draft_tokens", 0), s_spec.get("spec_accepted_tokens", 0)
             print(f"  mtp x{steps}: {s_spec['steps']} steps {t_spec:.3f} s ({tokens / t_spec:.1f} tok/s), drafts kept "
                   f"{kept}/{drafts} ({kept / max(drafts, 1):.2f}), tokens a step a request "
                   f"{tokens / max(s_spec['steps'], 1) / bs:.2f} | mtp / plain time {t_spec / t_base:.2f} | greedy "
                   f"outputs equal {same}/{bs}")
-            print(f"    kept by position / request-steps: {position_rates(s_spec)}")
+            print(f"    kept by position / request-steps: {position_rates(s_spec)} | forwards {s_spec['forwards']}")
 
 
 if __name__ == "__main__":

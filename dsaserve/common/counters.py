@@ -23,6 +23,8 @@ counters are checked against it):
   graph_replays            decode CUDA-graph replays; piecewise_replays steps on the piecewise graphs;
                            eager_fallbacks.<reason> eager runs by reason (only counted where graphs exist);
                            eager_large_steps steps over the largest piecewise bucket (eager by design)
+  mtp_graph_replays        speculative decoding's MTP forwards replayed in their CUDA graphs (engine/mtp_graphs.py);
+                           mtp_eager.<reason> those run eagerly where the graphs exist (a long prompt's extend)
   kernel_compiles_after_up Triton kernels compiled after startup (a cold path warmup did not cover)
   kernel_loads_after_up    Triton kernels the JIT compiled or loaded from its disk cache after startup
   device_busy_seconds      GPU time of the engine's steps (engine/device_timer.py)
@@ -39,11 +41,11 @@ COUNTER_NAMES = frozenset({
     "weight_bytes_read", "kv_bytes_written", "kv_bytes_read", "kv_bytes_staged", "indexer_bytes_written",
     "indexer_bytes_read", "moe_experts_touched", "forward_steps", "idle_steps", "graph_replays", "piecewise_replays",
     "eager_fallbacks", "eager_large_steps", "kernel_compiles_after_up", "kernel_loads_after_up",
-    "device_busy_seconds"})
+    "device_busy_seconds", "mtp_graph_replays"})
 # family -> the kinds after its dot (None: any non-empty reason)
 COUNTER_FAMILIES: dict[str, tuple[str, ...] | None] = {
     "collective_calls": COLLECTIVE_KINDS, "collective_bytes": COLLECTIVE_KINDS,
-    "collective_wire_bytes": COLLECTIVE_KINDS, "eager_fallbacks": None}
+    "collective_wire_bytes": COLLECTIVE_KINDS, "eager_fallbacks": None, "mtp_eager": None}
 
 
 def is_counter_name(name: str) -> bool:

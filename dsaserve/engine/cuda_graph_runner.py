@@ -69,6 +69,9 @@ class CudaGraphRunner:
     MoE layers' all-gather / reduce-scatter inside (engine/dp_step.py); `replay` then takes the agreed bucket.
     `future_token_ids`: overlap scheduling — placeholder input ids resolve inside the graph."""
 
+    replay_counter = "graph_replays"
+    mtp_layer = -1  # the main forward's; a subclass's graphs run MTP layer 0 (engine/mtp_graphs.py)
+
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
                  future_token_ids: torch.Tensor | None = None, moe_gather: bool = False):
         self.model, self.pool, self.page_size, self.moe_gather = model, pool, pool.page_size, moe_gather
@@ -154,7 +157,7 @@ class CudaGraphRunner:
     def _warm(self, bs: int) -> dict[str, float]:
         """One eager run of the bucket's shapes (first-use work outside the capture); the collectives it made."""
         before = COUNTERS.host_values()  # device-side counters replay inside the graph by themselves
-        self.model(self._static_batch(bs), self.pool)
+        self._forward(bs)
         static = {k: v for k, v in Counters.diff(COUNTERS.host_values(), before).items()
                   if k.startswith("collective_")}
         COUNTERS.restore(before)  # startup work is not traffic
@@ -174,13 +177,17 @@ class CudaGraphRunner:
                 try:
                     if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
                         resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-                    logits, hidden = self.model(self._static_batch(bs), self.pool)
+                    logits, hidden = self._forward(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
                     if self.copy_in_graph:
                         stream.wait_stream(branch)
         finally:
             COUNTERS.enabled = enabled
         return graph, logits, hidden
+
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of bucket `bs` runs: (logits, final hidden rows) of the main model over the static inputs."""
+        return self.model(self._static_batch(bs), self.pool)
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it
@@ -258,7 +265,7 @@ class CudaGraphRunner:
     def _count(self, batch: ForwardBatch, g: _Graph) -> None:
         """What the eager forward counts: the step's bytes (`model/step_counts.py`, the same call), and the
         collectives the warmup run of this bucket made (their Python does not run in a replay)."""
-        COUNTERS.add("graph_replays")
+        COUNTERS.add(self.replay_counter)
         for k, v in g.static_counts.items():
             COUNTERS.add(k, v)
-        count_step(self.model.forward_shape(), self.pool, batch, pages=self.max_pages)  # the width it was captured at
+        count_step(self.model.forward_shape(self.mtp_layer), self.pool, batch, pages=self.max_pages)  # captured width

@@ -33,6 +33,7 @@ from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, warmup_prefill
+from dsaserve.engine.mtp_graphs import capture_mtp_graphs
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.piecewise_runner import PiecewiseRunner
 from dsaserve.engine.runner_startup import PhaseTimer, RunnerStartup
@@ -40,7 +41,7 @@ from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_mtp, warm
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
 from dsaserve.kernels.registry import get_ops
-from dsaserve.model.forward_batch import ForwardBatch, as_decode_rows
+from dsaserve.model.forward_batch import ForwardBatch, as_decode_rows, one_token_rows
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
 from dsaserve.model.layers.moe import fold_device_expert_counts
 from dsaserve.weights.loader import LoadReport, load_checkpoint, load_dummy
@@ -117,6 +118,7 @@ class ModelRunner(RunnerStartup):
         self.mem_fraction_static, self.graph_reserve_bytes = args.mem_fraction_static, graph_reserve_bytes
         self.profile: MemoryProfile | None = None
         self.graphs: DecodeGraphs | None = None
+        self.mtp_graphs: DecodeGraphs | None = None  # speculative decoding's MTP forwards (engine/mtp_graphs.py)
         self.piecewise: PiecewiseRunner | None = None
         self.warmed_prefill: list[int] = []
         self.warmed: dict[str, Any] = {}
@@ -203,6 +205,10 @@ class ModelRunner(RunnerStartup):
             with PhaseTimer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
                 self.graphs = self._capture("decode", self._capture_decode)
+                if self.graphs is not None and self.args.speculative_algorithm is not None and self.dp_sync is None:
+                    self.mtp_graphs = self._capture("mtp", lambda: capture_mtp_graphs(
+                        self.model, self.kv_pool, self.graphs.max_bs, self.graphs.widths,
+                        self.graphs.widest.pool_handle, not self._preload_hit()))
         with PhaseTimer(self.startup_time, "warmup_shapes"):
             max_pages = -(-self.max_model_len // PAGE_SIZE)
             plan = WarmupPlan.build(self.graphs.max_bs if self.graphs else 0,
@@ -217,7 +223,8 @@ class ModelRunner(RunnerStartup):
             drafter = self.args.speculative_algorithm is not None and self.kv_pool.sink_page >= 0
             # the MTP layer's MoE meets the other ranks': its shape list may not hang on a rank's own preload hit
             one_rank_hit = preloaded and self.parallel.world_size == 1
-            mtp = warm_mtp(self.model, self.kv_pool, plan, self.max_model_len, one_rank_hit) if drafter else 0
+            mtp = warm_mtp(self.model, self.kv_pool, plan, self.max_model_len, one_rank_hit,
+                           decode_rows=self.mtp_graphs is None) if drafter else 0
             sampler = warm_sampler(self.device, self.cfg.vocab_size, tuple(self.cfg.eos_token_ids),
                                    self.model.logits_dtype())
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
@@ -393,8 +400,9 @@ class ModelRunner(RunnerStartup):
 
     def forward_mtp(self, batch: ForwardBatch | None, prev_hidden: torch.Tensor | None,
                     input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The MTP layer over a host batch (eagerly): its KV at the batch's slots; its logits and normed output at
-        the batch's logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch). Under DP-attention
+        """The MTP layer over a host batch: its KV at the batch's slots; its logits and normed output at the batch's
+        logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch), replayed as one token a row in
+        the MTP graphs where they hold the batch (engine/mtp_graphs.py), else eagerly. Under DP-attention
         every rank calls this together, a rank with no rows with `batch` None (its MoE layer's share of the
         exchange; None returned), after agreeing on the step as the main forward does. `input_ids`: the batch's
         tokens already on the device (chained drafts), in place of its host ids."""
@@ -407,12 +415,29 @@ class ModelRunner(RunnerStartup):
                 gather = step.mode == GATHER
                 self.model.forward_idle(0, step.rows if gather else 0, step.tokens if gather else ())
                 return None
+        if self.mtp_graphs is not None:  # never under DP-attention
+            out = self._replay_mtp(batch, prev_hidden, input_ids)
+            if out is not None:
+                return out
         batch = batch.to(self.device)
         if input_ids is not None:
             batch = dataclasses.replace(batch, input_ids=input_ids)
         if step is not None and step.mode == GATHER:
             batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
         return self.model.forward_mtp(batch, self.kv_pool, prev_hidden, with_hidden=True)
+
+    def _replay_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor, input_ids: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward_mtp` in an MTP graph, one token a row; None (counted by reason) where none holds the batch."""
+        if batch.num_tokens > self.mtp_graphs.max_bs:  # a long prompt's extend: eager by design
+            reason = "batch_over_max_bs"
+        else:
+            rows = batch if all(n == 1 for n in batch.host_lens()[1]) else one_token_rows(batch)
+            reason = self.mtp_graphs.fallback_reason(rows)
+            if reason is None:
+                return self.mtp_graphs.runner_for(rows).replay_mtp(rows, prev_hidden, input_ids)
+        COUNTERS.add(f"mtp_eager.{reason}")
+        return None
 
     def _prompt_logprobs(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         """The step's prompt entries from its hidden rows, on the device (`last_prompt_logprobs`, read by the

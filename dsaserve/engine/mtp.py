@@ -38,8 +38,9 @@ or one whose requests stopped drafting takes part with no rows), and the verify 
 On a GPU a verify step whose every token samples replays the decode CUDA graphs as one token a row
 (`forward_batch.as_decode_rows`: each token over its request's page table up to its own position; the default
 `--cuda-graph-max-bs` holds every running request's 1 + k rows); a step with a prompt chunk replays the piecewise
-graphs. Left for later: overlap scheduling (the drafts are read on the host before the next step is scheduled);
-CUDA graphs for the MTP layer's forwards (eager) and for DP-attention's verify steps (eager).
+graphs. The MTP forwards replay graphs of their own, one token a row too (engine/mtp_graphs.py; an extend over more
+rows than the largest bucket, a long prompt's, runs eagerly). Left for later: overlap scheduling (the drafts are
+read on the host before the next step is scheduled); CUDA graphs for DP-attention's verify and MTP forwards (eager).
 """
 
 from __future__ import annotations

@@ -163,6 +163,9 @@ class RunnerStartup:
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
                                "capture_retries": self.graphs.capture_retries if self.graphs else 0,
                                "error": self.graph_errors.get("decode")},
+                "mtp_cuda_graph": {"buckets": sorted(self.mtp_graphs.graphs) if self.mtp_graphs else [],
+                                   "capture_seconds": round(self.mtp_graphs.capture_seconds, 3) if self.mtp_graphs
+                                   else 0, "error": self.graph_errors.get("mtp")},
                 "piecewise_cuda_graph": {
                     "buckets": sorted(self.piecewise.graphs) if self.piecewise else [],
                     "max_tokens": self.piecewise.max_tokens if self.piecewise else 0,  # what routes a step there

@@ -67,16 +67,17 @@ def decode_rows_batch(rows: int, pages: int, page_size: int, max_len: int, sink_
                         i64(list(range(rows))), page_size, [seq] * rows, [1] * rows)
 
 
-def warm_mtp(model, pool, plan: WarmupPlan, max_len: int, preloaded: bool = False) -> int:
-    """The MTP layer's forward (speculative decoding, engine/mtp.py: eager every step) before Up, so its kernel
-    variants load then: at the plan's attention-core shapes (one request's chunk: the extend after a prefill) and
-    at each decode bucket's one token a request (the chained draft steps), each selection class's width. Every
-    batch's KV goes to the sink page. The number of forwards run."""
+def warm_mtp(model, pool, plan: WarmupPlan, max_len: int, preloaded: bool = False, decode_rows: bool = True) -> int:
+    """The MTP layer's eager forward (speculative decoding, engine/mtp.py) before Up, so its kernel variants load
+    then: at the plan's attention-core shapes (one request's chunk: the extend after a long prompt) and, with
+    `decode_rows` (no MTP graphs, whose captures run them), at each decode bucket's one token a request (the chained
+    draft steps), each selection class's width. Every batch's KV goes to the sink page. The number of forwards
+    run."""
     shapes = plan.class_shapes if preloaded else plan.core_shapes
     widths = sorted({pages for _, pages in plan.class_shapes or shapes})
     batches = [core_batch(rows, pages, pool.page_size, max_len, pool.sink_page) for rows, pages in shapes]
     batches += [decode_rows_batch(bs, pages, pool.page_size, max_len, pool.sink_page)
-                for bs in plan.decode for pages in widths]
+                for bs in (plan.decode if decode_rows else ()) for pages in widths]
     device = pool.kv_buffer.device
     enabled, COUNTERS.enabled = COUNTERS.enabled, False  # warmup is not traffic
     try:

@@ -79,22 +79,29 @@ class ForwardBatch:
 
 def as_decode_rows(batch: ForwardBatch) -> ForwardBatch | None:
     """A host batch whose every token produces logits (decode rows, and speculative decoding's verify rows: the
-    last token and its drafts, engine/mtp.py) as a decode batch of one token a row: each token its own row over
-    its request's page table, attending its request's keys up to its own position. The same step: in every
-    layer each token writes its KV before any token attends, so a draft reads the rows of the tokens before it as
-    in the request's own row; what it changes is the path (the decode CUDA graphs take it) and the indexer, which
-    then reads a request's keys once a token. None when a token produces no logits (a prompt chunk), or when the
-    batch already is one token a request, or asks prompt logprobs."""
+    last token and its drafts, engine/mtp.py) as a decode batch of one token a row (`one_token_rows`). None when a
+    token produces no logits (a prompt chunk), or when the batch already is one token a request, or asks prompt
+    logprobs."""
     seq_lens, ext = batch.host_lens()
     if batch.logits_indices.numel() != batch.num_tokens or all(n == 1 for n in ext) or batch.prompt_rows is not None:
         return None
+    return one_token_rows(batch)
+
+
+def one_token_rows(batch: ForwardBatch) -> ForwardBatch:
+    """The host batch as one token a row: each token its own row over its request's page table, attending its
+    request's keys up to its own position; the same logits rows. The same step: in every layer each token writes
+    its KV before any token attends, so a token reads the rows of the tokens before it as in the request's own row;
+    what it changes is the path (the decode CUDA graphs take it; the MTP layer's, engine/mtp_graphs.py) and the
+    indexer, which then reads a request's keys once a token."""
     pos = batch.positions.tolist()
     rows = torch.arange(batch.num_tokens, dtype=torch.int64)
     table = batch.page_table.index_select(0, batch.req_index)
     lens = [p + 1 for p in pos]
     return ForwardBatch(batch.input_ids, batch.positions, rows, torch.tensor(lens, dtype=torch.int64),
-                        torch.ones(batch.num_tokens, dtype=torch.int64), table, batch.out_cache_loc, rows.clone(),
-                        batch.page_size, lens, [1] * batch.num_tokens, batch.dp_rows, batch.dp_tokens)
+                        torch.ones(batch.num_tokens, dtype=torch.int64), table, batch.out_cache_loc,
+                        batch.logits_indices, batch.page_size, lens, [1] * batch.num_tokens, batch.dp_rows,
+                        batch.dp_tokens)
 
 
 def contiguous_batch(token_lists: list[list[int]], prefix_lens: list[int], slot_base: list[int],

@@ -261,9 +261,9 @@ def test_the_draft_row_is_its_request_with_the_draft_output():
 
 
 def test_the_warmup_runs_the_mtp_layer_at_the_core_shapes_on_the_sink_page():
-    """What a GPU start runs before Up for a drafting engine (its MTP forwards are eager every step): the MTP layer
-    at each attention-core shape of the plan and at each decode bucket's one token a request, writing only the sink
-    page (here on the CPU, with a sink page)."""
+    """What a GPU start runs before Up for a drafting engine's eager MTP forwards: the MTP layer at each
+    attention-core shape of the plan and, without MTP graphs (whose captures run them), at each decode bucket's one
+    token a request, writing only the sink page (here on the CPU, with a sink page)."""
     from dsaserve.engine.kv_pool import KVPool
     from dsaserve.engine.warmup import warm_mtp
     from dsaserve.engine.warmup_plan import WarmupPlan
@@ -274,6 +274,7 @@ def test_the_warmup_runs_the_mtp_layer_at_the_core_shapes_on_the_sink_page():
     plan = WarmupPlan.build(4, [16, 64], 4, 64, cfg.index_topk)
     widths = {pages for _, pages in plan.class_shapes}
     assert warm_mtp(model, pool, plan, 256) == len(plan.core_shapes) + len(plan.decode) * len(widths)
+    assert warm_mtp(model, pool, plan, 256, decode_rows=False) == len(plan.core_shapes)
     assert len(plan.core_shapes) > 3 and len(plan.decode) > 1 and widths
     mtp_kv = pool.kv_cache(cfg.mtp_layer_ids[0]).view(5, 64, -1)
     assert mtp_kv[4].any() and not mtp_kv[:4].any() and not pool.kv_buffer[0].any()
