@@ -27,7 +27,7 @@ PROMPTS = [line.strip() for line in CORPUS.splitlines() if len(line.strip()) > 4
 
 
 def run(model: str, device: str | None, steps: int, prompts: list[str], max_tokens: int,
-        repeat: int = 1, load_format: str = "auto") -> tuple[list, float, dict]:
+        repeat: int = 1, load_format: str = "auto", phases: bool = False) -> tuple[list, float, dict]:
     """(outputs, decode seconds, engine stats) of one engine (steps 0: no drafts) over the prompts, warmed once; with
     `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then)."""
     spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
@@ -47,7 +47,50 @@ def run(model: str, device: str | None, steps: int, prompts: list[str], max_toke
                         or k.startswith(("eager_fallbacks", "mtp_eager"))}
     was, now = before.get("spec_accepted_per_pos", []), after.get("spec_accepted_per_pos", [])
     diff["per_pos"] = [n - (was[j] if j < len(was) else 0) for j, n in enumerate(now)]
+    if phases:  # a run of its own after the timed one (its waits slow the step)
+        timer = PhaseTimes(eng)
+        eng.generate(prompts, params)
+        diff["phases"] = timer.line(eng.core.stats()["steps"] - after["steps"])
     return outs, seconds, diff
+
+
+class PhaseTimes:
+    """--phases: each part of a step timed with the device synchronized around it (the waits change the step a
+    little; the split is what it is for): the forward (a drafting engine's verifies its drafts), the sampler, the
+    MTP forwards (extend and chained), and the rest (scheduling, batch building, the kept drafts' bookkeeping)."""
+
+    PARTS = (("forward", "runner", "forward"), ("forward", "runner", "forward_with_hidden"),
+             ("sample", "sampler", "sample"), ("sample", "sampler", "sample_async"),
+             ("mtp_forwards", "runner", "forward_mtp"))
+
+    def __init__(self, eng: Engine):
+        import torch
+
+        self.sync = torch.cuda.synchronize if eng.core.runner.device.type == "cuda" else (lambda: None)
+        self.total: dict[str, float] = {"step": 0.0}
+        core = eng.core
+        for name, owner, attr in self.PARTS:
+            obj = getattr(core, owner)
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        core.step = self._timed("step", core.step)
+
+    def _timed(self, name: str, fn):
+        self.total.setdefault(name, 0.0)
+
+        def timed(*a, **kw):
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            self.sync()
+            self.total[name] += time.perf_counter() - t0
+            return out
+        return timed
+
+    def line(self, steps: int) -> str:
+        ms = {k: 1e3 * v / max(steps, 1) for k, v in self.total.items()}
+        parts = {n: ms[n] for n, _, _ in self.PARTS}
+        rest = ms["step"] - sum(parts.values())
+        return " | ".join(f"{n} {v:.3f}" for n, v in parts.items()) + f" | rest {rest:.3f} | step {ms['step']:.3f} ms"
 
 
 def position_rates(stats: dict) -> str:
@@ -70,15 +113,20 @@ def main() -> None:
     ap.add_argument("--steps", default="1,3", help="--speculative-num-steps values to run")
     ap.add_argument("--repeat", type=int, default=1, help="time the last of this many runs of each engine")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights (a config without a checkpoint)")
+    ap.add_argument("--phases", action="store_true", help="one more run of each engine, its step split in parts")
     args = ap.parse_args()
     for bs in (int(b) for b in args.batch.split(",")):
-        prompts = PROMPTS[:bs]
-        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat, args.load_format)
+        prompts = PROMPTS[:bs] if args.load_format != "dummy" else [  # random weights: no tokenizer either
+            [10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(bs)]
+        base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat, args.load_format,
+                                   args.phases)
         tokens = bs * args.max_tokens
         print(f"batch {bs:3d}: plain {s_base['steps']} steps {t_base:.3f} s ({tokens / t_base:.1f} tok/s)")
+        if "phases" in s_base:
+            print(f"    synchronized parts a step: {s_base['phases']}")
         for steps in (int(s) for s in args.steps.split(",")):
             spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens, args.repeat,
-                                       args.load_format)
+                                       args.load_format, args.phases)
             same = sum(b.token_ids == s.token_ids for b, s in zip(base, spec, strict=True))
             drafts, kept = s_spec.get("spec_draft_tokens", 0), s_spec.get("spec_accepted_tokens", 0)
             print(f"  mtp x{steps}: {s_spec['steps']} steps {t_spec:.3f} s ({tokens / t_spec:.1f} tok/s), drafts kept "
@@ -86,6 +134,8 @@ def main() -> None:
                   f"{tokens / max(s_spec['steps'], 1) / bs:.2f} | mtp / plain time {t_spec / t_base:.2f} | greedy "
                   f"outputs equal {same}/{bs}")
             print(f"    kept by position / request-steps: {position_rates(s_spec)} | forwards {s_spec['forwards']}")
+            if "phases" in s_spec:
+                print(f"    synchronized parts a step: {s_spec['phases']}")
 
 
 if __name__ == "__main__":
