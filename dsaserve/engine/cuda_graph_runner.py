@@ -175,9 +175,7 @@ class CudaGraphRunner:
                     branch.wait_stream(stream)
                     self.staged.record(branch)  # a node beside the step's kernels, after the copy
                 try:
-                    if self.future_token_ids is not None:  # after the inputs landed, before anything reads them
-                        resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-                    logits, hidden = self._forward(bs)
+                    logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
                     if self.copy_in_graph:
                         stream.wait_stream(branch)
@@ -185,8 +183,14 @@ class CudaGraphRunner:
             COUNTERS.enabled = enabled
         return graph, logits, hidden
 
+    def _body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of bucket `bs` runs after its inputs landed: placeholder ids resolved, then `_forward`."""
+        if self.future_token_ids is not None:  # before anything reads the ids
+            resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
+        return self._forward(bs)
+
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of bucket `bs` runs: (logits, final hidden rows) of the main model over the static inputs."""
+        """(logits, final hidden rows) of the main model over the static inputs of bucket `bs`."""
         return self.model(self._static_batch(bs), self.pool)
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
@@ -228,7 +232,15 @@ class CudaGraphRunner:
         # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
         if batch.samples_every_token:
             return g.logits[:bs], g.hidden[:bs]
-        return g.logits.index_select(0, batch.logits_indices.to(g.logits.device, non_blocking=True)), g.hidden[:bs]
+        return g.logits.index_select(0, self.logits_rows(batch)), g.hidden[:bs]
+
+    def logits_rows(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's logits rows on the device, queued behind the replay (a pinned copy: a pageable one would
+        wait for the graph to finish)."""
+        rows = batch.logits_indices
+        if rows.device.type == "cpu" and self.inputs.is_cuda:
+            rows = rows.pin_memory()
+        return rows.to(self.inputs.device, non_blocking=True)
 
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph

@@ -399,13 +399,13 @@ class ModelRunner(RunnerStartup):
         return logits, hidden
 
     def forward_mtp(self, batch: ForwardBatch | None, prev_hidden: torch.Tensor | None,
-                    input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The MTP layer over a host batch: its KV at the batch's slots; its logits and normed output at the batch's
         logits rows (`DsaForCausalLM.forward_mtp`; engine/mtp.py builds the batch), replayed as one token a row in
         the MTP graphs where they hold the batch (engine/mtp_graphs.py), else eagerly. Under DP-attention
         every rank calls this together, a rank with no rows with `batch` None (its MoE layer's share of the
-        exchange; None returned), after agreeing on the step as the main forward does. `input_ids`: the batch's
-        tokens already on the device (chained drafts), in place of its host ids."""
+        exchange; None returned), after agreeing on the step as the main forward does. `drafts`: the last MTP
+        forward's tokens on the device, which an input id -1-j stands for (chained drafts)."""
         step = None
         if self.dp_sync is not None:
             step = self.dp_step = self.dp_sync.agree(batch, graph=False)
@@ -416,17 +416,17 @@ class ModelRunner(RunnerStartup):
                 self.model.forward_idle(0, step.rows if gather else 0, step.tokens if gather else ())
                 return None
         if self.mtp_graphs is not None:  # never under DP-attention
-            out = self._replay_mtp(batch, prev_hidden, input_ids)
+            out = self._replay_mtp(batch, prev_hidden, drafts)
             if out is not None:
                 return out
         batch = batch.to(self.device)
-        if input_ids is not None:
-            batch = dataclasses.replace(batch, input_ids=input_ids)
+        if drafts is not None:
+            resolve_placeholders_(batch.input_ids, drafts)
         if step is not None and step.mode == GATHER:
             batch = dataclasses.replace(batch, dp_rows=step.rows, dp_tokens=step.tokens)
         return self.model.forward_mtp(batch, self.kv_pool, prev_hidden, with_hidden=True)
 
-    def _replay_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor, input_ids: torch.Tensor | None
+    def _replay_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor, drafts: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`forward_mtp` in an MTP graph, one token a row; None (counted by reason) where none holds the batch."""
         if batch.num_tokens > self.mtp_graphs.max_bs:  # a long prompt's extend: eager by design
@@ -435,7 +435,7 @@ class ModelRunner(RunnerStartup):
             rows = batch if all(n == 1 for n in batch.host_lens()[1]) else one_token_rows(batch)
             reason = self.mtp_graphs.fallback_reason(rows)
             if reason is None:
-                return self.mtp_graphs.runner_for(rows).replay_mtp(rows, prev_hidden, input_ids)
+                return self.mtp_graphs.runner_for(rows).replay_mtp(rows, prev_hidden, drafts)
         COUNTERS.add(f"mtp_eager.{reason}")
         return None
 

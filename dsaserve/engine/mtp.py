@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsaserve.common.host_lists import to_device
 from dsaserve.engine.grammar import DraftGrammar
 from dsaserve.engine.request import Req, ReqStatus
 from dsaserve.engine.scheduler import ScheduledBatch
@@ -198,7 +199,8 @@ class MTPDrafter:
         if not rows.reqs:
             self.idle()
             return
-        logits, h = self.runner.forward_mtp(rows.batch(self.page_size), hidden.index_select(0, keep.to(hidden.device)))
+        logits, h = self.runner.forward_mtp(rows.batch(self.page_size),
+                                            hidden.index_select(0, to_device(keep, torch.int64, hidden.device)))
         drafting = list(compress(rows.reqs, rows.logits))
         draws = [(drafting, _argmax(logits))]
         self._chain(draws, h)
@@ -209,7 +211,7 @@ class MTPDrafter:
                 req.drafts.append(next(it))
 
     def _extend_rows(self, sched: ScheduledBatch, starts: list[int], kept: dict[Req, list]
-                     ) -> tuple[_Rows, torch.Tensor]:
+                     ) -> tuple[_Rows, list[int]]:
         """Per request of the step: the positions whose hidden row is its own token's (a draft not kept: another
         token's) and whose next token is known, and the step's hidden rows they read."""
         sampling, verified = set(sched.logit_reqs), {req: n for req, n, _ in sched.draft_rows}
@@ -221,7 +223,7 @@ class MTPDrafter:
                          req in sampling and self.drafts_for(req) > 0)
                 keep += range(t, t + valid)
             t += n
-        return rows, torch.tensor(keep, dtype=torch.int64)
+        return rows, keep
 
     def _chain(self, draws: list[tuple[list[Req], torch.Tensor]], h: torch.Tensor) -> None:
         """Drafts 2.. of each request: the MTP layer at the position after its last draft's, on the embedding of that
@@ -235,13 +237,14 @@ class MTPDrafter:
             for k, req in enumerate(reqs):
                 pos = len(req.tokens) + j - 3  # the last token's position is len - 1; draft j - 1 guessed len + j - 2
                 if self.drafts_for(req) >= j and self.scheduler.grow_pages(req, pos + 1):
-                    rows.add(req, pos, [0], True)  # the token: draft j - 1, on the device
+                    rows.add(req, pos, [-1 - k], True)  # the token: draft j - 1, on the device (a placeholder)
                     pick.append(k)
             if not rows.reqs:
                 self.idle(self.steps - j + 1)
                 return
-            rows_dev = torch.tensor(pick, device=h.device)
-            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h[rows_dev], prev[rows_dev])
+            if len(pick) < len(reqs):
+                h = h.index_select(0, to_device(pick, torch.int64, h.device))
+            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h, prev)
             draws.append((rows.reqs, _argmax(logits)))
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@ graphs", after the decode graphs).
 
 Owns: `MTPGraphRunner`, the decode graph runner (engine/cuda_graph_runner.py) whose graphs run the MTP layer
 (`DsaForCausalLM.forward_mtp`) in place of the main model, over one token a row (`forward_batch.one_token_rows`),
-with two more static inputs: the hidden rows the layer reads (the main model's, or its own output for a chained
-draft) and the token ids it embeds (the host's, or a chained draft's still on the device); and `capture_mtp_graphs`,
+with the hidden rows the layer reads (the main model's, or its own output for a chained draft) as one more static
+input and a chained draft's token ids resolved on the device (placeholders); and `capture_mtp_graphs`,
 a runner a page-table width class (engine/decode_graphs.py) in the decode graphs' memory pool.
 
 Why: eagerly, one MTP forward is one decoder layer, the shared head and the lm_head launched from Python, tens of
@@ -19,8 +19,6 @@ forwards stay eager (engine/mtp.py: lockstep with the other ranks).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
@@ -29,34 +27,37 @@ from dsaserve.model.forward_batch import ForwardBatch
 
 
 class MTPGraphRunner(CudaGraphRunner):
-    """Graphs a batch bucket of the MTP layer's forward over one token a row (`replay_mtp`)."""
+    """Graphs a batch bucket of the MTP layer's forward over one token a row (`replay_mtp`). An input id -1-j is
+    the last forward's draft j (chained drafts: their tokens stay on the device), resolved inside the graph as
+    overlap scheduling's placeholders are."""
 
     replay_counter = "mtp_graph_replays"
     mtp_layer = 0
 
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int):
-        super().__init__(model, pool, max_bs, max_pages_per_req, sink_page)
         dev = pool.kv_buffer.device
+        super().__init__(model, pool, max_bs, max_pages_per_req, sink_page,
+                         future_token_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev))
         # read by every graph; rows past a batch (its bucket's padding) keep stale values, which only reach padding
         self.prev_hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        self.token_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = dataclasses.replace(self._static_batch(bs), input_ids=self.token_ids[:bs])
-        return self.model.forward_mtp(batch, self.pool, self.prev_hidden[:bs], with_hidden=True)
+        return self.model.forward_mtp(self._static_batch(bs), self.pool, self.prev_hidden[:bs], with_hidden=True)
 
     def replay_mtp(self, rows: ForwardBatch, prev_hidden: torch.Tensor,
-                   input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, the layer's output) at the logits rows of `rows` (a host batch of one token a row) with the
-        hidden rows `prev_hidden` [T, H] and the tokens `input_ids` (on the device), or the batch's own: views of
-        the graph's buffers (the output row by row copies), valid until the next replay."""
+        hidden rows `prev_hidden` [T, H], its placeholder ids taken from `drafts` (on the device): views of the
+        graph's buffers where every row gives logits (else gathered), valid until the next replay. Nothing here
+        waits for the device."""
         bs = rows.batch_size
         self.prev_hidden[:bs].copy_(prev_hidden)
-        self.token_ids[:bs].copy_(rows.input_ids if input_ids is None else input_ids, non_blocking=True)
+        if drafts is not None:
+            self.future_token_ids[:drafts.numel()].copy_(drafts)
         logits, hidden = self.replay_with_hidden(rows)
         if rows.samples_every_token:
             return logits, hidden
-        return logits, hidden.index_select(0, rows.logits_indices.to(hidden.device, non_blocking=True))
+        return logits, hidden.index_select(0, self.logits_rows(rows))
 
 
 def capture_mtp_graphs(model, pool, max_bs: int, widths: list[int], pool_handle, warm_each: bool) -> DecodeGraphs:

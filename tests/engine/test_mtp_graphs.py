@@ -60,7 +60,7 @@ class _EagerGraph:
     def replay(self) -> None:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the replay's counts are `_count`'s, as on a GPU
         try:
-            logits, hidden = self.runner._forward(self.bs)
+            logits, hidden = self.runner._body(self.bs)
         finally:
             COUNTERS.enabled = enabled
         self.logits.copy_(logits)
