@@ -60,7 +60,7 @@ class PhaseTimes:
     MTP forwards (extend and chained), and the rest (scheduling, batch building, the kept drafts' bookkeeping)."""
 
     PARTS = (("forward", "runner", "forward"), ("forward", "runner", "forward_with_hidden"),
-             ("sample", "sampler", "sample"), ("sample", "sampler", "sample_async"),
+             ("sample", "sampler", "sample_async"),  # `sample` is sample_async's, waited for
              ("mtp_forwards", "runner", "forward_mtp"))
 
     def __init__(self, eng: Engine):
@@ -88,7 +88,7 @@ class PhaseTimes:
 
     def line(self, steps: int) -> str:
         ms = {k: 1e3 * v / max(steps, 1) for k, v in self.total.items()}
-        parts = {n: ms[n] for n, _, _ in self.PARTS}
+        parts = {n: ms[n] for n, _, _ in self.PARTS}  # a name twice: one entry
         rest = ms["step"] - sum(parts.values())
         return " | ".join(f"{n} {v:.3f}" for n, v in parts.items()) + f" | rest {rest:.3f} | step {ms['step']:.3f} ms"
 

@@ -73,7 +73,8 @@ class CudaGraphRunner:
     mtp_layer = -1  # the main forward's; a subclass's graphs run MTP layer 0 (engine/mtp_graphs.py)
 
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
-                 future_token_ids: torch.Tensor | None = None, moe_gather: bool = False):
+                 future_token_ids: torch.Tensor | None = None, moe_gather: bool = False,
+                 logits_out: torch.Tensor | None = None):
         self.model, self.pool, self.page_size, self.moe_gather = model, pool, pool.page_size, moe_gather
         self.future_token_ids = future_token_ids
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
@@ -98,6 +99,11 @@ class CudaGraphRunner:
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
          self.page_table) = self._views(self.inputs)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        # Every bucket's graph writes its logits into one buffer (`logits_out`, shareable between runners whose
+        # replays never overlap), not a [bucket, V] tensor of its own kept in the pool: summed over the buckets
+        # those came to 2.5 GiB a width class at GLM-5.3's vocabulary with 512 rows (3 drafts), twice under TP's
+        # float32 gather
+        self.logits_out = logits_out  # made by `capture` when not given
         self.graphs: dict[int, _Graph] = {}
         self.pool_handle = None
         self.capture_seconds = 0.0
@@ -138,6 +144,9 @@ class CudaGraphRunner:
         loaded every recorded kernel): only the largest bucket runs eagerly first, the rest are captured
         straight away; a bucket whose capture fails so, or a run that makes collectives, is warmed as before."""
         t0 = time.perf_counter()
+        if self.logits_out is None:
+            self.logits_out = torch.empty(self.max_bs, self.model.cfg.vocab_size, dtype=self.model.logits_dtype(),
+                                          device=self.inputs.device)
         self._reset_padding(0)
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
@@ -191,7 +200,7 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden rows) of the main model over the static inputs of bucket `bs`."""
-        return self.model(self._static_batch(bs), self.pool)
+        return self.model(self._static_batch(bs), self.pool, logits_out=self.logits_out[:bs])
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         """None if this batch can replay a graph (of `bucket`, when the DP ranks agreed on one), else why it
@@ -220,6 +229,14 @@ class CudaGraphRunner:
     def replay_with_hidden(self, batch: ForwardBatch, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(`replay`'s logits, the batch's final hidden rows [bs, H]): views of the graph's buffers, valid until the
         next replay."""
+        logits, hidden = self.replay_all_rows(batch, bucket)
+        # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
+        if batch.samples_every_token:
+            return logits, hidden
+        return logits.index_select(0, self.logits_rows(batch)), hidden
+
+    def replay_all_rows(self, batch: ForwardBatch, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden rows) of every row of the batch: views of the graph's buffers."""
         bs = batch.batch_size
         bucket = bucket or next(b for b in self.buckets if b >= bs)
         if batch.input_ids.is_cuda and not self.copy_in_graph:
@@ -229,10 +246,7 @@ class CudaGraphRunner:
         g = self.graphs[bucket]
         g.graph.replay()
         self._count(batch, g)
-        # a 1-token row may be a prefill chunk that is not its prompt's end: only logits_indices rows sample
-        if batch.samples_every_token:
-            return g.logits[:bs], g.hidden[:bs]
-        return g.logits.index_select(0, self.logits_rows(batch)), g.hidden[:bs]
+        return g.logits[:bs], g.hidden[:bs]
 
     def logits_rows(self, batch: ForwardBatch) -> torch.Tensor:
         """The batch's logits rows on the device, queued behind the replay (a pinned copy: a pageable one would

@@ -13,8 +13,9 @@ of those kernels and a 2.1 MB copy; the step 3.40 ms from graphs captured for 12
 captured for 1K. The narrow class is the top-k's width: a batch whose every request holds at most `index_topk`
 keys takes every visible key without a score (`indexer_topk`'s all-visible path) and without indexer queries
 (`StepContext.all_keys`: no wq_b, RoPE or weights_proj; 63 µs of a b128 1K step, twenty-eighth session).
-The classes share one memory pool (the widest, captured first, sizes it); the replay contract is one runner's:
-a replay's logits are valid until the next replay of either class.
+The classes share one memory pool (the widest, captured first, sizes it) and one logits buffer (every graph's
+lm_head writes into it: `CudaGraphRunner.logits_out`); the replay contract is one runner's: a replay's logits are
+valid until the next replay of either class (or of the MTP graphs, engine/mtp_graphs.py, which share both).
 """
 
 from __future__ import annotations

@@ -207,8 +207,7 @@ class ModelRunner(RunnerStartup):
                 self.graphs = self._capture("decode", self._capture_decode)
                 if self.graphs is not None and self.args.speculative_algorithm is not None and self.dp_sync is None:
                     self.mtp_graphs = self._capture("mtp", lambda: capture_mtp_graphs(
-                        self.model, self.kv_pool, self.graphs.max_bs, self.graphs.widths,
-                        self.graphs.widest.pool_handle, not self._preload_hit()))
+                        self.model, self.kv_pool, self.graphs, not self._preload_hit()))
         with PhaseTimer(self.startup_time, "warmup_shapes"):
             max_pages = -(-self.max_model_len // PAGE_SIZE)
             plan = WarmupPlan.build(self.graphs.max_bs if self.graphs else 0,
@@ -287,9 +286,11 @@ class ModelRunner(RunnerStartup):
         max_pages = -(-self.max_model_len // PAGE_SIZE)
         widths = width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE,
                                narrow=not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs)
+        logits = torch.empty(self.cuda_graph_max_bs, self.cfg.vocab_size, dtype=self.model.logits_dtype(),
+                             device=self.device)  # every class's graphs write their logits here
         graphs = DecodeGraphs(lambda pages: CudaGraphRunner(
             self.model, self.kv_pool, self.cuda_graph_max_bs, pages, self.kv_pool.sink_page, self.future_token_ids,
-            moe_gather=self._dp_gather_graphs), widths)
+            moe_gather=self._dp_gather_graphs, logits_out=logits), widths)
         # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
         graphs.capture(warm_each=not self._preload_hit())
         return graphs

@@ -114,11 +114,13 @@ class _Rows:
         self.tokens.append(tokens)
         self.logits.append(draft)
 
-    def batch(self, page_size: int) -> ForwardBatch:
-        """The host batch over each request's own pages (chained drafts write past what the step's table holds)."""
+    def batch(self, page_size: int, max_pages: int) -> ForwardBatch:
+        """The host batch over each request's own pages (chained drafts write past what the step's table holds),
+        at most `max_pages` wide (a request's most: the widest graphs' width)."""
         ids, pos, req_index, loc, logit_idx = [], [], [], [], []
         seq_lens = [s + len(t) for s, t in zip(self.starts, self.tokens, strict=True)]
-        width = core_width(-(-max(seq_lens) // page_size))  # the widths warm_mtp ran (not a kernel variant a width)
+        # the widths warm_mtp ran (not a kernel variant a width)
+        width = min(core_width(-(-max(seq_lens) // page_size)), max_pages)
         table = np.zeros((len(self.reqs), width), dtype=np.int64)
         for k, (req, start, toks, draft) in enumerate(zip(self.reqs, self.starts, self.tokens, self.logits,
                                                           strict=True)):
@@ -145,7 +147,7 @@ class MTPDrafter:
             raise ValueError("--speculative-algorithm: this model has no MTP layer to draft with "
                              "(num_nextn_predict_layers = 0, or a runner without forward_mtp)")
         self.runner, self.scheduler, self.steps = runner, scheduler, steps
-        self.page_size = scheduler.cfg.page_size
+        self.page_size, self.max_pages = scheduler.cfg.page_size, scheduler.max_pages_per_seq
         # DP-attention: the ranks' MTP forwards meet in the MoE layer, so every rank runs `steps` of them every step,
         # a rank without rows for one as an idle partner (ModelRunner.forward_mtp with no batch)
         self.lockstep = getattr(runner, "dp_sync", None) is not None
@@ -199,7 +201,7 @@ class MTPDrafter:
         if not rows.reqs:
             self.idle()
             return
-        logits, h = self.runner.forward_mtp(rows.batch(self.page_size),
+        logits, h = self.runner.forward_mtp(rows.batch(self.page_size, self.max_pages),
                                             hidden.index_select(0, to_device(keep, torch.int64, hidden.device)))
         drafting = list(compress(rows.reqs, rows.logits))
         draws = [(drafting, _argmax(logits))]
@@ -237,14 +239,16 @@ class MTPDrafter:
             for k, req in enumerate(reqs):
                 pos = len(req.tokens) + j - 3  # the last token's position is len - 1; draft j - 1 guessed len + j - 2
                 if self.drafts_for(req) >= j and self.scheduler.grow_pages(req, pos + 1):
-                    rows.add(req, pos, [-1 - k], True)  # the token: draft j - 1, on the device (a placeholder)
+                    # the token: draft j - 1, on the device (a placeholder: row len(pick) of the picked drafts)
+                    rows.add(req, pos, [-1 - len(pick)], True)
                     pick.append(k)
             if not rows.reqs:
                 self.idle(self.steps - j + 1)
                 return
             if len(pick) < len(reqs):
-                h = h.index_select(0, to_device(pick, torch.int64, h.device))
-            logits, h = self.runner.forward_mtp(rows.batch(self.page_size), h, prev)
+                picked = to_device(pick, torch.int64, h.device)
+                h, prev = h.index_select(0, picked), prev.index_select(0, picked)
+            logits, h = self.runner.forward_mtp(rows.batch(self.page_size, self.max_pages), h, prev)
             draws.append((rows.reqs, _argmax(logits)))
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -34,36 +34,42 @@ class MTPGraphRunner(CudaGraphRunner):
     replay_counter = "mtp_graph_replays"
     mtp_layer = 0
 
-    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int):
+    def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
+                 logits_out: torch.Tensor | None = None):
         dev = pool.kv_buffer.device
         super().__init__(model, pool, max_bs, max_pages_per_req, sink_page,
-                         future_token_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev))
+                         future_token_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev), logits_out=logits_out)
         # read by every graph; rows past a batch (its bucket's padding) keep stale values, which only reach padding
         self.prev_hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=model.dtype, device=dev)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.forward_mtp(self._static_batch(bs), self.pool, self.prev_hidden[:bs], with_hidden=True)
+        return self.model.forward_mtp(self._static_batch(bs), self.pool, self.prev_hidden[:bs], with_hidden=True,
+                                      logits_out=self.logits_out[:bs])
 
     def replay_mtp(self, rows: ForwardBatch, prev_hidden: torch.Tensor,
                    drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, the layer's output) at the logits rows of `rows` (a host batch of one token a row) with the
-        hidden rows `prev_hidden` [T, H], its placeholder ids taken from `drafts` (on the device): views of the
-        graph's buffers where every row gives logits (else gathered), valid until the next replay. Nothing here
-        waits for the device."""
+        hidden rows `prev_hidden` [T, H], its placeholder ids taken from `drafts` (on the device, a row each at
+        most): views of the graph's buffers where every row gives logits (else gathered), valid until the next
+        replay. The host waits only for this runner's last replay to have read its staged inputs."""
         bs = rows.batch_size
         self.prev_hidden[:bs].copy_(prev_hidden)
         if drafts is not None:
             self.future_token_ids[:drafts.numel()].copy_(drafts)
-        logits, hidden = self.replay_with_hidden(rows)
+        logits, hidden = self.replay_all_rows(rows)
         if rows.samples_every_token:
             return logits, hidden
-        return logits, hidden.index_select(0, self.logits_rows(rows))
+        picked = self.logits_rows(rows)
+        return logits.index_select(0, picked), hidden.index_select(0, picked)
 
 
-def capture_mtp_graphs(model, pool, max_bs: int, widths: list[int], pool_handle, warm_each: bool) -> DecodeGraphs:
-    """MTP graphs at the decode graphs' page-table widths and buckets, captured into their memory pool
-    (`pool_handle`): a step replays the verify graph, then the MTP ones, one after another on one stream."""
-    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, max_bs, pages, pool.sink_page), widths)
-    graphs.widest.pool_handle = pool_handle
+def capture_mtp_graphs(model, pool, decode: DecodeGraphs, warm_each: bool) -> DecodeGraphs:
+    """MTP graphs at the decode graphs' page-table widths and buckets, captured into their memory pool, their logits
+    in the decode graphs' buffer: a step replays the verify graph, then the MTP ones, one after another on one
+    stream, each read before the next."""
+    logits = decode.widest.logits_out
+    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, decode.max_bs, pages, pool.sink_page, logits),
+                          decode.widths)
+    graphs.widest.pool_handle = decode.widest.pool_handle
     graphs.capture(warm_each=warm_each)
     return graphs

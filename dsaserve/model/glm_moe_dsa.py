@@ -245,27 +245,30 @@ class DsaForCausalLM(nn.Module):
                 layer.mlp.forward_idle(self.dtype, device, ctx, dp_rows, dp_tokens)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)
 
     def logits_dtype(self) -> torch.dtype:
         return self.lm_head.out_dtype()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [L, V] for batch.logits_indices (the lm_head's dtype: `logits_dtype`), pre-norm-free final
-        hidden [T, H])."""
+    def forward(self, batch: ForwardBatch, pool: PagedKV, logits_out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [L, V] for batch.logits_indices (the lm_head's dtype: `logits_dtype`; written into `logits_out`
+        where given), pre-norm-free final hidden [T, H])."""
         hidden = self.forward_hidden(batch, pool)
-        logits = self.compute_logits(_logit_rows(hidden, batch))
+        logits = self.compute_logits(_logit_rows(hidden, batch), logits_out)
         count_step(self.forward_shape(), pool, batch)
         return logits, hidden
 
     @torch.inference_mode()
     def forward_mtp(self, batch: ForwardBatch, pool: PagedKV, prev_hidden: torch.Tensor, k: int = 0,
-                    with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    with_hidden: bool = False, logits_out: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """MTP layer k: batch.input_ids are the *next* tokens, prev_hidden the main model's final hidden
-        states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V], and
-        with_hidden the layer's own normed output at those rows (what a chained draft step feeds it again)."""
+        states (after model.norm, as DeepSeek/GLM feed them) at the same positions. Returns logits [L, V] (in
+        `logits_out` where given), and with_hidden the layer's own normed output at those rows (what a chained
+        draft step feeds it again)."""
         if not self.with_mtp:
             raise RuntimeError("this model was built without its MTP layer (num_nextn_predict_layers=0)")
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
@@ -273,7 +276,7 @@ class DsaForCausalLM(nn.Module):
         h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
         join_side_stream(ctx)
         rows = _logit_rows(h, batch)
-        logits = self.compute_logits(rows)
+        logits = self.compute_logits(rows, logits_out)
         count_step(self.forward_shape(k), pool, batch)
         return (logits, rows) if with_hidden else logits
 

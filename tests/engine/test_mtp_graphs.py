@@ -51,19 +51,23 @@ def test_an_mtp_extend_as_one_token_rows_computes_the_same_step():
 
 
 class _EagerGraph:
-    """A captured graph's stand-in: a replay runs the runner's forward over its static buffers eagerly and writes
-    the graph's output buffers, as a CUDA graph replay writes them (read after, valid until the next)."""
+    """A captured graph's stand-in: a replay runs the runner's graph body over its static buffers eagerly and
+    writes the graph's output buffers, as a CUDA graph replay writes them (read after, valid until the next); and,
+    as a replay may reuse its pool's memory, poisons every other bucket's hidden output (a read of one after
+    another graph ran gives NaNs)."""
 
-    def __init__(self, runner: MTPGraphRunner, bs: int, logits: torch.Tensor, hidden: torch.Tensor):
-        self.runner, self.bs, self.logits, self.hidden = runner, bs, logits, hidden
+    def __init__(self, runner: MTPGraphRunner, bs: int, hidden: torch.Tensor):
+        self.runner, self.bs, self.hidden = runner, bs, hidden
 
     def replay(self) -> None:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the replay's counts are `_count`'s, as on a GPU
         try:
-            logits, hidden = self.runner._body(self.bs)
+            _, hidden = self.runner._body(self.bs)  # the logits land in the runner's one buffer
         finally:
             COUNTERS.enabled = enabled
-        self.logits.copy_(logits)
+        for bs, g in self.runner.graphs.items():
+            if bs != self.bs:
+                g.hidden.fill_(float("nan"))
         self.hidden.copy_(hidden)
 
 
@@ -82,43 +86,52 @@ def _eager_mtp_graphs(runner: ModelRunner, max_bs: int) -> DecodeGraphs:
     pages = runner.kv_pool.num_pages
 
     def make(width: int) -> MTPGraphRunner:
-        r = _HostLensRunner(runner.model, runner.kv_pool, max_bs, width, 0)
+        r = _HostLensRunner(runner.model, runner.kv_pool, max_bs, width, 0,
+                            torch.empty(max_bs, runner.cfg.vocab_size, dtype=runner.model.logits_dtype()))
         r.buckets = list(range(1, max_bs + 1))
         for bs in r.buckets:
-            logits = torch.zeros(bs, runner.cfg.vocab_size)
             hidden = torch.zeros(bs, runner.cfg.hidden_size)
-            r.graphs[bs] = _Graph(_EagerGraph(r, bs, logits, hidden), logits, hidden, {})
+            r.graphs[bs] = _Graph(_EagerGraph(r, bs, hidden), r.logits_out[:bs], hidden, {})
         return r
 
     return DecodeGraphs(make, [pages])
+
+
+def _drafting(max_bs: int | None, texts: list[str], params: SamplingParams):
+    """(outputs, stats, counters, forward_mtp calls) of a drafting engine (3 drafts), its MTP forwards through
+    graphs of up to max_bs rows (None: eager)."""
+    eng = Engine("glm-5.3-mini", device="cpu", kv_layout="fp32", speculative_algorithm="mtp",
+                 speculative_num_steps=3)
+    runner, calls = eng.core.runner, []
+    if max_bs is not None:
+        runner.mtp_graphs = _eager_mtp_graphs(runner, max_bs)
+    forward_mtp = runner.forward_mtp
+    runner.forward_mtp = lambda *a: calls.append(1) or forward_mtp(*a)
+    before = COUNTERS.snapshot()
+    out = eng.generate(texts, params)
+    eng.core.check_no_leak()
+    return out, eng.core.stats(), COUNTERS.diff(COUNTERS.snapshot(), before), len(calls)
 
 
 def test_a_drafting_engine_whose_mtp_forwards_replay_graphs_answers_plain_decoding():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     texts = ["The quick brown fox", "def fibonacci(n):", "Sparse attention selects"]
     plain = Engine("glm-5.3-mini", device="cpu", kv_layout="fp32").generate(texts, params)
-    eager = Engine("glm-5.3-mini", device="cpu", kv_layout="fp32", speculative_algorithm="mtp",
-                   speculative_num_steps=3)
-    eager.generate(texts, params)
-    eng = Engine("glm-5.3-mini", device="cpu", kv_layout="fp32", speculative_algorithm="mtp",
-                 speculative_num_steps=3)
-    runner, calls = eng.core.runner, []
-    runner.mtp_graphs = _eager_mtp_graphs(runner, 16)
-    forward_mtp = runner.forward_mtp
-    runner.forward_mtp = lambda *a: calls.append(1) or forward_mtp(*a)
-    before = COUNTERS.snapshot()
-    spec = eng.generate(texts, params)
-    diff = COUNTERS.diff(COUNTERS.snapshot(), before)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    for p, s in zip(plain, spec, strict=True):
-        torch.testing.assert_close([lp["logprob"] for lp in s.logprobs], [lp["logprob"] for lp in p.logprobs],
-                                   rtol=1e-4, atol=1e-4)
-    stats, eager_stats = eng.core.stats(), eager.core.stats()
-    # the drafts are the eager MTP forwards' (the same numbers up to float32 summation order)
-    assert stats["spec_accepted_tokens"] == eager_stats["spec_accepted_tokens"] > 0
-    assert stats["spec_draft_tokens"] == eager_stats["spec_draft_tokens"]
-    # every MTP forward replayed (each step's extend and chained drafts) but the prompts' extend: 26 tokens, over
-    # the largest bucket (16 rows), eagerly
-    assert diff.get("mtp_eager.batch_over_max_bs") == 1
-    assert diff.get("mtp_graph_replays", 0) == len(calls) - 1 >= 2 * stats["steps"]
-    eng.core.check_no_leak()
+    _, eager, _, _ = _drafting(None, texts, params)
+    # 16 rows: every forward but the prompts' extend replays; 2 rows: the 3 requests' forwards run eagerly until
+    # requests stop chaining near their end (a graph then takes the picked rows of an eager forward's drafts)
+    for max_bs in (16, 2):
+        spec, stats, diff, calls = _drafting(max_bs, texts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        for p, s in zip(plain, spec, strict=True):
+            torch.testing.assert_close([lp["logprob"] for lp in s.logprobs], [lp["logprob"] for lp in p.logprobs],
+                                       rtol=1e-4, atol=1e-4)
+        # the drafts are the eager MTP forwards' (the same numbers up to float32 summation order)
+        assert stats["spec_accepted_tokens"] == eager["spec_accepted_tokens"] > 0
+        assert stats["spec_draft_tokens"] == eager["spec_draft_tokens"]
+        eager_runs = sum(v for k, v in diff.items() if k.startswith("mtp_eager."))
+        assert diff.get("mtp_graph_replays", 0) + eager_runs == calls
+        if max_bs == 16:  # the prompts' extend: 26 tokens, over the largest bucket
+            assert diff.get("mtp_eager.batch_over_max_bs") == 1 and calls - 1 >= 2 * stats["steps"]
+        else:
+            assert diff.get("mtp_graph_replays", 0) > 0 and eager_runs > 0

@@ -51,3 +51,20 @@ def test_a_bf16_engine_samples_the_same_with_and_without_the_float_copy(monkeypa
         outs.append([(c.token_ids, c.logprobs) for o in eng.generate(prompts, params) for c in o.outputs])
     assert outs[0] == outs[1]
     assert len({tuple(t) for t, _ in outs[0]}) > 1
+
+
+def test_logits_into_a_given_buffer_are_the_returned_logits(monkeypatch):
+    """`out` (the CUDA graphs' one logits buffer): written in the GEMM's dtype, the same numbers as without it, and
+    returned as the buffer itself — by the GEMM where nothing follows it, by a copy after the float32 paths."""
+    torch.manual_seed(0)
+    head = LMHead(512, 64)
+    head.weight.data.normal_()
+    h = torch.randn(5, 64, dtype=torch.bfloat16)
+    for fp32, copy in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(embedding, "FLOAT_COPY", copy)
+        with envs.override(DSASERVE_FP32_LM_HEAD="1" if fp32 else "0"):
+            ref = head(h)
+            buf = torch.full((8, 512), float("nan"), dtype=head.out_dtype())
+            got = head(h, out=buf[:5])
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref), (fp32, copy)
+        assert buf[5:].isnan().all()
