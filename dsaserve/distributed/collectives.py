@@ -69,20 +69,25 @@ def all_reduce(x: torch.Tensor, group: Group | None = None, op: str = "sum") -> 
     return x
 
 
-def all_gather(x: torch.Tensor, group: Group | None = None, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's x (equal shapes) along `dim`, in rank order, into a new tensor."""
+def all_gather(x: torch.Tensor, group: Group | None = None, dim: int = 0, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Concatenate every rank's x (equal shapes) along `dim`, in rank order, into a new tensor (or into `out`, of
+    the gathered shape, in the one copy that puts the ranks' parts in place)."""
     g = _group(group)
     if g.size == 1:
-        return x
+        return x if out is None else out.copy_(x)
     x = x.contiguous()
-    out = torch.empty((g.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major rows
-    _count("all_gather", _nbytes(out), _nbytes(out) * ring_wire_factor("all_gather", g.size))
-    _all_gather_single(out, x, group=g.pg)
+    gathered = torch.empty((g.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major rows
+    _count("all_gather", _nbytes(gathered), _nbytes(gathered) * ring_wire_factor("all_gather", g.size))
+    _all_gather_single(gathered, x, group=g.pg)
     if dim < 0:
         dim += x.dim()
     if dim == 0:
+        return gathered if out is None else out.copy_(gathered)
+    parts = gathered.view(g.size, *x.shape).movedim(0, dim)  # [.., n, x.shape[dim], ..]
+    if out is not None:
+        out.view(parts.shape).copy_(parts)
         return out
-    parts = out.view(g.size, *x.shape).movedim(0, dim)  # [.., n, x.shape[dim], ..]
     return parts.reshape(*x.shape[:dim], g.size * x.shape[dim], *x.shape[dim + 1:])
 
 

@@ -103,7 +103,7 @@ class CudaGraphRunner:
         # replays never overlap), not a [bucket, V] tensor of its own kept in the pool: summed over the buckets
         # those came to 2.5 GiB a width class at GLM-5.3's vocabulary with 512 rows (3 drafts), twice under TP's
         # float32 gather
-        self.logits_out = logits_out  # made by `capture` when not given
+        self.logits_out = logits_out  # made by `capture` where not given (or not the lm_head's dtype)
         self.graphs: dict[int, _Graph] = {}
         self.pool_handle = None
         self.capture_seconds = 0.0
@@ -144,9 +144,11 @@ class CudaGraphRunner:
         loaded every recorded kernel): only the largest bucket runs eagerly first, the rest are captured
         straight away; a bucket whose capture fails so, or a run that makes collectives, is warmed as before."""
         t0 = time.perf_counter()
-        if self.logits_out is None:
-            self.logits_out = torch.empty(self.max_bs, self.model.cfg.vocab_size, dtype=self.model.logits_dtype(),
-                                          device=self.inputs.device)
+        rows, vocab, dtype = self.max_bs, self.model.cfg.vocab_size, self.model.logits_dtype()
+        buf = self.logits_out
+        if buf is None or buf.dtype != dtype or buf.shape[0] < rows or buf.shape[1] != vocab:
+            # none given, or the lm_head's dtype changed since (profile_decode's A/B captures again)
+            self.logits_out = torch.empty(rows, vocab, dtype=dtype, device=self.inputs.device)
         self._reset_padding(0)
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain

@@ -73,6 +73,7 @@ class DecodeGraphs:
         buckets = self.widest.capture(warm_each)
         for width in reversed(self.widths[:-1]):
             self.runners[width].pool_handle = self.widest.pool_handle
+            self.runners[width].logits_out = self.widest.logits_out
             self.runners[width].capture(warm_each=False)
         return buckets
 

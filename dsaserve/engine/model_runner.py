@@ -286,12 +286,10 @@ class ModelRunner(RunnerStartup):
         max_pages = -(-self.max_model_len // PAGE_SIZE)
         widths = width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE,
                                narrow=not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs)
-        logits = torch.empty(self.cuda_graph_max_bs, self.cfg.vocab_size, dtype=self.model.logits_dtype(),
-                             device=self.device)  # every class's graphs write their logits here
         graphs = DecodeGraphs(lambda pages: CudaGraphRunner(
             self.model, self.kv_pool, self.cuda_graph_max_bs, pages, self.kv_pool.sink_page, self.future_token_ids,
-            moe_gather=self._dp_gather_graphs, logits_out=logits), widths)
-        # its own pool, not the piecewise graphs': its logits outputs then live where no piecewise replay writes
+            moe_gather=self._dp_gather_graphs), widths)
+        # its own pool, not the piecewise graphs': its hidden outputs then live where no piecewise replay writes
         graphs.capture(warm_each=not self._preload_hit())
         return graphs
 

@@ -67,9 +67,8 @@ def capture_mtp_graphs(model, pool, decode: DecodeGraphs, warm_each: bool) -> De
     """MTP graphs at the decode graphs' page-table widths and buckets, captured into their memory pool, their logits
     in the decode graphs' buffer: a step replays the verify graph, then the MTP ones, one after another on one
     stream, each read before the next."""
-    logits = decode.widest.logits_out
-    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, decode.max_bs, pages, pool.sink_page, logits),
+    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, decode.max_bs, pages, pool.sink_page),
                           decode.widths)
-    graphs.widest.pool_handle = decode.widest.pool_handle
+    graphs.widest.pool_handle, graphs.widest.logits_out = decode.widest.pool_handle, decode.widest.logits_out
     graphs.capture(warm_each=warm_each)
     return graphs

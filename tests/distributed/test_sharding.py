@@ -72,6 +72,8 @@ def test_one_rank_collectives_are_noops_and_count_nothing():
     before = COUNTERS.snapshot()
     assert collectives.all_reduce(x) is x
     assert collectives.all_gather(x, dim=1) is x
+    buf = torch.empty(4, 6)
+    assert collectives.all_gather(x, dim=1, out=buf) is buf and torch.equal(buf, x)
     assert collectives.reduce_scatter(x) is x
     assert collectives.all_to_all(x, [4], [4]) is x
     assert collectives.broadcast(x) is x

@@ -182,6 +182,8 @@ def test_collective_wrappers_move_the_right_rows_and_count_sender_bytes(runs):
         p = res["probe"]
         assert torch.equal(p["all_reduce"], x[0] + x[1])
         assert torch.equal(p["all_gather_dim1"], torch.cat(x, dim=1))
+        into, buf = p["all_gather_into"]
+        assert into and torch.equal(buf, torch.cat(x, dim=1))
         assert torch.equal(p["reduce_scatter_dim1"], (x[0] + x[1])[:, 2 * rank:2 * rank + 2])
         want_a2a = torch.cat([x[0][:1], x[1]]) if rank == 0 else x[0][1:]
         assert torch.equal(p["all_to_all"], want_a2a)

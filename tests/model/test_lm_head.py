@@ -4,6 +4,7 @@ fp32_head` makes on a GPU)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsaserve.common import envs
@@ -68,3 +69,6 @@ def test_logits_into_a_given_buffer_are_the_returned_logits(monkeypatch):
             got = head(h, out=buf[:5])
         assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref), (fp32, copy)
         assert buf[5:].isnan().all()
+    monkeypatch.setattr(embedding, "FLOAT_COPY", False)
+    with pytest.raises(ValueError, match="logits buffer is torch.float32"):  # a buffer of another dtype: refused
+        head(h, out=torch.empty(5, 512))

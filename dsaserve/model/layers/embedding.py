@@ -49,16 +49,19 @@ class LMHead(Embedding):
         the sampler as they are, whose argmax is exact on them and which turns them to float32 before anything
         that changes or normalises them (model/sampler.py). Under TP the vocab gather stays float32 (the ledger's
         `logits_bytes`). `out` [rows, V] of `out_dtype()`: written and returned (the CUDA graphs' one logits
-        buffer, engine/cuda_graph_runner.py); the GEMM writes it where nothing comes after it, else a copy."""
-        direct = out is not None and self.group.size == 1 and out.dtype == self.weight.dtype == h.dtype
-        if direct and not envs.DSASERVE_FP32_LM_HEAD:
-            return torch.mm(h, self.weight.t(), out=out)
+        buffer, engine/cuda_graph_runner.py) by the GEMM on one GPU, else by the copy the path makes anyway
+        (the gather's reorder, the float copy); only the opt-in float32 GEMM adds one."""
+        if out is not None and out.dtype != self.out_dtype():
+            raise ValueError(f"lm_head: the logits buffer is {out.dtype}, the logits {self.out_dtype()}")
         if envs.DSASERVE_FP32_LM_HEAD and h.dtype != torch.float32:
             logits = _logits_fp32(h, self.weight)
+        elif out is not None and self.group.size == 1 and out.dtype == self.weight.dtype:
+            return torch.mm(h, self.weight.t(), out=out)
         else:  # bf16 logits: at a logit of ~10-20 one bf16 step is 0.06-0.12, so close tokens tie exactly
-            logits = (h @ self.weight.t()).to(self.out_dtype())  # a copy only under FLOAT_COPY or TP
-        logits = all_gather(logits, self.group, dim=-1)
-        return logits if out is None else out.copy_(logits)
+            logits = h @ self.weight.t()
+            if out is None or self.group.size > 1:  # into `out` on one GPU, the copy converts
+                logits = logits.to(self.out_dtype())  # a copy only under FLOAT_COPY or TP
+        return all_gather(logits, self.group, dim=-1, out=out)
 
     def out_dtype(self) -> torch.dtype:
         """The dtype `forward` returns: the GEMM's, float32 under TP (the gather) or FLOAT_COPY."""
