@@ -1,6 +1,6 @@
 """The decode graphs' page-table width classes (engine/decode_graphs.py), on the CPU with stand-in runners: which
-widths a model gets, which class a batch replays, the capture order and the shared memory pool. The replayed
-logits of each class against the eager step: tests/engine/test_engine_gpu.py."""
+widths a model gets, which class a batch replays, the capture order, the shared memory pool and logits buffer. The
+replayed logits of each class against the eager step: tests/engine/test_engine_gpu.py."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ def test_the_narrow_class_is_the_top_ks_width_where_it_is_narrower():
 
 class _Runner:
     def __init__(self, pages: int, log: list):
-        self.pages, self.log, self.pool_handle = pages, log, None
+        self.pages, self.log, self.pool_handle, self.logits_out = pages, log, None, None
         self.max_bs, self.buckets, self.graphs, self.copy_in_graph = 4, [1, 2, 4], {1: "g"}, True
         self.capture_seconds, self.capture_retries = 1.5, pages % 2
 
     def capture(self, warm_each=True):
-        self.log.append(("capture", self.pages, self.pool_handle, warm_each))
+        self.log.append(("capture", self.pages, self.pool_handle, self.logits_out, warm_each))
         self.pool_handle = self.pool_handle or f"pool-{self.pages}"
+        self.logits_out = self.logits_out or f"logits-{self.pages}"
         return [1, 2, 4]
 
     def fallback_reason(self, batch, bucket=None):
@@ -54,9 +55,10 @@ def test_a_batch_replays_the_narrowest_class_that_holds_its_page_table():
 
 
 def test_the_widest_class_captures_first_and_the_others_into_its_pool():
+    """...and into its logits buffer (one for every class: a replay's logits are read before the next replay)."""
     log: list = []
     g = DecodeGraphs(lambda pages: _Runner(pages, log), [32, 100, 8])
     assert g.capture(warm_each=True) == [1, 2, 4]
-    assert log == [("capture", 100, None, True), ("capture", 32, "pool-100", False),
-                   ("capture", 8, "pool-100", False)]
+    assert log == [("capture", 100, None, None, True), ("capture", 32, "pool-100", "logits-100", False),
+                   ("capture", 8, "pool-100", "logits-100", False)]
     assert g.capture_seconds == 4.5 and g.capture_retries == 0
