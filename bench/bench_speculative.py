@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from dsaserve import Engine, SamplingParams
 from dsaserve.common.counters import COUNTERS
 from dsaserve.weights.tokenizer_builder import CORPUS
@@ -64,8 +66,6 @@ class PhaseTimes:
              ("mtp_forwards", "runner", "forward_mtp"))
 
     def __init__(self, eng: Engine):
-        import torch
-
         self.sync = torch.cuda.synchronize if eng.core.runner.device.type == "cuda" else (lambda: None)
         self.total: dict[str, float] = {"step": 0.0}
         core = eng.core

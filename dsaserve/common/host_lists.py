@@ -15,8 +15,13 @@ from typing import Any
 import torch
 
 
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype, device=device)`, queued behind the device's work (no sync)."""
+def to_device(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` (or a host tensor `.to` it), queued behind the device's
+    work (no sync)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" or device.type != "cuda":
+            return values.to(device, dtype)
+        return values.to(dtype).pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

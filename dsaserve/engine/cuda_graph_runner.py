@@ -25,6 +25,7 @@ import torch
 
 from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
+from dsaserve.common.host_lists import to_device
 from dsaserve.engine.graph_capture import capture_bucket, lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import decode_buckets
@@ -251,12 +252,8 @@ class CudaGraphRunner:
         return g.logits[:bs], g.hidden[:bs]
 
     def logits_rows(self, batch: ForwardBatch) -> torch.Tensor:
-        """The batch's logits rows on the device, queued behind the replay (a pinned copy: a pageable one would
-        wait for the graph to finish)."""
-        rows = batch.logits_indices
-        if rows.device.type == "cpu" and self.inputs.is_cuda:
-            rows = rows.pin_memory()
-        return rows.to(self.inputs.device, non_blocking=True)
+        """The batch's logits rows on the device, queued behind the replay (a pageable copy would wait for it)."""
+        return to_device(batch.logits_indices, torch.int64, self.inputs.device)
 
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph

@@ -251,6 +251,7 @@ class MTPDrafter:
             logits, h = self.runner.forward_mtp(rows.batch(self.page_size, self.max_pages), h, prev)
             draws.append((rows.reqs, _argmax(logits)))
 
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """The greedy draft of each row, on the device (the sampler's argmax op)."""
     return get_ops(logits.device).row_argmax(logits)
