@@ -17,6 +17,7 @@ MTP forwards in theirs (engine/mtp_graphs.py) or eagerly.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -29,11 +30,25 @@ PROMPTS = [line.strip() for line in CORPUS.splitlines() if len(line.strip()) > 4
 
 
 def run(model: str, device: str | None, steps: int, prompts: list[str], max_tokens: int,
-        repeat: int = 1, load_format: str = "auto", phases: bool = False) -> tuple[list, float, dict]:
+        repeat: int = 1, load_format: str = "auto", phases: bool = False, engine_kw: dict | None = None
+        ) -> tuple[list, float, dict]:
     """(outputs, decode seconds, engine stats) of one engine (steps 0: no drafts) over the prompts, warmed once; with
-    `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then)."""
+    `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then). The engine is
+    closed and its memory given back before this returns (the next engine's memory profile sizes its pool from
+    what is free)."""
     spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
-    eng = Engine(model, device=device, load_format=load_format, **spec)
+    eng = Engine(model, device=device, load_format=load_format, **spec, **(engine_kw or {}))
+    try:
+        return _timed_runs(eng, prompts, max_tokens, repeat, phases)
+    finally:
+        eng.close()
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _timed_runs(eng: Engine, prompts: list, max_tokens: int, repeat: int, phases: bool) -> tuple[list, float, dict]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # first-use work
     for _ in range(repeat - 1):
@@ -114,19 +129,22 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="time the last of this many runs of each engine")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights (a config without a checkpoint)")
     ap.add_argument("--phases", action="store_true", help="one more run of each engine, its step split in parts")
+    ap.add_argument("--mem-fraction-static", type=float, default=None,
+                    help="the engines' --mem-fraction-static (one engine at a time holds the GPU)")
     args = ap.parse_args()
+    engine_kw = {} if args.mem_fraction_static is None else {"mem_fraction_static": args.mem_fraction_static}
     for bs in (int(b) for b in args.batch.split(",")):
         prompts = PROMPTS[:bs] if args.load_format != "dummy" else [  # random weights: no tokenizer either
             [10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(bs)]
         base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat, args.load_format,
-                                   args.phases)
+                                   args.phases, engine_kw)
         tokens = bs * args.max_tokens
         print(f"batch {bs:3d}: plain {s_base['steps']} steps {t_base:.3f} s ({tokens / t_base:.1f} tok/s)")
         if "phases" in s_base:
             print(f"    synchronized parts a step: {s_base['phases']}")
         for steps in (int(s) for s in args.steps.split(",")):
             spec, t_spec, s_spec = run(args.model, args.device, steps, prompts, args.max_tokens, args.repeat,
-                                       args.load_format, args.phases)
+                                       args.load_format, args.phases, engine_kw)
             same = sum(b.token_ids == s.token_ids for b, s in zip(base, spec, strict=True))
             drafts, kept = s_spec.get("spec_draft_tokens", 0), s_spec.get("spec_accepted_tokens", 0)
             print(f"  mtp x{steps}: {s_spec['steps']} steps {t_spec:.3f} s ({tokens / t_spec:.1f} tok/s), drafts kept "
