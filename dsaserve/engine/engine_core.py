@@ -265,6 +265,7 @@ class EngineCore:
         draft's next row, keep the drafts the samples agree with, then the MTP layer's extend and next drafts."""
         starts = [req.num_computed for req in sched.reqs]
         logits, hidden = self.runner.forward_with_hidden(batch)
+        self.mtp.materialize()  # the drafts this forward verifies (their placeholders resolved on the device)
         if prompt is not None:
             prompt = prompt_logprobs.PromptLogprobsFuture(prompt, self.runner.last_prompt_logprobs)
         samples, rows = self.scheduler.live_samples(sched)

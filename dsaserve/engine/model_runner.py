@@ -80,9 +80,11 @@ class ModelRunner(RunnerStartup):
         with PhaseTimer(self.startup_time, "kv_pool"):
             self.kv_pool = self._allocate_pool(get_kv_layout(args.kv_layout), args.num_pages, kv_budget_bytes)
         # overlap scheduling (engine/overlap.py): the last step's samples, which the next step's placeholder input
-        # ids read on the device; allocated before the capture (the graphs hold its address)
-        self.future_token_ids = (torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
-                                 if args.overlap_schedule else None)
+        # ids read on the device; with drafts (engine/mtp.py), the last step's drafts, which its verify rows read so;
+        # allocated before the capture (the graphs hold its address)
+        future = args.max_running_requests * (args.speculative_num_steps if args.speculative_algorithm else 1)
+        self.future_token_ids = (torch.zeros(future, dtype=torch.int64, device=self.device)
+                                 if args.overlap_schedule or args.speculative_algorithm else None)
         self.last_prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # the last forward's (_prompt_logprobs)
         with PhaseTimer(self.startup_time, "warmup_collectives"):  # communication buffers: one call of each kind
             self.warmed_collectives = collectives.warmup(self.device)

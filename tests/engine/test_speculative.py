@@ -339,3 +339,30 @@ def test_drafting_captures_decode_graphs_for_the_verify_rows():
                       cuda_graph_max_bs=8).graph_max_bs == 8
     assert EngineArgs(model=MODEL, max_running_requests=16, speculative_algorithm="mtp", speculative_num_steps=3,
                       enable_dp_attention=True, expert_parallel_size=2).graph_max_bs == 16  # DP verifies eagerly
+
+
+def test_the_next_step_is_launched_before_the_host_has_its_drafts():
+    """The drafts stay on the device (engine/mtp.py `extend`): the next step's verify rows carry them as placeholder
+    ids, each the index of its draft in the runner's `future_token_ids`, resolved there by the forward; their values
+    reach the host (`materialize`) only after that forward is launched, for the sampler's rows and the kept test.
+    Outputs stay plain decoding's (the tests above); here, that the placeholders are what the forward was given and
+    stand for the drafts the host later holds."""
+    eng = _engine(True, 3)
+    core, forward, seen = eng.core, eng.core.runner.forward_with_hidden, []
+
+    def spy(batch):
+        ids = batch.input_ids.tolist()
+        pending = core.mtp._pending is not None
+        future = core.runner.future_token_ids.clone()
+        out = forward(batch)
+        seen.append((ids, batch.input_ids.tolist(), pending, future))
+        return out
+
+    core.runner.forward_with_hidden = spy
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    _same(_engine(False).generate(TEXTS, params), eng.generate(TEXTS, params))
+    verify = [(ids, resolved, pending, future) for ids, resolved, pending, future in seen if min(ids) < 0]
+    assert len(verify) >= len(seen) // 2 and all(pending for *_, pending, _ in verify)
+    for ids, resolved, _, future in verify:
+        assert resolved == [future[-1 - i].item() if i < 0 else i for i in ids]  # resolved in place, on the device
+    assert core.mtp._pending is None or all(d >= 0 for r in core.scheduler.running for d in r.drafts)
