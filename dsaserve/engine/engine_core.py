@@ -261,8 +261,9 @@ class EngineCore:
         self._pending = (samples, future, prompt)
 
     def _speculative_step(self, sched: ScheduledBatch, batch: Any, prompt: Any) -> list[TokenDelta]:
-        """A synchronous step with drafts (engine/mtp.py): verify them in the forward, sample every row and each
-        draft's next row, keep the drafts the samples agree with, then the MTP layer's extend and next drafts."""
+        """A step with drafts (engine/mtp.py): verify them in the forward, sample every row and each draft's next
+        row (waiting for the samples), keep the drafts the samples agree with, then queue the MTP layer's extend and
+        next drafts, whose values the next step takes once its forward is launched."""
         starts = [req.num_computed for req in sched.reqs]
         logits, hidden = self.runner.forward_with_hidden(batch)
         self.mtp.materialize()  # the drafts this forward verifies (their placeholders resolved on the device)

@@ -4,7 +4,7 @@ Owns: the drafts — up to `--speculative-num-steps` tokens a request, the MTP l
 after the last one — their verification in the next decode step, and the MTP layer's KV. `--speculative-algorithm
 mtp` (SGLang's NEXTN with one top-1 chain, vLLM's `deepseek_mtp`).
 
-A step with drafts (`EngineCore.step`, synchronous):
+A step with drafts (`EngineCore.step`; it waits for its samples, not for its drafts):
   1. verify: each decode row with drafts d1..dk computes its last token t and them together (the scheduler
      reserves k + 1 slots; engine/batch.py writes [t, d1..dk] and asks logits at each), so the forward gives the
      distribution of the token after t (row r0) and, as if d1..dj followed, of the token after dj (row rj).
@@ -153,8 +153,9 @@ class MTPDrafter:
                              "(num_nextn_predict_layers = 0, or a runner without forward_mtp)")
         self.runner, self.scheduler, self.steps = runner, scheduler, steps
         self.page_size, self.max_pages = scheduler.cfg.page_size, scheduler.max_pages_per_seq
-        # the drafts' values on the device, which the next verify step's placeholder ids read (`extend`); without
-        # it (a runner that does not resolve placeholders) the host waits for them at the end of each step
+        # the drafts' values on the device, which the next verify step's placeholder ids read (`extend`): a runner
+        # with this buffer resolves every negative input id against it in each forward (ModelRunner: the eager,
+        # piecewise and decode-graph paths); without it the host waits for the drafts at the end of each step
         self.future: torch.Tensor | None = getattr(runner, "future_token_ids", None)
         self._pending: tuple[list[Req], HostCopy] | None = None  # drafts placed, their values on the way
         # DP-attention: the ranks' MTP forwards meet in the MoE layer, so every rank runs `steps` of them every step,
@@ -237,7 +238,7 @@ class MTPDrafter:
     def materialize(self) -> None:
         """The last extend's drafts as values on the host, in place of their placeholders: a wait for the MTP
         forwards that made them (queued before the step launched since, which the device runs meanwhile). A
-        request whose drafts were dropped since (preempted) has none to replace."""
+        request whose drafts were dropped since (preempted, aborted, finished) has none to replace."""
         if self._pending is None:
             return
         (reqs, copy), self._pending = self._pending, None

@@ -24,6 +24,9 @@ sampled at N+1 (`Scheduler.live_samples`) and nothing of it is emitted or counte
 token reaches max_tokens / the context is known to end without its value, so it is not scheduled again.
 An abort frees the pages at once and the token still on its way is dropped. Counted as
 `overlap_discarded_tokens`; `overlap_steps` counts the steps launched ahead of their predecessor's tokens.
+
+Speculative decoding (engine/mtp.py) steps without overlap scheduling but uses the same buffer and resolution for
+its drafts: `future_token_ids[g]` is the g-th draft of the last step, and a verify row's input id -1-g reads it.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def _resolve_kernel(ids_ptr, future_ptr, n, BLOCK: tl.constexpr, PDL: tl.constex
 
 def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor) -> None:
     """GPU `reference.resolve_placeholders`: one launch (both 1-D and contiguous, one dtype). A placeholder -1-j
-    must have j < len(future_token_ids), as the engine's sample rows do (no bounds check on the device)."""
+    must have j < len(future_token_ids), as the engine's sample rows and drafts do (no bounds check on the device)."""
     if any(t.dim() != 1 or t.stride(0) != 1 for t in (input_ids, future_token_ids)) or \
             input_ids.dtype != future_token_ids.dtype:
         raise ValueError("resolve_placeholders: input_ids and future_token_ids must be 1-D, contiguous, one dtype")
