@@ -8,7 +8,7 @@ bookkeeping of both paths is timed. Each part's median µs a step: schedule, bui
 vocabulary), launched + resolve, the drafts' rows and kept drafts, the extend and chained MTP forwards' host work,
 and the whole step.
 
-    python bench/bench_draft_host.py [--batches 1,16,64] [--steps 1,3] [--accept all,none] [--profile]
+    PYTHONPATH=. python bench/bench_draft_host.py [--batches 1,16,64] [--steps 1,3] [--accept all,none] [--profile]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.bench_scheduler_step import timed
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.engine_core import EngineCore
@@ -65,18 +66,6 @@ class NoopMTPRunner:
         pos = batch.positions[batch.logits_indices]
         guess = token_at(pos + 2) if self.accept else (token_at(pos + 2) + 1) % VOCAB
         return self._one_hot(guess), torch.zeros(pos.numel(), HIDDEN)
-
-
-def timed(obj, name: str, sink: list[int]) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter_ns()
-        r = fn(*a, **k)
-        sink.append(time.perf_counter_ns() - t0)
-        return r
-
-    setattr(obj, name, wrapper)
 
 
 def make_core(batch: int, steps: int, accept: bool, max_tokens: int) -> EngineCore:

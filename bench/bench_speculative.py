@@ -17,8 +17,10 @@ MTP forwards in theirs (engine/mtp_graphs.py) or eagerly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -36,10 +38,19 @@ def run(model: str, device: str | None, steps: int, prompts: list[str], max_toke
     `repeat` > 1 the last of that many runs (whatever the warmup left to compile is done by then). The engine is
     closed and its memory given back before this returns (the next engine's memory profile sizes its pool from
     what is free)."""
+    with engine_for(model, steps, device, load_format, engine_kw) as eng:
+        return _timed_runs(eng, prompts, max_tokens, repeat, phases)
+
+
+@contextlib.contextmanager
+def engine_for(model: str, steps: int, device: str | None, load_format: str = "auto",
+               engine_kw: dict | None = None) -> Iterator[Engine]:
+    """An engine drafting `steps` tokens a request (0: plain decoding), closed and its memory given back on exit:
+    the next engine's memory profile sizes its KV pool from what is free."""
     spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
     eng = Engine(model, device=device, load_format=load_format, **spec, **(engine_kw or {}))
     try:
-        return _timed_runs(eng, prompts, max_tokens, repeat, phases)
+        yield eng
     finally:
         eng.close()
         del eng

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import pstats
 import time
 
-import torch
-
-from dsaserve import Engine, SamplingParams
+from bench.bench_speculative import engine_for
+from dsaserve import SamplingParams
 
 
 def profile_engine(args, steps: int) -> str:
-    spec = {"speculative_algorithm": "mtp", "speculative_num_steps": steps} if steps else {}
     extra = {} if args.mem_fraction_static is None else {"mem_fraction_static": args.mem_fraction_static}
-    eng = Engine(args.model, device=args.device, load_format=args.load_format, **spec, **extra)
     prompts = [[10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    try:
+    with engine_for(args.model, steps, args.device, args.load_format, extra) as eng:
         for _ in range(2):
             eng.generate(prompts, params)
         before = eng.core.stats()["steps"]
@@ -35,18 +31,12 @@ def profile_engine(args, steps: int) -> str:
         eng.generate(prompts, params)
         prof.disable()
         wall, n = time.perf_counter() - t0, eng.core.stats()["steps"] - before
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        out.write(f"=== steps {steps}: {n} engine steps, {wall * 1e3 / max(n, 1):.3f} ms a step (profiled)\n")
-        stats.sort_stats("tottime").print_stats(args.top)
-        stats.sort_stats("cumulative").print_stats(args.top)
-        return out.getvalue()
-    finally:
-        eng.close()
-        del eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write(f"=== steps {steps}: {n} engine steps, {wall * 1e3 / max(n, 1):.3f} ms a step (profiled)\n")
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    return out.getvalue()
 
 
 def main() -> None:
