@@ -218,22 +218,17 @@ class MTPDrafter:
         draws = [(drafting, _argmax(logits))]
         self._chain(draws, h)
         tokens = torch.cat([t for _, t in draws])
-        if self.future is None or tokens.numel() > self.future.numel():
-            it = iter(tokens.tolist())  # the step's one wait for its drafts
-            for reqs, _ in draws:
-                for req in reqs:
-                    req.drafts.append(next(it))
-            return
-        # the drafts stay on the device: the next step's verify rows read them as placeholders (-1-g: the g-th
-        # draft), so the host schedules and launches it while the MTP forwards run; `materialize` brings their
-        # values (for the sampler's rows and the kept test) once that step is launched
-        self.future[:tokens.numel()].copy_(tokens, non_blocking=True)
-        g = 0
+        on_device = self.future is not None and tokens.numel() <= self.future.numel()
+        if on_device:
+            # the drafts stay on the device: the next step's verify rows read them as placeholders (-1-g: the g-th
+            # draft), so the host schedules and launches it while the MTP forwards run; `materialize` brings their
+            # values (for the sampler's rows and the kept test) once that step is launched
+            self.future[:tokens.numel()].copy_(tokens, non_blocking=True)
+            self._pending = ([req for reqs, _ in draws for req in reqs], HostCopy([tokens]))
+        ids = iter(range(-1, -1 - tokens.numel(), -1) if on_device else tokens.tolist())  # else: a wait for them
         for reqs, _ in draws:
             for req in reqs:
-                req.drafts.append(-1 - g)
-                g += 1
-        self._pending = ([req for reqs, _ in draws for req in reqs], HostCopy([tokens]))
+                req.drafts.append(next(ids))
 
     def materialize(self) -> None:
         """The last extend's drafts as values on the host, in place of their placeholders: a wait for the MTP
