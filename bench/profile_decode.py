@@ -28,7 +28,9 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
     gluon_sparse_mla,
     triton_fp8_gemm,
+    triton_head_gemm,
     triton_indexer_coop,
+    triton_kv_write,
     triton_moe,
     triton_moe_align,
     triton_moe_route,
@@ -216,7 +218,12 @@ def ab_setting(runner, name: str):
     "quant:k=v/k=v" the activation quantiser's tile (`triton_fp8_gemm.QUANT_TILE`: rows, groups a program),
     "idx_queries" a batch within the top-k computing its indexer queries anyway
     (`indexer.SKIP_QUERIES_FOR_ALL_KEYS`), "q_rope_apart" q's RoPE (sparse MLA's and the indexer's) as their own
-    launches (not in the KV writes' launches)."""
+    launches (not in the KV writes' launches), "q_rope_serial" q's RoPE blocks rotated by the KV write's own program
+    in turn (not programs beside it, `triton_kv_write.Q_ROPE_PROGRAMS`), "select_fill" each cooperative selection
+    on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
+    `triton_indexer_coop.SHARED_WORKSPACE`), "fold_in_block" W_uv's fold loading each K block's split partials in
+    that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
+    program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -232,7 +239,11 @@ def ab_setting(runner, name: str):
                     "fp8_single": (gluon_sparse_mla, "FP8_DEFAULT", "single"),
                     "align_launches": (triton_moe_align, "ONE_LAUNCH_PAIRS", 0),
                     "idx_queries": (indexer_module, "SKIP_QUERIES_FOR_ALL_KEYS", False),
-                    "float_logits": (embedding, "FLOAT_COPY", True)}
+                    "float_logits": (embedding, "FLOAT_COPY", True),
+                    "q_rope_serial": (triton_kv_write, "Q_ROPE_PROGRAMS", False),
+                    "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
+                    "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
+                    "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False)}
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")

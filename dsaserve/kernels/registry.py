@@ -68,6 +68,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         triton_fp8_gemm,
         triton_head_gemm,
         triton_indexer,
+        triton_indexer_coop,
         triton_indexer_dispatch,
         triton_kv_stage,
         triton_kv_write,
@@ -91,8 +92,9 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     elif device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         moe += "; large prefills: a block-scaled cuBLAS GEMM an expert (kernels/cublas_moe_prefill.py)"
     argmax = envs.DSASERVE_ROW_ARGMAX == "triton"  # opt-in: launched eagerly it loses to torch's (envs.py)
-    if device.type == "cuda":  # the split kernels' shared counters: made here, never first inside a graph capture
+    if device.type == "cuda":  # the split kernels' counters, the selection's workspace: never first inside a capture
         triton_fp8_gemm.split_counters(device)
+        triton_indexer_coop.coop_workspace(device)
         if argmax:
             triton_argmax.workspace(device)
     gemv_t, tile_t = triton_moe_route.ROUTER_GEMV_MAX_T, triton_moe_route.TILE_GEMM_MAX_T

@@ -169,11 +169,19 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, kb_per_split,
 
 
 @triton.jit
+def _part(part_ptr, s, n_split, p_off, mask, stride_ps):
+    """Split s's parked part (zeros past the splits)."""
+    return tl.load(part_ptr + s * stride_ps + p_off, mask=mask & (s < n_split), other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
 def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, offs_m, mask, stride_cm,
-                   stride_pm, stride_ps):
+                   stride_pm, stride_ps, PARTS_AT_ONCE: tl.constexpr):
     """Store acc^T [BN, BM] to C, or, split K: park it in the fp32 workspace and let the last of the
     tile's n_split programs (one atomic counter per tile) add the others' parts and store C, then reset
-    the counter for the next launch (so CUDA-graph replays need no memset). CUTLASS's serial split-K."""
+    the counter for the next launch (so CUDA-graph replays need no memset). CUTLASS's serial split-K. The last
+    program loads four parts before adding them, in split order (PARTS_AT_ONCE; else one at a time: each load
+    waited for before the next, a chain of n_split L2 round trips at the end of every split GEMV)."""
     c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
     if n_split == 1:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -184,8 +192,19 @@ def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, 
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == n_split - 1:  # sum every part from the workspace in split order: deterministic
             total = tl.zeros(acc.shape, dtype=tl.float32)  # whichever program happens to arrive last
-            for s in range(0, n_split):
-                total += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+            if PARTS_AT_ONCE:  # four parts' loads in flight before the first add waits
+                for s0 in range(0, n_split, 4):
+                    p0 = tl.load(part_ptr + s0 * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p1 = _part(part_ptr, s0 + 1, n_split, p_off, mask, stride_ps)
+                    p2 = _part(part_ptr, s0 + 2, n_split, p_off, mask, stride_ps)
+                    p3 = _part(part_ptr, s0 + 3, n_split, p_off, mask, stride_ps)
+                    total += p0
+                    total = tl.where(s0 + 1 < n_split, total + p1, total)
+                    total = tl.where(s0 + 2 < n_split, total + p2, total)
+                    total = tl.where(s0 + 3 < n_split, total + p3, total)
+            else:
+                for s in range(0, n_split):
+                    total += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -195,7 +214,8 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
                        stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_bsk, stride_cm, stride_pm,
                        stride_ps,
                        FMA: tl.constexpr, A_FP8: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_AT_ONCE: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """Decode GEMM with the weight as the row operand: C^T [BN, BM] = W [BN, BK] @ x^T [BK, BM] per K step.
 
     W tiles are read row-major (K contiguous, 16-byte loads); the tiny token count is the MMA's N
@@ -246,10 +266,13 @@ def _fp8_skinny_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M
         acc = tl.sum(acc2, axis=1)[:, None]
     tile = pid_m * tl.num_programs(0) + pid_n
     _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, offs_m,
-                   nmask[:, None] & mmask[None, :], stride_cm, stride_pm, stride_ps)
+                   nmask[:, None] & mmask[None, :], stride_cm, stride_pm, stride_ps, PARTS_AT_ONCE)
 
 
 MAX_SPLIT_TILES = 1 << 14
+# the split GEMV's last program loads four parts at once before summing them (False: one at a time; bench/
+# profile_decode.py's "split_sum_serial")
+SPLIT_PARTS_AT_ONCE = True
 
 
 def even_split(kblocks: int, want: int) -> int:
@@ -296,6 +319,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma:
                              a_s.stride(1) if a_fp8 else 0, weight.stride(0), scale.stride(0), scale.stride(1),
                              c.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0, FMA=fma, A_FP8=a_fp8,
                              EVEN_K=(k % FP8_BLOCK == 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK,
+                             PARTS_AT_ONCE=split > 1 and SPLIT_PARTS_AT_ONCE,
                              num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device))
     return c
 

@@ -7,7 +7,7 @@ step's PDL chain (`triton_utils`) where cuBLAS's kernels broke it, writes [T, H,
 before o_proj), and, for the W_uv product, emits o_proj's FP8 input copy (`attach_fp8`): one program
 holds a whole 128-column quantisation group, so the quantiser launch before o_proj goes away; and, when sparse
 MLA left a 1-2-token call's split partials on the latent (`triton_sparse_mla.attach_splits`), merges them as it
-reads them (their combine launch goes away).
+reads them (their combine launch goes away), each K block's partials loaded while the block before multiplies.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
 
@@ -21,19 +21,32 @@ from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, atta
 from dsaserve.kernels.triton_sparse_mla import FOLD_MAX_T, pending_splits, split_weights, take_splits
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
+# W_uv's fold loads each K block's split partials a block ahead, under the block before's weights and dot (False:
+# in their own block, an L2 round trip a block on the batch-1 step's chain; bench/profile_decode.py's
+# "fold_in_block")
+FOLD_PREFETCH = True
+
 
 @triton.jit
-def _merged_block(part_ptr, w0, w1, h, k0, stride_ps, stride_pt, stride_ph, offs_t, offs_k, kmask,
-                  FOLD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
-    """Columns k0 + offs_k of head h's merged latent, [BLOCK_T, BLOCK_K] in `dtype`: each of the FOLD tokens' rows
-    rounded once, as the combine kernel stores them (dead splits not read)."""
+def _split_tiles(part_ptr, t, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S: tl.constexpr):
+    """Token t's, head h's partials over the splits at columns k0 + offs_k, [BLOCK_S, BLOCK_K] fp32 (0 past the splits
+    and past K). A dead split's rows are read as they lie (never written) and weighed 0 by `_merged_block`, so the
+    load need not wait for the merge weights."""
     offs_s = tl.arange(0, BLOCK_S)
+    return tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + k0 + offs_k[None, :],
+                   mask=(offs_s < n_splits)[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _merged_block(tiles0, tiles1, w0, w1, offs_t, FOLD: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dtype):
+    """A K block of head h's merged latent, [BLOCK_T, BLOCK_K] in `dtype`, from its tokens' split tiles: each of the
+    FOLD tokens' rows rounded once, as the combine kernel stores them (a dead split weighs 0, whatever it holds)."""
     x = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     for tt in tl.static_range(FOLD):
         w = w0 if tt == 0 else w1
-        tile = tl.load(part_ptr + offs_s[:, None] * stride_ps + tt * stride_pt + h * stride_ph + k0 + offs_k[None, :],
-                       mask=(w > 0)[:, None] & kmask[None, :], other=0.0)
-        row = tl.sum(tile * w[:, None], axis=0).to(dtype).to(tl.float32)
+        tile = tiles0 if tt == 0 else tiles1
+        row = tl.sum(tl.where((w > 0)[:, None], tile, 0.0) * w[:, None], axis=0).to(dtype).to(tl.float32)
         x = tl.where(offs_t[:, None] == tt, row[None, :], x)
     return x.to(dtype)
 
@@ -42,10 +55,12 @@ def _merged_block(part_ptr, w0, w1, h, k0, stride_ps, stride_pt, stride_ph, offs
 def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, K, N, n_splits, stride_xt, stride_xh,
                       stride_wh, stride_wk, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                       QUANT: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = True,
+                      PDL: tl.constexpr = False):
     """y[t, h, n] = sum_k x[t, h, k] * w[h, k, n]; program (h, n-block). y is [T, H*N] contiguous; QUANT
     (BLOCK_N == 128, N % 128 == 0): also its e4m3 copy + one fp32 scale per (token, 128 columns). FOLD (1-2: T): x
-    is not read; its rows are merged from sparse MLA's split partials [S, T, H, K] and log-sum-exps [S, T, H]."""
+    is not read; its rows are merged from sparse MLA's split partials [S, T, H, K] and log-sum-exps [S, T, H], each K
+    block's partials loaded a block ahead (PREFETCH) or in their block."""
     tl.static_assert(FOLD <= 2, "FOLD: 1-2 tokens (w0, w1)")
     grid_dependency_sync(PDL)
     h = tl.program_id(0).to(tl.int64)
@@ -62,11 +77,21 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, 
     if FOLD > 0:
         w0 = split_weights(lse_ptr, 0, h, n_splits, stride_ls, stride_lt, BLOCK_S)
         w1 = split_weights(lse_ptr, FOLD - 1, h, n_splits, stride_ls, stride_lt, BLOCK_S)
+        p0 = _split_tiles(part_ptr, 0, h, 0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+        p1 = _split_tiles(part_ptr, FOLD - 1, h, 0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
         if FOLD > 0:
-            x = _merged_block(part_ptr, w0, w1, h, k0, stride_ps, stride_pt, stride_ph, offs_t, offs_k, kmask, FOLD,
-                              BLOCK_S, BLOCK_T, BLOCK_K, x_ptr.dtype.element_ty)
+            if not PREFETCH:  # this block's partials loaded here: a serial L2 round trip a block
+                p0 = _split_tiles(part_ptr, 0, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+                p1 = _split_tiles(part_ptr, FOLD - 1, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k,
+                                  BLOCK_S)
+            x = _merged_block(p0, p1, w0, w1, offs_t, FOLD, BLOCK_T, BLOCK_K, x_ptr.dtype.element_ty)
+            if PREFETCH:  # the next block's partials in flight under this block's weight tile and dot
+                nk = k0 + BLOCK_K
+                p0 = _split_tiles(part_ptr, 0, h, nk, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+                p1 = _split_tiles(part_ptr, FOLD - 1, h, nk, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k,
+                                  BLOCK_S)
         else:
             x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
@@ -109,8 +134,8 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, flatten: bool = False) -> torch.T
             x, w, y, *fp8, part, lse, t, k, n, part.shape[0] if fold else 1, x.stride(0), x.stride(1), w.stride(0),
             w.stride(1), *(part.stride()[:3] + lse.stride()[:2] if fold else (0,) * 5), QUANT=quant,
             FOLD=t if fold else 0, BLOCK_S=triton.next_power_of_2(part.shape[0]) if fold else 1,
-            BLOCK_T=16 if t <= 16 else 32, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=4,
-            **pdl_args(x.device))
+            BLOCK_T=16 if t <= 16 else 32, BLOCK_N=block_n, BLOCK_K=64, PREFETCH=FOLD_PREFETCH, num_warps=4,
+            num_stages=4, **pdl_args(x.device))
     if not flatten:
         return y.view(t, h, n)
     return attach_fp8(y, *fp8) if quant else y

@@ -6,7 +6,8 @@ launch boundary, every program keeps its chunk's keys in registers and chooses e
 row's complete histogram; and `coop_score_select`, the paged score kernel's scores and that select in one
 `_coop_score_select_kernel` launch over the page-major FP8 cache (each program scores its own chunk, then selects
 over it). `cooperative` and `fused` are decode's choices (`triton_indexer_dispatch`): 1-2 rows where every program
-can be resident at once, fused up to FUSED_MAX_CHUNK-key chunks. H200, graph-timed (bench/RESULTS.md): the select,
+can be resident at once, fused up to FUSED_MAX_CHUNK-key chunks. Both work in `coop_workspace`, one shared buffer
+their programs leave zero, so no fill launch precedes them. H200, graph-timed (bench/RESULTS.md): the select,
 one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17.4-19.5 -> 12.8-14.6 and
 22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
 two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
@@ -39,12 +40,18 @@ from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync
 from dsaserve.kernels.variants import FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
+COOP_EXIT = tl.constexpr(13)  # and the count of programs past the last barrier (`_leave_zeroed`)
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
 # interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
 COOP_ROWS = 0 if INTERPRET else 2
 # decode rows up to which the FP8 cache's scores and select are that one launch (`fused`); 0: the score kernel, then
 # the cooperative select (the A/B's "score_apart")
 FUSED_ROWS = COOP_ROWS
+COOP_WS_ROWS = 2  # COOP_ROWS on a GPU: the rows of `coop_workspace`
+# every cooperative launch takes the shared workspace its programs leave zero (False: a zeroed one of its own,
+# a fill launch before each; bench/profile_decode.py's "select_fill")
+SHARED_WORKSPACE = True
+_COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 @triton.jit
@@ -59,6 +66,22 @@ def _row_barrier(counter, n_active):
         arrived = tl.load(counter, volatile=True)
     tl.atomic_add(counter, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _leave_zeroed(ws, c, n_active):
+    """Leave the row's workspace zero, as the launch found it (`coop_workspace`: no fill launch before the next).
+    Past the last barrier no program reads the histograms or the round barriers again, so the row's first program
+    zeroes them; the last barrier's counter is zeroed by the last program past it (a count of programs past it:
+    only that one knows that none still polls the counter)."""
+    if c == 0:
+        tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
+        rounds = tl.arange(0, 8)
+        tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
+    past = tl.atomic_add(ws + STATE + COOP_EXIT, 1, sem="acq_rel") + 1
+    if past == n_active:
+        tl.store(ws + STATE + COOP_BARRIERS + DIGITS, 0)
+        tl.store(ws + STATE + COOP_EXIT, 0)
 
 
 @triton.jit
@@ -91,6 +114,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     tl.store(cnt_row + c * 4, above)
     tl.store(cnt_row + c * 4 + 1, ties)
     _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
+    _leave_zeroed(ws, c, n_active)
     above_before = tl.zeros([], dtype=tl.int32)
     ties_before = tl.zeros([], dtype=tl.int32)
     for q0 in range(0, c, PREFIX_BLOCK):
@@ -141,6 +165,26 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK)
 
 
+def coop_workspace(device: torch.device) -> torch.Tensor:
+    """[COOP_WS_ROWS, WS_ROW] int32, zero between launches: every cooperative launch leaves its rows as it found
+    them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
+    3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
+    the registry binds the GPU ops, never inside a CUDA-graph capture (`triton_fp8_gemm.split_counters`' reasons).
+    Shared by every cooperative launch, which is safe because they run one after another: a step's full layers
+    select in turn on the indexer's stream, each joined before its layer's attention."""
+    key = (device.type, device.index)
+    if key not in _COOP_WS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("coop_workspace: first made inside a CUDA-graph capture (make it before it)")
+        _COOP_WS[key] = torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device)
+    return _COOP_WS[key]
+
+
+def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:
+    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or None for one of its own."""
+    return coop_workspace(scores.device) if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS else None
+
+
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
     """Whether a cooperative launch of rows x n_chunks programs is safe: one program an SM at most, so each finds an
     SM once the kernels beside it end and all are resident together (a GPU shared through MPS with an SM limit is
@@ -173,7 +217,7 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     """`coop_select`'s one launch as (kernel, grid, arguments, keywords), its workspace zeroed here (tests compile
     it offline); an error where `coop_fits` says no or under the interpreter (never a launch that could wait forever
     at its first barrier)."""
-    ws, counts, grid, kw = workspace(scores, chunk)
+    ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]), kw)
@@ -200,7 +244,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
         raise ValueError(f"coop_score_select: chunk {chunk} is not a multiple of the score tile's "
                          f"{DEFAULT_TILE['bs']} keys")
     scores = torch.empty(q.shape[0], triton.cdiv(n_cols, chunk) * chunk, dtype=torch.float32, device=q.device)
-    ws, counts, grid, kw = workspace(scores, chunk)
+    ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "coop_score_select")
     q = q if q.stride(-1) == 1 else q.contiguous()
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,

@@ -9,9 +9,10 @@ scale per 128-value key, or plain bf16 / fp32 in the debugging layouts, at the s
 `common/kv_layout.py` exactly: scale = max(amax, 1e-12) / 448, values clamped to +-448, round to nearest.
 Slots < 0 are skipped, so padded rows of a captured decode batch write nothing. Both fused writes also take the
 layer's queries and rotate them in place (`triton_elementwise._rope_heads`, bit for bit `rope_inplace`): a launch
-fewer a layer for sparse MLA's q and a full layer's indexer q. The RoPE launches it replaces added 8.7 µs to the
-slice's batch-1 1K step, six of them (`profile_decode --timeline`, bench/RESULTS.md twenty-eighth session); the
-fused step is not timed yet (`profile_decode --ab q_rope_apart`).
+fewer a layer for sparse MLA's q and a full layer's indexer q, each block of 16 heads a program of its own beside
+the token's write program (grid (T, 1 + blocks)). The RoPE launches it replaced added 8.7 µs to the slice's batch-1
+1K step, six of them (bench/RESULTS.md twenty-eighth session); the write's one program rotating the blocks in turn
+first made each MLA write ~5 µs of an H100's batch-1 step (thirty-seventh session).
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pd
 _LAYOUT = {FP8_DS_MLA: 0, BF16: 1, FP32: 2, FP8_E4M3: 3}  # the kernels' LAYOUT constexpr
 _INDEX_LAYOUT = {FP8_DS_MLA: 0, FP8_E4M3: 0, BF16: 1, FP32: 2}  # indexer keys: FP8 + scale, bf16, fp32
 FP8_MAX_C = tl.constexpr(FP8_MAX)  # a plain float global is not visible inside @triton.jit
+# q's RoPE blocks as programs of their own beside the write (False: the write's program rotates them in turn first;
+# bench/profile_decode.py's "q_rope_serial")
+Q_ROPE_PROGRAMS = True
+
+
+@triton.jit
+def _q_rope_role(q_ptr, t, n_heads, half, stride_qt, stride_qh, cos_row, sin_row, INTERLEAVED: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_QH: tl.constexpr, Q_PROGRAMS: tl.constexpr):
+    """q's RoPE in a write kernel (`_rope_heads`, bit for bit `rope_inplace`), padded rows too. Q_PROGRAMS: this
+    program (t, 1 + b) rotates head block b beside program (t, 0)'s write; else program (t, 0) rotates every
+    block in turn before its write (each block's loads wait for the last block's stores: a batch-1 step's full
+    layer paid ~3 µs more in the MLA write, bench/RESULTS.md thirty-seventh session)."""
+    if Q_PROGRAMS:
+        b = tl.program_id(1) - 1
+        if b >= 0:
+            _rope_heads(q_ptr, t, b * BLOCK_QH + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh,
+                        cos_row, sin_row, INTERLEAVED, BLOCK_P)
+    else:
+        for h0 in range(0, n_heads, BLOCK_QH):
+            _rope_heads(q_ptr, t, h0 + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh, cos_row,
+                        sin_row, INTERLEAVED, BLOCK_P)
 
 
 @triton.jit
@@ -35,13 +57,14 @@ def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_p
                          dc, half, stride_a, stride_cos, stride_sin, stride_lat, stride_c8, stride_c32, stride_c16,
                          cs_off, r_off, q_ptr, n_heads, stride_qt, stride_qh, LAYOUT: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NG: tl.constexpr, Q_ROPE: tl.constexpr,
-                         BLOCK_QH: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_QH: tl.constexpr, Q_PROGRAMS: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
-    if Q_ROPE:  # the token's q RoPE slice in place (`rope_inplace(q_rope, cos, sin, True)`), padded rows too
-        for h0 in range(0, n_heads, BLOCK_QH):
-            _rope_heads(q_ptr, t, h0 + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh,
-                        cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, True, BLOCK_R)
+    if Q_ROPE:  # the token's q RoPE slice in place (`rope_inplace(q_rope, cos, sin, True)`)
+        _q_rope_role(q_ptr, t, n_heads, half, stride_qt, stride_qh, cos_ptr + t * stride_cos,
+                     sin_ptr + t * stride_sin, True, BLOCK_R, BLOCK_QH, Q_PROGRAMS)
+    if tl.program_id(1) > 0:  # a program of q's head blocks only (Q_PROGRAMS)
+        return
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < dc
     x = tl.load(a_ptr + t * stride_a + offs_c, mask=cmask, other=0.0)
@@ -114,27 +137,30 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
     c8, c32, c16 = _views(kv_cache)
     block_c = triton.next_power_of_2(dc)
     kv_a = kv_a if kv_a.stride(-1) == 1 else kv_a.contiguous()
-    _mla_kv_write_kernel[(t,)](kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2,
+    _mla_kv_write_kernel[(t, 1 + q_args[5])](kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2,
                                kv_a.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), c8.stride(0),
                                c32.stride(0), c16.stride(0), dc // 4, (dc + 4 * (dc // QUANT_GROUP)) // 2,
                                *q_args[:4], LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
                                BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP),
-                               Q_ROPE=q_rope is not None, BLOCK_QH=q_args[4], num_warps=4, **pdl_args(kv_a.device))
+                               Q_ROPE=q_rope is not None, BLOCK_QH=q_args[4], Q_PROGRAMS=q_args[5] > 0,
+                               num_warps=4, **pdl_args(kv_a.device))
     return latent
 
 
 def _q_rope_args(q: torch.Tensor | None, t: int, rope: int, dummy: torch.Tensor, who: str,
                  exact: bool = False) -> tuple:
-    """(q, heads, token stride, head stride, heads a loop step) for a write kernel's fused q RoPE (dummy's when
-    q is None); q [T, H, rope] (`exact`: sparse MLA's RoPE slice) or [T, H, >= rope] (the indexer's heads, whose
-    first `rope` values rotate), with a unit last stride."""
+    """(q, heads, token stride, head stride, heads a block, programs a token for q's blocks: 0 where program
+    (t, 0) rotates them itself) for a write kernel's fused q RoPE (dummy's when q is None); q [T, H, rope]
+    (`exact`: sparse MLA's RoPE slice) or [T, H, >= rope] (the indexer's heads, whose first `rope` values rotate),
+    with a unit last stride."""
     if q is None:
-        return dummy, 0, 0, 0, 1
+        return dummy, 0, 0, 0, 1, 0
     fits = q.dim() == 3 and q.shape[0] == t and (q.shape[2] == rope if exact else q.shape[2] >= rope)
     if not fits or q.stride(2) != 1:
         raise ValueError(f"{who}: q must be [{t}, heads, {'' if exact else '>= '}{rope}] with a unit last stride, "
                          f"got {tuple(q.shape)} strides {q.stride()}")
-    return q, q.shape[1], q.stride(0), q.stride(1), rope_heads_block(q.shape[1])
+    block = rope_heads_block(q.shape[1])
+    return q, q.shape[1], q.stride(0), q.stride(1), block, triton.cdiv(q.shape[1], block) if Q_ROPE_PROGRAMS else 0
 
 
 @triton.jit
@@ -196,16 +222,18 @@ def _index_k_norm_write_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, 
                                eps, stride_k, stride_cos, stride_sin, page_size, page_bytes, key_bytes, q_ptr,
                                n_heads, stride_qt, stride_qh, INTERLEAVED: tl.constexpr, LAYOUT: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, Q_ROPE: tl.constexpr,
-                               BLOCK_QH: tl.constexpr, PDL: tl.constexpr = False):
+                               BLOCK_QH: tl.constexpr, Q_PROGRAMS: tl.constexpr = False,
+                               PDL: tl.constexpr = False):
     """One token: LayerNorm of its raw key (fp32 stats), RoPE of the first 2*half values (`_rope_kernel`'s
     roundings: each product to the activation dtype), then `_index_k_write_kernel`'s encode at its slot; with
-    Q_ROPE the RoPE of its query heads' first 2*half values too, in place (`_rope_heads`)."""
+    Q_ROPE the RoPE of its query heads' first 2*half values too, in place (`_q_rope_role`)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
-    if Q_ROPE:  # padded rows too, as `rope_inplace` does
-        for h0 in range(0, n_heads, BLOCK_QH):
-            _rope_heads(q_ptr, t, h0 + tl.arange(0, BLOCK_QH), n_heads, half, stride_qt, stride_qh,
-                        cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, INTERLEAVED, BLOCK_P)
+    if Q_ROPE:
+        _q_rope_role(q_ptr, t, n_heads, half, stride_qt, stride_qh, cos_ptr + t * stride_cos,
+                     sin_ptr + t * stride_sin, INTERLEAVED, BLOCK_P, BLOCK_QH, Q_PROGRAMS)
+    if tl.program_id(1) > 0:  # a program of q's head blocks only (Q_PROGRAMS)
+        return
     row = k_ptr + t * stride_k
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -265,11 +293,11 @@ def indexer_k_norm_write(index_cache: torch.Tensor, layout: KVLayout | str, slot
     k_raw = k_raw if k_raw.stride(-1) == 1 else k_raw.contiguous()
     c8, c32, c16 = _views(index_cache)
     half = rope_dim // 2
-    _index_k_norm_write_kernel[(t,)](k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps,
-                                     k_raw.stride(0), cos.stride(0), sin.stride(0), *place, *q_args[:4],
-                                     INTERLEAVED=interleaved, LAYOUT=code,
-                                     BLOCK_D=triton.next_power_of_2(d), BLOCK_P=triton.next_power_of_2(max(half, 1)),
-                                     Q_ROPE=q is not None, BLOCK_QH=q_args[4], num_warps=1, **pdl_args(k_raw.device))
+    _index_k_norm_write_kernel[(t, 1 + q_args[5])](
+        k_raw, norm_weight, norm_bias, cos, sin, slots, c8, c32, c16, d, half, eps, k_raw.stride(0), cos.stride(0),
+        sin.stride(0), *place, *q_args[:4], INTERLEAVED=interleaved, LAYOUT=code, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_P=triton.next_power_of_2(max(half, 1)), Q_ROPE=q is not None, BLOCK_QH=q_args[4],
+        Q_PROGRAMS=q_args[5] > 0, num_warps=1, **pdl_args(k_raw.device))
 
 
 def indexer_k_write(index_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Tensor, k: torch.Tensor) -> None:

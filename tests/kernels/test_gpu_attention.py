@@ -343,14 +343,18 @@ def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, model, t):
         assert G.cached_fp8(flat) is None
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
-def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t):
+def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t, prefetch, monkeypatch):
     """defer_combine: a split decode of 1-2 tokens leaves its partials on the output (unwritten) and W_uv's head
     GEMM merges them as it reads them: its product equals the GEMM over the merged latent (one row has a dead
-    split: its -1 tail); 3 tokens (and every other reader, `take_splits`) get the merged output as before."""
+    split: its -1 tail, partials never written: poisoned to NaN); 3 tokens (and every other reader, `take_splits`)
+    get the merged output as before. Each K block's partials loaded a block ahead (`FOLD_PREFETCH`) or in it."""
     from dsaserve.kernels import triton_head_gemm as HG
     from dsaserve.kernels import triton_sparse_mla as S
+
+    monkeypatch.setattr(HG, "FOLD_PREFETCH", prefetch)
 
     cfg = MODELS[model]
     h, dc, dr, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim

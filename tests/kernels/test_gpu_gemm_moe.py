@@ -279,16 +279,22 @@ def test_fp8_linear_takes_zero_rows(gen, exact):
     assert gemm.skinny_config(0, 256, 6144, 132)["split"] == 1
 
 
-def test_split_k_parts_sum_to_the_unsplit_result(gen):
+def test_split_k_parts_sum_to_the_unsplit_result(gen, monkeypatch):
+    """Every split's part summed once, in split order, whether the last program loads four parts at once
+    (`SPLIT_PARTS_AT_ONCE`: splits of 2 / 3 / 5 / 8 leave 4-groups part-full) or one at a time: the same bits."""
     gemm = gpu_modules()[0]
-    n, k = (640, 2048) if BIG else (192, 1024)
+    n, k = (640, 2560) if BIG else (192, 1280)
     w, s = quantize_fp8_block(randn(n, k, gen=gen))
     x = randn(3, k, gen=gen, dtype=torch.bfloat16)
     conf = dict(fma=False, a_fp8=True, block_m=16, block_n=64, num_warps=4, num_stages=4)
     one = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=1, **conf)
-    for split in (2, 4, 8):
-        got = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=split, **conf)
-        torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-4)
+    for split in (2, 5, 10):
+        got = {}
+        for at_once in (True, False):
+            monkeypatch.setattr(gemm, "SPLIT_PARTS_AT_ONCE", at_once)
+            got[at_once] = gemm.skinny_gemm(x, w, s, out_dtype=torch.float32, split=split, **conf)
+        torch.testing.assert_close(got[True], one, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[True], got[False]), split
     assert int(gemm.split_counters(x.device).abs().sum()) == 0  # every tile's counter reset for the next launch
 
 

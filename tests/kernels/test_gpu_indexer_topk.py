@@ -114,7 +114,7 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
     graph.replay()
     _check_kernel_topk(out, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
     first = out.clone()
-    graph.replay()  # again: the cooperative select's barrier counters are zeroed inside the graph, every replay
+    graph.replay()  # again: each cooperative launch leaves its shared workspace zero for the next replay
     assert torch.equal(out, first)
 
 
@@ -144,6 +144,7 @@ def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys
     want = torch.full_like(got, -7)
     triton_indexer_coop.coop_select(scores, table, req, pos, want, topk, ps, chunk)
     assert torch.equal(got, want), f"seed {gen.initial_seed()} chunk {chunk}"
+    assert not triton_indexer_coop.coop_workspace(q.device).any()  # both launches left the shared rows zero
     if keys == "normal":
         _check_kernel_topk(got, q, w, cache, "fp8_ds_mla", table, req, pos, topk, ps, gen.initial_seed())
 

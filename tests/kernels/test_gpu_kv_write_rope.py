@@ -1,6 +1,8 @@
 """q's RoPE fused into the KV writes (`triton_kv_write.mla_kv_write(q_rope=)`, `indexer_k_norm_write(q=)`): the same
 bits as the RoPE kernel alone (`rope_inplace`), padded rows (slot -1) rotated too, the cache and the latent as
 without q; and the references rotate q the same way (to bf16 rounding: they round each product as torch's ops do).
+Both launch shapes: q's head blocks as programs beside the write's (`Q_ROPE_PROGRAMS`), and rotated by the write's
+own program in turn.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ def _slots(gen, t: int, n_slots: int) -> torch.Tensor:
     return slots
 
 
+@pytest.mark.parametrize("q_programs", [True, False])
 @pytest.mark.parametrize("model,heads", CASES)
-def test_mla_kv_write_rotates_q_rope_in_its_launch(gen, model, heads):
+def test_mla_kv_write_rotates_q_rope_in_its_launch(gen, model, heads, q_programs, monkeypatch):
     from dsaserve.kernels import triton_elementwise as E
 
     kvw = gpu_modules()[2]
+    monkeypatch.setattr(kvw, "Q_ROPE_PROGRAMS", q_programs)
     cfg = MODELS[model] if heads is None else dataclasses.replace(MODELS[model], num_attention_heads=heads)
     t, n_slots, nope = 5, 16, cfg.qk_nope_head_dim
     dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -61,12 +65,14 @@ def test_mla_kv_write_rotates_q_rope_in_its_launch(gen, model, heads):
         kvw.mla_kv_write(caches[0], "fp8_ds_mla", slots, kv_a, wt, 1e-5, cos, sin, dc, q[..., nope - 2:])
 
 
+@pytest.mark.parametrize("q_programs", [True, False])
 @pytest.mark.parametrize("model,heads", CASES)
-def test_indexer_k_norm_write_rotates_the_queries_in_its_launch(gen, model, heads):
+def test_indexer_k_norm_write_rotates_the_queries_in_its_launch(gen, model, heads, q_programs, monkeypatch):
     """The indexer's queries: their first rope dims (GLM interleaved, DeepSeek rotate-half), the key write unchanged."""
     from dsaserve.kernels import triton_elementwise as E
 
     kvw = gpu_modules()[2]
+    monkeypatch.setattr(kvw, "Q_ROPE_PROGRAMS", q_programs)
     cfg = MODELS[model]
     t, n_slots, ps = 5, 16, 8
     d, dr, interleaved = cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.model_type == "glm_moe_dsa"

@@ -125,6 +125,33 @@ def test_the_cooperative_select_equals_the_row_select(kind):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="a barrier among a launch's programs: the interpreter runs them one after another")
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("kind", ["normal", "round1", "round3"])
+def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, rows):
+    """Decode's 1-2 rows select over the workspace every cooperative launch shares (`coop_workspace`: no fill launch
+    before them): each launch leaves it all zero, so launch after launch (a graph's replays, the next full layer)
+    selects what the row select does."""
+    from dsaserve.kernels import triton_indexer_coop
+
+    gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 2)
+    pos = torch.tensor([WIDTH - 1, 2 * CHUNK + 7][:rows], device=DEVICE)
+    scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(rows)]).to(DEVICE)
+    if kind == "round3":
+        scores[:, ::3] = 2.5
+    shared = triton_indexer_coop.coop_workspace(scores.device)
+    kernel, grid, args, _ = triton_indexer_coop.launch(scores, torch.zeros(rows, WIDTH // PS, dtype=torch.int64,
+                                                                          device=DEVICE),
+                                                       torch.arange(rows, device=DEVICE), pos,
+                                                       torch.empty(rows, K, dtype=torch.int64, device=DEVICE), K,
+                                                       PS, CHUNK)
+    assert args[4].data_ptr() == shared.data_ptr()  # the shared rows, not a zeroed workspace of its own
+    for _ in range(3):
+        got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
+        assert torch.equal(got, want) and not shared.any()
+
+
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
     """More programs than SMs (or the interpreter, which runs them one by one): an error, never a launch that could
     wait forever at its first barrier."""
