@@ -194,7 +194,7 @@ def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, 
             total = tl.zeros(acc.shape, dtype=tl.float32)  # whichever program happens to arrive last
             if PARTS_AT_ONCE:  # four parts' loads in flight before the first add waits
                 for s0 in range(0, n_split, 4):
-                    p0 = tl.load(part_ptr + s0 * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p0 = _part(part_ptr, s0, n_split, p_off, mask, stride_ps)
                     p1 = _part(part_ptr, s0 + 1, n_split, p_off, mask, stride_ps)
                     p2 = _part(part_ptr, s0 + 2, n_split, p_off, mask, stride_ps)
                     p3 = _part(part_ptr, s0 + 3, n_split, p_off, mask, stride_ps)

@@ -7,7 +7,8 @@ step's PDL chain (`triton_utils`) where cuBLAS's kernels broke it, writes [T, H,
 before o_proj), and, for the W_uv product, emits o_proj's FP8 input copy (`attach_fp8`): one program
 holds a whole 128-column quantisation group, so the quantiser launch before o_proj goes away; and, when sparse
 MLA left a 1-2-token call's split partials on the latent (`triton_sparse_mla.attach_splits`), merges them as it
-reads them (their combine launch goes away), each K block's partials loaded while the block before multiplies.
+reads them (their combine launch goes away), each K block's partials loaded into registers while the block before
+multiplies.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
 
@@ -21,9 +22,10 @@ from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, FP8_MAX_C, SMALL_M, atta
 from dsaserve.kernels.triton_sparse_mla import FOLD_MAX_T, pending_splits, split_weights, take_splits
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
-# W_uv's fold loads each K block's split partials a block ahead, under the block before's weights and dot (False:
-# in their own block, an L2 round trip a block on the batch-1 step's chain; bench/profile_decode.py's
-# "fold_in_block")
+# W_uv's fold loads each K block's split partials into registers a block ahead, under the block before's weights
+# and dot (False: in their own block, which Triton's pipeliner stages through shared memory: 75.8 KB of it a program
+# at one token, 100.4 at two, against 51.2; H100, 8-12 us a batch-1 step slower, bench/RESULTS.md thirty-seventh
+# session; bench/profile_decode.py's "fold_in_block")
 FOLD_PREFETCH = True
 
 
@@ -38,9 +40,18 @@ def _split_tiles(part_ptr, t, h, k0, n_splits, K, stride_ps, stride_pt, stride_p
 
 
 @triton.jit
+def _token_tiles(part_ptr, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S: tl.constexpr,
+                 FOLD: tl.constexpr):
+    """(token 0's, token FOLD - 1's) split tiles of K block k0 (`_split_tiles`)."""
+    p0 = _split_tiles(part_ptr, 0, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+    p1 = _split_tiles(part_ptr, FOLD - 1, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+    return p0, p1
+
+
+@triton.jit
 def _merged_block(tiles0, tiles1, w0, w1, offs_t, FOLD: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_K: tl.constexpr, dtype):
-    """A K block of head h's merged latent, [BLOCK_T, BLOCK_K] in `dtype`, from its tokens' split tiles: each of the
+    """A K block of a head's merged latent, [BLOCK_T, BLOCK_K] in `dtype`, from its tokens' split tiles: each of the
     FOLD tokens' rows rounded once, as the combine kernel stores them (a dead split weighs 0, whatever it holds)."""
     x = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     for tt in tl.static_range(FOLD):
@@ -77,21 +88,17 @@ def _head_gemm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, part_ptr, lse_ptr, T, 
     if FOLD > 0:
         w0 = split_weights(lse_ptr, 0, h, n_splits, stride_ls, stride_lt, BLOCK_S)
         w1 = split_weights(lse_ptr, FOLD - 1, h, n_splits, stride_ls, stride_lt, BLOCK_S)
-        p0 = _split_tiles(part_ptr, 0, h, 0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
-        p1 = _split_tiles(part_ptr, FOLD - 1, h, 0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+        p0, p1 = _token_tiles(part_ptr, h, 0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S, FOLD)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + offs_k < K
         if FOLD > 0:
-            if not PREFETCH:  # this block's partials loaded here: a serial L2 round trip a block
-                p0 = _split_tiles(part_ptr, 0, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
-                p1 = _split_tiles(part_ptr, FOLD - 1, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k,
-                                  BLOCK_S)
+            if not PREFETCH:  # this block's partials loaded here (the pipeliner stages them in shared memory)
+                p0, p1 = _token_tiles(part_ptr, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S,
+                                      FOLD)
             x = _merged_block(p0, p1, w0, w1, offs_t, FOLD, BLOCK_T, BLOCK_K, x_ptr.dtype.element_ty)
-            if PREFETCH:  # the next block's partials in flight under this block's weight tile and dot
-                nk = k0 + BLOCK_K
-                p0 = _split_tiles(part_ptr, 0, h, nk, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
-                p1 = _split_tiles(part_ptr, FOLD - 1, h, nk, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k,
-                                  BLOCK_S)
+            if PREFETCH:  # the next block's partials in flight, in registers, under this block's weight tile and dot
+                p0, p1 = _token_tiles(part_ptr, h, k0 + BLOCK_K, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k,
+                                      BLOCK_S, FOLD)
         else:
             x = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)

@@ -41,13 +41,13 @@ from dsaserve.kernels.variants import FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
 COOP_EXIT = tl.constexpr(13)  # and the count of programs past the last barrier (`_leave_zeroed`)
+COOP_WS_ROWS = 2  # the rows of `coop_workspace`: decode's 1-2 rows
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
 # interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
-COOP_ROWS = 0 if INTERPRET else 2
+COOP_ROWS = 0 if INTERPRET else COOP_WS_ROWS
 # decode rows up to which the FP8 cache's scores and select are that one launch (`fused`); 0: the score kernel, then
 # the cooperative select (the A/B's "score_apart")
 FUSED_ROWS = COOP_ROWS
-COOP_WS_ROWS = 2  # COOP_ROWS on a GPU: the rows of `coop_workspace`
 # every cooperative launch takes the shared workspace its programs leave zero (False: a zeroed one of its own,
 # a fill launch before each; bench/profile_decode.py's "select_fill")
 SHARED_WORKSPACE = True
@@ -56,7 +56,7 @@ _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 @triton.jit
 def _row_barrier(counter, n_active):
-    """Wait until the row's n_active programs have all arrived at this counter (zeroed for the launch). The CTA
+    """Wait until the row's n_active programs have all arrived at this counter (zero when the launch starts). The CTA
     barrier and the release order every thread's earlier global writes and atomics before the arrival; the
     acquire orders the others' before what follows. Only for launches whose programs are all resident together
     (`_coop_select_kernel`, `_coop_score_select_kernel`)."""
@@ -170,8 +170,12 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
     3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
     the registry binds the GPU ops, never inside a CUDA-graph capture (`triton_fp8_gemm.split_counters`' reasons).
-    Shared by every cooperative launch, which is safe because they run one after another: a step's full layers
-    select in turn on the indexer's stream, each joined before its layer's attention."""
+    Shared by every cooperative launch. **Invariant: no two cooperative launches of a device run at once.** Today
+    they run one after another: a forward's full layers select in turn, on the indexer's side stream (each waiting
+    for the compute stream, which joins it before the layer's attention) or on the compute stream itself
+    (piecewise segments, no side stream); `forward_hidden` / `forward_mtp` join the side stream at their end; graphs
+    replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
+    beside its target, would need a workspace each."""
     key = (device.type, device.index)
     if key not in _COOP_WS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -214,9 +218,9 @@ def _refuse_unless_resident(grid: tuple[int, int], like: torch.Tensor, who: str)
 
 def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
            out: torch.Tensor, k: int, page_size: int, chunk: int) -> tuple:
-    """`coop_select`'s one launch as (kernel, grid, arguments, keywords), its workspace zeroed here (tests compile
-    it offline); an error where `coop_fits` says no or under the interpreter (never a launch that could wait forever
-    at its first barrier)."""
+    """`coop_select`'s one launch as (kernel, grid, arguments, keywords) over the shared zero workspace (up to
+    COOP_WS_ROWS rows; else one zeroed here; tests compile it offline); an error where `coop_fits` says no or under
+    the interpreter (never a launch that could wait forever at its first barrier)."""
     ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
@@ -236,7 +240,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
                         k: int, page_size: int, chunk: int, q_fp8: bool | None = None,
                         stages: int | None = None) -> tuple:
     """`coop_score_select`'s one launch as (kernel, grid, arguments, keywords): its score buffer (chunk-aligned,
-    each program writes and reads only its own chunk's) and workspace allocated here; the same refusals as
+    each program writes and reads only its own chunk's) allocated here, the workspace `launch`'s; the same refusals as
     `launch`. stages: score tiles in flight (default the score kernel's; bench sweeps)."""
     n_cols = page_table.shape[1] * page_size
     meta = q_meta(index_cache, q, page_size, "coop_score_select", q_fp8)

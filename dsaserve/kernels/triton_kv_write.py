@@ -137,13 +137,12 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
     c8, c32, c16 = _views(kv_cache)
     block_c = triton.next_power_of_2(dc)
     kv_a = kv_a if kv_a.stride(-1) == 1 else kv_a.contiguous()
-    _mla_kv_write_kernel[(t, 1 + q_args[5])](kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2,
-                               kv_a.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), c8.stride(0),
-                               c32.stride(0), c16.stride(0), dc // 4, (dc + 4 * (dc // QUANT_GROUP)) // 2,
-                               *q_args[:4], LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
-                               BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP),
-                               Q_ROPE=q_rope is not None, BLOCK_QH=q_args[4], Q_PROGRAMS=q_args[5] > 0,
-                               num_warps=4, **pdl_args(kv_a.device))
+    _mla_kv_write_kernel[(t, 1 + q_args[5])](
+        kv_a, norm_weight, cos, sin, slots, latent, c8, c32, c16, eps, dc, dr // 2, kv_a.stride(0), cos.stride(0),
+        sin.stride(0), latent.stride(0), c8.stride(0), c32.stride(0), c16.stride(0), dc // 4,
+        (dc + 4 * (dc // QUANT_GROUP)) // 2, *q_args[:4], LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
+        BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP), Q_ROPE=q_rope is not None,
+        BLOCK_QH=q_args[4], Q_PROGRAMS=q_args[5] > 0, num_warps=4, **pdl_args(kv_a.device))
     return latent
 
 

@@ -343,18 +343,16 @@ def test_head_bmm_matches_reference_and_attaches_the_fp8_copy(gen, model, t):
         assert G.cached_fp8(flat) is None
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
-def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t, prefetch, monkeypatch):
+def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t, monkeypatch):
     """defer_combine: a split decode of 1-2 tokens leaves its partials on the output (unwritten) and W_uv's head
     GEMM merges them as it reads them: its product equals the GEMM over the merged latent (one row has a dead
     split: its -1 tail, partials never written: poisoned to NaN); 3 tokens (and every other reader, `take_splits`)
-    get the merged output as before. Each K block's partials loaded a block ahead (`FOLD_PREFETCH`) or in it."""
+    get the merged output as before. Each K block's partials loaded a block ahead (`FOLD_PREFETCH`) or in their
+    block: the same bits."""
     from dsaserve.kernels import triton_head_gemm as HG
     from dsaserve.kernels import triton_sparse_mla as S
-
-    monkeypatch.setattr(HG, "FOLD_PREFETCH", prefetch)
 
     cfg = MODELS[model]
     h, dc, dr, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -370,7 +368,11 @@ def test_w_uv_gemm_merges_the_splits_sparse_mla_left(gen, model, t, prefetch, mo
     poison_free_memory()
     left = S.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc, config=split, defer_combine=True)
     assert (S.pending_splits(left) is not None) == (t <= S.FOLD_MAX_T)
+    monkeypatch.setattr(HG, "FOLD_PREFETCH", False)
+    in_block = HG.head_bmm(left, w_uv, flatten=True)
+    monkeypatch.setattr(HG, "FOLD_PREFETCH", True)
     got = HG.head_bmm(left, w_uv, flatten=True)
+    assert torch.equal(got, in_block)
     want = HG.head_bmm(merged, w_uv, flatten=True)
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
     assert rel(got, R.head_bmm(R.sparse_mla_attention(qn, qr, cache, "fp8_ds_mla", slots, 0.04, dc).float(),

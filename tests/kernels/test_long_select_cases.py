@@ -127,16 +127,17 @@ def test_the_cooperative_select_equals_the_row_select(kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("positions", [(WIDTH - 1,), (WIDTH - 1, 2 * CHUNK + 7), (K - 1, CHUNK)])
 @pytest.mark.parametrize("kind", ["normal", "round1", "round3"])
-def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, rows):
+def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions):
     """Decode's 1-2 rows select over the workspace every cooperative launch shares (`coop_workspace`: no fill launch
     before them): each launch leaves it all zero, so launch after launch (a graph's replays, the next full layer)
-    selects what the row select does."""
+    selects what the row select does; a row that takes every key (position k - 1) beside one that selects."""
     from dsaserve.kernels import triton_indexer_coop
 
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 2)
-    pos = torch.tensor([WIDTH - 1, 2 * CHUNK + 7][:rows], device=DEVICE)
+    rows = len(positions)
+    pos = torch.tensor(positions, device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(rows)]).to(DEVICE)
     if kind == "round3":
         scores[:, ::3] = 2.5
