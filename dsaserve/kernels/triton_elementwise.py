@@ -6,7 +6,8 @@ Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `refer
 `reference.rope_inplace` and `reference.resolve_placeholders`. Each takes its reference's rounding steps
 (fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two differ only in the
 order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also carry their FP8
-copy for the next GEMM (`triton_fp8_gemm.attach_fp8`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
+copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too, up to
+`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
 each was 5-8 kernels (H200 profile, bench/RESULTS.md), which cost time and leave ~1 µs gaps between them.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
@@ -17,27 +18,33 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_fp8_gemm import FP8_BLOCK, SMALL_M, attach_fp8, quant_rows_fp8
+from dsaserve.kernels.triton_fp8_gemm import attach_fp8, copy_buffers, quant_rows_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
 
 @triton.jit
-def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK: tl.constexpr):
-    """Row y [BLOCK] (already rounded to the activation dtype) -> e4m3 + one fp32 scale per 128 values:
-    `quant_act_fp8`'s rule and layout ([M, K] and [M, K/128], contiguous)."""
+def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, col0, BLOCK: tl.constexpr, M_MAJOR: tl.constexpr):
+    """Columns col0.. of a row, y [BLOCK] (already rounded to the activation dtype) -> e4m3 + one fp32 scale per 128
+    values: `quant_act_fp8`'s rule and layout (values [M, N], scales [M, N/128], contiguous); with M_MAJOR the same
+    scales again right after those, outer-dim-major ([N/128, M]: cuBLAS's; M the launch's rows, its grid's first
+    dimension; `triton_fp8_gemm.copy_buffers`)."""
     g = tl.reshape(y.to(tl.float32), [BLOCK // 128, 128])
     q, scale = quant_rows_fp8(g)
     q = tl.reshape(q, [BLOCK])
-    offs = tl.arange(0, BLOCK)
+    offs = col0 + tl.arange(0, BLOCK)
     tl.store(q_ptr + row * N + offs, q, mask=offs < N)
-    groups = tl.arange(0, BLOCK // 128)
-    tl.store(qs_ptr + row * (N // 128) + groups, scale, mask=groups < N // 128)
+    kg = N // 128
+    groups = col0 // 128 + tl.arange(0, BLOCK // 128)
+    tl.store(qs_ptr + row * kg + groups, scale, mask=groups < kg)
+    if M_MAJOR:
+        m = tl.num_programs(0)
+        tl.store(qs_ptr + m * kg + groups * m + row, scale, mask=groups < kg)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, stride_x, stride_r, stride_y,
                      stride_s, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     M_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -54,20 +61,12 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, s
     y = (w * y).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     if QUANT:
-        _store_fp8_groups(y, q_ptr, qs_ptr, row, N, BLOCK)
+        _store_fp8_groups(y, q_ptr, qs_ptr, row, N, 0, BLOCK, M_MAJOR)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _fp8_outputs(rows: int, n: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Buffers for the FP8 copy a decode-size output carries to its GEMM (`attach_fp8`), or None."""
-    if rows > SMALL_M or n % FP8_BLOCK or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return (torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(rows, n // FP8_BLOCK, dtype=torch.float32, device=device))
 
 
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -76,16 +75,21 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     rows, n = x2.shape
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     s = torch.empty_like(x2) if residual is not None else y
-    fp8 = _fp8_outputs(rows, n, y.dtype, x.device)
+    fp8 = copy_buffers(rows, n, y.dtype, x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *(fp8 or (y, y)), n, eps, x2.stride(0), r2.stride(0),
-                                  y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *(fp8[:2] if fp8 else (y, y)), n, eps, x2.stride(0),
+                                  r2.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
+                                  QUANT=fp8 is not None, BLOCK=triton.next_power_of_2(n),
+                                  M_MAJOR=fp8 is not None and fp8[2] is not None, num_warps=8 if n >= 4096 else 4,
                                   **pdl_args(x.device))
-    out = y.view(*x.shape[:-1], n)
+    return _with_copy(y.view(*x.shape[:-1], n), fp8), s.view(*x.shape[:-1], n)
+
+
+def _with_copy(out: torch.Tensor, fp8: tuple | None) -> torch.Tensor:
+    """out with the FP8 copy its kernel wrote attached (a 2-D output: what a GEMM reads)."""
     if fp8 is not None and out.dim() == 2:
         attach_fp8(out, *fp8)
-    return out, s.view(*x.shape[:-1], n)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +105,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qs_ptr, N, stride_x, stride_y, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     M_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BLOCK
@@ -113,7 +117,7 @@ def _silu_mul_kernel(x_ptr, y_ptr, q_ptr, qs_ptr, N, stride_x, stride_y, QUANT: 
     y = (act * u.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     if QUANT:  # this block's 128-groups (BLOCK is a multiple of 128 here)
-        _store_fp8_groups(y, q_ptr + col0, qs_ptr + col0 // 128, row, N, BLOCK)
+        _store_fp8_groups(y, q_ptr, qs_ptr, row, N, col0, BLOCK, M_MAJOR)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -123,14 +127,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     # the FP8 copy needs whole 128-groups per program: the widest block that divides n (1536 -> 512)
     block = next((b for b in (2048, 1024, 512, 256, 128) if n % b == 0), min(triton.next_power_of_2(n), 2048))
-    fp8 = _fp8_outputs(rows, n, y.dtype, x.device) if n % block == 0 else None
+    fp8 = copy_buffers(rows, n, y.dtype, x.device) if n % block == 0 else None
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *(fp8 or (y, y)), n, x2.stride(0), y.stride(0),
-                                                       QUANT=fp8 is not None, BLOCK=block, **pdl_args(x.device))
-    out = y.view(*x.shape[:-1], n)
-    if fp8 is not None and out.dim() == 2:
-        attach_fp8(out, *fp8)
-    return out
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *(fp8[:2] if fp8 else (y, y)), n, x2.stride(0),
+                                                       y.stride(0), QUANT=fp8 is not None, BLOCK=block,
+                                                       M_MAJOR=fp8 is not None and fp8[2] is not None,
+                                                       **pdl_args(x.device))
+    return _with_copy(y.view(*x.shape[:-1], n), fp8)
 
 
 @triton.jit

@@ -116,15 +116,50 @@ def quant_act_fp8(x: torch.Tensor, pad_m_to: int = 1, scale_m_major: bool = Fals
 # hangs them on the output tensor, so the GEMM skips its own quantiser launch (~30 launches per step).
 # Invariant: only a freshly produced tensor that nobody modifies in place carries the attachment.
 _FP8_COPY = TensorNote("_dsaserve_fp8_act")
+# ... and, at 33+ rows, the same values' scales outer-dim-major, as cuBLAS's block-scaled GEMM reads them
+_FP8_SCALES_M = TensorNote("_dsaserve_fp8_scales_m")
+# rows (33 up to this, a multiple of 16: cuBLAS's M) whose row-kernel outputs carry their FP8 copy with both scale
+# layouts, so neither the cuBLAS projections nor the MoE quantise them again (27 of a batch-128 step's ~39
+# quantiser launches, each ~2-3 us on the step's chain between a row kernel and a cuBLAS GEMM; H100 timeline,
+# bench/RESULTS.md thirty-seventh session). 0 (the default until timed on a GPU): no copy past SMALL_M rows.
+# The thirteenth session's version (one layout, bench/attempts/fp8_copy_for_scaled_mm.patch) cut the quantisers'
+# time but not the step's; bench/profile_decode.py's "copy_for_cublas" times this one.
+CUBLAS_COPY_MAX_ROWS = 0
+CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of 16 (`scaled_mm_linear` pads to it)
 
 
-def attach_fp8(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Remember that (q, s) = `quant_act_fp8(y)` (same rule, same layout)."""
+def attach_fp8(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+               s_m: torch.Tensor | None = None) -> torch.Tensor:
+    """Remember that (q, s) = `quant_act_fp8(y)` (same rule, same layout); s_m: the same scales outer-dim-major
+    ([K/128, M] transposed, as `quant_act_fp8(y, scale_m_major=True)` lays them out)."""
+    if s_m is not None:
+        _FP8_SCALES_M.attach(y, (q, s_m))
     return _FP8_COPY.attach(y, (q, s))
 
 
 def cached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return _FP8_COPY.get(x)
+
+
+def cached_fp8_m_major(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x's FP8 copy with outer-dim-major scales (`attach_fp8(s_m=)`), for cuBLAS; None where none was made."""
+    return _FP8_SCALES_M.get(x)
+
+
+def copy_buffers(rows: int, n: int, dtype: torch.dtype,
+                 device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(e4m3 [rows, n], row-major scales [rows, n/128], outer-dim-major scales or None) for the FP8 copy a row
+    kernel writes beside its output [rows, n], or None where it writes none: up to SMALL_M rows the row-major
+    scales (the skinny GEMM's); from there up to CUBLAS_COPY_MAX_ROWS rows that are a multiple of CUBLAS_M both
+    layouts, one buffer (the kernels find the second past the first: [rows * n/128] then [n/128, rows])."""
+    big = SMALL_M < rows <= CUBLAS_COPY_MAX_ROWS and rows % CUBLAS_M == 0
+    if (rows > SMALL_M and not big) or n % FP8_BLOCK or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    kg = n // FP8_BLOCK
+    q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty((2 if big else 1) * rows * kg, dtype=torch.float32, device=device)
+    s_m = scales[rows * kg:].view(kg, rows).t() if big else None
+    return q, scales[: rows * kg].view(rows, kg), s_m
 
 
 # ---- the Triton block-scaled GEMM (skinny decode path; FP8-activation fallback for odd shapes) ---------
@@ -385,10 +420,12 @@ def scaled_mm_shape_ok(n: int, k: int) -> bool:
     return n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0
 
 
-def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                     act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """quant + cuBLAS's block-scaled GEMM; act: x's FP8 copy with outer-dim-major scales (`cached_fp8_m_major`,
+    rows a multiple of CUBLAS_M), used as it is."""
     m = x.shape[0]
-    a, a_s = quant_act_fp8(x, pad_m_to=16, scale_m_major=True)
+    a, a_s = act if act is not None else quant_act_fp8(x, pad_m_to=CUBLAS_M, scale_m_major=True)
     y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16)
     return y[:m].to(out_dtype)
 
@@ -430,7 +467,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         cfg = skinny_config(m, n, k, _sm_count(x2))
         y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, act=cached_fp8(x), **cfg)
     elif scaled_mm_ok(n, k, x2.device):
-        y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype)
+        y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype, act=cached_fp8_m_major(x))
     else:
         y = triton_gemm(x2, weight, weight_scale_inv, True, 64, 128, 1, 4, 3, x.dtype)
     return y.reshape(*lead, n)

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from dsaserve.kernels import reference as R
-from tests.kernels.gpu_common import BF16_ULP, DEVICE, MODELS, SMALL_ROWS, gpu_modules, randn, requires_gpu_kernels
+from tests.kernels.gpu_common import (
+    BF16_ULP,
+    DEVICE,
+    FP8A,
+    MODELS,
+    SMALL_ROWS,
+    gpu_modules,
+    randn,
+    rel,
+    requires_gpu_kernels,
+)
 
 pytestmark = requires_gpu_kernels
 
@@ -94,6 +104,53 @@ def test_row_kernels_attach_the_fp8_copy_the_gemm_would_make(gen, op):
     assert (q.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
     big = randn(SMALL_ROWS + 1, n, gen=gen, dtype=torch.bfloat16)
     assert G.cached_fp8(E.rms_norm(big, w, 1e-6)) is None  # prefill-size outputs carry none
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "silu_and_mul"])
+def test_batch_rows_carry_the_copy_in_both_scale_layouts(gen, op, monkeypatch):
+    """With `CUBLAS_COPY_MAX_ROWS`, 33+ rows that are a multiple of 16 carry the FP8 copy with its scales row-major
+    (the MoE's) and outer-dim-major (cuBLAS's: what `quant_act_fp8(scale_m_major=True)` lays out): the same
+    values, the same scales; other row counts carry none."""
+    from dsaserve.kernels import triton_elementwise as E
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    monkeypatch.setattr(G, "CUBLAS_COPY_MAX_ROWS", 512)
+    n = 1024
+    w = randn(n, gen=gen, dtype=torch.bfloat16)
+    run = {"rms_norm": lambda x: E.rms_norm(x, w, 1e-6), "add_rms_norm": lambda x: E.add_rms_norm(x, x, w, 1e-6)[0],
+           "silu_and_mul": lambda x: E.silu_and_mul(x)}[op]
+    for rows in (48, 128):
+        y = run(randn(rows, n if op != "silu_and_mul" else 2 * n, gen=gen, dtype=torch.bfloat16))
+        (q, s), (q_m, s_m) = G.cached_fp8(y), G.cached_fp8_m_major(y)
+        ref_q, ref_s = G.quant_act_fp8(y, pad_m_to=16, scale_m_major=True)
+        assert q_m is q and s_m.stride() == (1, rows) and torch.equal(s_m, s)
+        torch.testing.assert_close(s_m, ref_s)
+        assert (q.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -3  # <= 1 e4m3 step
+    for rows in (40, 528):  # not cuBLAS's M / past the bound
+        y = run(randn(rows, n if op != "silu_and_mul" else 2 * n, gen=gen, dtype=torch.bfloat16))
+        assert G.cached_fp8(y) is None and G.cached_fp8_m_major(y) is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled GEMM: a Hopper GPU")
+def test_the_cublas_gemm_takes_the_rows_copy_instead_of_quantising(gen, monkeypatch):
+    """fp8_linear at 128 rows reads the RMSNorm's copy (no quantiser launch) and gives what quantising gives, to the
+    copy's rounding (<= 1 e4m3 step an element)."""
+    from dsaserve.kernels import triton_elementwise as E
+    from dsaserve.kernels import triton_fp8_gemm as G
+    from dsaserve.weights.fp8 import quantize_fp8_block
+
+    if not G.scaled_mm_ok(1024, 2048, torch.device(DEVICE)):
+        pytest.skip("not a GPU whose block-scaled cuBLAS GEMM fp8_linear takes")
+    w8, ws = quantize_fp8_block(randn(1024, 2048, gen=gen))
+    x, g = randn(128, 2048, gen=gen, dtype=torch.bfloat16), randn(2048, gen=gen, dtype=torch.bfloat16)
+    plain = G.fp8_linear(E.rms_norm(x, g, 1e-6), w8, ws)
+    monkeypatch.setattr(G, "CUBLAS_COPY_MAX_ROWS", 512)
+    y = E.rms_norm(x, g, 1e-6)
+    calls = []
+    quant = G.quant_act_fp8
+    monkeypatch.setattr(G, "quant_act_fp8", lambda *a, **k: calls.append(1) or quant(*a, **k))
+    got = G.fp8_linear(y, w8, ws)
+    assert not calls and rel(got, plain) < FP8A
 
 
 def test_activation_quant_gives_each_row_the_same_bytes_at_any_batch_size(gen):
