@@ -1,5 +1,5 @@
 """The host's work in a drafting step (engine/mtp.py, stage 7), with the model's forwards replaced by no-ops: what a
-synchronous step with drafts adds on the CPU beside its kernels (on the slice, H100: the step's "rest" grew from
+step with drafts adds on the CPU beside its kernels (on the slice, H100: the step's "rest" grew from
 0.27 to 1.73 ms at 16 requests x 3 drafts, bench/RESULTS.md, thirty-sixth session).
 
 The no-op runner answers every main row with token g(p + 1) for the token at position p, and the MTP layer at

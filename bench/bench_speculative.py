@@ -42,6 +42,16 @@ def run(model: str, device: str | None, steps: int, prompts: list[str], max_toke
         return _timed_runs(eng, prompts, max_tokens, repeat, phases)
 
 
+def token_prompts(batch: int) -> list[list[int]]:
+    """`batch` prompts of 48 token ids (random weights have no tokenizer), one distinct sequence a request."""
+    return [[10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(batch)]
+
+
+def engine_kwargs(mem_fraction_static: float | None) -> dict:
+    """The engines' extra arguments from the command line (`--mem-fraction-static`)."""
+    return {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
+
+
 @contextlib.contextmanager
 def engine_for(model: str, steps: int, device: str | None, load_format: str = "auto",
                engine_kw: dict | None = None) -> Iterator[Engine]:
@@ -143,10 +153,9 @@ def main() -> None:
     ap.add_argument("--mem-fraction-static", type=float, default=None,
                     help="the engines' --mem-fraction-static (one engine at a time holds the GPU)")
     args = ap.parse_args()
-    engine_kw = {} if args.mem_fraction_static is None else {"mem_fraction_static": args.mem_fraction_static}
+    engine_kw = engine_kwargs(args.mem_fraction_static)
     for bs in (int(b) for b in args.batch.split(",")):
-        prompts = PROMPTS[:bs] if args.load_format != "dummy" else [  # random weights: no tokenizer either
-            [10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(bs)]
+        prompts = PROMPTS[:bs] if args.load_format != "dummy" else token_prompts(bs)
         base, t_base, s_base = run(args.model, args.device, 0, prompts, args.max_tokens, args.repeat, args.load_format,
                                    args.phases, engine_kw)
         tokens = bs * args.max_tokens

@@ -1,6 +1,6 @@
 """Where a drafting engine's host time goes (engine/mtp.py; stage 7): cProfile over one timed `generate` of a
-plain and a drafting engine, each warmed first, the functions by their own time and by cumulative time. The step is
-synchronous with drafts, so the host's time between the device's work is what a step loses beside its kernels
+plain and a drafting engine, each warmed first, the functions by their own time and by cumulative time. A drafting
+step waits for its verify's samples, so the host's time after that wait is what a step loses beside its kernels
 (`bench_speculative.py --phases`: "rest").
     PYTHONPATH=. python bench/profile_spec_host.py --model glm-5.3-slice --load-format dummy --batch 16 --steps 3
 """
@@ -13,15 +13,14 @@ import io
 import pstats
 import time
 
-from bench.bench_speculative import engine_for
+from bench.bench_speculative import engine_for, engine_kwargs, token_prompts
 from dsaserve import SamplingParams
 
 
 def profile_engine(args, steps: int) -> str:
-    extra = {} if args.mem_fraction_static is None else {"mem_fraction_static": args.mem_fraction_static}
-    prompts = [[10 + (7919 * (r + 1) * (j + 1)) % 500 for j in range(48)] for r in range(args.batch)]
+    prompts = token_prompts(args.batch)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    with engine_for(args.model, steps, args.device, args.load_format, extra) as eng:
+    with engine_for(args.model, steps, args.device, args.load_format, engine_kwargs(args.mem_fraction_static)) as eng:
         for _ in range(2):
             eng.generate(prompts, params)
         before = eng.core.stats()["steps"]

@@ -18,9 +18,9 @@ import torch
 def to_device(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` (or a host tensor `.to` it), queued behind the device's
     work (no sync)."""
-    if isinstance(values, torch.Tensor):
+    if isinstance(values, torch.Tensor):  # any other way than host to GPU: `.to` as it is, queued where it can be
         if values.device.type != "cpu" or device.type != "cuda":
-            return values.to(device, dtype)
+            return values.to(device, dtype, non_blocking=True)
         return values.to(dtype).pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)

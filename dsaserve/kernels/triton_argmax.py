@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import INTERPRET
+from dsaserve.kernels.triton_utils import INTERPRET, made_once
 
 BLOCK = 8192  # values a program reads per loop step: 16 KB of bf16, four 16-B loads in flight a thread
 MAX_SPLITS = 64  # programs a row at most: the last one reduces their partials in one block
@@ -79,18 +79,14 @@ def _row_argmax_kernel(x_ptr, key_ptr, idx_ptr, count_ptr, out_ptr, n_cols, stri
 def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(arrival counters, partial keys, partial indices) of the current stream: one int32 counter a row, zero
     between launches (each row's last program resets its own), and the programs' partials. One set a stream, made
-    on its first launch (the registry makes the default stream's when it binds the GPU ops; never first inside a
-    CUDA-graph capture, as `triton_fp8_gemm.split_counters`): launches on one stream run one after another, while
-    two streams' launches could run at once and mix their arrivals."""
+    on its first launch (the registry makes the default stream's when it binds the GPU ops; `triton_utils.made_once`):
+    launches on one stream run one after another, while two streams' launches could run at once and mix their
+    arrivals."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.index, stream)
-    if key not in _WORKSPACES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("row_argmax: its workspace first made inside a CUDA-graph capture (make it before)")
-        _WORKSPACES[key] = (torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
-                            torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device),
-                            torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device))
-    return _WORKSPACES[key]
+    return made_once(_WORKSPACES, (device.index, stream), device, "row_argmax's workspace",
+                     lambda: (torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
+                              torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device),
+                              torch.empty(MAX_ROWS, MAX_SPLITS, dtype=torch.int32, device=device)))
 
 
 def split_plan(rows: int, n_cols: int, sms: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_args
+from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, made_once, pdl_args
 
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -239,7 +239,7 @@ def _split_k_store(acc, c_ptr, part_ptr, cnt_ptr, tile, pid_s, n_split, offs_n, 
                     total = tl.where(s0 + 3 < n_split, total + p3, total)
             else:
                 for s in range(0, n_split):
-                    total += tl.load(part_ptr + s * stride_ps + p_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += _part(part_ptr, s, n_split, p_off, mask, stride_ps)
             tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -321,17 +321,10 @@ _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 def split_counters(device: torch.device) -> torch.Tensor:
     """One int32 arrival counter per output tile, zero between launches (the last program resets its own).
-    Made once per device, when the registry binds the GPU ops (kernels/registry.py), never inside a CUDA-graph
-    capture: there its memory would come from the graph's pool and its zeros from a memset node that runs only
-    on that graph's replay, while every split GEMM of every graph shares it (a warm start that captured a small
-    bucket first got non-finite logits so). Shared by every split GEMM, which is safe because they run one
-    after another on the compute stream."""
-    key = device.index
-    if key not in _SPLIT_COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split_counters: first made inside a CUDA-graph capture (make them before it)")
-        _SPLIT_COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTERS[key]
+    Made once per device (`triton_utils.made_once`). Shared by every split GEMM, which is safe because they run
+    one after another on the compute stream."""
+    return made_once(_SPLIT_COUNTERS, device.index, device, "split_counters",
+                     lambda: torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma: bool, block_m: int, block_n: int,

@@ -42,9 +42,12 @@ def _split_tiles(part_ptr, t, h, k0, n_splits, K, stride_ps, stride_pt, stride_p
 @triton.jit
 def _token_tiles(part_ptr, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S: tl.constexpr,
                  FOLD: tl.constexpr):
-    """(token 0's, token FOLD - 1's) split tiles of K block k0 (`_split_tiles`)."""
+    """(token 0's, token FOLD - 1's) split tiles of K block k0 (`_split_tiles`): one tile, twice, at one token."""
     p0 = _split_tiles(part_ptr, 0, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
-    p1 = _split_tiles(part_ptr, FOLD - 1, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+    if FOLD == 2:
+        p1 = _split_tiles(part_ptr, 1, h, k0, n_splits, K, stride_ps, stride_pt, stride_ph, offs_k, BLOCK_S)
+    else:
+        p1 = p0
     return p0, p1
 
 

@@ -36,7 +36,7 @@ from dsaserve.kernels.triton_indexer_long import (
     workspace,
 )
 from dsaserve.kernels.triton_indexer_paged import DEFAULT_TILE, q_meta, rounded_q, score_tiles
-from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync
+from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, made_once
 from dsaserve.kernels.variants import FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
@@ -169,19 +169,15 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     """[COOP_WS_ROWS, WS_ROW] int32, zero between launches: every cooperative launch leaves its rows as it found
     them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
     3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
-    the registry binds the GPU ops, never inside a CUDA-graph capture (`triton_fp8_gemm.split_counters`' reasons).
+    the registry binds the GPU ops (`triton_utils.made_once`).
     Shared by every cooperative launch. **Invariant: no two cooperative launches of a device run at once.** Today
     they run one after another: a forward's full layers select in turn, on the indexer's side stream (each waiting
     for the compute stream, which joins it before the layer's attention) or on the compute stream itself
     (piecewise segments, no side stream); `forward_hidden` / `forward_mtp` join the side stream at their end; graphs
     replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
     beside its target, would need a workspace each."""
-    key = (device.type, device.index)
-    if key not in _COOP_WS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("coop_workspace: first made inside a CUDA-graph capture (make it before it)")
-        _COOP_WS[key] = torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device)
-    return _COOP_WS[key]
+    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace",
+                     lambda: torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device))
 
 
 def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:

@@ -62,6 +62,19 @@ def prefetch_rows(c_ptr, row, stride_c, ELEM: tl.constexpr, ROW_BYTES: tl.conste
     prefetch_l2(base[:, None] + offs[None, :])
 
 
+def made_once(cache: dict, key, device: torch.device, who: str, make):
+    """cache[key], made by `make()` on first use and kept: the persistent buffers kernels leave as they found them
+    (a split GEMM's arrival counters, the cooperative selection's workspace, the argmax's counters), which every
+    CUDA graph then shares. Never first made inside a capture: there its memory would come from that graph's pool
+    and its zeros from a memset node that runs only on that graph's replay (a warm start that captured a small
+    bucket first got non-finite logits so); callers make theirs when the registry binds the GPU ops."""
+    if key not in cache:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{who}: first made inside a CUDA-graph capture (make it before it)")
+        cache[key] = make()
+    return cache[key]
+
+
 class TensorNote:
     """Tensors hung on a freshly produced tensor for its next reader, under one attribute name (the producer's
     promise: `triton_fp8_gemm`'s FP8 copy of an activation, `triton_sparse_mla`'s split partials of a latent)."""

@@ -71,13 +71,7 @@ class ForwardBatch:
         through pinned memory (`to_device`): a copy from pageable memory waits for the device's queued work, which
         would stall the host behind the step before (overlap scheduling, a drafting step's next launch)."""
         device = torch.device(device)
-
-        def move(v: torch.Tensor) -> torch.Tensor:
-            if v.device.type == "cpu" and device.type == "cuda":
-                return to_device(v, v.dtype, device)
-            return v.to(device, non_blocking=True)
-
-        moved = {k: (move(v) if isinstance(v, torch.Tensor) and k != "page_table_cpu" else v)
+        moved = {k: (to_device(v, v.dtype, device) if isinstance(v, torch.Tensor) and k != "page_table_cpu" else v)
                  for k, v in self.__dict__.items()}
         if moved["page_table_cpu"] is None and self.page_table.device.type == "cpu":
             moved["page_table_cpu"] = self.page_table
