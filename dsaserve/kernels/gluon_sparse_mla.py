@@ -395,7 +395,8 @@ def takes(layout: KVLayout, dc: int, dr: int, t: int, device: torch.device) -> b
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False,
+                         full_rows: bool = False) -> torch.Tensor:
     """The registry's sparse MLA: these kernels where `takes` says so (a step's token count is static under CUDA
     graphs, so each captured bucket keeps one kernel), else `triton_sparse_mla`'s (split-K flash-decoding for a
     few tokens, its tensor-core tiles for other latents and layouts)."""
@@ -403,6 +404,6 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     t, _, dc = q_nope.shape
     if dc != kv_lora_rank or t == 0 or not takes(layout, dc, q_rope.shape[-1], t, q_nope.device):
         return tsm.sparse_mla_attention(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank,
-                                        out=out, defer_combine=defer_combine)
+                                        out=out, defer_combine=defer_combine, full_rows=full_rows)
     rows = tsm.cache_views(kv_cache, layout, dc, DR.value)[0]
     return sparse_mla_attention_gluon(q_nope, q_rope, rows, topk_slots, softmax_scale, _out_buffer(q_nope, out))

@@ -163,8 +163,12 @@ def indexer_topk(q: torch.Tensor | None, head_weights: torch.Tensor | None, inde
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False,
+                         full_rows: bool = False) -> torch.Tensor:
     """Weight-absorbed sparse MLA over the paged latent cache (written into `out` when given).
+
+    full_rows (a speed hint, no numbers depend on it here): every token's top-k is all valid slots, so a GPU
+    kernel may divide it statically (`triton_sparse_mla.FULL_ROW_CONFIG`).
 
     defer_combine (the caller's promise that `head_bmm` is the output's only reader): a GPU kernel that split the
     keys may leave its partials on `out` for `head_bmm` to merge (`triton_sparse_mla.attach_splits`); here, and

@@ -320,6 +320,14 @@ def cache_views(kv_cache: torch.Tensor, layout: KVLayout, dc: int, dr: int, who:
 
 # overrides of one token's config (the batch-1 decode step's tile; bench/profile_decode.py's "mla1:" A/B settings)
 ONE_TOKEN_CONFIG: dict = {}
+# one token whose top-k is all valid slots (`full_rows`: a batch-1 step past index_topk keys) at kv_lora 512 over
+# 64-head multiples: the 64-head tile, each 128-group dequantised apart, the top-k divided statically (no valid-slot
+# scan before the first gather: every slot is valid). H200, in the step (bench/RESULTS.md, thirty-eighth session):
+# -30 us a b1 32K step, -27 at 128K against the 16-head tile with the scan (nineteenth session's sweep, isolated:
+# 15.32 vs 16.86 us a call over 2048 valid slots). Not at fewer valid slots: a static split's programs each run a
+# whole tile whatever the valid count, where the scanned split's programs past the end stop at once.
+FULL_ROW_CONFIG: dict = {"block_h": 64, "block_k": 64, "num_warps": 8, "num_stages": 1, "grouped": "dequant",
+                         "scan": 0, "prefetch": False}
 
 
 @functools.lru_cache(maxsize=4)
@@ -351,10 +359,12 @@ def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
                          out: torch.Tensor | None = None, config: dict | None = None,
-                         defer_combine: bool = False) -> torch.Tensor:
+                         defer_combine: bool = False, full_rows: bool = False) -> torch.Tensor:
     """GPU `reference.sparse_mla_attention` -> [T, H, kv_lora_rank] in q_nope.dtype (`out`, contiguous, when
     given: the piecewise graphs' buffer). defer_combine: a split call of up to FOLD_MAX_T tokens leaves its
     partials on `out` (`attach_splits`) instead of merging them: `head_bmm` merges them as it reads them.
+    full_rows: the caller's word that every token's top-k is all valid slots (`StepContext.full_topk`): one token
+    takes FULL_ROW_CONFIG's tile where it applies (a speed choice: -1 slots are masked either way).
 
     `config` (bench/tuning only) overrides block_h / block_k / num_warps / num_stages / splits / scan (slots a load
     of the valid-slot scan) / grouped
@@ -398,6 +408,8 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     if t > 2 and envs.DSASERVE_SPARSE_MLA_CONFIG:
         cfg.update(_env_config(envs.DSASERVE_SPARSE_MLA_CONFIG))
     if t == 1:
+        if full_rows and layout in (FP8_DS_MLA, BF16) and dc == 512 and h % 64 == 0:
+            cfg.update(FULL_ROW_CONFIG)
         cfg.update(ONE_TOKEN_CONFIG)
     cfg.update(config or {})
     bh, bk = cfg["block_h"], cfg["block_k"]

@@ -245,7 +245,8 @@ def sparse_mla_attention_swap(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cac
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False,
+                         full_rows: bool = False) -> torch.Tensor:
     """The registry's sparse MLA under `registry.SPARSE_MLA_SWAP_AB`: this kernel from SWAP_MIN_TOKENS tokens on
     (a step's token count is static under CUDA graphs, so each captured bucket keeps one kernel), the split-K
     flash-decoding kernel below it (a few tokens cannot fill the GPU with 64-head programs) and for latents
@@ -253,5 +254,5 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     args = (q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank)
     if q_nope.shape[0] >= SWAP_MIN_TOKENS and supports(q_nope.shape[-1]):
         return sparse_mla_attention_swap(*args, out=out)  # merges its own splits: nothing to defer
-    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine)
+    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine, full_rows=full_rows)
 

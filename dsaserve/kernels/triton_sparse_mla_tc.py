@@ -366,11 +366,12 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tens
 
 def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layout: KVLayout | str,
                          topk_slots: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-                         out: torch.Tensor | None = None, defer_combine: bool = False) -> torch.Tensor:
+                         out: torch.Tensor | None = None, defer_combine: bool = False,
+                         full_rows: bool = False) -> torch.Tensor:
     """The registry's sparse MLA: tensor-core tiles from TC_MIN_TOKENS tokens on (a step's token count is static
     under CUDA graphs, so each captured bucket keeps one kernel), `triton_sparse_mla`'s split-K flash-decoding
     below (a few tokens cannot fill the GPU with 64-row tiles; that kernel splits the top-k further)."""
     args = (q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank)
     if q_nope.shape[0] >= TC_MIN_TOKENS:
         return sparse_mla_attention_tc(*args, out=out)  # merges its own splits: nothing to defer
-    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine)
+    return triton_sparse_mla.sparse_mla_attention(*args, out=out, defer_combine=defer_combine, full_rows=full_rows)

@@ -63,3 +63,31 @@ def test_the_reference_selection_without_queries_is_every_visible_key():
     assert out[4].tolist() == [28, 29, 30, 31, 0, -1, -1, -1]
     with pytest.raises(ValueError, match="past top-4"):
         R.indexer_topk(None, None, torch.empty(0), "fp32", page_table, req, positions, 4, 4, [3, 5], [3, 2])
+
+
+@pytest.mark.parametrize("name", ["glm-5.3-tiny", "deepseek-v3.2-tiny"])
+def test_sparse_mla_hears_that_rows_are_full_only_for_one_token_past_the_top_k(cpu_model, name, monkeypatch):
+    """`StepContext.full_topk`: sparse MLA may divide the top-k statically (`triton_sparse_mla.FULL_ROW_CONFIG`)
+    only where every slot is valid: one token whose page table is wider than the top-k. Not a two-token batch (one
+    row may be short), not a one-token batch within the top-k."""
+    from dsaserve.kernels.registry import get_ops
+
+    model = cpu_model(name)
+    ops = get_ops("cpu")
+    seen: list[bool] = []
+
+    def spy(*args, full_rows=False, **kwargs):
+        seen.append(full_rows)
+        return R.sparse_mla_attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "sparse_mla_attention", spy)
+    pool = KVPool(model.cfg, 16, "fp32", model.kv_layer_ids, PAGE, torch.float32, "cpu")
+    n_layers = model.cfg.num_hidden_layers
+    steps = [(contiguous_batch([list(range(3, 12))], [0], [0], PAGE), False),  # a 9-token prefill
+             (contiguous_batch([[12]], [9], [0], PAGE), True),  # its decode: 10 keys past the top-8
+             (contiguous_batch([[13], [5]], [10, 0], [0, 32], PAGE), False),  # one row of one key
+             (contiguous_batch([[6]], [1], [32], PAGE), False)]  # 2 keys, one page: within the top-k
+    for batch, full in steps:
+        seen.clear()
+        model(batch, pool)
+        assert seen == [full] * n_layers, (batch.seq_lens, seen)

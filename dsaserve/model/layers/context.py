@@ -50,6 +50,11 @@ class StepContext:
     # (`Indexer.prepare`). Set from the batch by the whole forward (a decode graph's width class decides it at
     # capture); never under piecewise graphs, whose segments serve batches of every width
     all_keys: bool = False
+    # every row's top-k is index_topk valid slots: a one-token batch whose page table is wider than the top-k (one
+    # request past index_topk keys; under decode graphs the wide class, the narrow one holding the short requests).
+    # A speed hint to sparse MLA (`triton_sparse_mla.FULL_ROW_CONFIG`); wrong only where no narrow class exists
+    # (--disable-narrow-decode-graphs, DP-attention's gather graphs), which then run a slower tile, not other numbers
+    full_topk: bool = False
     # tensors side-stream work reads after the main stream is done with them (the experts-touched count's ids):
     # held until the forward joins the side stream (`join_side_stream`, at the end of each forward)
     side_reads: list[torch.Tensor] = field(default_factory=list)
@@ -59,6 +64,11 @@ def takes_every_key(cfg: ModelConfig, batch: ForwardBatch) -> bool:
     """The batch's static row bound (page-table width x page size) is at most index_topk: the GPU selection's
     `take_all` condition, so every full layer's top-k is every key its rows see, whatever the scores."""
     return causal.takes_every_key(batch.page_table.shape[1], batch.page_size, cfg.index_topk)
+
+
+def one_row_past_topk(cfg: ModelConfig, batch: ForwardBatch) -> bool:
+    """`StepContext.full_topk`: one token, and a page table wider than the top-k."""
+    return batch.num_tokens == 1 and bool(cfg.index_topk) and not takes_every_key(cfg, batch)
 
 
 def join_side_stream(ctx: StepContext) -> None:

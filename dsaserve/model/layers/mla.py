@@ -143,7 +143,8 @@ class MLAAttention(nn.Module):
         if staging is not None:
             cache, layout, slots = staging.stage(ctx.ops, cache, layout, slots, self.kv_lora)
         ctx.ops.sparse_mla_attention(a.q_abs, a.q_rope, cache, layout, slots, self.softmax_scale, self.kv_lora,
-                                     out=a.latent, defer_combine=ctx.fold_combine and staging is None)
+                                     out=a.latent, defer_combine=ctx.fold_combine and staging is None,
+                                     full_rows=ctx.full_topk and staging is None)
 
     def _selects(self, q_idx: torch.Tensor | None, ctx: StepContext) -> bool:
         """Whether this layer makes the step's top-k: a full layer with its indexer queries, or under ctx.all_keys
