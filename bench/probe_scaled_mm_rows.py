@@ -86,11 +86,10 @@ def split_streams(rows: list[int], out: list[dict], ceilings: dict) -> None:
                 cublas_split_k.ENABLED = on
                 y = scaled_mm_linear(x, *ws[0], torch.bfloat16, act=act)
                 t = graph_time([functools.partial(scaled_mm_linear, x, w, sc, torch.bfloat16, act=act) for w, sc in ws])
-                got[on] = (y, t)
-            cublas_split_k.ENABLED = True
-            (y0, t0), (y1, t1) = got[False], got[True]
+                got[on] = (y, t, cublas_split_k.split_count(act[0].shape[0], n, k, sms))
+            cublas_split_k.ENABLED = False
+            (y0, t0, _), (y1, t1, splits) = got[False], got[True]
             rel = float(((y1.float() - y0.float()).norm() / y0.float().norm()).item())
-            splits = cublas_split_k.split_count(act[0].shape[0], n, k, sms)
             bound = nbytes / ceilings["copy_bytes_per_s"] * 1e6
             out.append({"shape": name, "n": n, "k": k, "m": m, "splits": splits, "whole_us": t0 * 1e6,
                         "split_us": t1 * 1e6, "bytes_us": bound, "rel": rel})

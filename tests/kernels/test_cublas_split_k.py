@@ -21,7 +21,8 @@ from dsaserve.kernels import cublas_split_k as S
     (128, 6144, 2048, 2),  # the shared down: 2 x 1024 (2048 is no multiple of 3 x 512)
     (128, 1024, 1536, 3),  # 8 tiles: 4 parts would not be whole 512s, 3 are
 ])
-def test_split_count_fills_a_wave_in_whole_512_columns(m, n, k, want):
+def test_split_count_fills_a_wave_in_whole_512_columns(m, n, k, want, monkeypatch):
+    monkeypatch.setattr(S, "ENABLED", True)
     assert S.split_count(m, n, k, 132) == want
 
 

@@ -467,6 +467,7 @@ def test_cublas_split_k_on_streams_is_the_whole_gemm_eager_and_in_a_graph(gen, n
     gemm = gpu_modules()[0]
     w, s = quantize_fp8_block(randn(n, k, gen=gen))
     x = randn(128, k, gen=gen, dtype=torch.bfloat16)
+    monkeypatch.setattr(cublas_split_k, "ENABLED", True)
     assert cublas_split_k.split_count(128, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
     monkeypatch.setattr(cublas_split_k, "ENABLED", False)
     whole = gemm.fp8_linear(x, w, s)
