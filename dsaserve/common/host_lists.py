@@ -1,4 +1,5 @@
-"""Host lists onto the device, and device results back to the host, without waiting for the device.
+"""Host lists onto the device, and device results back to the host, without waiting for the device (but for
+`to_device`'s moves to the host, read at once).
 
 Owns: `to_device` and `HostCopy`. `torch.tensor(values, device="cuda")` copies from pageable memory, which
 synchronises the stream: the host waits for every queued kernel (under overlap scheduling the whole forward; in a

@@ -421,6 +421,7 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     SMs idle (`cublas_split_k`)."""
     m = x.shape[0]
     a, a_s = act if act is not None else quant_act_fp8(x, pad_m_to=CUBLAS_M, scale_m_major=True)
+    cublas_split_k.prepare(scale)
     splits = cublas_split_k.split_count(a.shape[0], weight.shape[0], weight.shape[1], _sm_count(x))
     y = cublas_split_k.split_scaled_mm(a, a_s, weight, scale, splits) if splits > 1 else None
     if y is None:

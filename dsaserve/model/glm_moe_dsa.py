@@ -21,8 +21,7 @@ from dsaserve.distributed.parallel_state import get_parallel_state, validate_for
 from dsaserve.kernels.registry import get_ops
 from dsaserve.kernels.variants import SELECT_MAX_ROWS
 from dsaserve.model.forward_batch import ForwardBatch
-from dsaserve.model.layers import context
-from dsaserve.model.layers.context import PagedKV, StepContext, join_side_stream, takes_every_key
+from dsaserve.model.layers.context import PagedKV, StepContext, join_side_stream, one_row_past_topk, takes_every_key
 from dsaserve.model.layers.embedding import Embedding, LMHead
 from dsaserve.model.layers.linear import Linear
 from dsaserve.model.layers.mla import AttentionInputs, MLAAttention
@@ -168,7 +167,7 @@ class DsaForCausalLM(nn.Module):
         stream = self._indexer_stream(batch, ops) if side_stream else None
         return StepContext(batch, pool, cos, sin, ops, side_stream=stream, fold_combine=whole_forward,
                            all_keys=whole_forward and takes_every_key(self.cfg, batch),
-                           full_topk=context.one_row_past_topk(self.cfg, batch))
+                           full_topk=one_row_past_topk(self.cfg, batch))
 
     def _indexer_stream(self, batch: ForwardBatch, ops) -> torch.cuda.Stream | None:
         """The side stream full layers run their indexer selection on (`MLAAttention.pre_attention`), and MoE layers

@@ -62,3 +62,15 @@ def test_part_scales_are_made_once_for_every_valid_count():
     assert S.part_scales(scale, 2) is first and S.part_scales(scale, 3) is not None
     assert [p.shape[1] for p in S.part_scales(scale, 4)] == [12] * 4
     assert torch.equal(torch.cat(first, dim=1), scale)
+
+
+def test_prepare_makes_the_part_scales_on_any_eager_call_and_nothing_while_off(monkeypatch):
+    """A warm start runs only its largest bucket eagerly, where o_proj may split nothing: its part scales must be
+    made there all the same, or every graph captured after runs it whole."""
+    scale = torch.rand(48, 128)  # o_proj's [N/128, K/128]
+    monkeypatch.setattr(S, "ENABLED", False)
+    S.prepare(scale)
+    assert S._PART_SCALES.get(scale) is None
+    monkeypatch.setattr(S, "ENABLED", True)
+    S.prepare(scale)
+    assert sorted(S._PART_SCALES.get(scale)[0]) == [2, 4]  # 16384 = 2 x 8192 = 4 x 4096, not 3 whole 512s

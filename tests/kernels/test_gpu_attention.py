@@ -220,26 +220,6 @@ def test_sparse_mla_attention_matches_reference(gen, layout, t):
             assert rel(got, ref) < BF16, f"seed {gen.initial_seed()} grouped={grouped}"
 
 
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
-@pytest.mark.parametrize("short", [False, True])
-def test_one_token_of_full_rows_takes_the_static_64_head_tile(gen, layout, short):
-    """`full_rows` (a batch-1 step past the top-k) gives one token FULL_ROW_CONFIG's tile, GLM's shapes; a row
-    that is not full after all (the hint wrong: no narrow graph class) still gets the reference's numbers."""
-    mla = gpu_modules()[4]
-    h, dc, dr, k, n_slots = 64, 512, 64, 2048, 4096
-    cache = encode_latent(randn(n_slots, dc + dr, gen=gen), layout, dc)
-    slots = torch.randperm(n_slots, generator=gen, device=DEVICE)[:k][None].contiguous()
-    if short:
-        slots[0, 700:] = -1
-    qn, qr = randn(1, h, dc, gen=gen, dtype=torch.bfloat16), randn(1, h, dr, gen=gen, dtype=torch.bfloat16)
-    poison_free_memory()
-    got = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, full_rows=True)
-    ref = R.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc)
-    assert torch.isfinite(got).all() and rel(got, ref) < BF16, f"seed {gen.initial_seed()}"
-    tiled = mla.sparse_mla_attention(qn, qr, cache, layout, slots, 0.04, dc, config=mla.FULL_ROW_CONFIG)
-    assert torch.equal(got, tiled)
-
-
 @pytest.mark.parametrize("t", [1, 3, 40])
 def test_sparse_mla_attention_in_float32_is_not_rounded_to_bf16(gen, t):
     """A float32 model's queries (eval's GPU-in-float32 comparison) at glm-5.3-mini's latent (the generic kernel):

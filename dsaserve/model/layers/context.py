@@ -52,8 +52,10 @@ class StepContext:
     all_keys: bool = False
     # every row's top-k is index_topk valid slots: a one-token batch whose page table is wider than the top-k (one
     # request past index_topk keys; under decode graphs the wide class, the narrow one holding the short requests).
-    # A speed hint to sparse MLA (`triton_sparse_mla.FULL_ROW_CONFIG`); wrong only where no narrow class exists
-    # (--disable-narrow-decode-graphs, DP-attention's gather graphs), which then run a slower tile, not other numbers
+    # A speed hint to sparse MLA (`triton_sparse_mla.FULL_ROW_CONFIG`); wrong where no narrow class exists
+    # (--disable-narrow-decode-graphs, DP-attention's gather graphs) or index_topk is no multiple of the page size (a
+    # table one page wider than the top-k may hold fewer keys): those run a slower tile, never other numbers. Piecewise
+    # cores (their own contexts) never set it
     full_topk: bool = False
     # tensors side-stream work reads after the main stream is done with them (the experts-touched count's ids):
     # held until the forward joins the side stream (`join_side_stream`, at the end of each forward)
