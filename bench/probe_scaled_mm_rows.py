@@ -5,9 +5,7 @@ SMs with 128 x 128 output tiles).
 Run on the device:  PYTHONPATH=. python bench/probe_scaled_mm_rows.py --out $OUT
 Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all: from HBM, not L2). Variants:
 the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
-without the quantiser; every variant's output against the shipped one (pad 16). `--split-streams`: the shipped
-`scaled_mm_linear` (activations quantised before) with K cut over concurrent streams (`kernels/cublas_split_k.py`)
-against unsplit, with the split's distance from the unsplit product.
+without the quantiser; every variant's output against the shipped one (pad 16).
 """
 
 from __future__ import annotations
@@ -68,40 +66,9 @@ def quant_tiles(out: list[dict]) -> None:
                   f"{3 * m * k / t / 1e12:.2f} TB/s, same {same}", flush=True)
 
 
-def split_streams(rows: list[int], out: list[dict], ceilings: dict) -> None:
-    """`scaled_mm_linear` with and without `cublas_split_k` at each shape and row count (graph replays over
-    weight copies past the L2), each against the bytes' time at the measured copy rate."""
-    from dsaserve.kernels import cublas_split_k
-    from dsaserve.kernels.triton_fp8_gemm import scaled_mm_linear
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, n, k in SHAPES:
-        ws = _weights(n, k, max(2, -(-200_000_000 // (n * k))))
-        nbytes = n * k + 4 * (n // 128) * (k // 128)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            act = quant_act_fp8(x, pad_m_to=16, scale_m_major=True)
-            got = {}
-            for on in (False, True):
-                cublas_split_k.ENABLED = on
-                y = scaled_mm_linear(x, *ws[0], torch.bfloat16, act=act)
-                t = graph_time([functools.partial(scaled_mm_linear, x, w, sc, torch.bfloat16, act=act) for w, sc in ws])
-                got[on] = (y, t, cublas_split_k.split_count(act[0].shape[0], n, k, sms))
-            cublas_split_k.ENABLED = False
-            (y0, t0, _), (y1, t1, splits) = got[False], got[True]
-            rel = float(((y1.float() - y0.float()).norm() / y0.float().norm()).item())
-            bound = nbytes / ceilings["copy_bytes_per_s"] * 1e6
-            out.append({"shape": name, "n": n, "k": k, "m": m, "splits": splits, "whole_us": t0 * 1e6,
-                        "split_us": t1 * 1e6, "bytes_us": bound, "rel": rel})
-            print(f"{name:15s} m {m:4d}: whole {t0 * 1e6:7.2f} us, {splits} parts {t1 * 1e6:7.2f} us "
-                  f"({t0 / t1:.2f}x), bytes {bound:6.2f} us, rel {rel:.1e}", flush=True)
-        del ws
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", action="store_true", help="only the activation quantiser's tiles")
-    ap.add_argument("--split-streams", action="store_true", help="only K cut over concurrent streams")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")
@@ -112,9 +79,7 @@ def main() -> None:
     rows = []
     if args.quant:
         quant_tiles(rows)
-    if args.split_streams:
-        split_streams([int(v) for v in args.rows.split(",")], rows, ceilings)
-    for name, n, k in SHAPES if not (args.quant or args.split_streams) else ():
+    for name, n, k in SHAPES if not args.quant else ():
         copies = max(2, -(-200_000_000 // (n * k)))
         ws = _weights(n, k, copies)
         nbytes = n * k + 4 * (n // 128) * (k // 128)

@@ -19,12 +19,12 @@ import torch
 def to_device(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` (or a host tensor `.to` it), queued behind the device's
     work (no sync; a move to the host waits for its copy)."""
-    if isinstance(values, torch.Tensor):  # any other way than host to GPU: `.to` as it is, queued where it can be
-        if values.device.type != "cpu" and device.type == "cpu":  # a host tensor is read at once: wait for it
-            return values.to(device, dtype)  # (a non-blocking copy out of the GPU may still be in flight)
-        if values.device.type != "cpu" or device.type != "cuda":
-            return values.to(device, dtype, non_blocking=True)
-        return values.to(dtype).pin_memory().to(device, non_blocking=True)
+    if isinstance(values, torch.Tensor):
+        if values.device.type == "cpu" and device.type == "cuda":
+            return values.to(dtype).pin_memory().to(device, non_blocking=True)
+        # any other way: `.to` as it is, queued where it stays on a device; a host tensor is read at once, so a move
+        # to the host waits for its copy (a non-blocking one out of the GPU may still be in flight)
+        return values.to(device, dtype, non_blocking=device.type != "cpu")
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

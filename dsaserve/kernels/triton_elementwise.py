@@ -77,12 +77,21 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     s = torch.empty_like(x2) if residual is not None else y
     fp8 = copy_buffers(rows, n, y.dtype, x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *(fp8[:2] if fp8 else (y, y)), n, eps, x2.stride(0),
-                                  r2.stride(0), y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
-                                  QUANT=fp8 is not None, BLOCK=triton.next_power_of_2(n),
-                                  M_MAJOR=fp8 is not None and fp8[2] is not None, num_warps=8 if n >= 4096 else 4,
-                                  **pdl_args(x.device))
+        _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *_copy_args(fp8, y), n, eps, x2.stride(0), r2.stride(0),
+                                  y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
+                                  **_copy_flags(fp8), **pdl_args(x.device))
     return _with_copy(y.view(*x.shape[:-1], n), fp8), s.view(*x.shape[:-1], n)
+
+
+def _copy_args(fp8: tuple | None, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's FP8 copy pointers (values, row-major scales), or y twice where it writes none (unread)."""
+    return fp8[:2] if fp8 is not None else (y, y)
+
+
+def _copy_flags(fp8: tuple | None) -> dict[str, bool]:
+    """QUANT (a copy written) and M_MAJOR (its scales outer-dim-major too, `copy_buffers`)."""
+    return {"QUANT": fp8 is not None, "M_MAJOR": fp8 is not None and fp8[2] is not None}
 
 
 def _with_copy(out: torch.Tensor, fp8: tuple | None) -> torch.Tensor:
@@ -129,10 +138,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = next((b for b in (2048, 1024, 512, 256, 128) if n % b == 0), min(triton.next_power_of_2(n), 2048))
     fp8 = copy_buffers(rows, n, y.dtype, x.device) if n % block == 0 else None
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *(fp8[:2] if fp8 else (y, y)), n, x2.stride(0),
-                                                       y.stride(0), QUANT=fp8 is not None, BLOCK=block,
-                                                       M_MAJOR=fp8 is not None and fp8[2] is not None,
-                                                       **pdl_args(x.device))
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](x2, y, *_copy_args(fp8, y), n, x2.stride(0), y.stride(0),
+                                                       BLOCK=block, **_copy_flags(fp8), **pdl_args(x.device))
     return _with_copy(y.view(*x.shape[:-1], n), fp8)
 
 

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels import cublas_split_k
 from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, made_once, pdl_args
 
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
@@ -417,15 +416,10 @@ def scaled_mm_shape_ok(n: int, k: int) -> bool:
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                      act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """quant + cuBLAS's block-scaled GEMM; act: x's FP8 copy with outer-dim-major scales (`cached_fp8_m_major`,
-    rows a multiple of CUBLAS_M), used as it is. K cut over concurrent streams where the output tiles leave most
-    SMs idle (`cublas_split_k`)."""
+    rows a multiple of CUBLAS_M), used as it is."""
     m = x.shape[0]
     a, a_s = act if act is not None else quant_act_fp8(x, pad_m_to=CUBLAS_M, scale_m_major=True)
-    cublas_split_k.prepare(scale)
-    splits = cublas_split_k.split_count(a.shape[0], weight.shape[0], weight.shape[1], _sm_count(x))
-    y = cublas_split_k.split_scaled_mm(a, a_s, weight, scale, splits) if splits > 1 else None
-    if y is None:
-        y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16)
     return y[:m].to(out_dtype)
 
 

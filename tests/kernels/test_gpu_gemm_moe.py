@@ -455,29 +455,3 @@ def test_small_linear_is_the_bf16_projection(gen, model, t):
     else:
         torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
         assert t <= RT.ROUTER_GEMV_MAX_T or RT._tile_gemm(x, w, x.dtype) is not None
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled GEMM and its streams need a GPU")
-@pytest.mark.parametrize("n,k", [(6144, 16384), (2816, 6144)])  # o_proj (2 parts), qkv_a (4)
-def test_cublas_split_k_on_streams_is_the_whole_gemm_eager_and_in_a_graph(gen, n, k, monkeypatch):
-    """`cublas_split_k`: K cut over concurrent streams gives the unsplit `_scaled_mm`'s product but for one bf16
-    rounding of each part, and a CUDA graph replays it (branches joined) to the same bits as an eager call."""
-    from dsaserve.kernels import cublas_split_k
-
-    gemm = gpu_modules()[0]
-    w, s = quantize_fp8_block(randn(n, k, gen=gen))
-    x = randn(128, k, gen=gen, dtype=torch.bfloat16)
-    monkeypatch.setattr(cublas_split_k, "ENABLED", True)
-    assert cublas_split_k.split_count(128, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
-    monkeypatch.setattr(cublas_split_k, "ENABLED", False)
-    whole = gemm.fp8_linear(x, w, s)
-    monkeypatch.setattr(cublas_split_k, "ENABLED", True)
-    split = gemm.fp8_linear(x, w, s)
-    assert rel(split, whole) < 2 ** -8, f"seed {gen.initial_seed()}"
-    assert rel(split, R.fp8_linear(x, w, s)) < FP8A
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemm.fp8_linear(x, w, s)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, split)
