@@ -5,7 +5,9 @@ SMs with 128 x 128 output tiles).
 Run on the device:  PYTHONPATH=. python bench/probe_scaled_mm_rows.py --out $OUT
 Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all: from HBM, not L2). Variants:
 the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
-without the quantiser; every variant's output against the shipped one (pad 16).
+without the quantiser; every variant's output against the shipped one (pad 16). `--swap`: the same product with the
+operands swapped (the weight as cuBLAS's A with its 128 x 128 scales, the tokens as B with 1 x 128: out^T = W x^T,
+so the weight rows are the tile's M), read back as a transposed view and as a contiguous copy.
 """
 
 from __future__ import annotations
@@ -36,6 +38,40 @@ def _weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tens
 
 def _mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int) -> torch.Tensor:
     return torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=s.t(), out_dtype=torch.bfloat16)[:m]
+
+
+def _swap_mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int,
+             contiguous: bool) -> torch.Tensor:
+    """out^T = W a^T: `a_s` is cuBLAS's outer-dim-major (M, K/128) activation scale, so `a_s.t()` is B's 1 x 128
+    scale."""
+    y = torch._scaled_mm(w, a.t(), scale_a=s, scale_b=a_s.t(), out_dtype=torch.bfloat16)[:, :m].t()
+    return y.contiguous() if contiguous else y
+
+
+def swap_cases(out: list[dict], rows: list[int]) -> None:
+    """Each projection shape at `rows` tokens: cuBLAS as shipped against the swapped operands (the same quantised
+    inputs)."""
+    for name, n, k in SHAPES:
+        ws = _weights(n, k, max(2, -(-200_000_000 // (n * k))))
+        nbytes = n * k + 4 * (n // 128) * (k // 128)
+        for m in rows:
+            a, a_s = quant_act_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), pad_m_to=16,
+                                   scale_m_major=True)
+            want = _mm(a, a_s, *ws[0], m).float()
+            try:
+                got = _swap_mm(a, a_s, *ws[0], m, True).float()
+            except RuntimeError as e:  # this torch / cuBLAS may refuse the (128 x 128, 1 x 128) pair
+                print(f"{name} m {m}: swapped operands refused: {e}", flush=True)
+                continue
+            rel = float(((got - want).norm() / want.norm()).item())
+            times = {v: graph_time([functools.partial(f, a, a_s, w, s, m, *extra) for w, s in ws])
+                     for v, f, extra in (("shipped", _mm, ()), ("swap_view", _swap_mm, (False,)),
+                                         ("swap_copy", _swap_mm, (True,)))}
+            out.append({"shape": name, "n": n, "k": k, "m": m, "rel": rel,
+                        **{f"{v}_us": t * 1e6 for v, t in times.items()}})
+            print(f"{name:15s} m {m:4d}: " + ", ".join(f"{v} {t * 1e6:7.2f} us ({nbytes / t / 1e12:.2f} TB/s)"
+                                                       for v, t in times.items()) + f", rel {rel:.1e}", flush=True)
+        del ws
 
 
 def _quant_mm(x: torch.Tensor, pad: int, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -69,6 +105,7 @@ def quant_tiles(out: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", action="store_true", help="only the activation quantiser's tiles")
+    ap.add_argument("--swap", action="store_true", help="only the swapped-operand cases (weights as cuBLAS's A)")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")
@@ -79,7 +116,9 @@ def main() -> None:
     rows = []
     if args.quant:
         quant_tiles(rows)
-    for name, n, k in SHAPES if not args.quant else ():
+    if args.swap:
+        swap_cases(rows, [int(v) for v in args.rows.split(",")])
+    for name, n, k in SHAPES if not (args.quant or args.swap) else ():
         copies = max(2, -(-200_000_000 // (n * k)))
         ws = _weights(n, k, copies)
         nbytes = n * k + 4 * (n // 128) * (k // 128)
