@@ -7,7 +7,9 @@ Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all
 the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
 without the quantiser; every variant's output against the shipped one (pad 16). `--swap`: the same product with the
 operands swapped (the weight as cuBLAS's A with its 128 x 128 scales, the tokens as B with 1 x 128: out^T = W x^T,
-so the weight rows are the tile's M), read back as a transposed view and as a contiguous copy.
+so the weight rows are the tile's M), read back as a transposed view and as a contiguous copy. Measured on an H100
+(bench/RESULTS.md, thirty-ninth session): the swapped view is bit-identical to the shipped product and takes the
+same time at every shape (cuBLAS runs the same problem), so swapping only adds the copy; not used by the engine.
 """
 
 from __future__ import annotations

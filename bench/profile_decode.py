@@ -225,9 +225,7 @@ def ab_setting(runner, name: str):
     that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
     program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
     "copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both scale layouts, so the cuBLAS
-    projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default),
-    "cublas_swap" the 33-512-row cuBLAS projections with their operands swapped, the weight as cuBLAS's A
-    (`triton_fp8_gemm.CUBLAS_SWAP_MAX_ROWS`, off by default)."""
+    projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -248,8 +246,7 @@ def ab_setting(runner, name: str):
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
-                    "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
-                    "cublas_swap": (triton_fp8_gemm, "CUBLAS_SWAP_MAX_ROWS", 512)}
+                    "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512)}
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")

@@ -126,13 +126,6 @@ _FP8_SCALES_M = TensorNote("_dsaserve_fp8_scales_m")
 # time but not the step's; bench/profile_decode.py's "copy_for_cublas" times this one.
 CUBLAS_COPY_MAX_ROWS = 0
 CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of 16 (`scaled_mm_linear` pads to it)
-# rows (33 up to this) whose cuBLAS projection runs with its operands swapped: the weight as cuBLAS's A (its 128 x 128
-# scales), the tokens as B (1 x 128), out^T = W x^T, copied back to row-major. Why: as shipped, cuBLAS tiles a
-# 128-row product as one 128 x 128 output tile a CTA over the whole K, 22-48 tiles for 132 SMs, MMA-bound per SM (the
-# step's largest excess at batch 128, bench/RESULTS.md twenty-eighth session); the swapped problem is another shape
-# to its heuristics. 0 (the default until timed on a GPU: `probe_scaled_mm_rows.py --swap`, `profile_decode --ab
-# cublas_swap`): never swapped.
-CUBLAS_SWAP_MAX_ROWS = 0
 
 
 def attach_fp8(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -426,9 +419,6 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     rows a multiple of CUBLAS_M), used as it is."""
     m = x.shape[0]
     a, a_s = act if act is not None else quant_act_fp8(x, pad_m_to=CUBLAS_M, scale_m_major=True)
-    if SMALL_M < m <= CUBLAS_SWAP_MAX_ROWS:  # a_s is (M, K/128) outer-dim-major, so a_s.t() is B's 1 x 128 scale
-        y_t = torch._scaled_mm(weight, a.t(), scale_a=scale, scale_b=a_s.t(), out_dtype=torch.bfloat16)
-        return y_t[:, :m].t().to(out_dtype, memory_format=torch.contiguous_format)
     y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16)
     return y[:m].to(out_dtype)
 

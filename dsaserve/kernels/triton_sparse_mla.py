@@ -325,7 +325,9 @@ ONE_TOKEN_CONFIG: dict = {}
 # scan before the first gather: every slot is valid). H200, in the step (bench/RESULTS.md, thirty-eighth session):
 # -30 us a b1 32K step, -27 at 128K against the 16-head tile with the scan (nineteenth session's sweep, isolated:
 # 15.32 vs 16.86 us a call over 2048 valid slots). Not at fewer valid slots: a static split's programs each run a
-# whole tile whatever the valid count, where the scanned split's programs past the end stop at once.
+# whole tile whatever the valid count, where the scanned split's programs past the end stop at once. Its 32 splits
+# of one tile each (pick_splits) beat 16 (+39 us a b1 32K step), 64 of 32-key tiles (+16) and 32-head blocks (+117):
+# H100, in the step (bench/RESULTS.md, thirty-ninth session).
 FULL_ROW_CONFIG: dict = {"block_h": 64, "block_k": 64, "num_warps": 8, "num_stages": 1, "grouped": "dequant",
                          "scan": 0, "prefetch": False}
 

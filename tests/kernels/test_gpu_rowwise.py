@@ -153,35 +153,6 @@ def test_the_cublas_gemm_takes_the_rows_copy_instead_of_quantising(gen, monkeypa
     assert not calls and rel(got, plain) < FP8A
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled GEMM: a Hopper GPU")
-@pytest.mark.parametrize("copy", [False, True])
-def test_the_cublas_gemm_with_swapped_operands_gives_the_same_product(gen, monkeypatch, copy):
-    """`CUBLAS_SWAP_MAX_ROWS`: out^T = W x^T (the weight as cuBLAS's A) at 33-128 rows equals the shipped operand
-    order to bf16 rounding (the same quantised operands, the sums in cuBLAS's order), row-major, with and without
-    the row kernel's FP8 copy; rows past the bound keep the shipped order."""
-    from dsaserve.kernels import triton_elementwise as E
-    from dsaserve.kernels import triton_fp8_gemm as G
-    from dsaserve.weights.fp8 import quantize_fp8_block
-
-    if not G.scaled_mm_ok(1024, 2048, torch.device(DEVICE)):
-        pytest.skip("not a GPU whose block-scaled cuBLAS GEMM fp8_linear takes")
-    monkeypatch.setattr(G, "CUBLAS_COPY_MAX_ROWS", 512 if copy else 0)
-    w8, ws = quantize_fp8_block(randn(1024, 2048, gen=gen))
-    g = randn(2048, gen=gen, dtype=torch.bfloat16)
-    calls, mm = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **k: calls.append(tuple(a.shape)) or mm(a, b, **k))
-    for rows in (33, 64, 128, 144):
-        y = E.rms_norm(randn(rows, 2048, gen=gen, dtype=torch.bfloat16), g, 1e-6)
-        plain = G.fp8_linear(y, w8, ws)
-        monkeypatch.setattr(G, "CUBLAS_SWAP_MAX_ROWS", 128)
-        calls.clear()
-        got = G.fp8_linear(y, w8, ws)
-        monkeypatch.setattr(G, "CUBLAS_SWAP_MAX_ROWS", 0)
-        assert calls == [(1024, 2048) if rows <= 128 else (-(-rows // 16) * 16, 2048)], calls  # the weight as A
-        assert got.shape == plain.shape and got.is_contiguous() and got.dtype == plain.dtype
-        assert rel(got, plain) < 1e-2, rows
-
-
 def test_activation_quant_gives_each_row_the_same_bytes_at_any_batch_size(gen):
     """Prefill-size inputs quantise 4 rows a program, decode-size ones 1: a row's e4m3 bytes and scales do not
     depend on which; padding rows are zeros; each 128-group dequantises within one e4m3 step."""
