@@ -6,10 +6,12 @@ Run on the device:  PYTHONPATH=. python bench/probe_scaled_mm_rows.py --out $OUT
 Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all: from HBM, not L2). Variants:
 the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
 without the quantiser; every variant's output against the shipped one (pad 16). `--swap`: the same product with the
-operands swapped (the weight as cuBLAS's A with its 128 x 128 scales, the tokens as B with 1 x 128: out^T = W x^T,
-so the weight rows are the tile's M), read back as a transposed view and as a contiguous copy. Measured on an H100
-(bench/RESULTS.md, thirty-ninth session): the swapped view is bit-identical to the shipped product and takes the
-same time at every shape (cuBLAS runs the same problem), so swapping only adds the copy; not used by the engine.
+operands swapped (`_scaled_mm(W, x^T)`: the weight as torch's first operand with its 128 x 128 scales, the tokens
+the second with 1 x 128, out^T = W x^T; torch hands cuBLAS a row-major product as its transpose, so cuBLAS sees
+(m = tokens, n = N) where the shipped call is (m = N, n = tokens)), read back as a transposed view and as a
+contiguous copy. Measured on an H100 (bench/RESULTS.md, thirty-ninth session): the swapped view is bit-identical
+to the shipped product and takes the same time at every shape (apparently the same kernel; its name was not
+recorded), so swapping only adds the copy; not used by the engine.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def _mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m:
 
 def _swap_mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int,
              contiguous: bool) -> torch.Tensor:
-    """out^T = W a^T: `a_s` is cuBLAS's outer-dim-major (M, K/128) activation scale, so `a_s.t()` is B's 1 x 128
-    scale."""
+    """out^T = W a^T: `a_s` is the outer-dim-major (M, K/128) activation scale, so `a_s.t()` is torch's 1 x 128
+    scale_b for a^T."""
     y = torch._scaled_mm(w, a.t(), scale_a=s, scale_b=a_s.t(), out_dtype=torch.bfloat16)[:, :m].t()
     return y.contiguous() if contiguous else y
 
@@ -62,7 +64,7 @@ def swap_cases(out: list[dict], rows: list[int]) -> None:
             want = _mm(a, a_s, *ws[0], m).float()
             try:
                 got = _swap_mm(a, a_s, *ws[0], m, True).float()
-            except RuntimeError as e:  # this torch / cuBLAS may refuse the (128 x 128, 1 x 128) pair
+            except (RuntimeError, ValueError) as e:  # this torch / cuBLAS may refuse the (128 x 128, 1 x 128) pair
                 print(f"{name} m {m}: swapped operands refused: {e}", flush=True)
                 continue
             rel = float(((got - want).norm() / want.norm()).item())
@@ -107,7 +109,7 @@ def quant_tiles(out: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", action="store_true", help="only the activation quantiser's tiles")
-    ap.add_argument("--swap", action="store_true", help="only the swapped-operand cases (weights as cuBLAS's A)")
+    ap.add_argument("--swap", action="store_true", help="only the swapped-operand cases (_scaled_mm(W, x^T))")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")

@@ -327,7 +327,7 @@ ONE_TOKEN_CONFIG: dict = {}
 # 15.32 vs 16.86 us a call over 2048 valid slots). Not at fewer valid slots: a static split's programs each run a
 # whole tile whatever the valid count, where the scanned split's programs past the end stop at once. Its 32 splits
 # of one tile each (pick_splits) beat 16 (+39 us a b1 32K step), 64 of 32-key tiles (+16) and 32-head blocks (+117):
-# H100, in the step (bench/RESULTS.md, thirty-ninth session).
+# H100, in the step, fastest rounds (bench/RESULTS.md, thirty-ninth session).
 FULL_ROW_CONFIG: dict = {"block_h": 64, "block_k": 64, "num_warps": 8, "num_stages": 1, "grouped": "dequant",
                          "scan": 0, "prefetch": False}
 
