@@ -3,7 +3,7 @@ at batch 128 the slice's projections run at 0.9-2.4 TB/s; o_proj, qkv_a and the 
 SMs with 128 x 128 output tiles).
 
 Run on the device:  PYTHONPATH=. python bench/probe_scaled_mm_rows.py --out $OUT
-Each case is a CUDA graph over `copies` weights of the shape (over 200 MB in all: from HBM, not L2). Variants:
+Each case is a CUDA graph over copies of the shape's weight (over 200 MB in all: from HBM, not L2). Variants:
 the activations quantised and padded to `pad` rows, then `_scaled_mm` (the product's first M rows kept), with and
 without the quantiser; every variant's output against the shipped one (pad 16). `--swap`: the same product with the
 operands swapped (`_scaled_mm(W, x^T)`: the weight as torch's first operand with its 128 x 128 scales, the tokens
@@ -31,13 +31,15 @@ SHAPES = [("qkv_a", 2816, 6144), ("q_b", 16384, 2048), ("o_proj", 6144, 16384), 
           ("dense down", 6144, 12288), ("shared gate_up", 4096, 6144), ("shared down", 6144, 2048)]
 
 
-def _weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _weights(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Copies of an [N, K] e4m3 weight and its 128 x 128 scales, over 200 MB in all (each replay reads HBM, not
+    L2), and one copy's bytes."""
     out = []
-    for _ in range(copies):
+    for _ in range(max(2, -(-200_000_000 // (n * k)))):
         w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
         s = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 + 1e-3
         out.append((w, s))
-    return out
+    return out, n * k + 4 * (n // 128) * (k // 128)
 
 
 def _mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int) -> torch.Tensor:
@@ -56,8 +58,7 @@ def swap_cases(out: list[dict], rows: list[int]) -> None:
     """Each projection shape at `rows` tokens: cuBLAS as shipped against the swapped operands (the same quantised
     inputs)."""
     for name, n, k in SHAPES:
-        ws = _weights(n, k, max(2, -(-200_000_000 // (n * k))))
-        nbytes = n * k + 4 * (n // 128) * (k // 128)
+        ws, nbytes = _weights(n, k)
         for m in rows:
             a, a_s = quant_act_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), pad_m_to=16,
                                    scale_m_major=True)
@@ -123,9 +124,7 @@ def main() -> None:
     if args.swap:
         swap_cases(rows, [int(v) for v in args.rows.split(",")])
     for name, n, k in SHAPES if not (args.quant or args.swap) else ():
-        copies = max(2, -(-200_000_000 // (n * k)))
-        ws = _weights(n, k, copies)
-        nbytes = n * k + 4 * (n // 128) * (k // 128)
+        ws, nbytes = _weights(n, k)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = None
