@@ -107,10 +107,60 @@ def quant_tiles(out: list[dict]) -> None:
                   f"{3 * m * k / t / 1e12:.2f} TB/s, same {same}", flush=True)
 
 
+def _quant_splitk(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, split: int) -> torch.Tensor:
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+
+    return SK.fp8_splitk_gemm(*quant_act_fp8(x, scale_m_major=True), w, s, split)
+
+
+def splitk(out: list[dict], rows: list[int]) -> None:
+    """`gluon_fp8_splitk.fp8_splitk_gemm` against `_scaled_mm` on the same quantised activations: at 1 split, at
+    `choose_split`'s and around it, at 4-6 stages (below 64 rows a wider sweep of splits at 5); each output checked
+    against `_scaled_mm`'s first. Also the shipped path from bf16 rows against the quantiser + this kernel."""
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+    from dsaserve.kernels import triton_fp8_gemm as G
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, n, k in SHAPES:
+        ws, nbytes = _weights(n, k)
+        best = SK.choose_split(n, k, sms)
+        valid = {s for s in range(1, 17) if -(-(k // 128) // -(-(k // 128) // s)) == s}
+        for m in rows:  # memory-bound below 64 rows: a wider sweep of splits at one depth
+            splits = sorted(({1, best, max(1, best - 1), best + 1} if m >= 64 else {1, 2, 3, 4, 6, 8, 12}) & valid)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, a_s = quant_act_fp8(x, scale_m_major=True)
+            pad = quant_act_fp8(x, pad_m_to=16, scale_m_major=True)  # cuBLAS takes M in multiples of 16
+            want = _mm(*pad, *ws[0], m).float()
+            t_ref = graph_time([functools.partial(_mm, *pad, w, s, m) for w, s in ws])
+            # the shipped path from bf16 rows (skinny kernel to 32 rows, else quantiser + cuBLAS) against the
+            # quantiser + this kernel at its chosen split
+            t_ship = graph_time([functools.partial(G.fp8_linear, x, w, s) for w, s in ws])
+            t_both = graph_time([functools.partial(_quant_splitk, x, w, s, best) for w, s in ws])
+            print(f"splitk {name:15s} m {m:4d}: shipped fp8_linear {t_ship * 1e6:7.2f} us, quantiser + split "
+                  f"{best} {t_both * 1e6:7.2f} us ({t_ship / t_both:.2f}x)", flush=True)
+            out.append({"shape": name, "m": m, "shipped_us": t_ship * 1e6, "quant_splitk_us": t_both * 1e6})
+            for split in splits:
+                for stages in (4, 5, 6) if m >= 64 else (5,):
+                    run = functools.partial(SK.fp8_splitk_gemm, a, a_s, split=split, stages=stages)
+                    try:
+                        rel = float(((run(*ws[0]).float() - want).norm() / want.norm()).item())
+                    except Exception as e:  # noqa: BLE001 - a config past shared memory must not stop the rest
+                        print(f"splitk {name} m {m} split {split} st {stages}: {type(e).__name__} {str(e)[:200]}")
+                        continue
+                    t = graph_time([functools.partial(run, w, s) for w, s in ws]) if rel < 1e-2 else float("nan")
+                    out.append({"shape": name, "m": m, "split": split, "stages": stages, "chosen": split == best,
+                                "us": t * 1e6, "scaled_mm_us": t_ref * 1e6, "rel": rel})
+                    print(f"splitk {name:15s} m {m:4d} split {split:2d}{'*' if split == best else ' '} st {stages}: "
+                          f"{t * 1e6:7.2f} us ({nbytes / t / 1e12:.2f} TB/s) against _scaled_mm {t_ref * 1e6:7.2f} "
+                          f"({t_ref / t:.2f}x), rel {rel:.1e}", flush=True)
+        del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", action="store_true", help="only the activation quantiser's tiles")
     ap.add_argument("--swap", action="store_true", help="only the swapped-operand cases (_scaled_mm(W, x^T))")
+    ap.add_argument("--splitk", action="store_true", help="only the Gluon split-K GEMM against _scaled_mm")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")
@@ -123,7 +173,9 @@ def main() -> None:
         quant_tiles(rows)
     if args.swap:
         swap_cases(rows, [int(v) for v in args.rows.split(",")])
-    for name, n, k in SHAPES if not (args.quant or args.swap) else ():
+    if args.splitk:
+        splitk(rows, [int(v) for v in args.rows.split(",")])
+    for name, n, k in SHAPES if not (args.quant or args.swap or args.splitk) else ():
         ws, nbytes = _weights(n, k)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -193,6 +193,14 @@ def _override(table: dict, conf: dict):
     return lambda: (table.clear(), table.update(old))
 
 
+def _set(module, **values):
+    """Set a module's attributes; return the undo."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    return lambda: [setattr(module, k, v) for k, v in old.items()]
+
+
 def ab_setting(runner, name: str):
     """Apply one --ab setting to the runner's GPU ops or model and return its undo: "default" nothing,
     "cublas_small" the indexer's weights_proj on cuBLAS (not `small_linear`'s GEMV), "unfused_knorm" the
@@ -225,7 +233,9 @@ def ab_setting(runner, name: str):
     that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
     program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
     "copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both scale layouts, so the cuBLAS
-    projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default)."""
+    projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default),
+    "splitk" / "no_splitk" the 33-64-row projections that split K on the warp-specialised split-K GEMM or all on
+    cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS)."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -246,7 +256,11 @@ def ab_setting(runner, name: str):
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
-                    "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512)}
+                    "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
+                    "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
+                    "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False)}
+    if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
+        return _set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, 128))
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
@@ -261,9 +275,7 @@ def ab_setting(runner, name: str):
         return _override(triton_moe.BUSY_CONFIG, {**conf, **({"gemm2": gemm2} if gemm2 else {})})
     if name in module_flags:
         module, attr, value = module_flags[name]
-        old = getattr(module, attr)
-        setattr(module, attr, value)
-        return lambda: setattr(module, attr, old)
+        return _set(module, **{attr: value})
     if name == "cublas_small":
         ops.small_linear = R.small_linear
     elif name == "unfused_knorm":

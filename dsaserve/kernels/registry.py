@@ -78,6 +78,9 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     )
 
     gemm = f"triton skinny GEMM (M<={triton_fp8_gemm.SMALL_M}) + torch._scaled_mm block-scaled, FP8 activations"
+    if triton_fp8_gemm.SPLITK_GEMM:
+        lo, hi = triton_fp8_gemm.SPLITK_ROWS
+        gemm += f"; gluon warp-specialised split-K GEMM where K splits (M {lo}-{hi}, K>={triton_fp8_gemm.SPLITK_MIN_K})"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         gemm = "triton block-scaled GEMM, FP8 activations"
     moe = "triton grouped GEMM (sort-free <= 256 pairs, else align; gate/up+SiLU, down) + combine, FP8 activations"

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels import gluon_fp8_splitk
 from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, made_once, pdl_args
 
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
@@ -423,6 +424,36 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y[:m].to(out_dtype)
 
 
+# 33-64-row projections whose 128-row tiles fill under one wave of SMs take the warp-specialised split-K GEMM
+# (`gluon_fp8_splitk`) instead of cuBLAS, which runs one tile a CTA over the whole K. H200, against quantiser +
+# cuBLAS at 64 rows (bench/RESULTS.md, fortieth session): o_proj 1.29x, the dense down 1.21x, the shared gate+up
+# 1.21x, q_a|kv_a|wk 1.16x; the batch-64 1K step 2.630 against 2.704 ms (overlapped). At 128 rows it loses
+# everywhere (0.53-0.95x), and a K of 16 blocks (the shared down, 0.78x) is too short for its pipeline. A switch
+# for A/Bs (profile_decode --ab no_splitk, splitk128).
+SPLITK_GEMM = True
+SPLITK_ROWS = (SMALL_M + 1, 64)  # below, the skinny kernels; above, it loses to cuBLAS
+SPLITK_MIN_K = 4096
+
+
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                  act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`fp8_linear`'s cuBLAS case where the split-K GEMM takes it (SPLITK_ROWS rows, K >= SPLITK_MIN_K and
+    `choose_split` >= 2) on a Hopper GPU, else None (the caller runs cuBLAS). act: x's FP8 copy with outer-dim-major
+    scales, else x is quantised (unpadded). A launch on a high-priority stream (the step's side stream: the shared
+    expert) counts its arrivals apart from the compute stream's, which may run one beside it."""
+    m, k = x.shape
+    if not SPLITK_GEMM or not SPLITK_ROWS[0] <= m <= SPLITK_ROWS[1] or k < SPLITK_MIN_K:
+        return None
+    if not gluon_fp8_splitk.available(x.device) or not gluon_fp8_splitk.tma_ok(weight):
+        return None
+    split = gluon_fp8_splitk.choose_split(weight.shape[0], k, num_sms(x.device.index))
+    if split < 2:
+        return None
+    a, a_s = act if act is not None else quant_act_fp8(x, scale_m_major=True)
+    side = torch.cuda.current_stream(x.device).priority < 0
+    return gluon_fp8_splitk.fp8_splitk_gemm(a[:m], a_s[:m], weight, scale, split, out_dtype, side_stream=side)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear: weight must be float8_e4m3fn, got {weight.dtype}")
@@ -460,7 +491,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         cfg = skinny_config(m, n, k, _sm_count(x2))
         y = skinny_gemm(x2, weight, weight_scale_inv, out_dtype=x.dtype, act=cached_fp8(x), **cfg)
     elif scaled_mm_ok(n, k, x2.device):
-        y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype, act=cached_fp8_m_major(x))
+        y = splitk_linear(x2, weight, weight_scale_inv, x.dtype, cached_fp8_m_major(x))
+        if y is None:
+            y = scaled_mm_linear(x2, weight, weight_scale_inv, x.dtype, act=cached_fp8_m_major(x))
     else:
         y = triton_gemm(x2, weight, weight_scale_inv, True, 64, 128, 1, 4, 3, x.dtype)
     return y.reshape(*lead, n)
