@@ -116,7 +116,7 @@ def _quant_splitk(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, split: int)
 def splitk(out: list[dict], rows: list[int]) -> None:
     """`gluon_fp8_splitk.fp8_splitk_gemm` against `_scaled_mm` on the same quantised activations: at 1 split, at
     `choose_split`'s and around it, at 4-6 stages (below 64 rows a wider sweep of splits at 5); each output checked
-    against `_scaled_mm`'s first. Also the shipped path from bf16 rows against the quantiser + this kernel."""
+    against `_scaled_mm`'s first. Also fp8_linear from bf16 rows without this kernel against the quantiser + it."""
     from dsaserve.kernels import gluon_fp8_splitk as SK
     from dsaserve.kernels import triton_fp8_gemm as G
 
@@ -132,11 +132,15 @@ def splitk(out: list[dict], rows: list[int]) -> None:
             pad = quant_act_fp8(x, pad_m_to=16, scale_m_major=True)  # cuBLAS takes M in multiples of 16
             want = _mm(*pad, *ws[0], m).float()
             t_ref = graph_time([functools.partial(_mm, *pad, w, s, m) for w, s in ws])
-            # the shipped path from bf16 rows (skinny kernel to 32 rows, else quantiser + cuBLAS) against the
-            # quantiser + this kernel at its chosen split
-            t_ship = graph_time([functools.partial(G.fp8_linear, x, w, s) for w, s in ws])
+            # the path from bf16 rows without this kernel (skinny kernel to 32 rows, else quantiser + cuBLAS)
+            # against the quantiser + this kernel at its chosen split
+            shipped, G.SPLITK_GEMM = G.SPLITK_GEMM, False  # the path before this kernel
+            try:
+                t_ship = graph_time([functools.partial(G.fp8_linear, x, w, s) for w, s in ws])
+            finally:
+                G.SPLITK_GEMM = shipped
             t_both = graph_time([functools.partial(_quant_splitk, x, w, s, best) for w, s in ws])
-            print(f"splitk {name:15s} m {m:4d}: shipped fp8_linear {t_ship * 1e6:7.2f} us, quantiser + split "
+            print(f"splitk {name:15s} m {m:4d}: fp8_linear without it {t_ship * 1e6:7.2f} us, quantiser + split "
                   f"{best} {t_both * 1e6:7.2f} us ({t_ship / t_both:.2f}x)", flush=True)
             out.append({"shape": name, "m": m, "shipped_us": t_ship * 1e6, "quant_splitk_us": t_both * 1e6})
             for split in splits:

@@ -15,15 +15,15 @@ the weight's scale is one scalar a K block) x every token (wgmma N = tokens), ov
   or M arrive as zeros) and cp.async the tokens' scales (each producer thread's arrival when its copy lands).
   Two consumer warpgroups (workers) own 64 weight rows each: wait for a buffer, one wgmma (m64 x tokens x 128),
   read the scales from shared memory, free the buffer (one arrival each), promote (acc += part x weight scale x
-  token scale, fp32: the reference's per-128-K rule). No CTA barrier in the loop. The next block's weight scale
-  is loaded a block ahead (one register).
+  token scale, fp32: the reference's per-128-K rule). No CTA-wide barrier in the loop (each warpgroup's own before
+  it frees a slot). The next block's weight scale is loaded a block ahead (one register).
 Split K: each warpgroup parks its fp32 partial [64 rows, tokens] and the last of a (tile, half)'s splits to arrive
 (one counter each, `counters`, reset by it) adds the parts in split order and writes C: CUTLASS's serial split-K,
 as `triton_fp8_gemm._split_k_store`, so the result is the same whichever program ends last.
-Measured on the H200 (bench/RESULTS.md, fortieth session): at 64 rows 1.14-1.29x of quantiser + cuBLAS where K
-is long (o_proj, the dense down, the shared gate+up, q_a|kv_a|wk); at 128 rows 0.53-0.95x (a program's tile then
-runs at about half cuBLAS's rate: every split-K speed-up is spent), so it is not dispatched there. TMA beat cp.async
-tiles by 10-15 % at 128 rows and tied at 64 (the cp.async producer was measured and removed).
+Measured on the H200 (bench/RESULTS.md, fortieth session), against `_scaled_mm` on the same FP8 operands: at 64
+rows 1.16-1.29x where K is long (o_proj, the dense down, the shared gate+up, q_a|kv_a|wk); at 128 rows 0.53-0.92x (a
+program's tile then runs at ~60 % of cuBLAS's rate per SM: the extra SMs are spent), so it is not dispatched there.
+TMA tiles beat cp.async ones by 3-17 % at 128 rows and tied at 64 (the cp.async producer was measured and removed).
 No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it with the reference.
 """
 
@@ -49,8 +49,9 @@ if HAVE_GLUON:
 
 STAGES = 5  # ring depth: a stage is 16 KB of weights + up to 16 KB of tokens + 512 B of scales
 MAX_TILES = 1024  # 128-row output tiles a launch may have (q_b at GLM-5.3 scale: 128; the dense gate_up 192)
-# (producer, consumer) registers by setmaxnreg: 4 + 8 warps at 168 fill the register file (65,536), as the
-# sparse MLA kernel splits it; a consumer holds a 64 x 128 fp32 accumulator and a 64 x 128 part (128 registers)
+# the launch's register cap (4 + 8 warps at 168 fill the register file, 65,536) and the consumers' share by
+# setmaxnreg (216; the producer keeps the rest, ~72), as the sparse MLA kernel splits it: a consumer holds a 64 x 128
+# fp32 accumulator and a 64 x 128 part (128 registers)
 PRODUCER_WARPS, MAXNREG, CONSUMER_REGS = 4, 168, 216
 _COUNTERS: dict = {}
 
@@ -101,7 +102,7 @@ if HAVE_GLUON:
         for it in range(n_iter):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            fence_async_shared()  # order this thread's view of the slot (TMA tiles, cp.async scales) before the wgmma
             part = warpgroup_mma(w_s.index(s).slice(64 * WG, 64, dim=0), x_s.index(s).permute((1, 0)), part,
                                  use_acc=False, is_async=True)
             nxt = gl.minimum(it + 1, n_iter - 1)  # the next block's weight scale, in flight under this MMA
@@ -171,8 +172,9 @@ def block_tokens(m: int) -> int:
 
 
 def choose_split(n: int, k: int, sms: int, min_blocks: int = 4) -> int:
-    """Splits of K's 128-blocks for an [N, K] weight: the most that keep every program in one wave of `sms`
-    (one program an SM: its shared memory) and each split >= `min_blocks` blocks; 1 where none helps."""
+    """Splits of K's 128-blocks for an [N, K] weight: counting up from 2 while every program stays in one wave of
+    `sms` (one program an SM: its shared memory) and the last split is not empty, the last such count (parts of
+    ceil(blocks / split), at least `min_blocks` blocks each but the last); 1 where none fits."""
     tiles, kblocks = triton.cdiv(n, 128), k // 128
     best = 1
     for split in range(2, kblocks // min_blocks + 1):
@@ -192,6 +194,8 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     aligned rows (TMA: `tma_ok`). `side_stream`: the counters of GEMMs that may run beside the compute stream's."""
     m, k = x_fp8.shape
     n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"fp8_splitk_gemm: x has K={k}, the weight is {tuple(weight.shape)}")
     kblocks = k // 128
     per = triton.cdiv(kblocks, split) if split >= 1 else 0
     if not 1 <= m <= 128 or k % 128 or split < 1 or triton.cdiv(kblocks, max(per, 1)) != split:

@@ -62,6 +62,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
 
     install_compile_hook()  # before any launch: the disk-cache entries the precompile and the preload name
     from dsaserve.kernels import (
+        gluon_fp8_splitk,
         gluon_sparse_mla,
         triton_argmax,
         triton_elementwise,
@@ -97,6 +98,8 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
     argmax = envs.DSASERVE_ROW_ARGMAX == "triton"  # opt-in: launched eagerly it loses to torch's (envs.py)
     if device.type == "cuda":  # the split kernels' counters, the selection's workspace: never first inside a capture
         triton_fp8_gemm.split_counters(device)
+        if gluon_fp8_splitk.available(device):
+            gluon_fp8_splitk.counters(device)
         triton_indexer_coop.coop_workspace(device)
         if argmax:
             triton_argmax.workspace(device)

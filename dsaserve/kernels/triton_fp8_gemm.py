@@ -425,11 +425,12 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 # 33-64-row projections whose 128-row tiles fill under one wave of SMs take the warp-specialised split-K GEMM
-# (`gluon_fp8_splitk`) instead of cuBLAS, which runs one tile a CTA over the whole K. H200, against quantiser +
-# cuBLAS at 64 rows (bench/RESULTS.md, fortieth session): o_proj 1.29x, the dense down 1.21x, the shared gate+up
-# 1.21x, q_a|kv_a|wk 1.16x; the batch-64 1K step 2.630 against 2.704 ms (overlapped). At 128 rows it loses
-# everywhere (0.53-0.95x), and a K of 16 blocks (the shared down, 0.78x) is too short for its pipeline. A switch
-# for A/Bs (profile_decode --ab no_splitk, splitk128).
+# (`gluon_fp8_splitk`) instead of cuBLAS, which runs one tile a CTA over the whole K. H200 at 64 rows
+# (bench/RESULTS.md, fortieth session), the kernel against `_scaled_mm` on the same FP8 operands: o_proj 1.29x, the
+# dense down 1.21x, the shared gate+up 1.21x, q_a|kv_a|wk 1.16x (with the quantiser in front of both: 1.11-1.22x);
+# the batch-64 1K step 2.630 against 2.704 ms (overlapped). At 128 rows it loses everywhere (0.53-0.92x), and a K of
+# 16 blocks (the shared down, 0.78x) is too short for its ring. A switch for A/Bs (profile_decode --ab no_splitk,
+# splitk128).
 SPLITK_GEMM = True
 SPLITK_ROWS = (SMALL_M + 1, 64)  # below, the skinny kernels; above, it loses to cuBLAS
 SPLITK_MIN_K = 4096
@@ -450,6 +451,9 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ou
     if split < 2:
         return None
     a, a_s = act if act is not None else quant_act_fp8(x, scale_m_major=True)
+    if not gluon_fp8_splitk.tma_ok(a[:m]):
+        return None
+    # the side stream is the only high-priority stream that runs GEMMs (`DsaForCausalLM._indexer_stream`)
     side = torch.cuda.current_stream(x.device).priority < 0
     return gluon_fp8_splitk.fp8_splitk_gemm(a[:m], a_s[:m], weight, scale, split, out_dtype, side_stream=side)
 

@@ -148,3 +148,6 @@ def test_the_side_stream_has_its_own_counters(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[0], alone[0]) and torch.equal(outs[1], alone[1])
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+
+    assert not SK.counters(a[0].device).any()  # every (tile, half) of both streams reset by its last program
