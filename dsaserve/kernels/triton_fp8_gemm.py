@@ -424,13 +424,10 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y[:m].to(out_dtype)
 
 
-# 33-64-row projections whose 128-row tiles fill under one wave of SMs take the warp-specialised split-K GEMM
-# (`gluon_fp8_splitk`) instead of cuBLAS, which runs one tile a CTA over the whole K. H200 at 64 rows
-# (bench/RESULTS.md, fortieth session), the kernel against `_scaled_mm` on the same FP8 operands: o_proj 1.29x, the
-# dense down 1.21x, the shared gate+up 1.21x, q_a|kv_a|wk 1.16x (with the quantiser in front of both: 1.11-1.22x);
-# the batch-64 1K step 2.630 against 2.704 ms (overlapped). At 128 rows it loses everywhere (0.53-0.92x), and a K of
-# 16 blocks (the shared down, 0.78x) is too short for its ring. A switch for A/Bs (profile_decode --ab no_splitk,
-# splitk128).
+# 33-64-row projections whose 128-row tiles fill under one wave take the split-K GEMM (`gluon_fp8_splitk`), not
+# cuBLAS's one tile a CTA over the whole K: H200, 64 rows, against `_scaled_mm` on the same operands 1.16-1.29x
+# where K >= 4096 (the b64 1K step 2.704 -> 2.630 ms); 0.53-0.92x at 128 rows; the shared down's 16 K blocks 0.78x
+# (bench/RESULTS.md, fortieth session). A switch for A/Bs (profile_decode --ab no_splitk, splitk128).
 SPLITK_GEMM = True
 SPLITK_ROWS = (SMALL_M + 1, 64)  # below, the skinny kernels; above, it loses to cuBLAS
 SPLITK_MIN_K = 4096
@@ -453,8 +450,7 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ou
     a, a_s = act if act is not None else quant_act_fp8(x, scale_m_major=True)
     if not gluon_fp8_splitk.tma_ok(a[:m]):
         return None
-    # the side stream is the only high-priority stream that runs GEMMs (`DsaForCausalLM._indexer_stream`)
-    side = torch.cuda.current_stream(x.device).priority < 0
+    side = torch.cuda.current_stream(x.device).priority < 0  # the one high-priority stream with GEMMs
     return gluon_fp8_splitk.fp8_splitk_gemm(a[:m], a_s[:m], weight, scale, split, out_dtype, side_stream=side)
 
 
