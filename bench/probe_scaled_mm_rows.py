@@ -124,9 +124,9 @@ def splitk(out: list[dict], rows: list[int]) -> None:
     for name, n, k in SHAPES:
         ws, nbytes = _weights(n, k)
         best = SK.choose_split(n, k, sms)
-        valid = {s for s in range(1, 17) if -(-(k // 128) // -(-(k // 128) // s)) == s}
         for m in rows:  # memory-bound below 64 rows: a wider sweep of splits at one depth
-            splits = sorted(({1, best, max(1, best - 1), best + 1} if m >= 64 else {1, 2, 3, 4, 6, 8, 12}) & valid)
+            splits = sorted(s for s in ({1, best, max(1, best - 1), best + 1} if m >= 64 else {1, 2, 3, 4, 6, 8, 12})
+                            if SK.split_fits(k // 128, s))
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a, a_s = quant_act_fp8(x, scale_m_major=True)
             pad = quant_act_fp8(x, pad_m_to=16, scale_m_major=True)  # cuBLAS takes M in multiples of 16

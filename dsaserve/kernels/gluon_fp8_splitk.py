@@ -1,7 +1,7 @@
 """Hopper FP8 block-scaled GEMM of up to 128 rows, split over K, warp-specialised (issue 17: batch 33-64 decode's
 projections, where cuBLAS leaves most SMs idle; dispatched by `triton_fp8_gemm.splitk_linear`).
 
-Owns: `_fp8_splitk_kernel`, `fp8_splitk_gemm`, `choose_split`, `counters`, `STAGES`.
+Owns: `_fp8_splitk_kernel`, `fp8_splitk_gemm`, `choose_split`, `split_fits`, `tma_ok`, `counters`, `STAGES`.
 Why: at decode batch sizes cuBLAS's block-scaled GEMM runs one 128 x 128 output tile a CTA over the whole K (64
 rows take as long as 128), so qkv_a (22 tiles), o_proj and the dense down (48) leave most of the 132 SMs idle
 (bench/RESULTS.md twenty-eighth session). Splitting K puts 2-6x more SMs on the same tiles. Two earlier split-K
@@ -171,6 +171,11 @@ def block_tokens(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
+def split_fits(kblocks: int, split: int) -> bool:
+    """Whether `kblocks` K blocks cut into parts of ceil(kblocks / split) make exactly `split` parts (none empty)."""
+    return split >= 1 and triton.cdiv(kblocks, triton.cdiv(kblocks, split)) == split
+
+
 def choose_split(n: int, k: int, sms: int, min_blocks: int = 4) -> int:
     """Splits of K's 128-blocks for an [N, K] weight: counting up from 2 while every program stays in one wave of
     `sms` (one program an SM: its shared memory) and the last split is not empty, the last such count (parts of
@@ -178,8 +183,7 @@ def choose_split(n: int, k: int, sms: int, min_blocks: int = 4) -> int:
     tiles, kblocks = triton.cdiv(n, 128), k // 128
     best = 1
     for split in range(2, kblocks // min_blocks + 1):
-        per = triton.cdiv(kblocks, split)
-        if tiles * split > sms or triton.cdiv(kblocks, per) != split:  # past one wave, or an empty last split
+        if tiles * split > sms or not split_fits(kblocks, split):  # past one wave, or an empty last split
             break
         best = split
     return best
@@ -197,8 +201,7 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     if weight.shape[1] != k:
         raise ValueError(f"fp8_splitk_gemm: x has K={k}, the weight is {tuple(weight.shape)}")
     kblocks = k // 128
-    per = triton.cdiv(kblocks, split) if split >= 1 else 0
-    if not 1 <= m <= 128 or k % 128 or split < 1 or triton.cdiv(kblocks, max(per, 1)) != split:
+    if not 1 <= m <= 128 or k % 128 or not split_fits(kblocks, split):
         raise ValueError(f"fp8_splitk_gemm: M {m} (1..128), K {k} (128 blocks) and split {split} do not fit")
     if not (tma_ok(x_fp8) and tma_ok(weight)):
         raise ValueError("fp8_splitk_gemm: x and the weight must be row-major with 16-byte aligned rows (TMA)")
@@ -212,9 +215,9 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     _fp8_splitk_kernel[(tiles, split)](
         TensorDescriptor.from_tensor(x_fp8, [bt, 128], sw), x_scale,
         TensorDescriptor.from_tensor(weight, [128, 128], sw), weight_scale, part, c,
-        counters(x_fp8.device)[int(side_stream)], m, n, kblocks, per, x_scale.stride(0), x_scale.stride(1),
-        weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2), c.stride(0), BLOCK_T=bt,
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=PRODUCER_WARPS, maxnreg=MAXNREG)
+        counters(x_fp8.device)[int(side_stream)], m, n, kblocks, triton.cdiv(kblocks, split), x_scale.stride(0),
+        x_scale.stride(1), weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2),
+        c.stride(0), BLOCK_T=bt, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=PRODUCER_WARPS, maxnreg=MAXNREG)
     return c
 
 

@@ -448,10 +448,11 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ou
     if split < 2:
         return None
     a, a_s = act if act is not None else quant_act_fp8(x, scale_m_major=True)
-    if not gluon_fp8_splitk.tma_ok(a[:m]):
+    a, a_s = a[:m], a_s[:m]
+    if not gluon_fp8_splitk.tma_ok(a):
         return None
     side = torch.cuda.current_stream(x.device).priority < 0  # the one high-priority stream with GEMMs
-    return gluon_fp8_splitk.fp8_splitk_gemm(a[:m], a_s[:m], weight, scale, split, out_dtype, side_stream=side)
+    return gluon_fp8_splitk.fp8_splitk_gemm(a, a_s, weight, scale, split, out_dtype, side_stream=side)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
