@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import gluon_fp8_splitk
-from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, made_once, pdl_args
+from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, made_once, on_side_stream, pdl_args
 
 FP8_BLOCK = 128  # DeepSeek/GLM weight_scale_inv block, and the activation quant group
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -321,11 +321,11 @@ _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
-    """One int32 arrival counter per output tile, zero between launches (the last program resets its own).
-    Made once per device (`triton_utils.made_once`). Shared by every split GEMM, which is safe because they run
-    one after another on the compute stream."""
+    """[2 (compute stream, side stream: `on_side_stream`), MAX_SPLIT_TILES] int32 arrival counters, one a tile, zero
+    between launches (the last program resets its own). Made once per device (`triton_utils.made_once`). Each set
+    shared by its stream's split GEMMs, which run one after another there."""
     return made_once(_SPLIT_COUNTERS, device.index, device, "split_counters",
-                     lambda: torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device))
+                     lambda: torch.zeros(2, MAX_SPLIT_TILES, dtype=torch.int32, device=device))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma: bool, block_m: int, block_n: int,
@@ -343,9 +343,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma:
     a, a_s = (act or quant_act_fp8(x)) if a_fp8 else (x, x)
     c = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else c
-    _fp8_skinny_kernel[grid](a, a_s, weight, scale, c, part, split_counters(x.device), m, n, k, kb_per_split,
-                             kblocks, split, a.stride(0), a_s.stride(0) if a_fp8 else 0,
-                             a_s.stride(1) if a_fp8 else 0, weight.stride(0), scale.stride(0), scale.stride(1),
+    counters = split_counters(x.device)[on_side_stream(x.device)]
+    _fp8_skinny_kernel[grid](a, a_s, weight, scale, c, part, counters, m, n, k, kb_per_split, kblocks, split,
+                             a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0,
+                             weight.stride(0), scale.stride(0), scale.stride(1),
                              c.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0, FMA=fma, A_FP8=a_fp8,
                              EVEN_K=(k % FP8_BLOCK == 0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK,
                              PARTS_AT_ONCE=split > 1 and SPLIT_PARTS_AT_ONCE,
@@ -425,9 +426,8 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 # 33-64-row projections whose 128-row tiles fill under one wave take the split-K GEMM (`gluon_fp8_splitk`), not
-# cuBLAS's one tile a CTA over the whole K: H200, 64 rows, against `_scaled_mm` on the same operands 1.16-1.29x
-# where K >= 4096 (the b64 1K step 2.704 -> 2.630 ms); 0.53-0.92x at 128 rows; the shared down's 16 K blocks 0.78x
-# (bench/RESULTS.md, fortieth session). A switch for A/Bs (profile_decode --ab no_splitk, splitk128).
+# cuBLAS's one tile a CTA over the whole K: H200, 64 rows, 1.16-1.29x of `_scaled_mm` on the same operands where K
+# >= 4096, 0.53-0.92x at 128 rows (bench/RESULTS.md, fortieth session; profile_decode --ab no_splitk / splitk:...).
 SPLITK_GEMM = True
 SPLITK_ROWS = (SMALL_M + 1, 64)  # below, the skinny kernels; above, it loses to cuBLAS
 SPLITK_MIN_K = 4096
@@ -451,8 +451,8 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ou
     a, a_s = a[:m], a_s[:m]
     if not gluon_fp8_splitk.tma_ok(a):
         return None
-    side = torch.cuda.current_stream(x.device).priority < 0  # the one high-priority stream with GEMMs
-    return gluon_fp8_splitk.fp8_splitk_gemm(a, a_s, weight, scale, split, out_dtype, side_stream=side)
+    return gluon_fp8_splitk.fp8_splitk_gemm(a, a_s, weight, scale, split, out_dtype,
+                                            side_stream=bool(on_side_stream(x.device)))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:

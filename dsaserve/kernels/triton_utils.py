@@ -75,6 +75,13 @@ def made_once(cache: dict, key, device: torch.device, who: str, make):
     return cache[key]
 
 
+def on_side_stream(device: torch.device) -> int:
+    """1 on a high-priority stream (the step's one side stream with kernels that count arrivals: the indexer's
+    projections, the shared expert's GEMMs), else 0: which set of a split GEMM's counters a launch takes, so two split
+    GEMMs running at once never share a tile's counter."""
+    return int(device.type == "cuda" and torch.cuda.current_stream(device).priority < 0)
+
+
 class TensorNote:
     """Tensors hung on a freshly produced tensor for its next reader, under one attribute name (the producer's
     promise: `triton_fp8_gemm`'s FP8 copy of an activation, `triton_sparse_mla`'s split partials of a latent)."""

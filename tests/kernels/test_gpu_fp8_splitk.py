@@ -39,6 +39,21 @@ def test_split_k_gemm_matches_the_reference(m, n, k, split):
 
 
 @gpu
+@pytest.mark.parametrize("m", [1, 64, 128])
+@pytest.mark.parametrize("pipe", [4, 8])
+def test_pipelined_consumers_give_the_same_bits(m, pipe):
+    """The consumers' pipelined chunks (the next block's wgmma in flight while one is promoted) add the same parts
+    in the same order as one block at a time: bit for bit, at every remainder of the blocks a split by the chunk
+    (1-9 blocks; 43 / 43 / 42 over three splits)."""
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+
+    for kblocks, split in ((1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (9, 1), (128, 3), (48, 6)):
+        _, w, s, a, a_s, _ = _case(m, 640, 128 * kblocks, kblocks)
+        one_at_a_time = SK.fp8_splitk_gemm(a, a_s, w, s, split=split, pipe=0)
+        assert torch.equal(SK.fp8_splitk_gemm(a, a_s, w, s, split=split, pipe=pipe), one_at_a_time)
+
+
+@gpu
 def test_split_k_is_deterministic_and_replays_from_a_graph():
     """The parts are added in split order whichever program ends last, and the counters reset themselves: 20
     launches and graph replays give the same bits, on both counter sets."""
