@@ -237,7 +237,7 @@ def ab_setting(runner, name: str):
     projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default),
     "splitk" / "no_splitk" the 33-64-row projections that split K on the warp-specialised split-K GEMM or all on
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
-    "splitk:k=v/k=v" its variant (pipe, regs, stages: `gluon_fp8_splitk.PIPE`, CONSUMER_REGS, STAGES; rows:
+    "splitk:k=v/k=v" its variant (pipe, regs, stages, pdl: `gluon_fp8_splitk.PIPE`, CONSUMER_REGS, STAGES, PDL; rows:
     SPLITK_ROWS' upper end), "prepare_beside" / "prepare_inline" full layers' indexer projections and key write on
     the side stream with the selection or on the compute stream before q_b (`mla.PREPARE_BESIDE`)."""
     ops = get_ops(runner.device)
@@ -271,7 +271,7 @@ def ab_setting(runner, name: str):
         conf = _key_values(name[7:])
         rows = conf.pop("rows", triton_fp8_gemm.SPLITK_ROWS[1])
         undo = [_set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, rows))]
-        keys = {"pipe": "PIPE", "regs": "CONSUMER_REGS", "stages": "STAGES"}
+        keys = {"pipe": "PIPE", "regs": "CONSUMER_REGS", "stages": "STAGES", "pdl": "PDL"}
         undo.append(_set(gluon_fp8_splitk, **{keys[k]: v for k, v in conf.items()}))
         return lambda: [u() for u in reversed(undo)]
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width

@@ -32,7 +32,7 @@ import torch
 import triton
 
 from dsaserve.kernels.gluon_common import HAVE_GLUON, available  # noqa: F401 - `available` for the dispatcher
-from dsaserve.kernels.triton_utils import made_once
+from dsaserve.kernels.triton_utils import made_once, pdl_args
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -55,6 +55,7 @@ MAX_TILES = 1024  # 128-row output tiles a launch may have (q_b at GLM-5.3 scale
 # in the loop (offline sm_90)
 PRODUCER_WARPS, MAXNREG, CONSUMER_REGS = 4, 168, 216
 PIPE = 0  # K blocks a chunk in which the next block's wgmma runs while one is promoted (`_consumer`; 0: off)
+PDL = False  # launched under PDL where the GPU has it: the first ring's weight tiles load during the kernel before
 _COUNTERS: dict = {}
 
 
@@ -76,19 +77,37 @@ if HAVE_GLUON:
                                                mask=toks < M)
 
     @gluon.jit
+    def _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb, M, stride_xsm, stride_xsk):
+        """K block kb's token tile (TMA) and the tokens' scales (cp.async) into ring slot s."""
+        tma.async_copy_global_to_shared(x_desc, [0, kb * 128], ready.index(s), x_s.index(s))
+        _scale_copy(xs_ptr, xs_s.index(s), kb, M, stride_xsm, stride_xsk)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+    @gluon.jit
     def _producer(w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, n_iter, M, stride_xsm, stride_xsk,
-                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """Each K block's weight rows [n0, n0 + 128) and the tokens' e4m3 values (TMA) and their scales (cp.async)
-        into ring slot it % STAGES once both consumers freed it."""
-        for it in range(n_iter):
+        into ring slot it % STAGES once both consumers freed it. The first ring's weight tiles are asked for first:
+        under PDL before the wait for the kernel before (weights are no kernel's output), so they stream in during
+        its tail; only the tokens wait for it."""
+        first = gl.minimum(n_iter, STAGES)
+        for it in range(first):
+            mbarrier.expect(ready.index(it), (128 + BLOCK_T) * 128)
+            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(it),
+                                            w_s.index(it))
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        for it in range(first):
+            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, it, kb0 + it, M, stride_xsm, stride_xsk)
+        for it in range(first, n_iter):
             s = it % STAGES
-            mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes a wait on phase 1
-            kc = (kb0 + it) * 128
+            mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), (128 + BLOCK_T) * 128)
-            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), kc], ready.index(s), w_s.index(s))
-            tma.async_copy_global_to_shared(x_desc, [0, kc], ready.index(s), x_s.index(s))
-            _scale_copy(xs_ptr, xs_s.index(s), kb0 + it, M, stride_xsm, stride_xsk)
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(s),
+                                            w_s.index(s))
+            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb0 + it, M, stride_xsm, stride_xsk)
 
     @gluon.jit
     def _issue(w_s, x_s, ready, it, part, WG: gl.constexpr, STAGES: gl.constexpr):
@@ -180,7 +199,7 @@ if HAVE_GLUON:
     def _fp8_splitk_kernel(x_desc, xs_ptr, w_desc, ws_ptr, part_ptr, c_ptr, cnt_ptr, M, N, kblocks, kb_per_split,
                            stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm,
                            BLOCK_T: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PIPE: gl.constexpr):
+                           PIPE: gl.constexpr, PDL: gl.constexpr = False):
         """Grid (128-row tiles, splits); x and the weight as TMA descriptors; launched with PRODUCER_WARPS warps and
         MAXNREG, the two consumer warpgroups added by warp_specialize."""
         nb = gl.program_id(0)
@@ -201,7 +220,7 @@ if HAVE_GLUON:
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([(_producer, (w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, n_iter, M,
-                                         stride_xsm, stride_xsk, BLOCK_T, STAGES)),
+                                         stride_xsm, stride_xsk, BLOCK_T, STAGES, PDL)),
                             (_consumer, (w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0,
                                          n_iter, M, N, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, 0,
                                          BLOCK_T, STAGES, PIPE)),
@@ -264,7 +283,8 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         counters(x_fp8.device)[int(side_stream)], m, n, kblocks, triton.cdiv(kblocks, split), x_scale.stride(0),
         x_scale.stride(1), weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2),
         c.stride(0), BLOCK_T=bt, STAGES=stages or STAGES, CONSUMER_REGS=CONSUMER_REGS,
-        PIPE=PIPE if pipe is None else pipe, num_warps=PRODUCER_WARPS, maxnreg=MAXNREG)
+        PIPE=PIPE if pipe is None else pipe, num_warps=PRODUCER_WARPS, maxnreg=MAXNREG,
+        **(pdl_args(x_fp8.device) if PDL else {}))
     return c
 
 

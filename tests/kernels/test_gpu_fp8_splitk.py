@@ -54,6 +54,43 @@ def test_pipelined_consumers_give_the_same_bits(m, pipe):
 
 
 @gpu
+@pytest.mark.parametrize("pipe", [0, 4])
+def test_a_pdl_launch_reads_the_kernel_befores_output(monkeypatch, pipe):
+    """Under PDL the producer asks for the first ring's weight tiles before it waits for the kernel before: the
+    tokens it then reads are that kernel's output. Each GEMM right after the quantiser that writes its tokens, over
+    inputs that change each time (eagerly; replayed from a graph with new values copied in before each replay):
+    the bits of the launches without PDL, so no tile was read before the quantiser wrote it."""
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+    from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
+
+    values = [[_case(64, 6144, 16384, 3 * r + i)[0] for i in range(3)] for r in range(2)]
+    w, s = _case(64, 6144, 16384, 9)[1:3]
+    xs = [v.clone() for v in values[0]]
+
+    def chain():
+        return [SK.fp8_splitk_gemm(*quant_act_fp8(x, scale_m_major=True), w, s, split=2, pipe=pipe) for x in xs]
+
+    want = []
+    for r in range(2):
+        for x, v in zip(xs, values[r], strict=True):
+            x.copy_(v)
+        want.append(chain())
+    monkeypatch.setattr(SK, "PDL", True)
+    for got, ref in zip(chain(), want[1], strict=True):
+        assert torch.equal(got, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for r in (0, 1, 0, 1):
+        for x, v in zip(xs, values[r], strict=True):
+            x.copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want[r], strict=True):
+            assert torch.equal(got, ref)
+
+
+@gpu
 def test_split_k_is_deterministic_and_replays_from_a_graph():
     """The parts are added in split order whichever program ends last, and the counters reset themselves: 20
     launches and graph replays give the same bits, on both counter sets."""
