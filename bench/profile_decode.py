@@ -36,6 +36,7 @@ from dsaserve.kernels import (
     triton_moe_align,
     triton_moe_route,
     triton_sparse_mla,
+    variants,
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
@@ -239,7 +240,8 @@ def ab_setting(runner, name: str):
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
     "splitk:k=v/k=v" its variant (pipe, regs, stages, pdl: `gluon_fp8_splitk.PIPE`, CONSUMER_REGS, STAGES, PDL; rows:
     SPLITK_ROWS' upper end), "prepare_beside" / "prepare_inline" full layers' indexer projections and key write on
-    the side stream with the selection or on the compute stream before q_b (`mla.PREPARE_BESIDE`)."""
+    the side stream with the selection or on the compute stream before q_b (`mla.PREPARE_BESIDE`), "fused64" 1-2 long
+    rows' fused score + select over ~64 programs (`variants.FUSED_PROGRAMS`, not ~128). "a+b" takes both."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -264,7 +266,8 @@ def ab_setting(runner, name: str):
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
                     "prepare_beside": (mla, "PREPARE_BESIDE", True),
-                    "prepare_inline": (mla, "PREPARE_BESIDE", False)}
+                    "prepare_inline": (mla, "PREPARE_BESIDE", False),
+                    "fused64": (variants, "FUSED_PROGRAMS", 64)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         return _set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, 128))
     if name.startswith("splitk:"):  # e.g. splitk:pipe=0/regs=216/rows=128/stages=6: the split-K GEMM's variant
@@ -331,13 +334,14 @@ def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str,
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(rounds):
         for name in settings:
-            undo = ab_setting(runner, name)
+            undos = [ab_setting(runner, part) for part in name.split("+")]  # "a+b": both settings at once
             try:
                 runner.graphs.capture()
                 times[name].append(cuda_time(lambda: runner.forward(batch)) * 1e3)
                 times[f"{name} overlapped"].append(pipelined_time(lambda: runner.forward(batch)) * 1e3)
             finally:
-                undo()
+                for undo in reversed(undos):
+                    undo()
     runner.graphs.capture()
     return dict(times)
 
