@@ -129,6 +129,20 @@ if HAVE_GLUON:
         return acc + part * (x_scale * w_scale)[None, :]
 
     @gluon.jit
+    def _retire(w_s, x_s, xs_s, ready, free, ws_split, stride_wsk, it, cur, nxt, acc, w_cur, LAST: gl.constexpr,
+                WG: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+        """Block it's part (cur, its wgmma in flight) promoted into acc; unless LAST, block it + 1's wgmma is issued
+        into nxt first and runs meanwhile. -> (cur, nxt, acc, block it + 1's weight scale)."""
+        w_nxt = w_cur
+        if LAST:
+            cur = warpgroup_mma_wait(num_outstanding=0, deps=[cur])
+        else:
+            nxt = _issue(w_s, x_s, ready, it + 1, nxt, WG, STAGES)
+            w_nxt = gl.load(ws_split + (it + 1) * stride_wsk)
+            cur = warpgroup_mma_wait(num_outstanding=1, deps=[cur])
+        return cur, nxt, _promote(xs_s, free, it, cur, acc, w_cur, BLOCK_T, STAGES), w_nxt
+
+    @gluon.jit
     def _consumer(w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0, n_iter, M, N,
                   stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, WG: gl.constexpr,
                   BLOCK_T: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr):
@@ -145,26 +159,18 @@ if HAVE_GLUON:
         if PIPE > 0:  # chunks of PIPE blocks; no wgmma is in flight across the loop's back-edge (else ptxas
             # serialises every wgmma: C7514, it cannot tell which group a wait retires after the back-edge)
             pb = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
+            w_b = w_a
+            ws_split = ws_row + kb0 * stride_wsk
             blocks_done = (n_iter // PIPE) * PIPE
             for j in range(0, blocks_done, PIPE):
                 pa = _issue(w_s, x_s, ready, j, pa, WG, STAGES)
-                for u in gl.static_range(PIPE):  # block j + u in pa (u even) or pb (u odd); the next one issued first
+                for u in gl.static_range(PIPE):  # block j + u in pa (u even) or pb (u odd)
                     if u % 2 == 0:
-                        if u + 1 < PIPE:
-                            pb = _issue(w_s, x_s, ready, j + u + 1, pb, WG, STAGES)
-                            w_b = gl.load(ws_row + (kb0 + j + u + 1) * stride_wsk)
-                            pa = warpgroup_mma_wait(num_outstanding=1, deps=[pa])
-                        else:
-                            pa = warpgroup_mma_wait(num_outstanding=0, deps=[pa])
-                        acc = _promote(xs_s, free, j + u, pa, acc, w_a, BLOCK_T, STAGES)
+                        pa, pb, acc, w_b = _retire(w_s, x_s, xs_s, ready, free, ws_split, stride_wsk, j + u, pa, pb,
+                                                   acc, w_a, u + 1 == PIPE, WG, BLOCK_T, STAGES)
                     else:
-                        if u + 1 < PIPE:
-                            pa = _issue(w_s, x_s, ready, j + u + 1, pa, WG, STAGES)
-                            w_a = gl.load(ws_row + (kb0 + j + u + 1) * stride_wsk)
-                            pb = warpgroup_mma_wait(num_outstanding=1, deps=[pb])
-                        else:
-                            pb = warpgroup_mma_wait(num_outstanding=0, deps=[pb])
-                        acc = _promote(xs_s, free, j + u, pb, acc, w_b, BLOCK_T, STAGES)
+                        pb, pa, acc, w_a = _retire(w_s, x_s, xs_s, ready, free, ws_split, stride_wsk, j + u, pb, pa,
+                                                   acc, w_b, u + 1 == PIPE, WG, BLOCK_T, STAGES)
                 w_a = gl.load(ws_row + (kb0 + gl.minimum(j + PIPE, n_iter - 1)) * stride_wsk)
         for it in range(blocks_done, n_iter):  # one block at a time: the MMA idles through each promotion
             pa = _issue(w_s, x_s, ready, it, pa, WG, STAGES)
