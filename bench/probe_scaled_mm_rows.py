@@ -115,23 +115,24 @@ def _quant_splitk(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, split: int)
 
 
 def _variant(label: str) -> dict:
-    """"p4r232s5" -> {"pipe": 4, "regs": 232, "stages": 5}: the consumer's chunk of pipelined blocks, its registers
-    and the ring's depth."""
-    m = re.fullmatch(r"p(\d+)r(\d+)s(\d+)", label)
+    """"p4r232s5o1" -> {"pipe": 4, "regs": 232, "stages": 5, "rotate": 1}: the consumer's chunk of pipelined blocks,
+    its registers, the ring's depth and the K blocks' rotation a tile (o, optional: 0)."""
+    m = re.fullmatch(r"p(\d+)r(\d+)s(\d+)(?:o(\d+))?", label)
     if m is None:
-        raise SystemExit(f"--variants: {label!r} is not p<pipe>r<registers>s<stages>")
-    return dict(zip(("pipe", "regs", "stages"), map(int, m.groups()), strict=True))
+        raise SystemExit(f"--variants: {label!r} is not p<pipe>r<registers>s<stages>[o<rotate>]")
+    return dict(zip(("pipe", "regs", "stages", "rotate"), (int(v or 0) for v in m.groups()), strict=True))
 
 
 def _splitk_run(SK, a, a_s, split: int, v: dict):
-    """`fp8_splitk_gemm` at one variant (the consumers' registers are the module's, read at launch)."""
+    """`fp8_splitk_gemm` at one variant (the consumers' registers and the rotation are the module's, read at
+    launch)."""
     def run(w, s):
-        SK.CONSUMER_REGS = v["regs"]
+        SK.CONSUMER_REGS, SK.ROTATE = v["regs"], v["rotate"]
         return SK.fp8_splitk_gemm(a, a_s, w, s, split=split, stages=v["stages"], pipe=v["pipe"])
     return run
 
 
-def splitk(out: list[dict], rows: list[int], variants: list[str]) -> None:
+def splitk(out: list[dict], rows: list[int], variants: list[str], shapes: set[str] | None = None) -> None:
     """`gluon_fp8_splitk.fp8_splitk_gemm` against `_scaled_mm` on the same quantised activations: at 1 split, at
     `choose_split`'s and around it, each variant (`_variant`; below 64 rows a wider sweep of splits); each output
     checked against `_scaled_mm`'s first and against the first variant's bit for bit. Also fp8_linear from bf16 rows
@@ -140,8 +141,8 @@ def splitk(out: list[dict], rows: list[int], variants: list[str]) -> None:
     from dsaserve.kernels import triton_fp8_gemm as G
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shipped_regs = SK.CONSUMER_REGS
-    for name, n, k in SHAPES:
+    defaults = SK.CONSUMER_REGS, SK.ROTATE
+    for name, n, k in (shape for shape in SHAPES if shapes is None or shape[0] in shapes):
         ws, nbytes = _weights(n, k)
         best = SK.choose_split(n, k, sms)
         for m in rows:  # memory-bound below 64 rows: a wider sweep of splits
@@ -177,7 +178,7 @@ def splitk(out: list[dict], rows: list[int], variants: list[str]) -> None:
                         print(f"splitk {name} m {m} split {split} {label}: {type(e).__name__} {str(e)[:200]}")
                         continue
                     finally:
-                        SK.CONSUMER_REGS = shipped_regs
+                        SK.CONSUMER_REGS, SK.ROTATE = defaults
                     out.append({"shape": name, "m": m, "split": split, "variant": label, "chosen": split == best,
                                 "us": t * 1e6, "scaled_mm_us": t_ref * 1e6, "rel": rel, "same_bits": same})
                     print(f"splitk {name:15s} m {m:4d} split {split:2d}{'*' if split == best else ' '} {label:9s}: "
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")
+    ap.add_argument("--shapes", default="", help="--splitk's projections by name, comma-separated (default: all)")
     ap.add_argument("--variants", default="p0r216s5,p4r232s5",
                     help="--splitk's kernel variants, p<pipe>r<consumer registers>s<stages> (the first the baseline)")
     args = ap.parse_args()
@@ -207,7 +209,8 @@ def main() -> None:
     if args.swap:
         swap_cases(rows, [int(v) for v in args.rows.split(",")])
     if args.splitk:
-        splitk(rows, [int(v) for v in args.rows.split(",")], args.variants.split(","))
+        splitk(rows, [int(v) for v in args.rows.split(",")], args.variants.split(","),
+               set(args.shapes.split(",")) if args.shapes else None)
     for name, n, k in SHAPES if not (args.quant or args.swap or args.splitk) else ():
         ws, nbytes = _weights(n, k)
         for m in (int(v) for v in args.rows.split(",")):
