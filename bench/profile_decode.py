@@ -36,11 +36,10 @@ from dsaserve.kernels import (
     triton_moe_align,
     triton_moe_route,
     triton_sparse_mla,
-    variants,
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
-from dsaserve.model.layers import embedding, mla, moe
+from dsaserve.model.layers import embedding, moe
 from dsaserve.model.layers import indexer as indexer_module
 
 
@@ -238,10 +237,8 @@ def ab_setting(runner, name: str):
     projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default),
     "splitk" / "no_splitk" the 33-64-row projections that split K on the warp-specialised split-K GEMM or all on
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
-    "splitk:k=v/k=v" its variant (pipe, regs, stages, pdl: `gluon_fp8_splitk.PIPE`, CONSUMER_REGS, STAGES, PDL; rows:
-    SPLITK_ROWS' upper end), "prepare_beside" / "prepare_inline" full layers' indexer projections and key write on
-    the side stream with the selection or on the compute stream before q_b (`mla.PREPARE_BESIDE`), "fused64" 1-2 long
-    rows' fused score + select over ~64 programs (`variants.FUSED_PROGRAMS`, not ~128). "a+b" takes both."""
+    "splitk:k=v/k=v" its variant (regs, stages, pdl: `gluon_fp8_splitk.CONSUMER_REGS`, STAGES, PDL; rows:
+    SPLITK_ROWS' upper end). "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -264,17 +261,14 @@ def ab_setting(runner, name: str):
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
-                    "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
-                    "prepare_beside": (mla, "PREPARE_BESIDE", True),
-                    "prepare_inline": (mla, "PREPARE_BESIDE", False),
-                    "fused64": (variants, "FUSED_PROGRAMS", 64)}
+                    "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         return _set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, 128))
-    if name.startswith("splitk:"):  # e.g. splitk:pipe=0/regs=216/rows=128/stages=6: the split-K GEMM's variant
+    if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant
         conf = _key_values(name[7:])
         rows = conf.pop("rows", triton_fp8_gemm.SPLITK_ROWS[1])
         undo = [_set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, rows))]
-        keys = {"pipe": "PIPE", "regs": "CONSUMER_REGS", "stages": "STAGES", "pdl": "PDL"}
+        keys = {"regs": "CONSUMER_REGS", "stages": "STAGES", "pdl": "PDL"}
         undo.append(_set(gluon_fp8_splitk, **{keys[k]: v for k, v in conf.items()}))
         return lambda: [u() for u in reversed(undo)]
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width

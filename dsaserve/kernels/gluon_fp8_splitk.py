@@ -50,13 +50,13 @@ if HAVE_GLUON:
 STAGES = 5  # ring depth: a stage is 16 KB of weights + up to 16 KB of tokens + 512 B of scales
 MAX_TILES = 1024  # 128-row output tiles a launch may have (q_b at GLM-5.3 scale: 128; the dense gate_up 192)
 # the launch's register cap (4 + 8 warps at 168 fill the register file, 65,536) and the consumers' share by
-# setmaxnreg (216; the producer keeps the rest, 72). A consumer holds a 64 x 128 fp32 accumulator and a 64 x 128 part
-# at 128 tokens; pipelined (PIPE), two parts (192 registers): 232 then (the producer 40), where 216 spilled 332 B
-# in the loop (offline sm_90)
+# setmaxnreg (216; the producer keeps the rest, ~72), as the sparse MLA kernel splits it: a consumer holds a 64 x 128
+# fp32 accumulator and a 64 x 128 part (128 registers)
 PRODUCER_WARPS, MAXNREG, CONSUMER_REGS = 4, 168, 216
-PIPE = 0  # K blocks a chunk in which the next block's wgmma runs while one is promoted (`_consumer`; 0: off)
-ROTATE = 0  # tile nb starts its split's K blocks at nb x ROTATE (mod the split's length): token tiles read apart
-PDL = False  # launched under PDL where the GPU has it: the first ring's weight tiles load during the kernel before
+# launched under PDL where the GPU has it (`triton_utils.pdl_args`): the first ring's weight tiles load during the
+# kernel before. H100, the b64 1K step, one process, 3 rounds each: -14 us overlapped in two machine starts (bench/
+# RESULTS.md, forty-first session); False for A/Bs (profile_decode --ab splitk:pdl=0)
+PDL = True
 _COUNTERS: dict = {}
 
 
@@ -78,12 +78,6 @@ if HAVE_GLUON:
                                                mask=toks < M)
 
     @gluon.jit
-    def _kb(kb0, it, rot, n_iter):
-        """The split's it-th K block in a program's order: rotated by rot, so the programs of a split do not all read
-        the same token tile at once (ROTATE)."""
-        return kb0 + (it + rot) % n_iter
-
-    @gluon.jit
     def _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb, M, stride_xsm, stride_xsk):
         """K block kb's token tile (TMA) and the tokens' scales (cp.async) into ring slot s."""
         tma.async_copy_global_to_shared(x_desc, [0, kb * 128], ready.index(s), x_s.index(s))
@@ -91,103 +85,57 @@ if HAVE_GLUON:
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
     @gluon.jit
-    def _producer(w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, rot, n_iter, M, stride_xsm,
-                  stride_xsk, BLOCK_T: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    def _producer(w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, n_iter, M, stride_xsm, stride_xsk,
+                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """Each K block's weight rows [n0, n0 + 128) and the tokens' e4m3 values (TMA) and their scales (cp.async)
         into ring slot it % STAGES once both consumers freed it. The first ring's weight tiles are asked for first:
         under PDL before the wait for the kernel before (weights are no kernel's output), so they stream in during
-        its tail; only the tokens wait for it."""
+        its tail; only the tokens wait for it. (The consumers need no wait: they read only the ring, the weights'
+        scales and, at the end, the outputs and counters, after tiles that came after the wait.)"""
         first = gl.minimum(n_iter, STAGES)
         for it in range(first):
             mbarrier.expect(ready.index(it), (128 + BLOCK_T) * 128)
-            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), _kb(kb0, it, rot, n_iter) * 128], ready.index(it),
+            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(it),
                                             w_s.index(it))
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
         for it in range(first):
-            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, it, _kb(kb0, it, rot, n_iter), M, stride_xsm, stride_xsk)
+            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, it, kb0 + it, M, stride_xsm, stride_xsk)
         for it in range(first, n_iter):
             s = it % STAGES
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), (128 + BLOCK_T) * 128)
-            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), _kb(kb0, it, rot, n_iter) * 128], ready.index(s),
+            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(s),
                                             w_s.index(s))
-            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, _kb(kb0, it, rot, n_iter), M, stride_xsm, stride_xsk)
+            _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb0 + it, M, stride_xsm, stride_xsk)
 
     @gluon.jit
-    def _issue(w_s, x_s, ready, it, part, WG: gl.constexpr, STAGES: gl.constexpr):
-        """K block it's wgmma (this warpgroup's 64 weight rows x every token) into part, once its slot is ready."""
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        fence_async_shared()  # order this thread's view of the slot (TMA tiles, cp.async scales) before the wgmma
-        return warpgroup_mma(w_s.index(s).slice(64 * WG, 64, dim=0), x_s.index(s).permute((1, 0)), part,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _promote(xs_s, free, it, part, acc, w_scale, BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
-        """acc + K block it's finished part x its weight scale x the tokens' scales (fp32, the reference's per-128-K
-        rule), its slot freed first where FREE (one arrival a warpgroup, after every thread's reads of it)."""
-        s = it % STAGES
-        x_scale = xs_s.index(s).slice(0, BLOCK_T).load(gl.SliceLayout(0, part.type.layout))
-        gl.thread_barrier()  # this partition's warps: every thread's reads of the slot are done
-        mbarrier.arrive(free.index(s), count=1)
-        return acc + part * (x_scale * w_scale)[None, :]
-
-    @gluon.jit
-    def _retire(w_s, x_s, xs_s, ready, free, ws_row, kb0, rot, n_iter, stride_wsk, it, cur, nxt, acc, w_cur,
-                LAST: gl.constexpr, WG: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
-        """Block it's part (cur, its wgmma in flight) promoted into acc; unless LAST, block it + 1's wgmma is issued
-        into nxt first and runs meanwhile. -> (cur, nxt, acc, block it + 1's weight scale)."""
-        w_nxt = w_cur
-        if LAST:
-            cur = warpgroup_mma_wait(num_outstanding=0, deps=[cur])
-        else:
-            nxt = _issue(w_s, x_s, ready, it + 1, nxt, WG, STAGES)
-            w_nxt = gl.load(ws_row + _kb(kb0, it + 1, rot, n_iter) * stride_wsk)
-            cur = warpgroup_mma_wait(num_outstanding=1, deps=[cur])
-        return cur, nxt, _promote(xs_s, free, it, cur, acc, w_cur, BLOCK_T, STAGES), w_nxt
-
-    @gluon.jit
-    def _consumer(w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0, rot, n_iter, M, N,
+    def _consumer(w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0, n_iter, M, N,
                   stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, WG: gl.constexpr,
-                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr):
-        """Weight rows [n0 + 64 WG, + 64) x every token over the split's K blocks, then C or the split's part.
-        PIPE: two K blocks' wgmmas in flight (parts pa, pb): a block's part is promoted while the next one's MMA
-        runs, so the tensor cores are not idle through each promotion (both warpgroups otherwise reach it at once)."""
+                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+        """Weight rows [n0 + 64 WG, + 64) x every token over the split's K blocks, then C or the split's part."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_T, 32])
         acc = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
-        pa = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
+        part = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
         ws_row = ws_ptr + nb * stride_wsn
-        w_a = gl.load(ws_row + _kb(kb0, 0, rot, n_iter) * stride_wsk)
-        blocks_done = 0
-        if PIPE > 0:  # chunks of PIPE blocks; no wgmma is in flight across the loop's back-edge (else ptxas
-            # serialises every wgmma: C7514, it cannot tell which group a wait retires after the back-edge)
-            pb = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
-            w_b = w_a
-            blocks_done = (n_iter // PIPE) * PIPE
-            for j in range(0, blocks_done, PIPE):
-                pa = _issue(w_s, x_s, ready, j, pa, WG, STAGES)
-                for u in gl.static_range(PIPE):  # block j + u in pa (u even) or pb (u odd)
-                    if u % 2 == 0:
-                        pa, pb, acc, w_b = _retire(w_s, x_s, xs_s, ready, free, ws_row, kb0, rot, n_iter, stride_wsk,
-                                                   j + u, pa, pb, acc, w_a, u + 1 == PIPE, WG, BLOCK_T, STAGES)
-                    else:
-                        pb, pa, acc, w_a = _retire(w_s, x_s, xs_s, ready, free, ws_row, kb0, rot, n_iter, stride_wsk,
-                                                   j + u, pb, pa, acc, w_b, u + 1 == PIPE, WG, BLOCK_T, STAGES)
-                w_a = gl.load(ws_row + _kb(kb0, gl.minimum(j + PIPE, n_iter - 1), rot, n_iter) * stride_wsk)
-        for it in range(blocks_done, n_iter):  # one block at a time: the MMA idles through each promotion
-            pa = _issue(w_s, x_s, ready, it, pa, WG, STAGES)
+        w_scale = gl.load(ws_row + kb0 * stride_wsk)
+        for it in range(n_iter):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            fence_async_shared()  # order this thread's view of the slot (TMA tiles, cp.async scales) before the wgmma
+            part = warpgroup_mma(w_s.index(s).slice(64 * WG, 64, dim=0), x_s.index(s).permute((1, 0)), part,
+                                 use_acc=False, is_async=True)
             nxt = gl.minimum(it + 1, n_iter - 1)  # the next block's weight scale, in flight under this MMA
-            w_next = gl.load(ws_row + _kb(kb0, nxt, rot, n_iter) * stride_wsk)
-            x_scale = xs_s.index(it % STAGES).slice(0, BLOCK_T).load(gl.SliceLayout(0, acc_l))
-            pa = warpgroup_mma_wait(num_outstanding=0, deps=[pa])
+            w_next = gl.load(ws_row + (kb0 + nxt) * stride_wsk)
+            x_scale = xs_s.index(s).slice(0, BLOCK_T).load(gl.SliceLayout(0, acc_l))
+            part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
             gl.thread_barrier()  # this partition's warps: every thread's reads of the slot are done
-            mbarrier.arrive(free.index(it % STAGES), count=1)
-            acc += pa * (x_scale * w_a)[None, :]
-            w_a = w_next
+            mbarrier.arrive(free.index(s), count=1)
+            acc += part * (x_scale * w_scale)[None, :]
+            w_scale = w_next
         rows = n0 + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l)).to(gl.int64)
         toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l)).to(gl.int64)
         mask = (rows < N)[:, None] & (toks < M)[None, :]
@@ -211,7 +159,7 @@ if HAVE_GLUON:
     def _fp8_splitk_kernel(x_desc, xs_ptr, w_desc, ws_ptr, part_ptr, c_ptr, cnt_ptr, M, N, kblocks, kb_per_split,
                            stride_xsm, stride_xsk, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm,
                            BLOCK_T: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PIPE: gl.constexpr, PDL: gl.constexpr = False, ROTATE: gl.constexpr = 0):
+                           PDL: gl.constexpr = False):
         """Grid (128-row tiles, splits); x and the weight as TMA descriptors; launched with PRODUCER_WARPS warps and
         MAXNREG, the two consumer warpgroups added by warp_specialize."""
         nb = gl.program_id(0)
@@ -219,7 +167,6 @@ if HAVE_GLUON:
         n0 = nb.to(gl.int64) * 128
         kb0 = sp * kb_per_split
         n_iter = gl.minimum(kb_per_split, kblocks - kb0)  # the last split may be shorter (never empty: the host)
-        rot = (nb * ROTATE) % n_iter
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         w_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, 128], sw)
@@ -232,14 +179,14 @@ if HAVE_GLUON:
             mbarrier.init(free.index(i), count=2)  # one arrival a consumer warpgroup
         fence_async_shared()
         gl.thread_barrier()
-        gl.warp_specialize([(_producer, (w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, rot, n_iter, M,
+        gl.warp_specialize([(_producer, (w_desc, x_desc, xs_ptr, w_s, x_s, xs_s, ready, free, n0, kb0, n_iter, M,
                                          stride_xsm, stride_xsk, BLOCK_T, STAGES, PDL)),
                             (_consumer, (w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0,
-                                         rot, n_iter, M, N, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, 0,
-                                         BLOCK_T, STAGES, PIPE)),
+                                         n_iter, M, N, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, 0,
+                                         BLOCK_T, STAGES)),
                             (_consumer, (w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0,
-                                         rot, n_iter, M, N, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, 1,
-                                         BLOCK_T, STAGES, PIPE))],
+                                         n_iter, M, N, stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, 1,
+                                         BLOCK_T, STAGES))],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -268,12 +215,12 @@ def choose_split(n: int, k: int, sms: int, min_blocks: int = 4) -> int:
 
 def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     split: int, out_dtype: torch.dtype = torch.bfloat16, stages: int | None = None,
-                    side_stream: bool = False, pipe: int | None = None) -> torch.Tensor:
+                    side_stream: bool = False) -> torch.Tensor:
     """y [M, N] = x @ dequant(weight)^T from x quantised per (token, 128) (`quant_act_fp8`: e4m3 [M, K], fp32 scales
     [M, K/128], any strides) and the 128 x 128 block-scaled weight [N, K]; M <= 128, K a multiple of 128 cut into
     `split` parts of whole blocks (the last may be shorter, none empty); x and the weight row-major with 16-byte
     aligned rows (TMA: `tma_ok`). `side_stream`: the counters of GEMMs that may run beside the compute stream's;
-    stages, pipe: the ring's depth and the consumers' pipelined chunk (default STAGES, PIPE; bench sweeps)."""
+    stages: the ring's depth (default STAGES; bench sweeps)."""
     m, k = x_fp8.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -295,9 +242,8 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         TensorDescriptor.from_tensor(weight, [128, 128], sw), weight_scale, part, c,
         counters(x_fp8.device)[int(side_stream)], m, n, kblocks, triton.cdiv(kblocks, split), x_scale.stride(0),
         x_scale.stride(1), weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2),
-        c.stride(0), BLOCK_T=bt, STAGES=stages or STAGES, CONSUMER_REGS=CONSUMER_REGS,
-        PIPE=PIPE if pipe is None else pipe, ROTATE=ROTATE, num_warps=PRODUCER_WARPS, maxnreg=MAXNREG,
-        **(pdl_args(x_fp8.device) if PDL else {}))
+        c.stride(0), BLOCK_T=bt, STAGES=stages or STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=PRODUCER_WARPS,
+        maxnreg=MAXNREG, **(pdl_args(x_fp8.device) if PDL else {}))
     return c
 
 

@@ -118,18 +118,13 @@ def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits(
     assert (one_at_a_time[0] - one_at_a_time[1]).norm() / one_at_a_time[0].norm() > 1e-2  # the steps differ
 
 
-@pytest.mark.parametrize("prepare_beside", [False, True])
-def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch, monkeypatch, prepare_beside):
-    """Full layers run the indexer's selection (and with `mla.PREPARE_BESIDE` its projections and key write) on a
-    side stream beside the q path; with every kernel on one stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits
-    are the same, eager and replayed. Contexts of 150 and 400 tokens make the tiny config (index_topk 8) select,
-    so a read of the slots before the selection finished, or of an input the main stream already reused, would
-    change the logits."""
+def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch):
+    """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
+    stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150
+    and 400 tokens make the tiny config (index_topk 8) select, so a read of the slots before the selection
+    finished, or of an input the main stream already reused, would change the logits."""
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.model.forward_batch import contiguous_batch
-    from dsaserve.model.layers import mla
-
-    monkeypatch.setattr(mla, "PREPARE_BESIDE", prepare_beside)  # before the runner captures its graphs
 
     runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=2)
     prompts, bases = [[3, 4] * 75, [9] * 400], [0, 8 * 64]

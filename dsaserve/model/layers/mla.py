@@ -26,10 +26,6 @@ from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.parallel_linear import column_parallel, row_parallel
 from dsaserve.model.layers.rope import mla_softmax_scale
 
-# full layers' indexer projections and key write on the side stream with the selection (False: on the compute
-# stream before q_b, the selection alone beside it; bench/profile_decode.py "prepare_beside")
-PREPARE_BESIDE = False
-
 
 @dataclass
 class AttentionInputs:
@@ -112,7 +108,14 @@ class MLAAttention(nn.Module):
         t, ops = x.shape[0], ctx.ops
         q_a, kv_a, k_idx = self._project_a(x)
         q_resid = self.q_a_layernorm(q_a)
-        q_idx, w_idx, selecting = self._index(x, q_resid, k_idx, ctx)
+        q_idx = w_idx = None
+        if self.indexer is not None:
+            q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
+        selecting = self._selects(q_idx, ctx) and ctx.side_stream is not None
+        if selecting:
+            ctx.side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(ctx.side_stream):
+                ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
         q = self.q_b_proj(q_resid).view(t, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope:]
         # q's RoPE rides in the KV write's launch (one launch a layer fewer; the same roundings as `rope_inplace`)
@@ -123,31 +126,6 @@ class MLAAttention(nn.Module):
         # segment after the core reads
         latent = torch.empty(q_abs.shape, dtype=q_abs.dtype, device=q_abs.device)
         return AttentionInputs(q_abs, q_rope, latent, q_idx, w_idx, selecting)
-
-    def _index(self, x: torch.Tensor, q_resid: torch.Tensor, k_idx: torch.Tensor | None,
-               ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """Full layers' indexer: (queries, head weights, whether ctx.side_stream runs the selection). Its projections
-        and key write (`Indexer.prepare`) on the compute stream, then the selection on the side stream where there
-        is one; with PREPARE_BESIDE the projections and key write go there too, so q_b starts right after q's norm
-        (the main stream's inputs they read are held until the forward joins the side stream)."""
-        if self.indexer is None:
-            return None, None, False
-        side = ctx.side_stream
-        if side is not None and PREPARE_BESIDE:
-            side.wait_stream(torch.cuda.current_stream())
-            ctx.side_reads.extend(v for v in (x, q_resid, k_idx) if v is not None)
-            with torch.cuda.stream(side):
-                q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
-                if self._selects(q_idx, ctx):
-                    ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
-            return q_idx, w_idx, True
-        q_idx, w_idx = self.indexer.prepare(x, q_resid, ctx, k_idx)
-        selecting = self._selects(q_idx, ctx) and side is not None
-        if selecting:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                ctx.topk_slots = self.indexer.select(q_idx, w_idx, ctx)
-        return q_idx, w_idx, selecting
 
     def attention_core(self, a: AttentionInputs, ctx: StepContext) -> None:
         """What depends on the requests' lengths and page tables: the indexer's scores + top-k (full layers;
