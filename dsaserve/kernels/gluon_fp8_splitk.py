@@ -1,7 +1,7 @@
 """Hopper FP8 block-scaled GEMM of up to 128 rows, split over K, warp-specialised (issue 17: batch 33-64 decode's
 projections, where cuBLAS leaves most SMs idle; dispatched by `triton_fp8_gemm.splitk_linear`).
 
-Owns: `_fp8_splitk_kernel`, `fp8_splitk_gemm`, `choose_split`, `split_fits`, `tma_ok`, `counters`, `STAGES`.
+Owns: `_fp8_splitk_kernel`, `fp8_splitk_gemm`, `choose_split`, `split_fits`, `tma_ok`, `counters`, `STAGES`, `PDL`.
 Why: at decode batch sizes cuBLAS's block-scaled GEMM runs one 128 x 128 output tile a CTA over the whole K (64
 rows take as long as 128), so qkv_a (22 tiles), o_proj and the dense down (48) leave most of the 132 SMs idle
 (bench/RESULTS.md twenty-eighth session). Splitting K puts 2-6x more SMs on the same tiles. Two earlier split-K
@@ -24,6 +24,9 @@ Measured on the H200 (bench/RESULTS.md, fortieth session), against `_scaled_mm` 
 rows 1.16-1.29x where K is long (o_proj, the dense down, the shared gate+up, q_a|kv_a|wk); at 128 rows 0.53-0.92x (a
 program's tile then runs at ~60 % of cuBLAS's rate per SM: the extra SMs are spent), so it is not dispatched there.
 TMA tiles beat cp.async ones by 3-17 % at 128 rows and tied at 64 (the cp.async producer was measured and removed).
+Under PDL (`PDL`) the first ring's weight tiles are asked for before the wait for the kernel before. Tried and
+not kept (forty-first session, bench/attempts): consumers with the next block's wgmma in flight while one is promoted,
+and each tile's K blocks in a rotated order: neither is what limits it at 128 rows.
 No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it with the reference.
 """
 
