@@ -57,7 +57,7 @@ MAX_TILES = 1024  # 128-row output tiles a launch may have (q_b at GLM-5.3 scale
 # fp32 accumulator and a 64 x 128 part (128 registers)
 PRODUCER_WARPS, MAXNREG, CONSUMER_REGS = 4, 168, 216
 # launched under PDL where the GPU has it (`triton_utils.pdl_args`): the first ring's weight tiles load during the
-# kernel before. H100, the b64 1K step, one process, 3 rounds each: -14 us overlapped in two machine starts (bench/
+# kernel before. H100, the b64 1K step, one process, 3 rounds each: -12 to -14 us overlapped in two calls (bench/
 # RESULTS.md, forty-first session); False for A/Bs (profile_decode --ab splitk:pdl=0)
 PDL = True
 _COUNTERS: dict = {}
@@ -81,6 +81,12 @@ if HAVE_GLUON:
                                                mask=toks < M)
 
     @gluon.jit
+    def _weights(w_desc, w_s, ready, s, n0, kb, BLOCK_T: gl.constexpr):
+        """Ring slot s's ready barrier told the stage's bytes, and K block kb's weight rows [n0, n0 + 128) (TMA)."""
+        mbarrier.expect(ready.index(s), (128 + BLOCK_T) * 128)
+        tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), kb * 128], ready.index(s), w_s.index(s))
+
+    @gluon.jit
     def _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb, M, stride_xsm, stride_xsk):
         """K block kb's token tile (TMA) and the tokens' scales (cp.async) into ring slot s."""
         tma.async_copy_global_to_shared(x_desc, [0, kb * 128], ready.index(s), x_s.index(s))
@@ -97,9 +103,7 @@ if HAVE_GLUON:
         scales and, at the end, the outputs and counters, after tiles that came after the wait.)"""
         first = gl.minimum(n_iter, STAGES)
         for it in range(first):
-            mbarrier.expect(ready.index(it), (128 + BLOCK_T) * 128)
-            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(it),
-                                            w_s.index(it))
+            _weights(w_desc, w_s, ready, it, n0, kb0 + it, BLOCK_T)
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
@@ -109,9 +113,7 @@ if HAVE_GLUON:
         for it in range(first, n_iter):
             s = it % STAGES
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), (128 + BLOCK_T) * 128)
-            tma.async_copy_global_to_shared(w_desc, [n0.to(gl.int32), (kb0 + it) * 128], ready.index(s),
-                                            w_s.index(s))
+            _weights(w_desc, w_s, ready, s, n0, kb0 + it, BLOCK_T)
             _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb0 + it, M, stride_xsm, stride_xsk)
 
     @gluon.jit
@@ -245,7 +247,8 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         TensorDescriptor.from_tensor(weight, [128, 128], sw), weight_scale, part, c,
         counters(x_fp8.device)[int(side_stream)], m, n, kblocks, triton.cdiv(kblocks, split), x_scale.stride(0),
         x_scale.stride(1), weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2),
-        c.stride(0), BLOCK_T=bt, STAGES=stages or STAGES, CONSUMER_REGS=CONSUMER_REGS, num_warps=PRODUCER_WARPS,
+        c.stride(0), BLOCK_T=bt, STAGES=STAGES if stages is None else stages, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=PRODUCER_WARPS,
         maxnreg=MAXNREG, **(pdl_args(x_fp8.device) if PDL else {}))
     return c
 

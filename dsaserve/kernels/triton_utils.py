@@ -14,7 +14,8 @@ until that kernel has finished and its writes are visible, and only then let the
 decode step's ~150 back-to-back launches overlap their launch latency and block scheduling with the
 previous kernel's tail instead of paying it in the gap (CUDA graphs capture the programmatic edges).
 The wait comes first, before any load or store, so no kernel can read an input its producer has not
-finished or overwrite one its consumer still reads. DSASERVE_PDL=0 turns it off (for A/B runs).
+finished or overwrite one its consumer still reads (one exception: the split-K GEMM's producer asks for its first
+weight tiles before it, `gluon_fp8_splitk`: weights are no kernel's output). DSASERVE_PDL=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def made_once(cache: dict, key, device: torch.device, who: str, make):
 
 
 def on_side_stream(device: torch.device) -> int:
-    """1 on a high-priority stream (the step's one side stream with kernels that count arrivals: the indexer's
-    projections, the shared expert's GEMMs), else 0: which set of a split GEMM's counters a launch takes, so two split
-    GEMMs running at once never share a tile's counter."""
+    """1 on a high-priority stream (the step's one side stream; split GEMMs there today: the unfused shared
+    expert's), else 0: which set of a split GEMM's counters a launch takes, so two split GEMMs running at once never
+    share a tile's counter."""
     return int(device.type == "cuda" and torch.cuda.current_stream(device).priority < 0)
 
 

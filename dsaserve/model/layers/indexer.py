@@ -59,7 +59,8 @@ class Indexer(nn.Module):
                 k_raw: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The projections and the indexer-K write -> (q [T, Hi, D], head weights [T, Hi]). k_raw: wk(x) when
         the caller computed it in its merged projection (GPU path). Every GEMM of the indexer is here, so
-        `select` may run on a side stream (the split-K GEMMs share arrival counters on the compute stream).
+        `select` may run on a side stream beside the q path (moving these there too was measured slower: bench/
+        attempts, forty-first session).
         With ctx.all_keys the key write only, (None, None): the top-k is every key, whatever q would score
         (wq_b and weights_proj, and then q's RoPE was a launch too: ~10 us a full layer of a batch-1 step,
         bench/RESULTS.md twenty-eighth session)."""
