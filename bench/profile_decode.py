@@ -263,7 +263,7 @@ def ab_setting(runner, name: str):
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
-        return _set(triton_fp8_gemm, SPLITK_ROWS=(triton_fp8_gemm.SMALL_M + 1, 128))
+        name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant
         conf = _key_values(name[7:])
         rows = conf.pop("rows", triton_fp8_gemm.SPLITK_ROWS[1])

@@ -31,6 +31,8 @@ No interpreter runs Gluon: CPU runs never reach this kernel; its device test com
 """
 
 # (no `from __future__ import annotations`: Gluon reads the constexpr annotations)
+import functools
+
 import torch
 import triton
 
@@ -73,14 +75,6 @@ def counters(device: torch.device) -> torch.Tensor:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _scale_copy(xs_ptr, xs_dst, kb, M, stride_xsm, stride_xsk):
-        """K block kb's token scales (4 B a producer thread) into xs_dst by cp.async."""
-        sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        toks = gl.arange(0, 128, layout=sl)
-        async_copy.async_copy_global_to_shared(xs_dst, (xs_ptr + kb * stride_xsk) + toks * stride_xsm,
-                                               mask=toks < M)
-
-    @gluon.jit
     def _weights(w_desc, w_s, ready, s, n0, kb, BLOCK_T: gl.constexpr):
         """Ring slot s's ready barrier told the stage's bytes, and K block kb's weight rows [n0, n0 + 128) (TMA)."""
         mbarrier.expect(ready.index(s), (128 + BLOCK_T) * 128)
@@ -88,9 +82,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb, M, stride_xsm, stride_xsk):
-        """K block kb's token tile (TMA) and the tokens' scales (cp.async) into ring slot s."""
+        """K block kb's token tile (TMA) and the tokens' scales (cp.async, 4 B a producer thread) into ring slot s;
+        each thread's arrival on the slot's ready barrier when its copy lands."""
         tma.async_copy_global_to_shared(x_desc, [0, kb * 128], ready.index(s), x_s.index(s))
-        _scale_copy(xs_ptr, xs_s.index(s), kb, M, stride_xsm, stride_xsk)
+        toks = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        async_copy.async_copy_global_to_shared(xs_s.index(s), (xs_ptr + kb * stride_xsk) + toks * stride_xsm,
+                                               mask=toks < M)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
     @gluon.jit
@@ -205,6 +202,7 @@ def split_fits(kblocks: int, split: int) -> bool:
     return split >= 1 and triton.cdiv(kblocks, triton.cdiv(kblocks, split)) == split
 
 
+@functools.lru_cache(maxsize=256)  # asked at every dispatch (`triton_fp8_gemm.splitk_linear`): a pure function
 def choose_split(n: int, k: int, sms: int, min_blocks: int = 4) -> int:
     """Splits of K's 128-blocks for an [N, K] weight: counting up from 2 while every program stays in one wave of
     `sms` (one program an SM: its shared memory) and the last split is not empty, the last such count (parts of
@@ -248,8 +246,7 @@ def fp8_splitk_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         counters(x_fp8.device)[int(side_stream)], m, n, kblocks, triton.cdiv(kblocks, split), x_scale.stride(0),
         x_scale.stride(1), weight_scale.stride(0), weight_scale.stride(1), part.stride(0), part.stride(-2),
         c.stride(0), BLOCK_T=bt, STAGES=STAGES if stages is None else stages, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=PRODUCER_WARPS,
-        maxnreg=MAXNREG, **(pdl_args(x_fp8.device) if PDL else {}))
+        num_warps=PRODUCER_WARPS, maxnreg=MAXNREG, **(pdl_args(x_fp8.device) if PDL else {}))
     return c
 
 

@@ -343,7 +343,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fma:
     a, a_s = (act or quant_act_fp8(x)) if a_fp8 else (x, x)
     c = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else c
-    counters = split_counters(x.device)[on_side_stream(x.device)]
+    counters = split_counters(x.device)[on_side_stream(x.device) if split > 1 else 0]  # unread unsplit
     _fp8_skinny_kernel[grid](a, a_s, weight, scale, c, part, counters, m, n, k, kb_per_split, kblocks, split,
                              a.stride(0), a_s.stride(0) if a_fp8 else 0, a_s.stride(1) if a_fp8 else 0,
                              weight.stride(0), scale.stride(0), scale.stride(1),
