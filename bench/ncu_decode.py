@@ -8,10 +8,16 @@ Run on the device:
 The cases are the batch-1 step's items without bytes behind them (bench/RESULTS.md, nineteenth session): the
 indexer's scores of one 128K-key row (the FEW_ROWS tile), sparse MLA at one token over 2048 valid slots and its
 combine, one skinny FP8 GEMM (o_proj, M = 1); and batch 128's MoE (32 experts, routes over the first 12, as the
-slice's dummy router sends them): the swap-AB kernel at its default block_m.
+slice's dummy router sends them): the swap-AB kernel at its default block_m. `--cases splitk128,splitk64,
+splitk128_oproj`: the split-K FP8 GEMM and cuBLAS's `_scaled_mm` on the same rows (forty-second session: with
+`--kernel-name regex:'_fp8_splitk|nvjet' --section SourceCounters` and `ncu -i REP --page source --csv
+--print-source sass`, each SASS instruction's stall samples).
 """
 
 from __future__ import annotations
+
+import argparse
+import functools
 
 import torch
 
@@ -64,10 +70,30 @@ def moe_b128(t: int = 128, experts: int = 32, hot: int = 12, h: int = 6144, inte
         MOE.fused_moe(x, w13, s13, w2, s2, tw, ids)
 
 
+def splitk(m: int = 128, n: int = 2816, k: int = 6144, split: int = 1) -> None:
+    """The split-K FP8 GEMM (`gluon_fp8_splitk`) and cuBLAS's `_scaled_mm` on the same quantised rows (qkv_a's
+    shape by default: at 128 rows the split-K kernel's program takes ~2x cuBLAS's time a K block, forty-first
+    session)."""
+    from dsaserve.kernels import gluon_fp8_splitk as SK
+
+    w, s = quantize_fp8_block(torch.randn(n, k, device="cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a, a_s = G.quant_act_fp8(x, scale_m_major=True)
+    pad, pad_s = G.quant_act_fp8(x, pad_m_to=16, scale_m_major=True)
+    for _ in range(2):
+        SK.fp8_splitk_gemm(a, a_s, w, s, split)
+        torch._scaled_mm(pad, w.t(), scale_a=pad_s, scale_b=s.t(), out_dtype=torch.bfloat16)
+
+
+CASES = {"indexer_scores": indexer_scores, "sparse_mla": sparse_mla, "skinny": skinny, "moe_b128": moe_b128,
+         "splitk128": splitk, "splitk64": functools.partial(splitk, m=64),
+         "splitk128_oproj": functools.partial(splitk, n=6144, k=16384, split=2)}
+
 if __name__ == "__main__":
-    indexer_scores()
-    sparse_mla()
-    skinny()
-    moe_b128()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="indexer_scores,sparse_mla,skinny,moe_b128",
+                    help=f"comma-separated, of {', '.join(CASES)}")
+    for case in ap.parse_args().cases.split(","):
+        CASES[case]()
     torch.cuda.synchronize()
     print("ncu_decode: done")

@@ -36,6 +36,7 @@ from dsaserve.kernels import (
     triton_moe_align,
     triton_moe_route,
     triton_sparse_mla,
+    variants,
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
@@ -238,7 +239,8 @@ def ab_setting(runner, name: str):
     "splitk" / "no_splitk" the 33-64-row projections that split K on the warp-specialised split-K GEMM or all on
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
     "splitk:k=v/k=v" its variant (regs, stages, pdl: `gluon_fp8_splitk.CONSUMER_REGS`, STAGES, PDL; rows:
-    SPLITK_ROWS' upper end). "a+b" takes both settings."""
+    SPLITK_ROWS' upper end), "fused64" the fused score + select of 1-2 long rows over at most 64
+    programs (`variants.FUSED_PROGRAMS`, 128). "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -261,7 +263,8 @@ def ab_setting(runner, name: str):
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
-                    "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False)}
+                    "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
+                    "fused64": (variants, "FUSED_PROGRAMS", 64)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant

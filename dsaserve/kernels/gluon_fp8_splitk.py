@@ -8,25 +8,36 @@ rows take as long as 128), so qkv_a (22 tiles), o_proj and the dense down (48) l
 kernels lost to cuBLAS (fourteenth session: Triton, `acc += dot * scale`; thirty-first: a single-partition Gluon
 kernel, 131 against 49 us at split 1): each read a K block's token scales from global memory right after the
 block's MMA, a dependent round trip every block, and every warp stopped at a CTA barrier twice a block.
-The schedule here (DeepGEMM's sm90 FP8 GEMM, swap-AB): a program owns 128 weight rows (one 128 x 128 scale block:
-the weight's scale is one scalar a K block) x every token (wgmma N = tokens), over its split's K blocks.
+The schedule here (DeepGEMM's sm90 FP8 GEMM): a program owns 128 weight rows (one 128 x 128 scale block: the
+weight's scale is one scalar a K block) x a tile of 64 or 128 tokens, over its split's K blocks.
   The producer (the default partition, 4 warps) has TMA copy each K block's weight tile and token tile into a ring
   of STAGES buffers (one thread's expect-arrival and the tiles' bytes on the buffer's ready mbarrier; rows past N
   or M arrive as zeros) and cp.async the tokens' scales (each producer thread's arrival when its copy lands).
-  Two consumer warpgroups (workers) own 64 weight rows each: wait for a buffer, one wgmma (m64 x tokens x 128),
-  read the scales from shared memory, free the buffer (one arrival each), promote (acc += part x weight scale x
+  Two consumer warpgroups (workers) each take 64 tokens as the wgmma's M (at 128 tokens its half of them x the
+  tile's 128 rows, at 64 all of them x its 64 rows): wait for a buffer, one wgmma (m64 x rows x 128), read its
+  tokens' scales from shared memory, free the buffer (one arrival each), promote (acc += part x weight scale x
   token scale, fp32: the reference's per-128-K rule). No CTA-wide barrier in the loop (each warpgroup's own before
   it frees a slot). The next block's weight scale is loaded a block ahead (one register).
-Split K: each warpgroup parks its fp32 partial [64 rows, tokens] and the last of a (tile, half)'s splits to arrive
+  Tokens as M, not swap-AB's N (forty-second session): a thread's accumulator rows are then 2 tokens, so a K block's
+  promotion reads 2 token scales where swap-AB's 32 columns (128 tokens) took 16 shared loads and 32 multiplies;
+  Nsight Compute's samples put a 128-token block's time there, not in the MMA (swap-AB's consumers never waited
+  for their wgmma).
+Split K: each warpgroup parks its fp32 partial [64 tokens, rows] and the last of a (tile, half)'s splits to arrive
 (one counter each, `counters`, reset by it) adds the parts in split order and writes C: CUTLASS's serial split-K,
 as `triton_fp8_gemm._split_k_store`, so the result is the same whichever program ends last.
 Measured on the H200 (bench/RESULTS.md, fortieth session), against `_scaled_mm` on the same FP8 operands: at 64
 rows 1.16-1.29x where K is long (o_proj, the dense down, the shared gate+up, q_a|kv_a|wk); at 128 rows 0.53-0.92x (a
 program's tile then runs at ~60 % of cuBLAS's rate per SM: the extra SMs are spent), so it is not dispatched there.
+That was swap-AB; with the tokens as M (H100, forty-second session) a 128-token tile at split 1 runs 1.34-1.41x
+faster (qkv_a 31.2 -> 22.5 us, o_proj 80.4 -> 58.3, cuBLAS 20.2 / 49.8; 64 tokens 1.10-1.17x), but on that H100 the
+splits that fill the GPU read weights at ~2 TB/s, as cuBLAS does, so 128 rows still lose (0.72-0.95x; the b128 step
++130 us dispatched there) and the dispatched 64-row splits are unchanged (within 3 %); not read on an H200, where
+cuBLAS's 128-row GEMMs are no faster and the bandwidth is 1.4x.
 TMA tiles beat cp.async ones by 3-17 % at 128 rows and tied at 64 (the cp.async producer was measured and removed).
 Under PDL (`PDL`) the first ring's weight tiles are asked for before the wait for the kernel before. Tried and
 not kept (forty-first session, bench/attempts): consumers with the next block's wgmma in flight while one is promoted,
-and each tile's K blocks in a rotated order: neither is what limits it at 128 rows.
+and each tile's K blocks in a rotated order (again with tokens as M, forty-second: 0-5 % slower), and
+(forty-second) 6-8 ring stages: none is what limits it at 128 rows.
 No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it with the reference.
 """
 
@@ -114,10 +125,33 @@ if HAVE_GLUON:
             _tokens(x_desc, xs_ptr, x_s, xs_s, ready, s, kb0 + it, M, stride_xsm, stride_xsk)
 
     @gluon.jit
+    def _write(acc, tok, row, mask, part_ptr, c_ptr, cnt, sp, stride_ps, stride_pm, stride_cm):
+        """acc (tokens tok x weight rows row: broadcast 2-D offsets) into C where K is not split, else parked as
+        split sp's part; the last of the (tile, half)'s splits to arrive (counter cnt) adds the parts in split
+        order, writes C and zeroes the counter (graph replays need no memset)."""
+        if gl.num_programs(1) == 1:
+            gl.store(c_ptr + tok * stride_cm + row, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            offs = tok * stride_pm + row
+            gl.store(part_ptr + sp * stride_ps + offs, acc, mask=mask)
+            gl.thread_barrier()  # every thread's part is written before the signal (release is cumulative)
+            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == gl.num_programs(1) - 1:
+                total = gl.zeros_like(acc)
+                for p in range(gl.num_programs(1)):
+                    total += gl.load(part_ptr + p * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(c_ptr + tok * stride_cm + row, total.to(c_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt, 0)
+
+    @gluon.jit
     def _consumer(w_s, x_s, xs_s, ready, free, ws_ptr, part_ptr, c_ptr, cnt_ptr, nb, n0, sp, kb0, n_iter, M, N,
                   stride_wsn, stride_wsk, stride_ps, stride_pm, stride_cm, WG: gl.constexpr,
                   BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
-        """Weight rows [n0 + 64 WG, + 64) x every token over the split's K blocks, then C or the split's part."""
+        """64 tokens x BLOCK_T weight rows over the split's K blocks, then C or the split's part: at 128 tokens
+        warpgroup WG's half of the tokens x the tile's 128 rows, at 64 every token x its 64 rows. The tokens are the
+        wgmma's M, so a thread's accumulator rows are 2 tokens and a K block's promotion reads 2 token scales."""
+        T0: gl.constexpr = WG * (BLOCK_T - 64)  # the warpgroup's first token
+        R0: gl.constexpr = WG * (128 - BLOCK_T)  # and first weight row in the tile
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_T, 32])
         acc = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
@@ -128,34 +162,22 @@ if HAVE_GLUON:
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             fence_async_shared()  # order this thread's view of the slot (TMA tiles, cp.async scales) before the wgmma
-            part = warpgroup_mma(w_s.index(s).slice(64 * WG, 64, dim=0), x_s.index(s).permute((1, 0)), part,
-                                 use_acc=False, is_async=True)
+            part = warpgroup_mma(x_s.index(s).slice(T0, 64, dim=0),
+                                 w_s.index(s).slice(R0, BLOCK_T, dim=0).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)
             nxt = gl.minimum(it + 1, n_iter - 1)  # the next block's weight scale, in flight under this MMA
             w_next = gl.load(ws_row + (kb0 + nxt) * stride_wsk)
-            x_scale = xs_s.index(s).slice(0, BLOCK_T).load(gl.SliceLayout(0, acc_l))
+            x_scale = xs_s.index(s).slice(T0, 64).load(gl.SliceLayout(1, acc_l))
             part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
             gl.thread_barrier()  # this partition's warps: every thread's reads of the slot are done
             mbarrier.arrive(free.index(s), count=1)
-            acc += part * (x_scale * w_scale)[None, :]
+            acc += part * (x_scale * w_scale)[:, None]
             w_scale = w_next
-        rows = n0 + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l)).to(gl.int64)
-        toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l)).to(gl.int64)
-        mask = (rows < N)[:, None] & (toks < M)[None, :]
-        if gl.num_programs(1) == 1:
-            gl.store(c_ptr + toks[None, :] * stride_cm + rows[:, None], acc.to(c_ptr.dtype.element_ty), mask=mask)
-        else:  # park the part; the (tile, half)'s last split adds them all in split order and writes C
-            offs = toks[None, :] * stride_pm + rows[:, None]
-            gl.store(part_ptr + sp * stride_ps + offs, acc, mask=mask)
-            gl.thread_barrier()  # every thread's part is written before the signal (release is cumulative)
-            cnt = cnt_ptr + nb * 2 + WG
-            arrived = gl.atomic_add(cnt, 1, sem="acq_rel")
-            if arrived == gl.num_programs(1) - 1:
-                total = gl.zeros([64, BLOCK_T], gl.float32, layout=acc_l)
-                for p in range(gl.num_programs(1)):
-                    total += gl.load(part_ptr + p * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.store(c_ptr + toks[None, :] * stride_cm + rows[:, None], total.to(c_ptr.dtype.element_ty),
-                         mask=mask)
-                gl.atomic_xchg(cnt, 0)  # zero for the next launch: graph replays need no memset
+        toks = T0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l)).to(gl.int64)
+        rows = n0 + R0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l)).to(gl.int64)
+        mask = (toks < M)[:, None] & (rows < N)[None, :]
+        _write(acc, toks[:, None], rows[None, :], mask, part_ptr, c_ptr, cnt_ptr + nb * 2 + WG, sp, stride_ps,
+               stride_pm, stride_cm)
 
     @gluon.jit
     def _fp8_splitk_kernel(x_desc, xs_ptr, w_desc, ws_ptr, part_ptr, c_ptr, cnt_ptr, M, N, kblocks, kb_per_split,
@@ -193,8 +215,8 @@ if HAVE_GLUON:
 
 
 def block_tokens(m: int) -> int:
-    """wgmma N for m tokens: a power of two from 16 to 128."""
-    return max(16, triton.next_power_of_2(m))
+    """The token tile for m tokens: 64 (each warpgroup's wgmma M; rows past m arrive as zeros) or 128."""
+    return 64 if m <= 64 else 128
 
 
 def split_fits(kblocks: int, split: int) -> bool:

@@ -27,7 +27,7 @@ def _case(m: int, n: int, k: int, seed: int):
 @pytest.mark.parametrize("m", [1, 16, 33, 64, 100, 128])
 @pytest.mark.parametrize("n,k,split", [(2816, 6144, 6), (6144, 16384, 2), (6144, 16384, 3), (640, 2048, 1),
                                        (4096, 6144, 5), (4096, 2048, 4), (640, 1024, 8)])  # the last two: splits
-# shorter than the ring (4 and 1 blocks against STAGES 5)
+# shorter than the ring (4 and 1 blocks against STAGES 5); m 1 and 16 fill a 64-token tile with zero rows
 def test_split_k_gemm_matches_the_reference(m, n, k, split):
     from dsaserve.kernels import gluon_fp8_splitk as SK
 
