@@ -30,14 +30,14 @@ rows 1.16-1.29x where K is long (o_proj, the dense down, the shared gate+up, q_a
 program's tile then runs at ~60 % of cuBLAS's rate per SM: the extra SMs are spent), so it is not dispatched there.
 That was swap-AB; with the tokens as M (H100, forty-second session) a 128-token tile at split 1 runs 1.34-1.41x
 faster (qkv_a 31.2 -> 22.5 us, o_proj 80.4 -> 58.3, cuBLAS 20.2 / 49.8; 64 tokens 1.10-1.17x), but on that H100 the
-splits that fill the GPU read weights at ~2 TB/s, as cuBLAS does, so 128 rows still lose (0.72-0.95x; the b128 step
-+130 us dispatched there) and the dispatched 64-row splits are unchanged (within 3 %); not read on an H200, where
-cuBLAS's 128-row GEMMs are no faster and the bandwidth is 1.4x.
+splits that fill the GPU read no faster than cuBLAS (o_proj 1.85-1.88 TB/s at split 2 against 1.95-2.02), so 128
+rows still lose (0.72-0.95x; the b128 step +133-138 us dispatched there) and the dispatched 64-row splits are
+unchanged (within 3 %); not read on an H200, where cuBLAS's 128-row GEMMs are no faster and the bandwidth is 1.4x.
 TMA tiles beat cp.async ones by 3-17 % at 128 rows and tied at 64 (the cp.async producer was measured and removed).
 Under PDL (`PDL`) the first ring's weight tiles are asked for before the wait for the kernel before. Tried and
 not kept (forty-first session, bench/attempts): consumers with the next block's wgmma in flight while one is promoted,
-and each tile's K blocks in a rotated order (again with tokens as M, forty-second: 0-5 % slower), and
-(forty-second) 6-8 ring stages: none is what limits it at 128 rows.
+and each tile's K blocks in a rotated order (again with tokens as M, forty-second: from 2 % faster to 5 % slower),
+and (forty-second) 6 and 8 ring stages (8 not at 128 tokens): none is what limits it at 128 rows.
 No interpreter runs Gluon: CPU runs never reach this kernel; its device test compares it with the reference.
 """
 
@@ -150,6 +150,7 @@ if HAVE_GLUON:
         """64 tokens x BLOCK_T weight rows over the split's K blocks, then C or the split's part: at 128 tokens
         warpgroup WG's half of the tokens x the tile's 128 rows, at 64 every token x its 64 rows. The tokens are the
         wgmma's M, so a thread's accumulator rows are 2 tokens and a K block's promotion reads 2 token scales."""
+        gl.static_assert(BLOCK_T == 64 or BLOCK_T == 128, "a token tile is 64 or 128 rows (`block_tokens`)")
         T0: gl.constexpr = WG * (BLOCK_T - 64)  # the warpgroup's first token
         R0: gl.constexpr = WG * (128 - BLOCK_T)  # and first weight row in the tile
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -167,6 +168,7 @@ if HAVE_GLUON:
                                  is_async=True)
             nxt = gl.minimum(it + 1, n_iter - 1)  # the next block's weight scale, in flight under this MMA
             w_next = gl.load(ws_row + (kb0 + nxt) * stride_wsk)
+            # (tokens past M: a zero row's part times a scale the masked cp.async did not write; never stored)
             x_scale = xs_s.index(s).slice(T0, 64).load(gl.SliceLayout(1, acc_l))
             part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
             gl.thread_barrier()  # this partition's warps: every thread's reads of the slot are done
