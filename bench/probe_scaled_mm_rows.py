@@ -113,11 +113,12 @@ def _quant_splitk(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, split: int)
     return SK.fp8_splitk_gemm(*quant_act_fp8(x, scale_m_major=True), w, s, split)
 
 
-def splitk(out: list[dict], rows: list[int], shapes: set[str] | None = None, depths: tuple[int, ...] = (5,)) -> None:
+def splitk(out: list[dict], rows: list[int], shapes: set[str] | None = None,
+           depths: tuple[int, ...] | None = None) -> None:
     """`gluon_fp8_splitk.fp8_splitk_gemm` against `_scaled_mm` on the same quantised activations: at 1 split, at
-    `choose_split`'s and around it (below 64 rows a wider sweep of splits), at each ring depth of `depths`; each
-    output checked against `_scaled_mm`'s first. Also fp8_linear from bf16 rows without this kernel against the
-    quantiser + it."""
+    `choose_split`'s and around it (below 64 rows a wider sweep of splits), at each ring depth of `depths` (default
+    the kernel's STAGES); each output checked against `_scaled_mm`'s first. Also fp8_linear from bf16 rows without
+    this kernel against the quantiser + it."""
     from dsaserve.kernels import gluon_fp8_splitk as SK
     from dsaserve.kernels import triton_fp8_gemm as G
 
@@ -145,7 +146,7 @@ def splitk(out: list[dict], rows: list[int], shapes: set[str] | None = None, dep
                   f"{best} {t_both * 1e6:7.2f} us ({t_ship / t_both:.2f}x)", flush=True)
             out.append({"shape": name, "m": m, "shipped_us": t_ship * 1e6, "quant_splitk_us": t_both * 1e6})
             for split in splits:
-                for stages in depths:
+                for stages in depths or (SK.STAGES,):
                     run = functools.partial(SK.fp8_splitk_gemm, a, a_s, split=split, stages=stages)
                     try:
                         rel = float(((run(*ws[0]).float() - want).norm() / want.norm()).item())
@@ -170,7 +171,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,128")
     ap.add_argument("--pads", default="16,256,384,512")
     ap.add_argument("--shapes", default="", help="--splitk's projections by name, comma-separated (default: all)")
-    ap.add_argument("--stages", default="5", help="--splitk's ring depths, e.g. 4,5,6")
+    ap.add_argument("--stages", default="", help="--splitk's ring depths, e.g. 4,5,6 (default: the kernel's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
@@ -182,7 +183,7 @@ def main() -> None:
         swap_cases(rows, [int(v) for v in args.rows.split(",")])
     if args.splitk:
         splitk(rows, [int(v) for v in args.rows.split(",")], set(args.shapes.split(",")) if args.shapes else None,
-               tuple(int(v) for v in args.stages.split(",")))
+               tuple(int(v) for v in args.stages.split(",")) if args.stages else None)
     for name, n, k in SHAPES if not (args.quant or args.swap or args.splitk) else ():
         ws, nbytes = _weights(n, k)
         for m in (int(v) for v in args.rows.split(",")):
