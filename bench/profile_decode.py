@@ -234,8 +234,9 @@ def ab_setting(runner, name: str):
     `triton_indexer_coop.SHARED_WORKSPACE`), "fold_in_block" W_uv's fold loading each K block's split partials in
     that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
     program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
-    "copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both scale layouts, so the cuBLAS
-    projections and the MoE do not quantise them (`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, off by default),
+    "copy_for_cublas" / "no_copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both
+    scale layouts, so the cuBLAS projections and the MoE do not quantise them, or not (the quantiser launch before
+    each: `triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, 512 by default since the forty-third session),
     "splitk" / "no_splitk" the 33-64-row projections that split K on the warp-specialised split-K GEMM or all on
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
     "splitk:k=v/k=v" its variant (regs, stages, pdl: `gluon_fp8_splitk.CONSUMER_REGS`, STAGES, PDL; rows:
@@ -262,6 +263,7 @@ def ab_setting(runner, name: str):
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
+                    "no_copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 0),
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
                     "fused64": (variants, "FUSED_PROGRAMS", 64)}

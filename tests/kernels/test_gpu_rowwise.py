@@ -132,25 +132,32 @@ def test_batch_rows_carry_the_copy_in_both_scale_layouts(gen, op, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled GEMM: a Hopper GPU")
-def test_the_cublas_gemm_takes_the_rows_copy_instead_of_quantising(gen, monkeypatch):
-    """fp8_linear at 128 rows reads the RMSNorm's copy (no quantiser launch) and gives what quantising gives, to the
-    copy's rounding (<= 1 e4m3 step an element)."""
+@pytest.mark.parametrize("rows, k", [(128, 2048), (64, 4096)])
+def test_the_cublas_gemm_takes_the_rows_copy_instead_of_quantising(gen, monkeypatch, rows, k):
+    """fp8_linear at 128 rows (cuBLAS) and at 64 rows of K 4096 (the split-K GEMM, where the GPU has it) reads the
+    RMSNorm's copy (no quantiser launch) and gives what quantising gives, to the copy's rounding (<= 1 e4m3 step an
+    element)."""
+    from dsaserve.kernels import gluon_fp8_splitk as SK
     from dsaserve.kernels import triton_elementwise as E
     from dsaserve.kernels import triton_fp8_gemm as G
     from dsaserve.weights.fp8 import quantize_fp8_block
 
-    if not G.scaled_mm_ok(1024, 2048, torch.device(DEVICE)):
+    if not G.scaled_mm_ok(1024, k, torch.device(DEVICE)):
         pytest.skip("not a GPU whose block-scaled cuBLAS GEMM fp8_linear takes")
-    w8, ws = quantize_fp8_block(randn(1024, 2048, gen=gen))
-    x, g = randn(128, 2048, gen=gen, dtype=torch.bfloat16), randn(2048, gen=gen, dtype=torch.bfloat16)
+    w8, ws = quantize_fp8_block(randn(1024, k, gen=gen))
+    x, g = randn(rows, k, gen=gen, dtype=torch.bfloat16), randn(k, gen=gen, dtype=torch.bfloat16)
+    monkeypatch.setattr(G, "CUBLAS_COPY_MAX_ROWS", 0)
     plain = G.fp8_linear(E.rms_norm(x, g, 1e-6), w8, ws)
     monkeypatch.setattr(G, "CUBLAS_COPY_MAX_ROWS", 512)
     y = E.rms_norm(x, g, 1e-6)
-    calls = []
-    quant = G.quant_act_fp8
-    monkeypatch.setattr(G, "quant_act_fp8", lambda *a, **k: calls.append(1) or quant(*a, **k))
+    calls, split_calls = [], []
+    quant, splitk = G.quant_act_fp8, SK.fp8_splitk_gemm
+    monkeypatch.setattr(G, "quant_act_fp8", lambda *a, **kw: calls.append(1) or quant(*a, **kw))
+    monkeypatch.setattr(SK, "fp8_splitk_gemm", lambda *a, **kw: split_calls.append(1) or splitk(*a, **kw))
     got = G.fp8_linear(y, w8, ws)
     assert not calls and rel(got, plain) < FP8A
+    want_split = rows <= G.SPLITK_ROWS[1] and G.SPLITK_GEMM and SK.available(x.device)
+    assert bool(split_calls) == bool(want_split)
 
 
 def test_activation_quant_gives_each_row_the_same_bytes_at_any_batch_size(gen):
