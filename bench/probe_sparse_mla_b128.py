@@ -8,6 +8,8 @@ bytes); HBM against L2 is the gather's. Each cell is timed as CUDA graph replays
 `pick_splits` gives at 128 tokens), TFLOP/s over the valid keys (2 x 64 heads x (2 x 512 + 64) a key).
 
 Run on the device:  PYTHONPATH=. python bench/probe_sparse_mla_b128.py --out DIR
+  --pages: each token's keys whole 64-slot pages, in order (a batch within the top-k), not random rows; H100
+  (forty-third session): the decode-schedule fp8 kernel 69.0 us at 128 x 1024 keys from HBM, 75.4 over random rows.
   --ncu: only the fp8 and bf16 single-partition kernels over the HBM pool, twice each, for
   ncu --kernel-name regex:'_sparse_mla' --launch-skip 1 ... (nothing else launched from dsaserve).
 """
@@ -51,6 +53,8 @@ def main() -> None:
                     "at ~100 us a call the host's launch path, not the kernel, can be what is timed")
     ap.add_argument("--valid", default="2048,1024")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--pages", action="store_true", help="each token's keys whole 64-slot pages (a decode batch within "
+                    "the top-k: every key of each request), not random rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     where = {"hbm": (HBM_ROWS, pools(HBM_ROWS))} if args.ncu else {"hbm": (HBM_ROWS, pools(HBM_ROWS)),
@@ -60,6 +64,13 @@ def main() -> None:
         flop = 2.0 * H * (2 * DC + DR) * tokens * valid
         for place, (n_rows, pool) in where.items():
             slots, qn, qr = case(tokens, valid, n_rows)
+            if args.pages:  # token t's keys: `valid` slots in random pages of 64 (distinct where the pool has
+                # enough: the L2 pool's 256 pages are shared), each page in order
+                need, have = tokens * -(-valid // 64), n_rows // 64
+                page = (torch.randperm(have, device="cuda")[:need] if need <= have else
+                        torch.randint(0, have, (need,), device="cuda")).view(tokens, -1)
+                j = torch.arange(valid, device="cuda")
+                slots[:, :valid] = (page[:, j // 64] * 64 + j % 64).to(torch.int32)
             for name in args.kernels.split(","):
                 kind, cfg = KERNELS[name]
                 if args.ncu and name.endswith("-ws"):
@@ -76,6 +87,7 @@ def main() -> None:
                 call()
                 ms = do_bench(call, warmup=10, rep=60) if args.eager else do_bench_cudagraph(call, rep=60)
                 res = {"tokens": tokens, "valid": valid, "rows": place, "kernel": name, "splits": args.splits,
+                       "slots": "pages" if args.pages else "random",
                        "timing": "eager" if args.eager else "graph",
                        "us": round(ms * 1e3, 1), "tflops": round(flop / ms / 1e9, 1)}
                 rows.append(res)
