@@ -277,7 +277,7 @@ def ab_setting(runner, name: str):
         undo.append(_set(gluon_fp8_splitk, **{keys[k]: v for k, v in conf.items()}))
         return lambda: [u() for u in reversed(undo)]
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
-        runner.graphs.runner_for = lambda batch: runner.graphs.widest
+        runner.graphs.runner_for = lambda batch, bucket=None: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))

@@ -13,9 +13,16 @@ of those kernels and a 2.1 MB copy; the step 3.40 ms from graphs captured for 12
 captured for 1K. The narrow class is the top-k's width: a batch whose every request holds at most `index_topk`
 keys takes every visible key without a score (`indexer_topk`'s all-visible path) and without indexer queries
 (`StepContext.all_keys`: no wq_b, RoPE or weights_proj; 63 µs of a b128 1K step, twenty-eighth session).
+Few-row classes (`few_row_widths`): batches of 1-2 rows (`variants.FEW_ROWS`) also get graphs at the bounds where
+one row's fused score + select keeps all its programs (32K and 64K keys, `variants.fused_select_widths`). At
+max_model_len's width a 32K-key request's selection takes 2048-key chunks over 16 programs, the score kernel and the
+select's launch apart (the fused launch stops at 64K keys); at the 64K class 512-key chunks over 64 programs in one
+launch. H100, glm-5.3-slice, batch 1 at 32K (bench/RESULTS.md, forty-third session): 1.921 ms overlapped with
+graphs captured at 32K+64 tokens against 2.038 in bench_gpu's run captured at 128K. Larger batches keep the full
+classes: their selection is not the cooperative launch (`triton_indexer_coop.COOP_ROWS`).
 The classes share one memory pool (the widest, captured first, sizes it) and one logits buffer (every graph's
 lm_head writes into it: `CudaGraphRunner.logits_out`); the replay contract is one runner's: a replay's logits are
-valid until the next replay of either class (or of the MTP graphs, engine/mtp_graphs.py, which share both).
+valid until the next replay of any class (or of the MTP graphs, engine/mtp_graphs.py, which share both).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
+from dsaserve.kernels.variants import FEW_ROWS, fused_select_widths
 from dsaserve.model.forward_batch import ForwardBatch
 
 
@@ -36,18 +44,40 @@ def width_classes(max_pages: int, index_topk: int | None, page_size: int, narrow
     return sorted(widths)
 
 
+def few_row_widths(max_pages: int, index_topk: int | None, page_size: int, narrow: bool) -> list[int]:
+    """Page-table widths (pages) of the few-row classes: `variants.fused_select_widths` strictly between the narrow
+    class and max_pages; none where `width_classes` has no narrow class (DP-attention's gather graphs, switched off)
+    or the model has no indexer."""
+    if not narrow or not index_topk:
+        return []
+    low = index_topk // page_size
+    return sorted({w // page_size for w in fused_select_widths() if low < w // page_size < max_pages})
+
+
 class DecodeGraphs:
     """The runners of each width class behind `CudaGraphRunner`'s interface (capture, fallback_reason, replay and
-    the manifest's fields; those of one bucket set are the widest runner's)."""
+    the manifest's fields; those of one bucket set are the widest runner's). `few_widths`: classes captured for
+    batches of at most `few_rows` rows only (`few_row_widths`)."""
 
-    def __init__(self, make_runner: Callable[[int], CudaGraphRunner], widths: list[int]):
-        self.runners = {w: make_runner(w) for w in sorted(widths)}  # narrowest first (`runner_for` relies on it)
+    def __init__(self, make_runner: Callable[..., CudaGraphRunner], widths: list[int],
+                 few_widths: list[int] = (), few_rows: int = FEW_ROWS):
+        self.runners = {w: make_runner(w) for w in sorted(widths)}
         self.widest = self.runners[max(self.runners)]
         self.max_bs, self.buckets = self.widest.max_bs, self.widest.buckets
+        few_rows = min(few_rows, self.max_bs)
+        self.few = {w: make_runner(w, few_rows) for w in sorted(set(few_widths) - set(widths))}
 
     @property
     def widths(self) -> list[int]:
+        """The classes every bucket has (the manifest's `page_table_widths`, the MTP graphs' and the ledger's)."""
         return sorted(self.runners)
+
+    @property
+    def few_row_widths(self) -> list[int]:
+        return sorted(self.few)
+
+    def _all(self) -> list[CudaGraphRunner]:
+        return [*self.runners.values(), *self.few.values()]
 
     @property
     def graphs(self) -> dict:
@@ -59,11 +89,11 @@ class DecodeGraphs:
 
     @property
     def capture_seconds(self) -> float:
-        return sum(r.capture_seconds for r in self.runners.values())
+        return sum(r.capture_seconds for r in self._all())
 
     @property
     def capture_retries(self) -> int:
-        return sum(r.capture_retries for r in self.runners.values())
+        return sum(r.capture_retries for r in self._all())
 
     def capture(self, warm_each: bool = True) -> list[int]:
         """Every class's buckets, the widest first: the narrower ones capture into its memory pool, each warming
@@ -71,22 +101,25 @@ class DecodeGraphs:
         a warm run is retried after one), since the widest class's warm runs did the step's other first-use work
         (H200, glm-5.3-slice: the narrow class warmed bucket by bucket added 9 s to a cold start's capture)."""
         buckets = self.widest.capture(warm_each)
-        for width in reversed(self.widths[:-1]):
-            self.runners[width].pool_handle = self.widest.pool_handle
-            self.runners[width].logits_out = self.widest.logits_out
-            self.runners[width].capture(warm_each=False)
+        for runner in [*(self.runners[w] for w in reversed(self.widths[:-1])), *self.few.values()]:
+            runner.pool_handle = self.widest.pool_handle
+            runner.logits_out = self.widest.logits_out
+            runner.capture(warm_each=False)
         return buckets
 
-    def runner_for(self, batch: ForwardBatch) -> CudaGraphRunner:
-        """The narrowest class whose width holds the batch's page table (the widest if none: its fallback says why)."""
-        width = batch.page_table.shape[1]
-        return next((r for w, r in self.runners.items() if w >= width), self.widest)  # narrowest first
+    def runner_for(self, batch: ForwardBatch, bucket: int | None = None) -> CudaGraphRunner:
+        """The narrowest class whose width holds the batch's page table, a few-row class only for a batch of (and a
+        `bucket`, where given, within) its rows (the widest if none holds it: its fallback says why)."""
+        rows, width = batch.page_table.shape
+        held = [(w, r) for w, r in [*self.runners.items(), *self.few.items()]
+                if w >= width and max(rows, bucket or 0) <= r.max_bs]
+        return min(held, key=lambda wr: wr[0])[1] if held else self.widest
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
-        return self.runner_for(batch).fallback_reason(batch, bucket)
+        return self.runner_for(batch, bucket).fallback_reason(batch, bucket)
 
     def replay(self, batch: ForwardBatch, bucket: int | None = None):
-        return self.runner_for(batch).replay(batch, bucket)
+        return self.runner_for(batch, bucket).replay(batch, bucket)
 
     def replay_with_hidden(self, batch: ForwardBatch, bucket: int | None = None):
-        return self.runner_for(batch).replay_with_hidden(batch, bucket)
+        return self.runner_for(batch, bucket).replay_with_hidden(batch, bucket)

@@ -28,7 +28,7 @@ from dsaserve.distributed.parallel_state import initialize_model_parallel, local
 from dsaserve.distributed.sharding import require_fp8_aligned
 from dsaserve.engine import kernel_precompile, prompt_logprobs
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
-from dsaserve.engine.decode_graphs import DecodeGraphs, width_classes
+from dsaserve.engine.decode_graphs import DecodeGraphs, few_row_widths, width_classes
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
@@ -286,11 +286,12 @@ class ModelRunner(RunnerStartup):
 
     def _capture_decode(self) -> DecodeGraphs:
         max_pages = -(-self.max_model_len // PAGE_SIZE)
-        widths = width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE,
-                               narrow=not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs)
-        graphs = DecodeGraphs(lambda pages: CudaGraphRunner(
-            self.model, self.kv_pool, self.cuda_graph_max_bs, pages, self.kv_pool.sink_page, self.future_token_ids,
-            moe_gather=self._dp_gather_graphs), widths)
+        narrow = not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs
+        graphs = DecodeGraphs(lambda pages, max_bs=None: CudaGraphRunner(
+            self.model, self.kv_pool, max_bs or self.cuda_graph_max_bs, pages, self.kv_pool.sink_page,
+            self.future_token_ids, moe_gather=self._dp_gather_graphs),
+            width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE, narrow),
+            few_row_widths(max_pages, self.cfg.index_topk, PAGE_SIZE, narrow))
         # its own pool, not the piecewise graphs': its hidden outputs then live where no piecewise replay writes
         graphs.capture(warm_each=not self._preload_hit())
         return graphs

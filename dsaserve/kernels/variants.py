@@ -61,14 +61,29 @@ def long_select_chunk(rows: int, keys: int) -> int:
     return max(1024, min(SELECT_CHUNK, 1 << max(0, (rows * keys // 64).bit_length() - 1)))
 
 
+FUSED_MIN_CHUNK = 256  # two score tiles
+
+
 def fused_select_chunk(rows: int, keys: int) -> int:
     """The fused score + select launch's chunk (a constexpr) for `rows` decode rows of `keys`: the smallest power of
-    two from 256 keys (two score tiles) that keeps rows x chunks within FUSED_PROGRAMS, so the scores spread over
-    as many SMs as the cooperative launch may hold."""
-    chunk = 256
+    two from FUSED_MIN_CHUNK that keeps rows x chunks within FUSED_PROGRAMS, so the scores spread over as many SMs
+    as the cooperative launch may hold."""
+    chunk = FUSED_MIN_CHUNK
     while rows * -(-keys // chunk) > FUSED_PROGRAMS and chunk < SELECT_CHUNK:
         chunk *= 2
     return chunk
+
+
+def fused_select_widths() -> list[int]:
+    """The static row bounds (keys) at which one decode row's fused score + select still runs FUSED_PROGRAMS programs
+    at each of its chunks (FUSED_MIN_CHUNK .. FUSED_MAX_CHUNK): 32K and 64K keys. A row selected at a wider bound
+    takes a larger chunk over fewer programs, past 64K the score kernel and the select's launch apart
+    (`engine/decode_graphs.few_row_widths` captures decode graphs of 1-2 rows at these bounds)."""
+    out, chunk = [], FUSED_MIN_CHUNK
+    while chunk <= FUSED_MAX_CHUNK:
+        out.append(FUSED_PROGRAMS * chunk)
+        chunk *= 2
+    return out
 
 
 def selection_class(rows: int, pages: int, page_size: int, topk: int) -> tuple:

@@ -89,6 +89,32 @@ def test_short_and_long_decode_batches_replay_their_width_class_and_give_the_eag
         assert (replayed - eager.float()).norm() / eager.float().norm() < 1e-2, f"width {width}"
 
 
+def test_a_one_row_decode_step_replays_its_few_row_class_and_gives_the_eager_logits(monkeypatch):
+    """Few-row classes (engine/decode_graphs.py), at glm-5.3-mini's scale: its 2048 positions hold no 32K / 64K-key
+    class, so the bounds are 512 / 1024 keys here (8 and 16 pages). A 1- or 2-row step past the top-k replays the
+    8-page class, a 3-row one the widest (32 pages); each gives the eager step's logits."""
+    from dsaserve.engine import decode_graphs
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    monkeypatch.setattr(decode_graphs, "fused_select_widths", lambda: [512, 1024])
+    runner = ModelRunner.from_kwargs("glm-5.3-mini", dtype="bfloat16", device="cuda", num_pages=40,
+                                     cuda_graph_max_bs=4, max_model_len=2048)
+    assert runner.graphs.widths == [1, 32] and runner.graphs.few_row_widths == [8, 16]
+    cuda_graph = runner.manifest()["cuda_graph"]
+    assert cuda_graph["few_row_page_table_widths"] == [8, 16] and cuda_graph["few_row_max_bs"] == 2
+    prompts = [[5, 6, 7] * 40, [11] * 300, [3] * 200]
+    bases = [0, 8 * 64, 16 * 64]
+    runner.forward(contiguous_batch(prompts, [0] * 3, bases, runner.page_size))  # prefill, eager
+    for n, width in ((1, 8), (2, 8), (3, 32)):
+        step = contiguous_batch([[21], [22], [23]][:n], [len(p) for p in prompts][:n], bases[:n], runner.page_size)
+        assert runner.graphs.runner_for(step) is {**runner.graphs.runners, **runner.graphs.few}[width]
+        replayed = runner.forward(step).float().clone()
+        eager, _ = runner.model(step.to("cuda"), runner.kv_pool)
+        assert not replayed.isnan().any()
+        assert (replayed - eager.float()).norm() / eager.float().norm() < 1e-2, f"{n} rows, width {width}"
+
+
 @pytest.mark.parametrize("h2d_in_graph", ["1", "0"])
 def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits(set_switch, h2d_in_graph):
     """Back-to-back replays (overlap scheduling's order): a step's host batch is staged once the step before has
