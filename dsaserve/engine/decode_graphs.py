@@ -17,9 +17,10 @@ Few-row classes (`few_row_widths`): batches of 1-2 rows (`variants.FEW_ROWS`) al
 one row's fused score + select keeps all its programs (32K and 64K keys, `variants.fused_select_widths`). At
 max_model_len's width a 32K-key request's selection takes 2048-key chunks over 16 programs, the score kernel and the
 select's launch apart (the fused launch stops at 64K keys); at the 64K class 512-key chunks over 64 programs in one
-launch. H100, glm-5.3-slice, batch 1 at 32K (bench/RESULTS.md, forty-third session): 1.921 ms overlapped with
-graphs captured at 32K+64 tokens against 2.038 in bench_gpu's run captured at 128K. Larger batches keep the full
-classes: their selection is not the cooperative launch (`triton_indexer_coop.COOP_ROWS`).
+launch. H100, glm-5.3-slice at max_model_len 128K, batch 1 at 32K (bench/RESULTS.md, forty-third session;
+`profile_decode --ab default,wide_graphs`, one process): 1.993-1.996 ms overlapped against 2.023-2.026 replaying
+the widest class. Larger batches keep the full classes: their selection is not the cooperative launch
+(`triton_indexer_coop.COOP_ROWS`).
 The classes share one memory pool (the widest, captured first, sizes it) and one logits buffer (every graph's
 lm_head writes into it: `CudaGraphRunner.logits_out`); the replay contract is one runner's: a replay's logits are
 valid until the next replay of any class (or of the MTP graphs, engine/mtp_graphs.py, which share both).

@@ -99,7 +99,8 @@ def graph_width(pages: int, decode: bool, rows: int, tokens: int, decode_widths:
     sends it: a decode step (every row one token) of at most decode_max_bs rows to the narrowest decode graph class
     that holds its `pages` (engine/decode_graphs.py); else, up to segment_tokens tokens, to the piecewise graphs at
     the core's padded width (engine/piecewise_runner.py; decode steps the decode graphs do not take too); else
-    eagerly at its own width (engine/batch.py)."""
+    eagerly at its own width (engine/batch.py). The decode graphs' few-row classes (1-2 rows at 32K / 64K keys) are
+    not modelled: each is wider than the top-k, so a step replaying one counts what the next wider class counts."""
     if decode and rows <= decode_max_bs:
         fits = [w for w in decode_widths if w >= pages]
         if fits:
