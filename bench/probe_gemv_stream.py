@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from bench.bench_kernels import graph_time, measure_ceilings
+from bench.probe_scaled_mm_rows import weight_copies
 
 # (name, N, K): the slice's b1 GEMVs (qkv_a: q_a 2048 + kv_a 576 padded to 640 + wk 128)
 SHAPES = [("qkv_a", 2816, 6144), ("q_b", 16384, 2048), ("idx_wq_b", 4096, 2048), ("o_proj", 6144, 16384),
@@ -48,15 +49,6 @@ def _read_kernel(w_ptr, out_ptr, N, K, kb_per_split, stride_n, BN: tl.constexpr,
     for i in range(0, kb_per_split):
         acc += tl.load(ptrs + i * BK, mask=rows[:, None] < N, other=0).to(tl.int32)
     tl.store(out_ptr + pid_s * N + rows, tl.sum(acc, axis=1), mask=rows < N)
-
-
-def _weights(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    out = []
-    for _ in range(max(2, -(-200_000_000 // (n * k)))):
-        w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-        s = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 + 1e-3
-        out.append((w, s))
-    return out, n * k + 4 * (n // 128) * (k // 128)
 
 
 def read_cases(rows: list[dict], shape: tuple, ws: list, nbytes: int, ceil: float) -> None:
@@ -130,7 +122,7 @@ def main() -> None:
     rows: list[dict] = []
     wanted = set(args.shapes.split(",")) if args.shapes else None
     for shape in (s for s in SHAPES if wanted is None or s[0] in wanted):
-        ws, nbytes = _weights(shape[1], shape[2])
+        ws, nbytes = weight_copies(shape[1], shape[2])
         if not args.skip_read and shape[0] in READ_SHAPES:
             read_cases(rows, shape, ws, nbytes, ceilings["read_Bps"])
         gemv_cases(rows, shape, ws, nbytes, ceilings["read_Bps"], [int(v) for v in args.rows.split(",")])

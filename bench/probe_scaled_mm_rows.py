@@ -31,7 +31,7 @@ SHAPES = [("qkv_a", 2816, 6144), ("q_b", 16384, 2048), ("o_proj", 6144, 16384), 
           ("dense down", 6144, 12288), ("shared gate_up", 4096, 6144), ("shared down", 6144, 2048)]
 
 
-def _weights(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+def weight_copies(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Copies of an [N, K] e4m3 weight and its 128 x 128 scales, over 200 MB in all (each replay reads HBM, not
     L2), and one copy's bytes."""
     out = []
@@ -58,7 +58,7 @@ def swap_cases(out: list[dict], rows: list[int]) -> None:
     """Each projection shape at `rows` tokens: cuBLAS as shipped against the swapped operands (the same quantised
     inputs)."""
     for name, n, k in SHAPES:
-        ws, nbytes = _weights(n, k)
+        ws, nbytes = weight_copies(n, k)
         for m in rows:
             a, a_s = quant_act_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), pad_m_to=16,
                                    scale_m_major=True)
@@ -124,7 +124,7 @@ def splitk(out: list[dict], rows: list[int], shapes: set[str] | None = None,
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, n, k in (shape for shape in SHAPES if shapes is None or shape[0] in shapes):
-        ws, nbytes = _weights(n, k)
+        ws, nbytes = weight_copies(n, k)
         best = SK.choose_split(n, k, sms)
         for m in rows:  # memory-bound below 64 rows: a wider sweep of splits at one depth
             splits = sorted(s for s in ({1, best, max(1, best - 1), best + 1} if m >= 64 else {1, 2, 3, 4, 6, 8, 12})
@@ -185,7 +185,7 @@ def main() -> None:
         splitk(rows, [int(v) for v in args.rows.split(",")], set(args.shapes.split(",")) if args.shapes else None,
                tuple(int(v) for v in args.stages.split(",")) if args.stages else None)
     for name, n, k in SHAPES if not (args.quant or args.swap or args.splitk) else ():
-        ws, nbytes = _weights(n, k)
+        ws, nbytes = weight_copies(n, k)
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = None

@@ -121,13 +121,9 @@ _FP8_COPY = TensorNote("_dsaserve_fp8_act")
 _FP8_SCALES_M = TensorNote("_dsaserve_fp8_scales_m")
 # rows (33 up to this, a multiple of 16: cuBLAS's M) whose row-kernel outputs carry their FP8 copy with both scale
 # layouts, so neither the cuBLAS projections nor the MoE quantise them again (27 of a batch-128 step's ~39
-# quantiser launches, each ~2-3 us on the step's chain between a row kernel and a cuBLAS GEMM; H100 timeline,
-# bench/RESULTS.md thirty-seventh session). A/B, one process, 3 rounds each: H200 (thirty-eighth session) b64 1K
-# -8 us overlapped, b128 1K inside the spread (replayed -28); H100 (forty-third) every round faster with it, b128 1K
-# 3.6175-3.619 -> 3.6007-3.6109 ms overlapped, b64 3.3438-3.3502 -> 3.3331-3.343. Small, never a loss: on since
-# then. 0: no copy past SMALL_M rows (bench/profile_decode.py's A/B "no_copy_for_cublas"). The thirteenth
-# session's version (one layout, bench/attempts/fp8_copy_for_scaled_mm.patch) cut the quantisers' time but not
-# the step's.
+# quantiser launches, ~2-3 us each on the step's chain; thirty-seventh session). A/B (bench/RESULTS.md), H200 b64
+# 1K -8 us, b128 in the spread; H100 b128 1K -8 to -17 us, b64 -5 to -10, every round. 0: no copy past SMALL_M
+# rows (profile_decode's "no_copy_for_cublas"; bench/attempts/fp8_copy_for_scaled_mm.patch: the one-layout try).
 CUBLAS_COPY_MAX_ROWS = 512
 CUBLAS_M = 16  # cuBLAS's block-scaled GEMM takes M in multiples of 16 (`scaled_mm_linear` pads to it)
 
