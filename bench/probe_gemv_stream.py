@@ -10,8 +10,9 @@ rows 16 KB apart at o_proj. This probe asks what the access pattern alone reache
          output at the shipped split against the shipped config's (`same`: bit for bit; another block_n may pick
          another MMA shape, so its sums may part in the last bits).
 H100 (forty-third session, bench/RESULTS.md): the shipped tiles at 0.47-0.88 of the read ceiling (the small
-projections lowest: their ramp), within 1-4 % of the best tile except q_b (4 stages 1.11x); the pure-read kernel no
-faster than the GEMV, and more contiguous bytes a row a step did not help (`bench/attempts/skinny_ksub.patch`).
+projections lowest: their ramp); the best tile at o_proj, gate_up and wq_b, 1.11x slower than the best at q_b (4
+stages) and qkv_a (32 rows, 4 stages), 4.5 % at dense down (split 4); the pure-read kernel slower than the GEMV, and
+more contiguous bytes a row a step did not help (`bench/attempts/skinny_ksub.patch`).
 Every case is a CUDA graph over copies of the weight (over 200 MB: from HBM, not L2); TB/s over the same run's
 pure-read ceiling (`torch.sum`).
 

@@ -17,7 +17,8 @@ Few-row classes (`few_row_widths`): batches of 1-2 rows (`variants.FEW_ROWS`) al
 one row's fused score + select keeps all its programs (32K and 64K keys, `variants.fused_select_widths`). At
 max_model_len's width a 32K-key request's selection takes 2048-key chunks over 16 programs, the score kernel and the
 select's launch apart (the fused launch stops at 64K keys); at the 64K class 512-key chunks over 64 programs in one
-launch. H100, glm-5.3-slice at max_model_len 128K, batch 1 at 32K (bench/RESULTS.md, forty-third session;
+launch (two rows: the fused launch at the 32K class, 2048-key chunks at the 64K one where the widest gives 4096;
+not timed). H100, glm-5.3-slice at max_model_len 128K, batch 1 at 32K (bench/RESULTS.md, forty-third session;
 `profile_decode --ab default,wide_graphs`, one process): 1.993-1.996 ms overlapped against 2.023-2.026 replaying
 the widest class. Larger batches keep the full classes: their selection is not the cooperative launch
 (`triton_indexer_coop.COOP_ROWS`).
@@ -46,9 +47,9 @@ def width_classes(max_pages: int, index_topk: int | None, page_size: int, narrow
 
 
 def few_row_widths(max_pages: int, index_topk: int | None, page_size: int, narrow: bool) -> list[int]:
-    """Page-table widths (pages) of the few-row classes: `variants.fused_select_widths` strictly between the narrow
-    class and max_pages; none where `width_classes` has no narrow class (DP-attention's gather graphs, switched off)
-    or the model has no indexer."""
+    """Page-table widths (pages) of the few-row classes: `variants.fused_select_widths` strictly between the top-k's
+    width (index_topk // page_size pages) and max_pages; none where narrow is off (DP-attention's gather graphs,
+    switched off) or the model has no indexer."""
     if not narrow or not index_topk:
         return []
     low = index_topk // page_size

@@ -93,7 +93,7 @@ class EngineArgs:
     disable_narrow_decode_graphs: bool = _arg(
         "capture the decode graphs at --max-model-len's page-table width only, not also at the indexer top-k's "
         "(which a decode batch of requests within index_topk tokens replays: no long-row selection, a narrow "
-        "page-table copy)", False)
+        "page-table copy) nor, for 1-2 rows, at 32K / 64K keys (a long request's fused selection)", False)
     disable_piecewise_cuda_graph: bool = _arg("run steps with a prefill part (mixed prefill + decode, prefill "
                                               "chunks) eagerly instead of on piecewise CUDA graphs", False)
     piecewise_cuda_graph_tokens: str | None = _arg(

@@ -37,11 +37,11 @@ from dsaserve.kernels.triton_indexer_long import (
 )
 from dsaserve.kernels.triton_indexer_paged import DEFAULT_TILE, q_meta, rounded_q, score_tiles
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, made_once
-from dsaserve.kernels.variants import FUSED_MAX_CHUNK
+from dsaserve.kernels.variants import FEW_ROWS, FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
 COOP_EXIT = tl.constexpr(13)  # and the count of programs past the last barrier (`_leave_zeroed`)
-COOP_WS_ROWS = 2  # the rows of `coop_workspace`: decode's 1-2 rows
+COOP_WS_ROWS = FEW_ROWS  # the rows of `coop_workspace`: decode's 1-2 rows (the decode graphs' few-row classes too)
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
 # interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
 COOP_ROWS = 0 if INTERPRET else COOP_WS_ROWS
