@@ -241,7 +241,9 @@ def ab_setting(runner, name: str):
     cuBLAS (`triton_fp8_gemm.SPLITK_GEMM`), "splitk128" the split-K GEMM up to 128 rows (SPLITK_ROWS),
     "splitk:k=v/k=v" its variant (regs, stages, pdl: `gluon_fp8_splitk.CONSUMER_REGS`, STAGES, PDL; rows:
     SPLITK_ROWS' upper end), "fused64" the fused score + select of 1-2 long rows over at most 64
-    programs (`variants.FUSED_PROGRAMS`, 128). "a+b" takes both settings."""
+    programs (`variants.FUSED_PROGRAMS`, 128), "fused132" over up to 132 (the H100's and H200's SM count: its
+    few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`). "a+b"
+    takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -266,7 +268,8 @@ def ab_setting(runner, name: str):
                     "no_copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 0),
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
-                    "fused64": (variants, "FUSED_PROGRAMS", 64)}
+                    "fused64": (variants, "FUSED_PROGRAMS", 64),
+                    "fused132": (variants, "FUSED_PROGRAMS", 132)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant
@@ -326,22 +329,40 @@ def ab_setting(runner, name: str):
     return lambda: vars(ops).update(saved)
 
 
+# settings that change which decode graph classes a runner has: with one of them in an A/B, every setting's turn
+# rebuilds the classes (`ModelRunner._capture_decode`), not only captures the runner's graphs again
+REBUILDS = ("fused132",)
+
+
+def _recapture(runner, rebuild: bool) -> None:
+    if rebuild:
+        runner.graphs = None  # the old classes' graphs go before the new ones are captured
+        torch.cuda.empty_cache()
+        runner.graphs = runner._capture_decode()
+    else:
+        runner.graphs.capture()
+
+
 def ab_replays(runner, batch, settings: list[str], rounds: int = 3) -> dict[str, list[float]]:
     """ms of the replayed step under each setting, synchronous and back to back ("<setting> overlapped"), in one
-    process: the graphs captured again for each, the settings taken in turn `rounds` times (a drift of the machine
-    spreads over all of them)."""
+    process: the graphs captured again for each (the classes rebuilt where a setting is in REBUILDS), the settings
+    taken in turn `rounds` times (a drift of the machine spreads over all of them)."""
     times: dict[str, list[float]] = defaultdict(list)
+    parts = {part for name in settings for part in name.split("+")}
+    rebuild = bool(parts & set(REBUILDS))
+    if rebuild and "wide_graphs" in parts:  # its patch would sit on the classes the rebuild replaces
+        raise ValueError(f"--ab: wide_graphs cannot share an A/B with {sorted(parts & set(REBUILDS))}")
     for _ in range(rounds):
         for name in settings:
             undos = [ab_setting(runner, part) for part in name.split("+")]  # "a+b": both settings at once
             try:
-                runner.graphs.capture()
+                _recapture(runner, rebuild)
                 times[name].append(cuda_time(lambda: runner.forward(batch)) * 1e3)
                 times[f"{name} overlapped"].append(pipelined_time(lambda: runner.forward(batch)) * 1e3)
             finally:
                 for undo in reversed(undos):
                     undo()
-    runner.graphs.capture()
+    _recapture(runner, rebuild)
     return dict(times)
 
 
