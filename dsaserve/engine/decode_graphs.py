@@ -68,6 +68,8 @@ class DecodeGraphs:
         self.max_bs, self.buckets = self.widest.max_bs, self.widest.buckets
         few_rows = min(few_rows, self.max_bs)
         self.few = {w: make_runner(w, few_rows) for w in sorted(set(few_widths) - set(widths))}
+        # every class narrowest first, made once: `runner_for` runs on each step's host path
+        self._classes = sorted([*self.runners.items(), *self.few.items()], key=lambda wr: wr[0])
 
     @property
     def widths(self) -> list[int]:
@@ -77,6 +79,10 @@ class DecodeGraphs:
     @property
     def few_row_widths(self) -> list[int]:
         return sorted(self.few)
+
+    @property
+    def few_row_max_bs(self) -> int:
+        return max((r.max_bs for r in self.few.values()), default=0)
 
     def _all(self) -> list[CudaGraphRunner]:
         return [*self.runners.values(), *self.few.values()]
@@ -113,9 +119,8 @@ class DecodeGraphs:
         """The narrowest class whose width holds the batch's page table, a few-row class only for a batch of (and a
         `bucket`, where given, within) its rows (the widest if none holds it: its fallback says why)."""
         rows, width = batch.page_table.shape
-        held = [(w, r) for w, r in [*self.runners.items(), *self.few.items()]
-                if w >= width and max(rows, bucket or 0) <= r.max_bs]
-        return min(held, key=lambda wr: wr[0])[1] if held else self.widest
+        rows = max(rows, bucket or 0)
+        return next((r for w, r in self._classes if w >= width and rows <= r.max_bs), self.widest)
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:
         return self.runner_for(batch, bucket).fallback_reason(batch, bucket)

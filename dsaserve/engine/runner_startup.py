@@ -160,8 +160,7 @@ class RunnerStartup:
                                "page_table_widths": self.graphs.widths if self.graphs else [],
                                # classes of batches up to few_row_max_bs rows only (engine/decode_graphs.py)
                                "few_row_page_table_widths": self.graphs.few_row_widths if self.graphs else [],
-                               "few_row_max_bs": max((r.max_bs for r in self.graphs.few.values()), default=0)
-                               if self.graphs else 0,
+                               "few_row_max_bs": self.graphs.few_row_max_bs if self.graphs else 0,
                                "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
