@@ -85,7 +85,24 @@ def splitk(m: int = 128, n: int = 2816, k: int = 6144, split: int = 1) -> None:
         torch._scaled_mm(pad, w.t(), scale_a=pad_s, scale_b=s.t(), out_dtype=torch.bfloat16)
 
 
-CASES = {"indexer_scores": indexer_scores, "sparse_mla": sparse_mla, "skinny": skinny, "moe_b128": moe_b128,
+def coop_select(keys: int = 32768 + 64, chunk: int = 512, ps: int = 64, heads: int = 32, dim: int = 128) -> None:
+    """One decode row's fused score + cooperative select (`triton_indexer_coop.coop_score_select`) at a "32K" request's
+    few-row class: 65 programs of 512 keys (forty-fourth session: where its ~20 µs go, by SASS line)."""
+    from dsaserve.kernels import triton_indexer_coop
+
+    pages = keys // ps
+    cache = pack_pages(encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8), FP8, dim, ps)
+    table = torch.randperm(pages, device="cuda").view(1, pages)
+    req, pos = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), keys - 1, device="cuda")
+    q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1, heads, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 2048, dtype=torch.int64, device="cuda")
+    for _ in range(2):
+        triton_indexer_coop.coop_score_select(q, w, cache, table, req, pos, out, 2048, ps, chunk)
+
+
+CASES = {"indexer_scores": indexer_scores, "coop_select": coop_select, "sparse_mla": sparse_mla, "skinny": skinny,
+         "moe_b128": moe_b128,
          "splitk128": splitk, "splitk64": functools.partial(splitk, m=64),
          "splitk128_oproj": functools.partial(splitk, n=6144, k=16384, split=2)}
 

@@ -143,8 +143,8 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr,
-                              out_ptr, n_heads, head_dim, n_cols, k, page_size, page_bytes, stride_qt, stride_qh,
-                              stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
+                              out_ptr, n_heads, head_dim, n_cols, k, page_size: tl.constexpr, page_bytes, stride_qt,
+                              stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over

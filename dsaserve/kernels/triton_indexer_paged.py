@@ -12,6 +12,11 @@ loops over its tiles: the tile's keys are 16-byte-aligned rows of their pages, l
 memory by the pipelined loop (cp.async, `num_stages` tiles in flight), and one swap-AB MMA
 acc[BS keys, heads] = k8 @ q8^T gives every head's dot at once; ReLU, the weights, the head sum and the key
 scale are the epilogue. Keys past the token's position (causal) or past the page table are -inf, never read.
+The decode kernels (this one and the fused score + select) take the page size as a constexpr, so a key's page and
+offset are a shift and a mask: a runtime page size made each key's place an int64 division (a 64-bit check, then
+~20 instructions with a reciprocal), 62 % of the scoring loop's stall samples and 21 % of the fused launch's
+(Nsight Compute, H100); with the shift one row of 32K keys selects in 18.2 µs, not 20.9, and batch 128 at 32K
+steps 0.50 ms faster (bench/RESULTS.md, forty-fourth session). A deployment has one page size: one variant.
 Why a loop of tiles, not one tile a program: a program then keeps `num_stages` tiles of HBM reads in flight
 while it multiplies, and q is rounded once per run; the row-layout kernel held one 512-key tile a program at
 254 registers and read its 4-byte-aligned rows at ~0.9 TB/s (bench/RESULTS.md, twentieth session).
@@ -62,8 +67,10 @@ def quant_q(x, s, Q_FP8: tl.constexpr):
 def key_place(pt_row, j, mask, page_size, page_bytes, D):
     """(byte offset of key position j's D e4m3 values, float32 index of its scale) through one request's
     page-table row, in the page-major cache: a page is page_size keys of D bytes, then their FP32 scales."""
-    page = tl.load(pt_row + j // page_size, mask=mask, other=0).to(tl.int64)
-    off = j % page_size
+    ju = j.to(tl.uint32)  # 32-bit unsigned: an int64 j divided through a 64-bit check and call (SASS, sm_90)
+    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a shift where page_size is a constexpr
+    page = tl.load(pt_row + ju // ps, mask=mask, other=0).to(tl.int64)
+    off = (ju % ps).to(tl.int32)
     return page * page_bytes + off * D, page * (page_bytes // 4) + (page_size * D) // 4 + off
 
 
@@ -92,7 +99,7 @@ def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size,
     dm = d < head_dim
     k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
     for b in range(n_run):
-        j = j0 + b * BS + tl.arange(0, BS)
+        j = (j0 + b * BS + tl.arange(0, BS)).to(tl.int32)  # (b is int64 where end is: a position's type)
         valid = j < end
         kbyte, sidx = key_place(pt_row, j, valid, page_size, page_bytes, head_dim)
         k = tl.load(k8 + kbyte[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
@@ -106,8 +113,8 @@ def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size,
 
 @triton.jit
 def _paged_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_heads, head_dim,
-                        page_size, n_keys, skip_below, page_bytes, blocks, stride_qt, stride_qh, stride_wt,
-                        stride_pt, stride_ot, HP: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+                        page_size: tl.constexpr, n_keys, skip_below, page_bytes, blocks, stride_qt, stride_qh,
+                        stride_wt, stride_pt, stride_ot, HP: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                         Q_FP8: tl.constexpr, PDL: tl.constexpr = False):
     """Token t's scores of keys [j0, j0 + blocks x BS) -> out[t, j] (fp32); n_keys = the page table's keys."""
     grid_dependency_sync(PDL)
