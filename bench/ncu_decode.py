@@ -32,13 +32,18 @@ from dsaserve.weights.fp8 import quantize_fp8_block
 FP8 = get_kv_layout("fp8_ds_mla")
 
 
-def indexer_scores(keys: int = 131072, ps: int = 64, heads: int = 32, dim: int = 128) -> None:
+def _one_row(keys: int, ps: int, heads: int, dim: int) -> tuple:
+    """(q, head weights, FP8 index cache, page table, req index, position) of one decode row that sees `keys` keys."""
     pages = keys // ps
     cache = pack_pages(encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8), FP8, dim, ps)
     table = torch.randperm(pages, device="cuda").view(1, pages)
     req, pos = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), keys - 1, device="cuda")
     q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(1, heads, device="cuda", dtype=torch.bfloat16)
+    return q, torch.rand(1, heads, device="cuda", dtype=torch.bfloat16), cache, table, req, pos
+
+
+def indexer_scores(keys: int = 131072, ps: int = 64, heads: int = 32, dim: int = 128) -> None:
+    q, w, cache, table, req, pos = _one_row(keys, ps, heads, dim)
     for _ in range(2):
         triton_indexer.index_scores(q, w, cache, FP8, table, req, pos, ps)
 
@@ -90,12 +95,7 @@ def coop_select(keys: int = 32768 + 64, chunk: int = 512, ps: int = 64, heads: i
     few-row class: 65 programs of 512 keys (forty-fourth session: where its ~20 µs go, by SASS line)."""
     from dsaserve.kernels import triton_indexer_coop
 
-    pages = keys // ps
-    cache = pack_pages(encode_index_k(torch.randn(pages * ps, dim, device="cuda"), FP8), FP8, dim, ps)
-    table = torch.randperm(pages, device="cuda").view(1, pages)
-    req, pos = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), keys - 1, device="cuda")
-    q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(1, heads, device="cuda", dtype=torch.bfloat16)
+    q, w, cache, table, req, pos = _one_row(keys, ps, heads, dim)
     out = torch.empty(1, 2048, dtype=torch.int64, device="cuda")
     for _ in range(2):
         triton_indexer_coop.coop_score_select(q, w, cache, table, req, pos, out, 2048, ps, chunk)
