@@ -1,14 +1,13 @@
-"""Integer divisions in the shipped kernels' SASS, without a GPU (issue 17: the forty-fourth session found a third of
-the fused selection's stall samples in an int64 division by a runtime page size).
+"""Integer divisions in the shipped kernels' SASS, without a GPU (issue 17: the forty-fourth session found a fifth of
+the fused selection's stall samples in int64 divisions by a runtime page size).
 
 Each line of a kernel spec list (default: the packaged `engine/kernel_specs/*.jsonl`, the variants a served step
-launches) is compiled for sm_90 exactly as the precompiler would (`kernel_precompile.replay_spec`'s signature,
-constexprs, attributes and options), and cuobjdump's SASS is counted: `I2F.U32.RP` / `I2F.RP` open an unsigned /
-signed 32-bit division by a runtime value (~20 instructions and a reciprocal); an int64 one checks the high
-words, then runs the 32-bit sequence or calls a slow path (a `CALL.REL.NOINC` whose callee converts with I2F.U64.RP).
-A constant divisor compiles to shifts or a multiply-high and counts nothing here; a float division's slow-path
-call is counted apart (`float_div_calls`).
-Static counts: a division inside a loop counts once.
+launches) is compiled for sm_90 as the precompiler does (`kernel_precompile.compiled_kernel`) and cuobjdump's SASS
+is counted: `I2F.U32.RP` / `I2F.RP` open an unsigned / signed 32-bit division by a runtime value (~20 instructions
+and a reciprocal); an int64 one checks the high words, then runs the 32-bit sequence or calls a slow path (a
+`CALL.REL.NOINC` whose callee converts with I2F.U64.RP). A constant divisor compiles to shifts or a multiply-high
+and counts nothing here; a float division's slow-path call is counted apart (`float_div_calls`). Static counts: a
+division inside a loop counts once.
 
 Run anywhere Triton is installed (the device's version gives the device's code: /tmp/t36 holds Triton 3.6):
   PYTHONPATH=. python bench/offline_spec_sass.py [--specs FILE ...] [--only REGEX] [--out FILE]
@@ -27,24 +26,6 @@ from pathlib import Path
 from dsaserve.engine import kernel_precompile as kp
 
 COUNTED = {"udiv32": r"I2F\.U32\.RP", "sdiv32": r"I2F\.RP", "int64_div_calls": None}
-
-
-def compiled(spec: str):
-    """The spec's kernel compiled for its target (the precompiler's arguments), or raise."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    d = json.loads(spec)
-    fn = kp.resolve_jit(d["name"])
-    constexprs = {tuple(k): kp._constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)}
-    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
-    signature = {k: kp._tuples(v) for k, v in d["signature"].items()}
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
-    source = ASTSource
-    if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    return triton.compile(source(fn, signature, constexprs, attrs), target=kp._target(d, GPUTarget), options=options)
 
 
 def sass(kernel) -> str:
@@ -86,7 +67,7 @@ def main() -> None:
         if args.only and not re.search(args.only, name):
             continue
         try:
-            row = {"kernel": name, "num_warps": d["options"].get("num_warps"), **count(sass(compiled(spec)))}
+            row = {"kernel": name, "num_warps": d["options"].get("num_warps"), **count(sass(kp.compiled_kernel(spec)))}
         except Exception as e:  # a variant that does not compile here is reported, not fatal
             row = {"kernel": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         rows.append(row)

@@ -204,26 +204,30 @@ def compile_spec(spec: str) -> str | None:
     return replay_spec(spec)[1]
 
 
+def compiled_kernel(spec: str) -> Any:
+    """The spec's kernel compiled for its target with its signature, constexprs, attributes and options (Triton's
+    disk cache holds it after; a hit there just loads it); raises what the compile raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    d = json.loads(spec)
+    fn = resolve_jit(d["name"])
+    constexprs = {tuple(k): _constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
+    signature = {k: _tuples(v) for k, v in d["signature"].items()}
+    # extern library paths are the recording machine's; left out, the backend puts this install's default
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # kernels/gluon_*.py (its JIT sets its source at first launch)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=_target(d, GPUTarget), options=options)
+
+
 def replay_spec(spec: str) -> tuple[str | None, str | None]:
     """Compile one spec into Triton's disk cache; (the cache entry it is in, None) or (None, the error)."""
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
-        d = json.loads(spec)
-        fn = resolve_jit(d["name"])
-        constexprs = {tuple(k): _constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)}
-        attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
-        signature = {k: _tuples(v) for k, v in d["signature"].items()}
-        # extern library paths are the recording machine's; left out, the backend puts this install's default
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k != "extern_libs"}
-        source = ASTSource
-        if getattr(fn, "is_gluon", lambda: False)():  # kernels/gluon_*.py (its JIT sets its source at first launch)
-            from triton.experimental.gluon._runtime import GluonASTSource as source
-        kernel = triton.compile(source(fn, signature, constexprs, attrs), target=_target(d, GPUTarget),
-                                options=options)
-        return str(kernel.hash), None
+        return str(compiled_kernel(spec).hash), None
     except Exception as e:  # one bad spec must not stop the others
         return None, f"{spec_name(spec)}: {type(e).__name__}: {e}"[:300]
 

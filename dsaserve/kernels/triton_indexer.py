@@ -26,6 +26,7 @@ import triton.language as tl
 
 from dsaserve.common.kv_layout import KVLayout, get_kv_layout
 from dsaserve.kernels import triton_indexer_paged
+from dsaserve.kernels.triton_indexer_paged import page_split
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 from dsaserve.kernels.variants import FEW_ROWS, ROW_IN_REGS_MAX, SELECT_MAX_ROWS
 
@@ -335,12 +336,10 @@ def row_select_launch(scores: torch.Tensor, page_table: torch.Tensor, req_index:
 
 @triton.jit
 def page_slots(pt_row, j, page_size, mask):
-    """Physical slots of key positions j (>= 0) through one request's page-table row: unsigned division by the
-    page size (no sign fix-ups)."""
-    ju = j.to(tl.uint32)
-    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
-    page = tl.load(pt_row + ju // ps, mask=mask, other=0)
-    return page * page_size + (ju % ps).to(tl.int32)
+    """Physical slots of key positions j (>= 0) through one request's page-table row (`page_split`)."""
+    col, off = page_split(j, page_size)
+    page = tl.load(pt_row + col, mask=mask, other=0)
+    return page * page_size + off
 
 
 @triton.jit

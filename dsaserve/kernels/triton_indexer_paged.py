@@ -2,9 +2,9 @@
 score kernel and the addressing every FP8 indexer-cache kernel shares (`common/index_pages.py` is the layout).
 
 Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), `score_tile`, `q_meta`, and the
-jit helpers `key_place` (a key's byte offset and its scale's index), `fp8_q_scale` and `quant_q` (q's FP8 rounding,
-shared with the prefill kernels), `rounded_q` and `score_tiles` (the kernel's body, shared with the fused score +
-select launch, `triton_indexer_coop`).
+jit helpers `page_split` (a key's page-table column and offset), `key_place` (its byte offset and its scale's
+index), `fp8_q_scale` and `quant_q` (q's FP8 rounding, shared with the prefill kernels), `rounded_q` and
+`score_tiles` (the kernel's body, shared with the fused score + select launch, `triton_indexer_coop`).
 The kernel: one program per (token, run of `blocks` tiles of BS keys of its request). It rounds the token's q
 to e4m3 with one s = amax / 448 a head, folded into the head weight (`triton_indexer_gemm`'s rule, DeepGEMM's
 fp8_mqa_logits; DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 and widens the keys to fp16 exactly), then
@@ -64,13 +64,21 @@ def quant_q(x, s, Q_FP8: tl.constexpr):
 
 
 @triton.jit
+def page_split(j, page_size):
+    """(page-table column, offset in the page) of key positions j >= 0, divided as uint32: no sign fix-ups, and an
+    int64 j's division is a 64-bit check and a call (SASS, sm_90); a shift and a mask where page_size is a
+    constexpr."""
+    ju = j.to(tl.uint32)
+    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a tensor also when Triton fixed it at 1
+    return ju // ps, (ju % ps).to(tl.int32)
+
+
+@triton.jit
 def key_place(pt_row, j, mask, page_size, page_bytes, D):
     """(byte offset of key position j's D e4m3 values, float32 index of its scale) through one request's
     page-table row, in the page-major cache: a page is page_size keys of D bytes, then their FP32 scales."""
-    ju = j.to(tl.uint32)  # 32-bit unsigned: an int64 j divided through a 64-bit check and call (SASS, sm_90)
-    ps = (tl.zeros([], dtype=tl.int32) + page_size).to(tl.uint32)  # a shift where page_size is a constexpr
-    page = tl.load(pt_row + ju // ps, mask=mask, other=0).to(tl.int64)
-    off = (ju % ps).to(tl.int32)
+    col, off = page_split(j, page_size)
+    page = tl.load(pt_row + col, mask=mask, other=0).to(tl.int64)
     return page * page_bytes + off * D, page * (page_bytes // 4) + (page_size * D) // 4 + off
 
 

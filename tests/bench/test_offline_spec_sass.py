@@ -25,7 +25,7 @@ def _shipped(kernel: str) -> str:
 
 def _counts(kernel: str, tmp_path, monkeypatch) -> dict[str, int]:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    return sass_audit.count(sass_audit.sass(sass_audit.compiled(_shipped(kernel))))
+    return sass_audit.count(sass_audit.sass(kp.compiled_kernel(_shipped(kernel))))
 
 
 @pytest.mark.parametrize("kernel", ["_paged_score_kernel", "_coop_score_select_kernel"])
