@@ -21,7 +21,10 @@ launch (two rows: the fused launch at the 32K class, 2048-key chunks at the 64K 
 not timed). H100, glm-5.3-slice at max_model_len 128K, batch 1 at 32K (bench/RESULTS.md, forty-third session;
 `profile_decode --ab default,wide_graphs`, one process): 1.993-1.996 ms overlapped against 2.023-2.026 replaying
 the widest class. Larger batches keep the full classes: their selection is not the cooperative launch
-(`triton_indexer_coop.COOP_ROWS`).
+(`triton_indexer_coop.COOP_ROWS`), and the score kernel's work follows the rows' positions, not the class's width: it
+shares each row's own key tiles among the row's programs and leaves the keys past its position unwritten
+(`triton_indexer_paged.row_run`, `fill=False`). H100, glm-5.3-slice, 128 rows at 32K: a full layer's selection 542
+µs under a 128K-wide table before, 298 after, 304 at the rows' own width (bench/RESULTS.md, forty-fifth session).
 The classes share one memory pool (the widest, captured first, sizes it) and one logits buffer (every graph's
 lm_head writes into it: `CudaGraphRunner.logits_out`); the replay contract is one runner's: a replay's logits are
 valid until the next replay of any class (or of the MTP graphs, engine/mtp_graphs.py, which share both).

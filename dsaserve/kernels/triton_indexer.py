@@ -290,16 +290,17 @@ def _topk_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_cols, k,
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, layout: KVLayout | str,
                  page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
-                 skip_below: int = 0, tile: dict | None = None) -> torch.Tensor:
+                 skip_below: int = 0, tile: dict | None = None, fill: bool = True) -> torch.Tensor:
     """[T, max_seq] fp32 causal index scores (-inf where not visible). Rows whose position is below
-    skip_below are left unwritten (the decode selection takes all their keys without reading a score). The FP8
-    layouts take `triton_indexer_paged` (tile: its DEFAULT_TILE's keys, bench sweeps), the plain ones
+    skip_below are left unwritten (the decode selection takes all their keys without reading a score); without
+    `fill` the FP8 layouts may leave the keys past a row's position unwritten too (the Triton selects read none).
+    The FP8 layouts take `triton_indexer_paged` (tile: its DEFAULT_TILE's keys, bench sweeps), the plain ones
     `_index_score_kernel`."""
     t, n_heads, head_dim = q.shape
     layout = get_kv_layout(layout, "index_scores: layout")
     if layout.plain_dtype is None:
         return triton_indexer_paged.paged_index_scores(q, head_weights, index_cache, page_table, req_index,
-                                                       positions, page_size, skip_below, tile)
+                                                       positions, page_size, skip_below, tile, fill=fill)
     max_seq, block_kv = page_table.shape[1] * page_size, 128
     rows = index_cache.view(getattr(torch, layout.plain_dtype)).view(-1, head_dim)  # plain pages are rows
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -56,7 +56,7 @@ def _long_rows(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.T
     for s0 in range(0, t, step):
         sl = slice(s0, min(t, s0 + step))
         scores = triton_indexer.index_scores(q[sl], head_weights[sl], index_cache, layout, page_table, req_index[sl],
-                                             positions[sl], page_size, skip_below=topk)
+                                             positions[sl], page_size, skip_below=topk, fill=False)
         if coop:
             triton_indexer_coop.coop_select(scores, page_table, req_index[sl], positions[sl], out[sl], topk, page_size,
                                             chunk)

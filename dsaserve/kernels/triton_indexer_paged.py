@@ -5,7 +5,8 @@ Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), 
 jit helpers `page_split` (a key's page-table column and offset), `key_place` (its byte offset and its scale's
 index), `fp8_q_scale` and `quant_q` (q's FP8 rounding, shared with the prefill kernels), `rounded_q` and
 `score_tiles` (the kernel's body, shared with the fused score + select launch, `triton_indexer_coop`).
-The kernel: one program per (token, run of `blocks` tiles of BS keys of its request). It rounds the token's q
+The kernel: `blocks`-tile programs over the page table's width for each token, which share the tiles of the token's
+own keys (`row_run`: the work follows the position, not the width a graph was captured at). It rounds the token's q
 to e4m3 with one s = amax / 448 a head, folded into the head weight (`triton_indexer_gemm`'s rule, DeepGEMM's
 fp8_mqa_logits; DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 and widens the keys to fp16 exactly), then
 loops over its tiles: the tile's keys are 16-byte-aligned rows of their pages, loaded straight into shared
@@ -41,6 +42,7 @@ from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 DEFAULT_TILE = {"bs": 128, "num_warps": 8, "num_stages": 3}
 PROGRAMS_PER_SM = 4
 MIN_BLOCKS = 2
+_MIN_RUN = tl.constexpr(MIN_BLOCKS)
 
 
 @triton.jit
@@ -120,22 +122,44 @@ def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size,
 
 
 @triton.jit
+def row_run(row_tiles, blocks):
+    """Tiles a program of a row scores: the row's own tiles over the launch's programs a row, at least MIN_BLOCKS
+    (`blocks` where it is fewer), never more than `blocks` (sized by the page table's width, `score_tile`). A
+    decode graph fixes the grid for its width class; a row far shorter than the width would otherwise leave all its
+    keys to its first programs: batch 128 at 32K under a 128K width ran 128 programs of 205 tiles where 640 of 52
+    cover the same keys. cdiv(row_tiles, programs) without an integer division (the audit keeps these kernels
+    division-free, `bench/offline_spec_sass.py`): Triton's fp32 quotient is within two ulps, so for counts under
+    2^22 its ceiling is the true one or one more, which the multiply takes back."""
+    n_prog = tl.num_programs(1)
+    tiles = row_tiles.to(tl.int32)
+    run = tl.ceil(tiles.to(tl.float32) / n_prog.to(tl.float32)).to(tl.int32)
+    run = tl.where((run - 1) * n_prog >= tiles, run - 1, run)
+    return tl.maximum(run, tl.minimum(blocks, _MIN_RUN))
+
+
+@triton.jit
 def _paged_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, req_ptr, pos_ptr, out_ptr, n_heads, head_dim,
                         page_size: tl.constexpr, n_keys, skip_below, page_bytes, blocks, stride_qt, stride_qh,
                         stride_wt, stride_pt, stride_ot, HP: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                        Q_FP8: tl.constexpr, PDL: tl.constexpr = False):
-    """Token t's scores of keys [j0, j0 + blocks x BS) -> out[t, j] (fp32); n_keys = the page table's keys."""
+                        Q_FP8: tl.constexpr, PDL: tl.constexpr = False, FILL: tl.constexpr = True):
+    """Token t's scores -> out[t, j] (fp32); n_keys = the page table's keys. The row's visible tiles are shared
+    among its programs (`row_run`); with FILL, program p also writes -inf over the tiles of its static run
+    [p x blocks, (p + 1) x blocks) wholly past the token's position."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
-    j0 = tl.program_id(1) * blocks * BS
     pos = tl.load(pos_ptr + t)
     if pos < skip_below:  # the selection takes every visible key of this row without reading a score
         return
     out_row = out_ptr + t * stride_ot
     end = tl.minimum(pos + 1, n_keys)  # one past the last key this token sees
-    n_run = tl.minimum(tl.maximum(tl.cdiv(end - j0, BS), 0), blocks)
-    for b in range(n_run, blocks):  # tiles wholly in the token's future
-        tl.store(out_row + j0 + b * BS + tl.arange(0, BS), tl.full([BS], float("-inf"), tl.float32))
+    row_tiles = tl.cdiv(end, BS)
+    if FILL:
+        f0 = tl.program_id(1) * blocks
+        for b in range(tl.maximum(row_tiles - f0, 0), blocks):  # tiles wholly in the token's future
+            tl.store(out_row + (f0 + b) * BS + tl.arange(0, BS), tl.full([BS], float("-inf"), tl.float32))
+    run = row_run(row_tiles, blocks)
+    j0 = tl.program_id(1) * run * BS
+    n_run = tl.minimum(tl.maximum(tl.cdiv(end - j0, BS), 0), run)
     if n_run == 0:
         return
     q, w = rounded_q(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D, Q_FP8)
@@ -167,11 +191,13 @@ def q_meta(index_cache: torch.Tensor, q: torch.Tensor, page_size: int, who: str,
 
 def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor,
                        page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor, page_size: int,
-                       skip_below: int = 0, tile: dict | None = None, q_fp8: bool | None = None) -> torch.Tensor:
+                       skip_below: int = 0, tile: dict | None = None, q_fp8: bool | None = None,
+                       fill: bool = True) -> torch.Tensor:
     """[T, n_keys] fp32 causal index scores over the page-major FP8 cache uint8 [pages, page_size x (D + 4)]
-    (-inf where not visible; rows whose position is below skip_below are left unwritten). q [T, H, D] (D
-    a multiple of 16 up to 256), head_weights [T, H]. tile: `DEFAULT_TILE`'s keys and blocks (bench sweeps); q_fp8:
-    None follows DSASERVE_FP8_ACTIVATIONS."""
+    (-inf where not visible; rows whose position is below skip_below are left unwritten; without `fill` the
+    tiles wholly past a row's position too: for selects that read no key past it). q [T, H, D] (D a multiple of
+    16 up to 256), head_weights [T, H]. tile: `DEFAULT_TILE`'s keys and blocks (bench sweeps); q_fp8: None follows
+    DSASERVE_FP8_ACTIVATIONS."""
     t, n_heads, d = q.shape
     meta = q_meta(index_cache, q, page_size, "index_scores", q_fp8)
     n_keys = page_table.shape[1] * page_size
@@ -186,5 +212,5 @@ def paged_index_scores(q: torch.Tensor, head_weights: torch.Tensor, index_cache:
         q, head_weights, index_cache, index_cache.view(torch.float32), page_table, req_index, positions, out,
         n_heads, d, page_size, n_keys, skip_below, index_cache.stride(0), blocks, q.stride(0), q.stride(1),
         head_weights.stride(0), page_table.stride(0), out.stride(0), BS=bs, num_warps=conf["num_warps"],
-        num_stages=conf["num_stages"], **meta, **pdl_args(q.device))
+        num_stages=conf["num_stages"], FILL=fill, **meta, **pdl_args(q.device))
     return out[:, :n_keys]
