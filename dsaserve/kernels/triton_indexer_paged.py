@@ -125,9 +125,10 @@ def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size,
 def row_run(row_tiles, blocks):
     """Tiles a program of a row scores: the row's own tiles over the launch's programs a row, at least MIN_BLOCKS
     (`blocks` where it is fewer), never more than `blocks` (sized by the page table's width, `score_tile`). A
-    decode graph fixes the grid for its width class; a row far shorter than the width would otherwise leave all its
-    keys to its first programs: batch 128 at 32K under a 128K width ran 128 programs of 205 tiles where 640 of 52
-    cover the same keys. cdiv(row_tiles, programs) without an integer division (the audit keeps these kernels
+    decode graph fixes the grid for its width class; a row far shorter than the width left all its keys to its
+    first programs: at 128 rows under a 128K-wide table a 32K row's 257 tiles went to two programs (207 and 50
+    tiles) of its five, the scores of a full layer 360 µs against 207 with five of 52 (H100, bench/RESULTS.md,
+    forty-fifth session). cdiv(row_tiles, programs) without an integer division (the audit keeps these kernels
     division-free, `bench/offline_spec_sass.py`): Triton's fp32 quotient is within two ulps, so for counts under
     2^22 its ceiling is the true one or one more, which the multiply takes back."""
     n_prog = tl.num_programs(1)

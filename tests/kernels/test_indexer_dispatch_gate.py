@@ -88,3 +88,15 @@ def test_the_selection_class_names_the_fused_chunk_only_where_decode_takes_it():
     assert fused_select_chunk(2, 65536) > FUSED_MAX_CHUNK
     # two rows at 64K keys and at 70K then meet in one class: the same compiled select (scores, then 2048-key chunks)
     assert selection_class(2, 1024, PS, TOPK) == selection_class(2, 1100, PS, TOPK)
+
+
+def test_decode_long_rows_leave_the_scores_past_each_position_unwritten(monkeypatch):
+    """3+ decode rows at a wide page table: the score kernel is asked not to fill the keys past each row's position
+    with -inf (`fill=False`): the split select reads none of them, and at a 128K-wide table a 32K row's fill was
+    three quarters of its score row (bench/RESULTS.md, forty-fifth session)."""
+    seen: dict = {}
+    monkeypatch.setattr(triton_indexer, "index_scores",
+                        lambda q, *a, **kw: seen.update(kw) or torch.empty(q.shape[0], 1))
+    monkeypatch.setattr(triton_indexer_long, "long_row_select", lambda *a, **kw: seen.update(select=True))
+    _route(8, 131072)
+    assert seen["fill"] is False and seen["skip_below"] == TOPK and seen["select"]
