@@ -22,26 +22,13 @@ from pathlib import Path
 
 import torch
 
-from bench.sweep_decode_b1 import graph_us
-from dsaserve.common.index_pages import pack_pages
-from dsaserve.common.kv_layout import encode_index_k, get_kv_layout
+from bench.sweep_decode_b1 import graph_us, indexer_case
+from dsaserve.common.kv_layout import get_kv_layout
 from dsaserve.kernels import triton_indexer, triton_indexer_dispatch, triton_indexer_long
 from dsaserve.kernels.variants import core_width, long_select_chunk
 
 FP8 = get_kv_layout("fp8_ds_mla")
 PS, IH, IDIM, TOPK = 64, 32, 128, 2048
-
-
-def _case(calls: int, rows: int, ctx: int):
-    """(q, w, cache, tables [calls, rows, pages of ctx], req, pos) of `rows` rows at position ctx - 1 each."""
-    pages = -(-ctx // PS)
-    cache = pack_pages(encode_index_k(torch.randn(calls * rows * pages * PS, IDIM, device="cuda"), FP8), FP8, IDIM,
-                       PS)
-    tables = torch.randperm(calls * rows * pages, device="cuda").view(calls, rows, pages)
-    req, pos = torch.arange(rows, device="cuda"), torch.full((rows,), ctx - 1, device="cuda")
-    q = torch.randn(calls, rows, IH, IDIM, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(calls, rows, IH, device="cuda", dtype=torch.bfloat16)
-    return q, w, cache, tables, req, pos
 
 
 def _widened(tables: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,7 +39,7 @@ def _widened(tables: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def measure(calls: int, rows: int, ctx: int, widths: list[int], chunks: list[int]) -> list[dict]:
-    q, w, cache, tables, req, pos = _case(calls, rows, ctx)
+    q, w, cache, tables, req, pos = indexer_case(calls, rows, ctx, PS, IH, IDIM)
     fill = {"fill": False} if "fill" in inspect.signature(triton_indexer.index_scores).parameters else {}
     out, res = torch.empty(rows, TOPK, dtype=torch.int64, device="cuda"), []
     for keys in widths:

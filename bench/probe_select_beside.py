@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from bench.sweep_decode_b1 import graph_us
-from dsaserve.common.index_pages import pack_pages
-from dsaserve.common.kv_layout import encode_index_k, get_kv_layout
+from bench.sweep_decode_b1 import graph_us, indexer_case
+from dsaserve.common.kv_layout import get_kv_layout
 from dsaserve.kernels import triton_indexer_coop
 from dsaserve.kernels.triton_fp8_gemm import attach_fp8, fp8_linear, quant_act_fp8
 from dsaserve.kernels.triton_head_gemm import head_bmm
@@ -36,12 +35,7 @@ PS, IH, IDIM, TOPK = 64, 32, 128, 2048
 
 def _selection(calls: int, keys: int):
     """(select(i, chunk)) over `calls` sets of pages of one row of `keys` keys."""
-    pages = keys // PS
-    cache = pack_pages(encode_index_k(torch.randn(calls * pages * PS, IDIM, device="cuda"), FP8), FP8, IDIM, PS)
-    tables = torch.randperm(calls * pages, device="cuda").view(calls, 1, pages)
-    req, pos = torch.zeros(1, dtype=torch.long, device="cuda"), torch.full((1,), keys - 1, device="cuda")
-    q = torch.randn(calls, 1, IH, IDIM, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(calls, 1, IH, device="cuda", dtype=torch.bfloat16)
+    q, w, cache, tables, req, pos = indexer_case(calls, 1, keys, PS, IH, IDIM)
     out = torch.empty(1, TOPK, dtype=torch.int64, device="cuda")
 
     def select(i: int, chunk: int) -> None:

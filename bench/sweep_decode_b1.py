@@ -63,17 +63,23 @@ def graph_us(fn, calls: int, reps: int = 20) -> float:
     return _graph_time(lambda: [fn(i) for i in range(calls)], reps) * 1e6 / calls
 
 
+def indexer_case(calls: int, t: int, ctx: int, ps: int = 64, ih: int = 32, idim: int = 128) -> tuple:
+    """(q, w, cache, tables [calls, t, pages], req, pos) of t decode rows at position ctx - 1 each, `calls` sets of
+    their own pages (so a graph of `calls` calls reads its keys from HBM) and q / head weights, over the FP8 cache."""
+    pages = -(-ctx // ps)
+    cache = pack_pages(encode_index_k(torch.randn(calls * t * pages * ps, idim, device="cuda"), FP8), FP8, idim, ps)
+    tables = torch.randperm(calls * t * pages, device="cuda").view(calls, t, pages)
+    req, pos = torch.arange(t, device="cuda"), torch.full((t,), ctx - 1, device="cuda")
+    q = torch.randn(calls, t, ih, idim, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(calls, t, ih, device="cuda", dtype=torch.bfloat16)
+    return q, w, cache, tables, req, pos
+
+
 def sweep_indexer(out_dir: Path, calls: int = 8, ps: int = 64, ih: int = 32, idim: int = 128) -> None:
     """The score kernel's tiles and the split select's chunk at 1-2 rows of 32K / 128K keys (module docstring)."""
     rows = []
     for t, ctx in itertools.product((1, 2), (32768, 131072)):
-        pages = ctx // ps
-        cache = pack_pages(encode_index_k(torch.randn(calls * t * pages * ps, idim, device="cuda"), FP8), FP8, idim, ps)
-        tables = torch.randperm(calls * t * pages, device="cuda").view(calls, t, pages)
-        req = torch.arange(t, device="cuda")
-        pos = torch.full((t,), ctx - 1, device="cuda")
-        q = torch.randn(calls, t, ih, idim, device="cuda", dtype=torch.bfloat16)
-        w = torch.rand(calls, t, ih, device="cuda", dtype=torch.bfloat16)
+        q, w, cache, tables, req, pos = indexer_case(calls, t, ctx, ps, ih, idim)
 
         def scores(i, cfg, q=q, w=w, tables=tables, req=req, pos=pos, cache=cache):
             return triton_indexer.index_scores(q[i], w[i], cache, FP8, tables[i], req, pos, ps, tile=cfg)

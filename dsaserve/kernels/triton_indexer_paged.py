@@ -12,7 +12,8 @@ fp8_mqa_logits; DSASERVE_FP8_ACTIVATIONS=0 rounds q / s to fp16 and widens the k
 loops over its tiles: the tile's keys are 16-byte-aligned rows of their pages, loaded straight into shared
 memory by the pipelined loop (cp.async, `num_stages` tiles in flight), and one swap-AB MMA
 acc[BS keys, heads] = k8 @ q8^T gives every head's dot at once; ReLU, the weights, the head sum and the key
-scale are the epilogue. Keys past the token's position (causal) or past the page table are -inf, never read.
+scale are the epilogue. Keys past the token's position (causal) or past the page table are never read: -inf, or
+left unwritten where the caller's select reads none of them (`fill`).
 The decode kernels (this one and the fused score + select) take the page size as a constexpr, so a key's page and
 offset are a shift and a mask: a runtime page size made each key's place an int64 division (a 64-bit check, then
 ~20 instructions with a reciprocal), 62 % of the scoring loop's stall samples and 21 % of the fused launch's
