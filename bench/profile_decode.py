@@ -28,6 +28,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
     gluon_fp8_splitk,
     gluon_sparse_mla,
+    triton_elementwise,
     triton_fp8_gemm,
     triton_head_gemm,
     triton_indexer_coop,
@@ -242,8 +243,9 @@ def ab_setting(runner, name: str):
     "splitk:k=v/k=v" its variant (regs, stages, pdl: `gluon_fp8_splitk.CONSUMER_REGS`, STAGES, PDL; rows:
     SPLITK_ROWS' upper end), "fused64" the fused score + select of 1-2 long rows over at most 64
     programs (`variants.FUSED_PROGRAMS`, 128), "fused132" over up to 132 (the H100's and H200's SM count: its
-    few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`). "a+b"
-    takes both settings."""
+    few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`),
+    "copy_node" the graphs' inputs by a copy node (not a kernel reading the pinned staging buffer,
+    `triton_elementwise.HOST_READ_MAX_BYTES`). "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -269,7 +271,8 @@ def ab_setting(runner, name: str):
                     "splitk": (triton_fp8_gemm, "SPLITK_GEMM", True),
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
                     "fused64": (variants, "FUSED_PROGRAMS", 64),
-                    "fused132": (variants, "FUSED_PROGRAMS", 132)}
+                    "fused132": (variants, "FUSED_PROGRAMS", 132),
+                    "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant

@@ -6,7 +6,8 @@ padding a batch up to its bucket, and the counters a replay cannot bump from Pyt
 collectives; the step's byte terms come from `model/step_counts.py`, as for an eager step). A step's host
 batch is written into the twin with numpy and reaches the device in one copy captured inside the graph,
 so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
-before a synchronous step starts (bench/RESULTS.md).
+before a synchronous step starts (bench/RESULTS.md). Up to 64 KB that copy is a kernel reading the pinned twin
+(`triton_elementwise.copy_from_host`), not a copy node, after which the step's first kernel waited ~14 µs.
 
 Why the whole decode step fits in one graph (the piecewise graphs of engine/piecewise_runner.py are for
 steps with a prefill part): the indexer's top-k runs on a static
@@ -29,13 +30,18 @@ from dsaserve.common.host_lists import to_device
 from dsaserve.engine.graph_capture import capture_bucket, lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.warmup_plan import decode_buckets
+from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
 from dsaserve.model.step_counts import count_step
 
 
-def _graph_h2d_copy_works(device: torch.device) -> bool:
-    """Whether a copy out of pinned host memory captures into a CUDA graph and, replayed, reads the host
-    memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
+def _copy_node(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _graph_h2d_copy_works(device: torch.device, copy=_copy_node) -> bool:
+    """Whether `copy` (dst, src) out of pinned host memory captures into a CUDA graph and, replayed, reads the
+    host memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
     if not envs.DSASERVE_GRAPH_H2D:
         return False
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
@@ -43,7 +49,7 @@ def _graph_h2d_copy_works(device: torch.device) -> bool:
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            dst.copy_(src, non_blocking=True)
+            copy(dst, src)
         src.mul_(3)  # written after the capture: the replay must copy these values
         graph.replay()
         torch.cuda.synchronize(device)
@@ -97,6 +103,10 @@ class CudaGraphRunner:
         # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
         # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
         self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
+        # ... and as a kernel reading the pinned buffer where the registry has one that passes the same probe: the
+        # step's first kernel then starts ~12 µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
+        host_read = get_ops(dev).copy_from_host if dev.type == "cuda" else _copy_node
+        self.copy_inputs = host_read if self.copy_in_graph and _graph_h2d_copy_works(dev, host_read) else _copy_node
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
          self.page_table) = self._views(self.inputs)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
@@ -276,7 +286,7 @@ class CudaGraphRunner:
     def _copy_staged(self, bucket: int) -> None:
         """The per-token rows and the bucket's page-table rows: host staging -> the graph's inputs."""
         n = INPUT_ROWS * self.max_bs + bucket * self.max_pages
-        self.inputs[:n].copy_(self.host_inputs[:n], non_blocking=True)
+        self.copy_inputs(self.inputs[:n], self.host_inputs[:n])
 
     def _load_device(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """A batch already on the device: copy each field into the static buffers."""

@@ -214,6 +214,12 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
     torch.where(input_ids < 0, future_token_ids.index_select(0, rows), input_ids, out=input_ids)
 
 
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (the device) <- src (pinned host memory, same dtype and size, both contiguous): a decode graph's inputs
+    out of their staging buffer (engine/cuda_graph_runner.py), as an asynchronous copy (a graph's copy node)."""
+    dst.copy_(src, non_blocking=True)
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """The greedy sampler's token of each row of logits x [rows, vocab]: int64 [rows], the first maximum (NaN above
     every number), torch's argmax."""

@@ -1,14 +1,15 @@
 """GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
-in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches) and the overlap
-scheduler's placeholder ids resolved (five torch kernels a step before).
+in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches), the overlap
+scheduler's placeholder ids resolved (five torch kernels a step before) and a decode graph's inputs read out of
+their pinned staging buffer by a kernel (`copy_from_host`).
 
 Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul`,
-`reference.rope_inplace` and `reference.resolve_placeholders`. Each takes its reference's rounding steps
-(fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two differ only in the
-order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also carry their FP8
-copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too, up to
-`triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops
-each was 5-8 kernels (H200 profile, bench/RESULTS.md), which cost time and leave ~1 µs gaps between them.
+`reference.rope_inplace`, `reference.resolve_placeholders` and `reference.copy_from_host`. Each takes its
+reference's rounding steps (fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two
+differ only in the order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also
+carry their FP8 copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too,
+up to `triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`). At decode a step launches ~20 norms and ~10 RoPEs: as torch ops each
+was 5-8 kernels (H200 profile, bench/RESULTS.md), which cost time and leave ~1 µs gaps between them.
 Imported only by `kernels/registry.py` after it checked that Triton and a CUDA device are there.
 """
 
@@ -224,3 +225,41 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
     if n:  # one block size for every batch: three specialisations in all (n = 1, n % 16 == 0, other)
         _resolve_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](input_ids, future_token_ids, n, BLOCK=RESOLVE_BLOCK,
                                                           **pdl_args(input_ids.device))
+
+
+# A kernel reads at most this many bytes of pinned memory itself; more take the copy engine. Why a kernel: in a
+# decode graph the first kernel after the inputs' copy node started ~14 µs after the copy ended (H100 timelines,
+# b1 and b128, bench/RESULTS.md forty-sixth session), where a kernel's loads cross the host link in a round trip
+# or two; past tens of KB the copy engine's rate (~47 GB/s there, `bench/probe_table_copy.py`) wins.
+HOST_READ_MAX_BYTES = 64 << 10
+HOST_READ_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n"])
+def _from_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+class _HostPointer:
+    """A pinned host tensor as a kernel's pointer argument: under unified addressing (every 64-bit CUDA platform)
+    pinned memory is mapped into the device's address space at the same address."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """GPU `reference.copy_from_host`: up to HOST_READ_MAX_BYTES, one launch whose loads read the pinned buffer
+    (capturable: a replay reads the buffer as it is then); larger copies, and sources that are not pinned, take
+    the copy engine."""
+    if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_from_host: src and dst must be contiguous, of one shape and dtype")
+    n = src.numel()
+    if n == 0 or n * src.element_size() > HOST_READ_MAX_BYTES or src.is_cuda or not src.is_pinned():
+        dst.copy_(src, non_blocking=True)
+        return
+    _from_host_kernel[(triton.cdiv(n, HOST_READ_BLOCK),)](_HostPointer(src), dst, n, BLOCK=HOST_READ_BLOCK)

@@ -56,6 +56,29 @@ def test_resolve_placeholders_matches_reference(gen, n):
     assert torch.equal(got[~late], ids[~late])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned memory read by a kernel: a CUDA device")
+@pytest.mark.parametrize("n", [1, 8, 4736, 9000])  # a few ids; b128's narrow inputs; one past HOST_READ_MAX_BYTES
+def test_copy_from_host_reads_the_pinned_buffer_as_it_is_at_replay(gen, n):
+    """A decode graph's inputs out of their pinned staging buffer: the same int64s as the copy, and a replay of a
+    captured copy reads the buffer as it is then (the engine writes it after the capture, before each replay)."""
+    from dsaserve.kernels import triton_elementwise as E
+
+    src = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(n)).pin_memory()
+    dst = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    E.copy_from_host(dst, src)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        E.copy_from_host(dst, src)
+    src.sub_(12345)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src)
+    with pytest.raises(ValueError, match="copy_from_host"):
+        E.copy_from_host(dst[:0], src)  # sizes differ
+
+
 @pytest.mark.parametrize("inter", [2500, 128, 1024])  # an odd width; mini's experts and dense MLP
 def test_silu_and_mul_matches_reference(gen, inter):
     from dsaserve.kernels import triton_elementwise as E

@@ -192,6 +192,21 @@ def test_an_absent_experts_pairs_add_nothing_and_are_not_counted_as_touched():
     assert int(counter) == 3
 
 
+def test_copy_from_host_copies_and_the_gpu_variant_falls_back_to_it_without_pinned_memory():
+    src, dst = torch.arange(10, dtype=torch.int64) * 7, torch.zeros(10, dtype=torch.int64)
+    R.copy_from_host(dst, src)
+    assert torch.equal(dst, src)
+    try:
+        from dsaserve.kernels import triton_elementwise as E
+    except ImportError:  # the CI's CPU torch may ship no Triton
+        return
+    dst.zero_()
+    E.copy_from_host(dst, src)  # not pinned: the copy itself, no kernel
+    assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="copy_from_host"):
+        E.copy_from_host(dst[:3], src)
+
+
 def test_registry_on_cpu_binds_every_op_to_the_reference(monkeypatch):
     ops = registry.get_ops("cpu")
     for name in registry.OPS:

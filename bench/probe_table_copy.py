@@ -1,0 +1,136 @@
+"""What a decode graph's input copy costs at each page-table width class (issue 17: batched decode at long context).
+
+A replayed decode step's first node copies its inputs out of a pinned host twin (`engine/cuda_graph_runner.py`):
+five per-token rows of max_bs int64 and the bucket's page-table rows, `bucket x max_pages` int64, where max_pages is
+the width class's (the narrow class: the top-k's pages; the widest: max_model_len's). Every kernel of the step waits
+for it. This times that copy alone as a graph node, as the runner captures it, for each bucket and width, next to
+the bytes it moves (µs, and GB/s of the host link). `--chain`: a graph of the copy node then a chain of small kernels
+against the same chain after a kernel that reads the pinned buffer itself (zero-copy over the host link), each
+replay timed from an event before it to one after it: the b1 step's first kernel after the copy started ~14 µs
+after the copy ended (forty-sixth session's timeline).
+
+Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR   (~10 s)
+Writes probe_table_copy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.engine.cuda_graph_runner import INPUT_ROWS
+
+PS = 64
+# the top-k's 2048 keys, 32K and 64K (the few-row classes), bench_gpu's 128K and GLM-5.3's 202,752 positions
+WIDTH_KEYS = (2048, 32768, 65536, 131072 + 64, 202752)
+
+
+def copy_us(n: int, reps: int = 50) -> float:
+    """µs a replay of a graph holding one pinned-host -> device copy of n int64 (and nothing else)."""
+    src = torch.zeros(n, dtype=torch.int64).pin_memory()
+    dst = torch.empty(n, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dst.copy_(src, non_blocking=True)
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+@triton.jit
+def _from_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+class _HostPointer:
+    """A pinned tensor as Triton's pointer argument: under unified addressing its host address is its device one."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict:
+    """µs a replay (event to event, one replay at a time, and back to back) of a graph: the n-int64 input copy (a
+    copy node, or with zero_copy a kernel reading the pinned buffer), then `kernels` small dependent kernels."""
+    src = torch.arange(n, dtype=torch.int64).pin_memory()
+    dst = torch.zeros(n, dtype=torch.int64, device="cuda")
+    x = torch.zeros(4096, device="cuda")
+    block = 1024
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if zero_copy:
+            _from_host_kernel[(triton.cdiv(n, block),)](_HostPointer(src), dst, n, BLOCK=block)
+        else:
+            dst.copy_(src, non_blocking=True)
+        x.add_(dst[:1].float())
+        for _ in range(kernels - 1):
+            x.mul_(1.0001)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src), "the graph's input copy did not land"
+    src.add_(1)  # written after the capture: the replay must read it as it is now
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src), "a replay did not read the pinned buffer as it is"
+    one = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        one.append(a.elapsed_time(b) * 1e3)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    one.sort()
+    return {"one_median_us": round(one[len(one) // 2], 2), "one_min_us": round(one[0], 2),
+            "back_to_back_us": round(a.elapsed_time(b) * 1e3 / reps, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--buckets", default="1,2,64,128")
+    ap.add_argument("--max-bs", type=int, default=128, help="the runner's max_bs (its per-token rows' length)")
+    ap.add_argument("--chain", action="store_true", help="also the copy node against a zero-copy kernel (docstring)")
+    args = ap.parse_args()
+    rows = []
+    if args.chain:
+        for n in (INPUT_ROWS * args.max_bs + 32, INPUT_ROWS * args.max_bs + 128 * 32, INPUT_ROWS * args.max_bs + 1024):
+            for zero_copy in (False, True, False, True):
+                rows.append({"chain_n": n, "zero_copy": zero_copy, **chain_us(n, zero_copy)})
+                print(rows[-1], flush=True)
+    for keys in WIDTH_KEYS:
+        pages = -(-keys // PS)
+        for bucket in (int(b) for b in args.buckets.split(",")):
+            n = INPUT_ROWS * args.max_bs + bucket * pages
+            us = copy_us(n)
+            rows.append({"width_keys": keys, "pages": pages, "bucket": bucket, "bytes": 8 * n, "us": round(us, 2),
+                         "gb_s": round(8 * n / us / 1e3, 2)})
+            print(rows[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "probe_table_copy.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
