@@ -7,7 +7,7 @@ collectives; the step's byte terms come from `model/step_counts.py`, as for an e
 batch is written into the twin with numpy and reaches the device in one copy captured inside the graph,
 so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
 before a synchronous step starts (bench/RESULTS.md). Up to 64 KB that copy is a kernel reading the pinned twin
-(`triton_elementwise.copy_from_host`), not a copy node, after which the step's first kernel waited ~14 µs.
+(`triton_elementwise.copy_from_host`), not a copy node: the step's kernels start a few µs sooner.
 
 Why the whole decode step fits in one graph (the piecewise graphs of engine/piecewise_runner.py are for
 steps with a prefill part): the indexer's top-k runs on a static
@@ -104,7 +104,7 @@ class CudaGraphRunner:
         # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
         self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
         # ... and as a kernel reading the pinned buffer where the registry has one that passes the same probe: the
-        # step's first kernel then starts ~12 µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
+        # step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
         host_read = get_ops(dev).copy_from_host if dev.type == "cuda" else _copy_node
         self.copy_inputs = host_read if self.copy_in_graph and _graph_h2d_copy_works(dev, host_read) else _copy_node
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
