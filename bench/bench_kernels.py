@@ -63,16 +63,22 @@ def graph_time(calls: list, reps: int = 20) -> float:
             c()
     g.replay()
     torch.cuda.synchronize()
+    times = replay_seconds(g, reps)
+    del g
+    return statistics.median(times) / len(calls)
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
+    """Seconds of each of `reps` replays, one at a time: an event before the replay to one after it."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    del g
-    return statistics.median(times) / len(calls)
+    return times
 
 
 def copies_for(nbytes: int, cap: int = 32) -> int:

@@ -9,7 +9,7 @@ against the same chain after a kernel that reads the pinned buffer itself (zero-
 replay timed from an event before it to one after it: the b1 step's first kernel after the copy started ~14 µs
 after the copy ended (forty-sixth session's timeline).
 
-Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR   (~10 s)
+Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR [--chain]   (~10 s)
 Writes probe_table_copy.json.
 """
 
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.bench_kernels import replay_seconds
 from dsaserve.engine.cuda_graph_runner import INPUT_ROWS
 
 PS = 64
@@ -88,14 +89,7 @@ def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src), "a replay did not read the pinned buffer as it is"
-    one = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        one.append(a.elapsed_time(b) * 1e3)
+    one = [t * 1e6 for t in replay_seconds(graph, reps)]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
