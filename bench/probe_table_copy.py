@@ -4,10 +4,11 @@ A replayed decode step's first node copies its inputs out of a pinned host twin 
 five per-token rows of max_bs int64 and the bucket's page-table rows, `bucket x max_pages` int64, where max_pages is
 the width class's (the narrow class: the top-k's pages; the widest: max_model_len's). Every kernel of the step waits
 for it. This times that copy alone as a graph node, as the runner captures it, for each bucket and width, next to
-the bytes it moves (µs, and GB/s of the host link). `--chain`: a graph of the copy node then a chain of small kernels
-against the same chain after a kernel that reads the pinned buffer itself (zero-copy over the host link), each
-replay timed from an event before it to one after it: the b1 step's first kernel after the copy started ~14 µs
-after the copy ended (forty-sixth session's timeline).
+the bytes it moves (µs, and GB/s of the host link). `--chain`: a graph of the copy node then a chain of small
+kernels against the same chain after the engine's kernel that reads the pinned buffer itself
+(`triton_elementwise.copy_from_host`: zero-copy over the host link), each replay timed from an event before it to
+one after it: the b1 step's first kernel after the copy started ~14 µs after the copy ended (forty-sixth session's
+timeline).
 
 Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR [--chain]   (~10 s)
 Writes probe_table_copy.json.
@@ -20,11 +21,10 @@ import json
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from bench.bench_kernels import replay_seconds
 from dsaserve.engine.cuda_graph_runner import INPUT_ROWS
+from dsaserve.kernels import triton_elementwise
 
 PS = 64
 # the top-k's 2048 keys, 32K and 64K (the few-row classes), bench_gpu's 128K and GLM-5.3's 202,752 positions
@@ -50,33 +50,17 @@ def copy_us(n: int, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-@triton.jit
-def _from_host_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-class _HostPointer:
-    """A pinned tensor as Triton's pointer argument: under unified addressing its host address is its device one."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t, self.dtype = t, t.dtype
-
-    def data_ptr(self) -> int:
-        return self.t.data_ptr()
-
-
 def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict:
     """µs a replay (event to event, one replay at a time, and back to back) of a graph: the n-int64 input copy (a
     copy node, or with zero_copy a kernel reading the pinned buffer), then `kernels` small dependent kernels."""
     src = torch.arange(n, dtype=torch.int64).pin_memory()
     dst = torch.zeros(n, dtype=torch.int64, device="cuda")
     x = torch.zeros(4096, device="cuda")
-    block = 1024
+    assert not zero_copy or 8 * n <= triton_elementwise.HOST_READ_MAX_BYTES, "past the kernel's limit: a copy"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         if zero_copy:
-            _from_host_kernel[(triton.cdiv(n, block),)](_HostPointer(src), dst, n, BLOCK=block)
+            triton_elementwise.copy_from_host(dst, src)
         else:
             dst.copy_(src, non_blocking=True)
         x.add_(dst[:1].float())
