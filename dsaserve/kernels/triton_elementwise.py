@@ -229,8 +229,8 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
 
 # A kernel reads at most this many bytes of pinned memory itself; more take the copy engine. Why a kernel: in a
 # decode graph the first kernel after the inputs' copy node started ~14 µs after the copy ended (H100 timelines,
-# b1 and b128); read by a kernel the graph's chain ran 3.5-4.7 µs sooner a replay and the b1 1K step 9 µs sooner
-# synchronous, 2.4 overlapped (bench/RESULTS.md, forty-sixth session: most of the gap is the graph's own start).
+# b1 and b128); read by a kernel the graph's chain ran 2.8-4.4 µs sooner a replay and the b128 1K step 5 µs sooner
+# overlapped, every round (bench/RESULTS.md, forty-sixth session; the rest of the gap was not timed apart).
 # Past tens of KB the copy engine's rate (~47 GB/s there, `bench/probe_table_copy.py`) wins.
 HOST_READ_MAX_BYTES = 64 << 10
 HOST_READ_BLOCK = 1024
