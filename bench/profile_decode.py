@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
 from dsaserve.common import envs
+from dsaserve.engine import cuda_graph_runner
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
@@ -245,7 +246,9 @@ def ab_setting(runner, name: str):
     programs (`variants.FUSED_PROGRAMS`, 128), "fused132" over up to 132 (the H100's and H200's SM count: its
     few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`),
     "copy_node" the graphs' inputs by a copy node (not a kernel reading the pinned staging buffer,
-    `triton_elementwise.HOST_READ_MAX_BYTES`). "a+b" takes both settings."""
+    `triton_elementwise.HOST_READ_MAX_BYTES`), "staged_inline" the graphs' staging event recorded in the step's
+    chain after the input copy (not on a branch beside it, `cuda_graph_runner.STAGED_ON_BRANCH`). "a+b" takes both
+    settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -272,7 +275,8 @@ def ab_setting(runner, name: str):
                     "no_splitk": (triton_fp8_gemm, "SPLITK_GEMM", False),
                     "fused64": (variants, "FUSED_PROGRAMS", 64),
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
-                    "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0)}
+                    "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
+                    "staged_inline": (cuda_graph_runner, "STAGED_ON_BRANCH", False)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant

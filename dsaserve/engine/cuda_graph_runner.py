@@ -60,6 +60,12 @@ def _graph_h2d_copy_works(device: torch.device, copy=_copy_node) -> bool:
 
 
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
+# `staged` is recorded on a branch of each graph that joins at its end, so no kernel of the step waits on the record
+# node; False records it in the step's chain right after the input copy (an A/B: `profile_decode --ab
+# default,staged_inline`). Why ask: a replayed b1 step's first kernel started ~14 µs after the copy ended (H100,
+# bench/RESULTS.md forty-sixth session), and reading the inputs by a kernel took back only 3-4 of them; whether the
+# fork holds the rest is not measured.
+STAGED_ON_BRANCH = True
 
 
 @dataclass
@@ -192,14 +198,16 @@ class CudaGraphRunner:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
         try:
             with lean_capture(graph, self.pool_handle, stream):
+                fork = self.copy_in_graph and STAGED_ON_BRANCH
                 if self.copy_in_graph:
                     self._copy_staged(bs)
-                    branch.wait_stream(stream)
-                    self.staged.record(branch)  # a node beside the step's kernels, after the copy
+                    if fork:
+                        branch.wait_stream(stream)
+                    self.staged.record(branch if fork else stream)  # a node after the copy (`STAGED_ON_BRANCH`)
                 try:
                     logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
-                    if self.copy_in_graph:
+                    if fork:
                         stream.wait_stream(branch)
         finally:
             COUNTERS.enabled = enabled
