@@ -31,6 +31,17 @@ PS = 64
 WIDTH_KEYS = (2048, 32768, 65536, 131072 + 64, 202752)
 
 
+def back_to_back_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """µs a replay of `reps` replays launched back to back (one event before them, one after)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def copy_us(n: int, reps: int = 50) -> float:
     """µs a replay of a graph holding one pinned-host -> device copy of n int64 (and nothing else)."""
     src = torch.zeros(n, dtype=torch.int64).pin_memory()
@@ -40,14 +51,8 @@ def copy_us(n: int, reps: int = 50) -> float:
         dst.copy_(src, non_blocking=True)
     for _ in range(5):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return back_to_back_us(graph, reps)
 
 
 def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict:
@@ -73,16 +78,9 @@ def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src), "a replay did not read the pinned buffer as it is"
-    one = [t * 1e6 for t in replay_seconds(graph, reps)]
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    one.sort()
+    one = sorted(t * 1e6 for t in replay_seconds(graph, reps))
     return {"one_median_us": round(one[len(one) // 2], 2), "one_min_us": round(one[0], 2),
-            "back_to_back_us": round(a.elapsed_time(b) * 1e3 / reps, 2)}
+            "back_to_back_us": round(back_to_back_us(graph, reps), 2)}
 
 
 def main() -> None:

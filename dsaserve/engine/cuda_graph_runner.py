@@ -39,11 +39,23 @@ def _copy_node(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+# (device, copy) -> whether the probe passed: each width class's runner and MTP's ask the same question at start-up
+_PROBED: dict[tuple[torch.device, object], bool] = {}
+
+
 def _graph_h2d_copy_works(device: torch.device, copy=_copy_node) -> bool:
     """Whether `copy` (dst, src) out of pinned host memory captures into a CUDA graph and, replayed, reads the
-    host memory as it is then. DSASERVE_GRAPH_H2D=0 keeps the copy outside the graphs."""
+    host memory as it is then (probed once a device and copy). DSASERVE_GRAPH_H2D=0 keeps the copy outside the
+    graphs."""
     if not envs.DSASERVE_GRAPH_H2D:
         return False
+    key = (torch.device(device), copy)
+    if key not in _PROBED:
+        _PROBED[key] = _probe_graph_copy(device, copy)
+    return _PROBED[key]
+
+
+def _probe_graph_copy(device: torch.device, copy) -> bool:
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
     dst = torch.zeros(8, dtype=torch.int64, device=device)
     try:
@@ -109,10 +121,11 @@ class CudaGraphRunner:
         # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
         # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
         self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
-        # ... and as a kernel reading the pinned buffer where the registry has one that passes the same probe: the
-        # step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
-        host_read = get_ops(dev).copy_from_host if dev.type == "cuda" else _copy_node
-        self.copy_inputs = host_read if self.copy_in_graph and _graph_h2d_copy_works(dev, host_read) else _copy_node
+        # ... and as a kernel reading the pinned buffer where the registry's passes the same probe: the step's
+        # kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
+        self.copy_inputs = _copy_node
+        if self.copy_in_graph and _graph_h2d_copy_works(dev, get_ops(dev).copy_from_host):
+            self.copy_inputs = get_ops(dev).copy_from_host
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
          self.page_table) = self._views(self.inputs)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
