@@ -10,7 +10,10 @@ kernels against the same chain after the engine's kernel that reads the pinned b
 one after it: the b1 step's first kernel after the copy started ~14 µs after the copy ended (forty-sixth session's
 timeline).
 
-Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR [--chain]   (~10 s)
+`--deltas`: the kernel that reads only the table's changes instead (`stage_from_host`), at 0, 2, a page a row and a
+full-width row's changes.
+
+Run on the device:  PYTHONPATH=. python bench/probe_table_copy.py --out DIR [--chain] [--deltas]   (~10 s)
 Writes probe_table_copy.json.
 """
 
@@ -83,12 +86,37 @@ def chain_us(n: int, zero_copy: bool, kernels: int = 20, reps: int = 50) -> dict
             "back_to_back_us": round(back_to_back_us(graph, reps), 2)}
 
 
+def stage_us(rows: int, pages: int, bucket: int, count: int, reps: int = 50) -> float:
+    """µs a replay of what a wide class's graph runs in place of the whole table's copy (engine/
+    page_table_mirror.py): the kernel that reads the per-token rows and `count` page-table changes out of the pinned
+    buffer into the device's copy of the requests' pages (`stage_from_host`), then the bucket's rows gathered from it
+    into the graph's table."""
+    max_deltas = pages + 2 * bucket
+    src = torch.zeros(rows + bucket + 1 + 2 * max_deltas, dtype=torch.int64)
+    src[rows:rows + bucket] = torch.randperm(bucket)
+    src[rows + bucket] = count
+    src[rows + bucket + 1:rows + bucket + 1 + count] = torch.randperm(bucket * pages)[:count]
+    src = src.pin_memory()
+    dst = torch.zeros(rows + bucket, dtype=torch.int64, device="cuda")
+    mirror, table = (torch.zeros(bucket, pages, dtype=torch.int64, device="cuda") for _ in range(2))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_elementwise.stage_from_host(dst, mirror.view(-1), src, max_deltas)
+        torch.index_select(mirror, 0, dst[rows:], out=table)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return back_to_back_us(graph, reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--buckets", default="1,2,64,128")
     ap.add_argument("--max-bs", type=int, default=128, help="the runner's max_bs (its per-token rows' length)")
     ap.add_argument("--chain", action="store_true", help="also the copy node against a zero-copy kernel (docstring)")
+    ap.add_argument("--deltas", action="store_true", help="also the changes' kernel at 0, 2, a page a row and a "
+                    "full-width row's changes (`stage_us`)")
     args = ap.parse_args()
     rows = []
     if args.chain:
@@ -104,6 +132,10 @@ def main() -> None:
             rows.append({"width_keys": keys, "pages": pages, "bucket": bucket, "bytes": 8 * n, "us": round(us, 2),
                          "gb_s": round(8 * n / us / 1e3, 2)})
             print(rows[-1], flush=True)
+            for count in (0, 2, bucket, pages) if args.deltas and bucket > 2 else ():
+                us = round(stage_us(INPUT_ROWS * args.max_bs, pages, bucket, count), 2)
+                rows.append({"width_keys": keys, "pages": pages, "bucket": bucket, "changes": count, "us": us})
+                print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_table_copy.json").write_text(json.dumps(rows, indent=1))
 

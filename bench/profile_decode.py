@@ -247,8 +247,9 @@ def ab_setting(runner, name: str):
     few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`),
     "copy_node" the graphs' inputs by a copy node (not a kernel reading the pinned staging buffer,
     `triton_elementwise.HOST_READ_MAX_BYTES`), "staged_inline" the graphs' staging event recorded in the step's
-    chain after the input copy (not on a branch beside it, `cuda_graph_runner.STAGED_ON_BRANCH`). "a+b" takes both
-    settings."""
+    chain after the input copy (not on a branch beside it, `cuda_graph_runner.STAGED_ON_BRANCH`), "full_table"
+    every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
+    `cuda_graph_runner.TABLE_MIRROR`). "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -276,7 +277,8 @@ def ab_setting(runner, name: str):
                     "fused64": (variants, "FUSED_PROGRAMS", 64),
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
-                    "staged_inline": (cuda_graph_runner, "STAGED_ON_BRANCH", False)}
+                    "staged_inline": (cuda_graph_runner, "STAGED_ON_BRANCH", False),
+                    "full_table": (cuda_graph_runner, "TABLE_MIRROR", False)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant
@@ -338,7 +340,7 @@ def ab_setting(runner, name: str):
 
 # settings that change which decode graph classes a runner has: with one of them in an A/B, every setting's turn
 # rebuilds the classes (`ModelRunner._capture_decode`), not only captures the runner's graphs again
-REBUILDS = ("fused132",)
+REBUILDS = ("fused132", "full_table")  # full_table: a runner sizes its staged inputs when it is made
 
 
 def _recapture(runner, rebuild: bool) -> None:

@@ -26,6 +26,7 @@ class BatchBuilder:
     def __init__(self, max_rows: int, max_pages_per_seq: int, page_size: int):
         self.page_size = page_size
         self.table = np.zeros((max_rows, max_pages_per_seq), dtype=np.int64)
+        self.gens = np.zeros(max_rows, dtype=np.int64)  # a row's generation: one more each time a request takes it
 
     def build(self, sched: ScheduledBatch) -> ForwardBatch:
         ps, table = self.page_size, self.table
@@ -40,6 +41,8 @@ class BatchBuilder:
         for r, (req, n) in enumerate(zip(sched.reqs, sched.num_new, strict=True)):
             pages, row = req.pages, req.row
             if req.pages_synced != len(pages):
+                if req.pages_synced == 0:  # a request's first pages in this row (engine/page_table_mirror.py)
+                    self.gens[row] += 1
                 table[row, req.pages_synced:len(pages)] = pages[req.pages_synced:]
                 req.pages_synced = len(pages)
             nc = req.num_computed
@@ -65,10 +68,12 @@ class BatchBuilder:
         ext = list(sched.num_new)
         width = -(-max(seq_lens) // ps)
         page_table = torch.from_numpy(table[rows, :width])
+        rows_np = np.array(rows, dtype=np.int64)
         return ForwardBatch(
             input_ids=_i64(ids), positions=_i64(pos), req_index=_i64(req_index), seq_lens=_i64(seq_lens),
             extend_lens=_i64(ext), page_table=page_table, out_cache_loc=_i64(out), logits_indices=_i64(logit_idx),
-            page_size=ps, seq_lens_cpu=seq_lens, extend_lens_cpu=ext)
+            page_size=ps, seq_lens_cpu=seq_lens, extend_lens_cpu=ext, table_rows=rows_np,
+            table_gens=self.gens[rows_np])
 
 
 def _i64(values: list[int]) -> torch.Tensor:

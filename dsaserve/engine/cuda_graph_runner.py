@@ -7,7 +7,9 @@ collectives; the step's byte terms come from `model/step_counts.py`, as for an e
 batch is written into the twin with numpy and reaches the device in one copy captured inside the graph,
 so a replayed step makes one CUDA call: on the H200's host every call is tens of µs the GPU idles through
 before a synchronous step starts (bench/RESULTS.md). Up to 64 KB that copy is a kernel reading the pinned twin
-(`triton_elementwise.copy_from_host`), not a copy node: the step's kernels start a few µs sooner.
+(`triton_elementwise.copy_from_host`), not a copy node: the step's kernels start a few µs sooner. A class whose
+page table is larger keeps the requests' pages on the device and stages only their changes
+(engine/page_table_mirror.py).
 
 Why the whole decode step fits in one graph (the piecewise graphs of engine/piecewise_runner.py are for
 steps with a prefill part): the indexer's top-k runs on a static
@@ -29,6 +31,7 @@ from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.common.host_lists import to_device
 from dsaserve.engine.graph_capture import capture_bucket, lean_capture
 from dsaserve.engine.overlap import resolve_placeholders_
+from dsaserve.engine.page_table_mirror import PageTableMirror
 from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch
@@ -55,6 +58,35 @@ def _graph_h2d_copy_works(device: torch.device, copy=_copy_node) -> bool:
     return _PROBED[key]
 
 
+def _stage_op_works(device: torch.device, stage) -> bool:
+    """Whether `stage` (the registry's `stage_from_host`) captured into a CUDA graph reads, at each replay, the
+    rows, the count and that many changes as the pinned buffer holds them then (the reference, which reads the
+    count when it runs, does not). Probed once a device and op."""
+    key = (torch.device(device), stage)
+    if key not in _PROBED:
+        _PROBED[key] = _probe_stage(device, stage)
+    return _PROBED[key]
+
+
+def _probe_stage(device: torch.device, stage) -> bool:
+    src = torch.tensor([1, 2, 3, 4, 1, 2, 0, 0, 0, 77, 0, 0, 0], dtype=torch.int64).pin_memory()  # 4 rows, 4 pairs
+    rows = torch.zeros(4, dtype=torch.int64, device=device)
+    table = torch.zeros(9, dtype=torch.int64, device=device)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stage(rows, table, src, 4)
+        src.copy_(torch.tensor([3, 6, 9, 12, 2, 0, 8, 0, 0, 5, 6, 0, 0]))  # after the capture: 2 changes
+        graph.replay()
+        torch.cuda.synchronize(device)
+        want = torch.zeros(9, dtype=torch.int64)
+        want[0], want[8] = 5, 6
+        return torch.equal(rows.cpu(), src[:4]) and torch.equal(table.cpu(), want)
+    except Exception:  # noqa: BLE001 - any capture error means: copy the table whole
+        torch.cuda.synchronize(device)
+        return False
+
+
 def _probe_graph_copy(device: torch.device, copy) -> bool:
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
     dst = torch.zeros(8, dtype=torch.int64, device=device)
@@ -78,6 +110,12 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # bench/RESULTS.md forty-sixth session), and reading the inputs by a kernel took back only 3-4 of them; whether the
 # fork holds the rest is not measured.
 STAGED_ON_BRANCH = True
+# A class whose largest bucket's page table is past this many bytes keeps the requests' pages on the device and
+# stages only their changes (engine/page_table_mirror.py), where the graph's kernel can read them (`stage_from_host`
+# passes its probe). The copy engine took 13 µs for 128 rows x 32K keys' pages and 44 for 131,136 keys' (H100,
+# bench/probe_table_copy.py); False: every class copies its whole table (`profile_decode --ab default,full_table`).
+TABLE_MIRROR = True
+TABLE_MIRROR_MIN_BYTES = 64 << 10
 
 
 @dataclass
@@ -99,35 +137,46 @@ class CudaGraphRunner:
 
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
                  future_token_ids: torch.Tensor | None = None, moe_gather: bool = False,
-                 logits_out: torch.Tensor | None = None):
+                 logits_out: torch.Tensor | None = None, table_rows: int = 0):
         self.model, self.pool, self.page_size, self.moe_gather = model, pool, pool.page_size, moe_gather
         self.future_token_ids = future_token_ids
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
+        # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
+        # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
+        self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
+        self.max_deltas = self._max_deltas(dev)
         # The static inputs are views of one int64 buffer (5 per-token rows, then the page table), so a host
         # batch reaches them in one H2D copy from a pinned twin: each CUDA call is host time the GPU idles
-        # through before the replay starts (tens of us each on the H200's host), and this was 14 of them.
-        self.inputs = torch.zeros(INPUT_ROWS * max_bs + max_bs * max_pages_per_req, dtype=torch.int64, device=dev)
-        self.host_inputs = torch.zeros_like(self.inputs, device="cpu")
+        # through before the replay starts (tens of us each on the H200's host), and this was 14 of them. With
+        # the page table on the device (`mirror`) the rows are 6 (the mirror's row of each batch row) and the
+        # table's staged changes follow them, padded to an even length: the table keeps the alignment it had.
+        self.input_rows = INPUT_ROWS + bool(self.max_deltas)
+        staged = self.input_rows * max_bs + (1 + 2 * self.max_deltas if self.max_deltas else 0)
+        self.table_start = staged + (staged - INPUT_ROWS * max_bs) % 2
+        self.inputs = torch.zeros(self.table_start + max_bs * max_pages_per_req, dtype=torch.int64, device=dev)
+        self.host_inputs = torch.zeros(staged if self.max_deltas else self.inputs.numel(), dtype=torch.int64)
         if dev.type == "cuda":
             self.host_inputs = self.host_inputs.pin_memory()
-        self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
+        self.mirror = None if not self.max_deltas else PageTableMirror(
+            max(table_rows, max_bs), max_pages_per_req, sink_page, self.host_inputs.numpy()[self.input_rows * max_bs:],
+            dev)
+        if self.mirror is None:
+            self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
         self.host_np = self._views(self.host_inputs.numpy())  # numpy writes: ~10x less host time than torch's
         # Recorded once the last step's copy has read the pinned twin: a node of each graph beside its copy
         # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
         # replays) waits for that step's copy, not for the whole step
         self.staged = torch.cuda.Event(external=True) if dev.type == "cuda" else None
-        # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the
-        # step's only CUDA call (the H200 host measured ~60-130 us for a separate copy call and its event)
-        self.copy_in_graph = dev.type == "cuda" and _graph_h2d_copy_works(dev)
-        # ... and as a kernel reading the pinned buffer where the registry's passes the same probe: the step's
-        # kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
+        # The copy in the graph is a kernel reading the pinned buffer where the registry's passes the same probe:
+        # the step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
         self.copy_inputs = _copy_node
         if self.copy_in_graph and _graph_h2d_copy_works(dev, get_ops(dev).copy_from_host):
             self.copy_inputs = get_ops(dev).copy_from_host
         (self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc,
-         self.page_table) = self._views(self.inputs)
+         self.page_table, *mirror_rows) = self._views(self.inputs)
+        self.mirror_rows = mirror_rows[0] if mirror_rows else None  # the mirror's row each batch row reads
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
         # Every bucket's graph writes its logits into one buffer (`logits_out`, shareable between runners whose
         # replays never overlap), not a [bucket, V] tensor of its own kept in the pool: summed over the buckets
@@ -139,12 +188,20 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self.capture_retries = 0  # buckets captured again after an eager run (capture(warm_each=False))
 
+    def _max_deltas(self, dev: torch.device) -> int:
+        """How many page-table changes a step stages (0: the class copies its whole table each step): one request
+        joining at the class's full width and a new page for every row."""
+        if not (TABLE_MIRROR and self.copy_in_graph and self.max_bs * self.max_pages * 8 > TABLE_MIRROR_MIN_BYTES):
+            return 0
+        return self.max_pages + 2 * self.max_bs if _stage_op_works(dev, get_ops(dev).stage_from_host) else 0
+
     def _views(self, buf):
         """(input_ids, positions, req_index, seq_lens, out_cache_loc, page_table) inside buf (a tensor or
-        its numpy view)."""
+        its numpy view; with the mirror the host's has no page table: None), then with the mirror its rows."""
         n = self.max_bs
-        rows = [buf[i * n:(i + 1) * n] for i in range(INPUT_ROWS)]
-        return (*rows, buf[INPUT_ROWS * n:].reshape(n, self.max_pages))
+        rows = [buf[i * n:(i + 1) * n] for i in range(self.input_rows)]
+        table = buf[self.table_start:].reshape(n, self.max_pages) if len(buf) > self.table_start else None
+        return (*rows[:INPUT_ROWS], table, *rows[INPUT_ROWS:])
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         ones = [1] * bs
@@ -159,13 +216,17 @@ class CudaGraphRunner:
         end = self.max_bs if end is None else end
         if start >= end:
             return
-        ids, pos, req, lens, out, table = self.host_np if host else (
-            self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc, self.page_table)
+        ids, pos, req, lens, out, table, *keys = self.host_np if host else (
+            self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc, self.page_table,
+            self.mirror_rows)
         ids[start:end] = 0
         pos[start:end] = 0
         lens[start:end] = 1
         req[start:end] = np.arange(start, end) if host else torch.arange(start, end, device=req.device)
-        table[start:end] = self.sink_page
+        if table is not None:
+            table[start:end] = self.sink_page
+        if self.mirror is not None:
+            keys[0][start:end] = self.mirror.sink_row
         out[start:end] = self.sink_page * self.page_size
 
     def capture(self, warm_each: bool = True) -> list[int]:
@@ -291,21 +352,40 @@ class CudaGraphRunner:
         itself when `copy_in_graph`)."""
         if self.staged is not None:  # the previous step's copy has read the buffer (its step may still run)
             self.staged.synchronize()
-        ids, pos, req, lens, out, table = self.host_np
+        ids, pos, req, lens, out, table, *keys = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
         req[:bs] = batch.req_index.numpy()
         lens[:bs] = batch.seq_lens.numpy()
         out[:bs] = batch.out_cache_loc.numpy()
-        table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
+        if self.mirror is None:
+            table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
+        else:
+            self._stage_table(batch, bs, keys[0])
         self._reset_padding(bs, bucket, host=True)  # only this bucket's padding rows are read
         if not self.copy_in_graph:
             self._copy_staged(bucket)
             if self.staged is not None:
                 self.staged.record()
 
+    def _stage_table(self, batch: ForwardBatch, bs: int, keys: np.ndarray) -> None:
+        """The batch's page-table changes into the staged inputs, each row's mirror row into `keys` (the host's)."""
+        rows = self.mirror.keys(batch.table_rows, bs)
+        keys[:bs] = np.arange(bs) if rows is None else rows
+        need = -(-np.asarray(batch.host_lens()[0], dtype=np.int64) // self.page_size)
+        gens = None if rows is None else batch.table_gens
+        if not self.mirror.stage(batch.page_table.numpy(), rows, gens, need):  # too many changes: the whole twin
+            self.mirror.copy_whole()
+
     def _copy_staged(self, bucket: int) -> None:
-        """The per-token rows and the bucket's page-table rows: host staging -> the graph's inputs."""
+        """The per-token rows and the bucket's page-table rows (with the mirror: the table's staged changes into
+        it, then the bucket's rows gathered from it): host staging -> the graph's inputs."""
+        if self.mirror is not None:
+            rows = self.input_rows * self.max_bs
+            get_ops(self.inputs.device).stage_from_host(self.inputs[:rows], self.mirror.device.view(-1),
+                                                        self.host_inputs, self.max_deltas)
+            torch.index_select(self.mirror.device, 0, self.mirror_rows[:bucket], out=self.page_table[:bucket])
+            return
         n = INPUT_ROWS * self.max_bs + bucket * self.max_pages
         self.copy_inputs(self.inputs[:n], self.host_inputs[:n])
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsaserve.common import envs
@@ -73,7 +74,9 @@ def dummy_decode(bs: int, context: int, page_size: int, device, vocab_size: int 
     bases = [r * pages * page_size for r in range(bs)]
     draw = torch.Generator().manual_seed(bs if seed is None else seed)
     tokens = torch.randint(1, vocab_size, (bs,), generator=draw).tolist() if vocab_size > 0 else [1] * bs
-    return contiguous_batch([[t] for t in tokens], [context] * bs, bases, page_size).to(device)
+    batch = contiguous_batch([[t] for t in tokens], [context] * bs, bases, page_size).to(device)
+    batch.table_rows, batch.table_gens = np.arange(bs), np.zeros(bs, dtype=np.int64)  # a request a builder row
+    return batch
 
 
 def indexer_score_budget() -> int:

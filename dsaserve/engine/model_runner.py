@@ -289,7 +289,7 @@ class ModelRunner(RunnerStartup):
         narrow = not self.args.disable_narrow_decode_graphs and not self._dp_gather_graphs
         graphs = DecodeGraphs(lambda pages, max_bs=None: CudaGraphRunner(
             self.model, self.kv_pool, max_bs or self.cuda_graph_max_bs, pages, self.kv_pool.sink_page,
-            self.future_token_ids, moe_gather=self._dp_gather_graphs),
+            self.future_token_ids, moe_gather=self._dp_gather_graphs, table_rows=self.args.max_running_requests),
             width_classes(max_pages, self.cfg.index_topk, PAGE_SIZE, narrow),
             few_row_widths(max_pages, self.cfg.index_topk, PAGE_SIZE, narrow))
         # its own pool, not the piecewise graphs': its hidden outputs then live where no piecewise replay writes

@@ -1,10 +1,11 @@
 """GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
 in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches), the overlap
 scheduler's placeholder ids resolved (five torch kernels a step before) and a decode graph's inputs read out of
-their pinned staging buffer by a kernel (`copy_from_host`).
+their pinned staging buffer by a kernel (`copy_from_host`, and `stage_from_host` with the page table's changes).
 
 Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul`,
-`reference.rope_inplace`, `reference.resolve_placeholders` and `reference.copy_from_host`. Each takes its
+`reference.rope_inplace`, `reference.resolve_placeholders`, `reference.copy_from_host` and
+`reference.stage_from_host`. Each takes its
 reference's rounding steps (fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two
 differ only in the order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also
 carry their FP8 copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too,
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels import reference
 from dsaserve.kernels.triton_fp8_gemm import attach_fp8, copy_buffers, quant_rows_fp8
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
 
@@ -264,3 +266,35 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         return
     _from_host_kernel[(triton.cdiv(n, HOST_READ_BLOCK),)](_HostPointer(src), dst, n, BLOCK=HOST_READ_BLOCK)
+
+
+@triton.jit(do_not_specialize=["n", "max_deltas", "table_n"])
+def _stage_from_host_kernel(src_ptr, rows_ptr, table_ptr, n, max_deltas, table_n, BLOCK: tl.constexpr):
+    """Programs up to cdiv(n, BLOCK) copy the rows; the rest read the count and each take BLOCK of the changes (a
+    program past the count returns after one load: the host link carries only what changed)."""
+    pid = tl.program_id(0)
+    row_programs = tl.cdiv(n, BLOCK)
+    if pid < row_programs:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        tl.store(rows_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+    else:
+        count = tl.load(src_ptr + n)
+        offs = (pid - row_programs) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < tl.minimum(count, max_deltas)
+        idx = tl.load(src_ptr + n + 1 + offs, mask=live, other=0)
+        live = live & (idx >= 0) & (idx < table_n)  # a bad index is dropped, never a wild store
+        tl.store(table_ptr + idx, tl.load(src_ptr + n + 1 + max_deltas + offs, mask=live), mask=live)
+
+
+def stage_from_host(rows: torch.Tensor, table: torch.Tensor, src: torch.Tensor, max_deltas: int) -> None:
+    """GPU `reference.stage_from_host`: one launch whose loads read the pinned buffer (capturable: a replay reads
+    the rows, the count and that many changes as they are then). Not pinned: the reference."""
+    n = rows.numel()
+    if src.numel() != n + 1 + 2 * max_deltas or not (rows.is_contiguous() and table.is_contiguous()
+                                                     and src.is_contiguous()):
+        raise ValueError(f"stage_from_host: src holds {src.numel()} values, not {n} rows + 1 + 2 x {max_deltas} "
+                         "(all contiguous)")
+    if src.is_cuda or not src.is_pinned() or not rows.is_cuda:
+        return reference.stage_from_host(rows, table, src, max_deltas)
+    grid = (triton.cdiv(n, HOST_READ_BLOCK) + triton.cdiv(max_deltas, HOST_READ_BLOCK),)
+    _stage_from_host_kernel[grid](_HostPointer(src), rows, table, n, max_deltas, table.numel(), BLOCK=HOST_READ_BLOCK)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsaserve.common.host_lists import to_device
@@ -43,6 +44,11 @@ class ForwardBatch:
     prompt_rows: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
     prompt_k: int = 0
+    # the batch builder's page-table row of each request (host, stable while it runs) and the row's generation (a new
+    # one each time a request takes it): a wide decode graph keys its device copy of the page table by them and
+    # stages only a request's new pages (engine/page_table_mirror.py); None: by the batch's rows, compared whole
+    table_rows: np.ndarray | None = None
+    table_gens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

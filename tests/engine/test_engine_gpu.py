@@ -147,6 +147,47 @@ def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits(
     assert (one_at_a_time[0] - one_at_a_time[1]).norm() / one_at_a_time[0].norm() > 1e-2  # the steps differ
 
 
+@pytest.mark.parametrize("max_deltas,keyed", [(None, True), (None, False), (2, True)])  # 2: most steps copy it all
+def test_a_device_resident_page_table_changed_in_place_gives_the_eager_logits_one_by_one_and_queued(monkeypatch,
+                                                                                                     max_deltas, keyed):
+    """Every class keeps the requests' pages on the device and stages only their changes (engine/
+    page_table_mirror.py), keyed by the builder's rows and generations or (keyed False) by the batch's rows, compared
+    whole: steps whose rows swap
+    requests, shrink into a smaller bucket (padding rows) and grow again replay the eager logits, one at a time and
+    queued back to back (a step staged over the one before it would read the wrong pages)."""
+    import numpy as np
+
+    from dsaserve.engine import cuda_graph_runner
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.model.forward_batch import contiguous_batch
+
+    monkeypatch.setattr(cuda_graph_runner, "TABLE_MIRROR_MIN_BYTES", 0)
+    if max_deltas is not None:
+        monkeypatch.setattr(cuda_graph_runner.CudaGraphRunner, "_max_deltas", lambda self, dev: max_deltas)
+    runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
+    assert runner.graphs.copy_in_graph and all(r.mirror is not None for r in runner.graphs._all())
+    prompts = [[5, 6, 7] * 30, [11, 12] * 40, [3] * 150, [9, 8] * 70]
+    bases = [0, 4 * 64, 8 * 64, 12 * 64]
+    runner.forward(contiguous_batch(prompts, [0] * 4, bases, runner.page_size))
+    lens = [len(p) for p in prompts]
+    orders = [[0, 1, 2], [1, 0, 2], [2, 1], [0, 1, 2, 3], [3, 0], [3, 2, 1, 0]]
+    steps = [contiguous_batch([[21 + i + k] for k in o], [lens[k] for k in o], [bases[k] for k in o], runner.page_size)
+             for i, o in enumerate(orders)]
+    for step, order in zip(steps, orders, strict=True):  # request k holds builder row k, its first generation
+        step.table_rows, step.table_gens = (np.array(order), np.ones(len(order), dtype=np.int64)) if keyed else (None,
+                                                                                                                 None)
+    one_at_a_time = []
+    for step in steps:
+        one_at_a_time.append(runner.forward(step).float().clone())
+        eager, _ = runner.model(step.to("cuda"), runner.kv_pool)
+        assert (one_at_a_time[-1] - eager.float()).norm() / eager.float().norm() < 1e-2, f"{step.seq_lens_cpu}"
+    torch.cuda._sleep(100_000_000)  # ~50 ms of device time queued before the first step
+    queued = [runner.forward(step).float().clone() for step in steps]
+    torch.cuda.synchronize()
+    for i, (want, got) in enumerate(zip(one_at_a_time, queued, strict=True)):
+        assert (got - want).norm() / want.norm() < 1e-3, f"step {i}"
+
+
 def test_indexer_selection_on_the_side_stream_gives_the_one_stream_logits(set_switch):
     """Full layers run the indexer's selection on a side stream beside the q path; with every kernel on one
     stream (DSASERVE_OVERLAP_INDEXER=0) the step's logits are the same, eager and replayed. Contexts of 150

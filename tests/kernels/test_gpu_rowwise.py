@@ -79,6 +79,39 @@ def test_copy_from_host_reads_the_pinned_buffer_as_it_is_at_replay(gen, n):
         E.copy_from_host(dst[:0], src)  # sizes differ
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned memory read by a kernel: a CUDA device")
+@pytest.mark.parametrize("rows,max_deltas", [(5, 3), (640, 3424), (2560, 1100)])  # tiny; b128 at 202,752; past a block
+def test_stage_from_host_under_capture_writes_the_counts_changes_as_the_reference(rows, max_deltas):
+    """A wide decode graph's inputs and its page table's changes read out of pinned memory by one kernel: at each
+    replay the rows and as many changes as the count says then (the reference's result), an index outside the table
+    dropped, not stored."""
+    from dsaserve.kernels import triton_elementwise as E
+
+    g = torch.Generator().manual_seed(rows)
+    table_n = 128 * 3168
+    src = torch.zeros(rows + 1 + 2 * max_deltas, dtype=torch.int64).pin_memory()
+    got_rows = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    got, want = (torch.zeros(table_n, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        E.stage_from_host(got_rows, got, src, max_deltas)
+    for count in (0, 1, max_deltas // 2 + 1, max_deltas):
+        src[:rows] = torch.randint(0, 2**40, (rows,), generator=g)
+        src[rows] = count
+        idx = torch.randperm(table_n, generator=g)[:max_deltas]
+        src[rows + 1:rows + 1 + max_deltas] = idx
+        src[rows + 1 + max_deltas:] = torch.randint(0, 2**40, (max_deltas,), generator=g)
+        graph.replay()
+        R.stage_from_host(torch.zeros_like(got_rows), want, src, max_deltas)
+        torch.cuda.synchronize()
+        assert torch.equal(got_rows.cpu(), src[:rows]) and torch.equal(got, want), f"count {count}"
+    src[rows], src[rows + 1] = 1, table_n  # one past the table
+    before = got.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, before)
+
+
 @pytest.mark.parametrize("inter", [2500, 128, 1024])  # an odd width; mini's experts and dense MLP
 def test_silu_and_mul_matches_reference(gen, inter):
     from dsaserve.kernels import triton_elementwise as E
