@@ -26,7 +26,6 @@ class BatchBuilder:
     def __init__(self, max_rows: int, max_pages_per_seq: int, page_size: int):
         self.page_size = page_size
         self.table = np.zeros((max_rows, max_pages_per_seq), dtype=np.int64)
-        self.gens = np.zeros(max_rows, dtype=np.int64)  # a row's generation: one more each time a request takes it
 
     def build(self, sched: ScheduledBatch) -> ForwardBatch:
         ps, table = self.page_size, self.table
@@ -37,12 +36,11 @@ class BatchBuilder:
         seq_lens: list[int] = []
         logit_idx: list[int] = []
         rows: list[int] = []
+        gens: list[int] = []
         t = 0
         for r, (req, n) in enumerate(zip(sched.reqs, sched.num_new, strict=True)):
             pages, row = req.pages, req.row
             if req.pages_synced != len(pages):
-                if req.pages_synced == 0:  # a request's first pages in this row (engine/page_table_mirror.py)
-                    self.gens[row] += 1
                 table[row, req.pages_synced:len(pages)] = pages[req.pages_synced:]
                 req.pages_synced = len(pages)
             nc = req.num_computed
@@ -65,15 +63,15 @@ class BatchBuilder:
                 logit_idx += range(t - 1 - (end - len(req.tokens)), t)
             seq_lens.append(end)
             rows.append(row)
+            gens.append(req.row_gen)
         ext = list(sched.num_new)
         width = -(-max(seq_lens) // ps)
         page_table = torch.from_numpy(table[rows, :width])
-        rows_np = np.array(rows, dtype=np.int64)
         return ForwardBatch(
             input_ids=_i64(ids), positions=_i64(pos), req_index=_i64(req_index), seq_lens=_i64(seq_lens),
             extend_lens=_i64(ext), page_table=page_table, out_cache_loc=_i64(out), logits_indices=_i64(logit_idx),
-            page_size=ps, seq_lens_cpu=seq_lens, extend_lens_cpu=ext, table_rows=rows_np,
-            table_gens=self.gens[rows_np])
+            page_size=ps, seq_lens_cpu=seq_lens, extend_lens_cpu=ext,
+            table_rows=np.array(rows, dtype=np.int64), table_gens=np.array(gens, dtype=np.int64))
 
 
 def _i64(values: list[int]) -> torch.Tensor:

@@ -139,7 +139,9 @@ class _Rows:
                 logit_idx.append(len(ids) - 1)
         ext = [len(t) for t in self.tokens]
         return ForwardBatch(_i64(ids), _i64(pos), _i64(req_index), _i64(seq_lens), _i64(ext), torch.from_numpy(table),
-                            _i64(loc), _i64(logit_idx), page_size, seq_lens, ext)
+                            _i64(loc), _i64(logit_idx), page_size, seq_lens, ext,
+                            table_rows=np.array([r.row for r in self.reqs], dtype=np.int64),
+                            table_gens=np.array([r.row_gen for r in self.reqs], dtype=np.int64))
 
 
 class MTPDrafter:

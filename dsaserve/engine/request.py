@@ -79,7 +79,7 @@ class Req:
         "request_id", "index", "sampling", "arrival_time", "seq_no", "tokens", "prompt_len", "max_len",
         "stop_ids", "status", "pages", "num_computed", "num_cached_tokens", "page_hashes", "num_registered",
         "chain_uid",
-        "row", "pages_synced", "generator", "finish_reason", "stop_reason", "followers", "leader",
+        "row", "row_gen", "pages_synced", "generator", "finish_reason", "stop_reason", "followers", "leader",
         "num_emitted", "pending_logprobs", "num_preemptions", "grammar", "prompt_logprobs", "prompt_lp_asked",
         "prompt_lp_sent", "drafts",
     )
@@ -100,6 +100,7 @@ class Req:
         self.num_registered = 0  # leading pages already offered to the prefix cache
         self.chain_uid = 0  # prefix-cache registration id the next full page hangs off (-1: chain broken)
         self.row = -1  # page-table row while RUNNING
+        self.row_gen = -1  # which taking of a row this is (the scheduler's count): engine/page_table_mirror.py
         self.pages_synced = 0  # pages already written into the row (engine/batch.py)
         self.generator: Any = None  # torch.Generator for seeded sampling (created by the sampler)
         self.finish_reason: str | None = None

@@ -106,6 +106,7 @@ class Scheduler:
         self.row_reservations: dict[Req, int] = {}  # running leader -> rows promised to its parked followers
         self._abort_deltas: list[TokenDelta] = []
         self._seq = itertools.count()
+        self._row_gens = itertools.count()  # each time a request takes a page-table row (`Req.row_gen`)
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
                              prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0,
                              overlap_discarded_tokens=0, **spec_counters())
@@ -255,7 +256,7 @@ class Scheduler:
 
     def _start_running(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
-        req.row, req.pages_synced = self.free_rows.pop(), 0
+        req.row, req.row_gen, req.pages_synced = self.free_rows.pop(), next(self._row_gens), 0
         bisect.insort(self.running, req, key=lambda r: r.priority)
 
     def _batch(self, st: _Step) -> ScheduledBatch:

@@ -118,6 +118,39 @@ def test_random_steps_give_each_batch_its_pages(seed):
     assert fitted >= 30
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_engines_batches_keyed_by_builder_row_and_generation_read_their_pages_through_preemption(caching):
+    """The engine's own batches (fake runner: a pool so small that requests are preempted and take other rows, prefix
+    caching on and off, requests finishing mid-batch): each step's changes staged by builder row and generation, then
+    gathered by row as a graph does, give every row the pages its length covers, as the batch's table has them."""
+    from tests.engine.fake_runner import FakeRunner, prompts
+    from tests.engine.test_scheduler import add, make_core, run
+
+    core = make_core(num_pages=8, max_num_batched_tokens=64, chunked_prefill_size=32, max_running_requests=6,
+                     enable_prefix_caching=caching)
+    max_pages = core.scheduler.max_pages_per_seq
+    m, staged = _mirror(6, max_pages, max_deltas=max_pages + 2 * 6)
+    checked = []
+    forward = FakeRunner.forward
+
+    def check(runner, batch):
+        rows, width = batch.page_table.shape
+        keys = m.keys(batch.table_rows, rows)
+        need = -(-np.asarray(batch.host_lens()[0]) // batch.page_size)
+        fits = m.stage(batch.page_table.numpy(), keys, batch.table_gens, need)
+        got = _replay(m, staged, fits, keys, rows)
+        for i in range(rows):
+            assert torch.equal(got[i, :need[i]], batch.page_table[i, :need[i]]), f"batch {len(checked)} row {i}"
+        checked.append(fits)
+        return forward(runner, batch)
+
+    core.runner.forward = check.__get__(core.runner)
+    for i, p in enumerate(prompts(16, 20, 150, seed=5)):
+        add(core, f"r{i}", p, max_tokens=40, ignore_eos=True)
+    run(core, max_steps=20_000)
+    assert core.stats()["preemptions"] > 0 and len(checked) > 100 and sum(checked) > len(checked) // 2
+
+
 def test_stage_from_host_copies_the_rows_and_writes_the_counted_changes_only():
     src = torch.tensor([5, 6, 7, 2, 1, 3, 9, 40, 50, 60], dtype=torch.int64)  # 3 rows, 2 of 3 pairs counted
     rows, table = torch.zeros(3, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
