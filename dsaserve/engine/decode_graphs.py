@@ -99,6 +99,12 @@ class DecodeGraphs:
         return self.widest.copy_in_graph
 
     @property
+    def mirrored_widths(self) -> list[int]:
+        """The classes whose page table stays on the device, changed by the steps' staged changes
+        (engine/page_table_mirror.py); the others copy theirs whole each step."""
+        return sorted(w for w, r in [*self.runners.items(), *self.few.items()] if r.mirror is not None)
+
+    @property
     def capture_seconds(self) -> float:
         return sum(r.capture_seconds for r in self._all())
 

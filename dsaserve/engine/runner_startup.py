@@ -162,6 +162,7 @@ class RunnerStartup:
                                "few_row_page_table_widths": self.graphs.few_row_widths if self.graphs else [],
                                "few_row_max_bs": self.graphs.few_row_max_bs if self.graphs else 0,
                                "inputs_copied_in_graph": self.graphs.copy_in_graph if self.graphs else False,
+                               "page_table_on_device_widths": self.graphs.mirrored_widths if self.graphs else [],
                                "max_bs": self.cuda_graph_max_bs if self.graphs else 0,
                                "capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0,
                                "capture_retries": self.graphs.capture_retries if self.graphs else 0,

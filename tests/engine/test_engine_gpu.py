@@ -166,6 +166,8 @@ def test_a_device_resident_page_table_changed_in_place_gives_the_eager_logits_on
         monkeypatch.setattr(cuda_graph_runner.CudaGraphRunner, "_max_deltas", lambda self, dev: max_deltas)
     runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
     assert runner.graphs.copy_in_graph and all(r.mirror is not None for r in runner.graphs._all())
+    assert runner.manifest()["cuda_graph"]["page_table_on_device_widths"] == sorted({*runner.graphs.widths,
+                                                                                     *runner.graphs.few_row_widths})
     prompts = [[5, 6, 7] * 30, [11, 12] * 40, [3] * 150, [9, 8] * 70]
     bases = [0, 4 * 64, 8 * 64, 12 * 64]
     runner.forward(contiguous_batch(prompts, [0] * 4, bases, runner.page_size))
