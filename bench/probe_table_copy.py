@@ -92,16 +92,17 @@ def stage_us(rows: int, pages: int, bucket: int, count: int, reps: int = 50) -> 
     buffer into the device's copy of the requests' pages (`stage_from_host`), then the bucket's rows gathered from it
     into the graph's table."""
     max_deltas = pages + 2 * bucket
-    src = torch.zeros(rows + bucket + 1 + 2 * max_deltas, dtype=torch.int64)
-    src[rows:rows + bucket] = torch.randperm(bucket)
-    src[rows + bucket] = count
-    src[rows + bucket + 1:rows + bucket + 1 + count] = torch.randperm(bucket * pages)[:count]
-    src = src.pin_memory()
+    src = torch.zeros(rows + bucket, dtype=torch.int64)
+    src[rows:] = torch.randperm(bucket)
+    changes = torch.zeros(1 + 2 * max_deltas, dtype=torch.int64)
+    changes[0] = count
+    changes[1:1 + count] = torch.randperm(bucket * pages)[:count]
+    src, changes = src.pin_memory(), changes.pin_memory()
     dst = torch.zeros(rows + bucket, dtype=torch.int64, device="cuda")
     mirror, table = (torch.zeros(bucket, pages, dtype=torch.int64, device="cuda") for _ in range(2))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_elementwise.stage_from_host(dst, mirror.view(-1), src, max_deltas)
+        triton_elementwise.stage_from_host(dst, src, mirror.view(-1), changes, max_deltas)
         torch.index_select(mirror, 0, dst[rows:], out=table)
     for _ in range(5):
         graph.replay()

@@ -69,19 +69,21 @@ def _stage_op_works(device: torch.device, stage) -> bool:
 
 
 def _probe_stage(device: torch.device, stage) -> bool:
-    src = torch.tensor([1, 2, 3, 4, 1, 2, 0, 0, 0, 77, 0, 0, 0], dtype=torch.int64).pin_memory()  # 4 rows, 4 pairs
+    src = torch.tensor([1, 2, 3, 4], dtype=torch.int64).pin_memory()
+    changes = torch.tensor([1, 2, 0, 0, 0, 77, 0, 0, 0], dtype=torch.int64).pin_memory()  # 4 pairs, 1 counted
     rows = torch.zeros(4, dtype=torch.int64, device=device)
     table = torch.zeros(9, dtype=torch.int64, device=device)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            stage(rows, table, src, 4)
-        src.copy_(torch.tensor([3, 6, 9, 12, 2, 0, 8, 0, 0, 5, 6, 0, 0]))  # after the capture: 2 changes
+            stage(rows, src, table, changes, 4)
+        src.mul_(3)  # after the capture: new rows and 2 changes
+        changes.copy_(torch.tensor([2, 0, 8, 0, 0, 5, 6, 0, 0]))
         graph.replay()
         torch.cuda.synchronize(device)
         want = torch.zeros(9, dtype=torch.int64)
         want[0], want[8] = 5, 6
-        return torch.equal(rows.cpu(), src[:4]) and torch.equal(table.cpu(), want)
+        return torch.equal(rows.cpu(), src) and torch.equal(table.cpu(), want)
     except Exception:  # noqa: BLE001 - any capture error means: copy the table whole
         torch.cuda.synchronize(device)
         return False
@@ -110,10 +112,12 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # bench/RESULTS.md forty-sixth session), and reading the inputs by a kernel took back only 3-4 of them; whether the
 # fork holds the rest is not measured.
 STAGED_ON_BRANCH = True
-# A class whose largest bucket's page table is past this many bytes keeps the requests' pages on the device and
-# stages only their changes (engine/page_table_mirror.py), where the graph's kernel can read them (`stage_from_host`
-# passes its probe). The copy engine took 13 µs for 128 rows x 32K keys' pages and 44 for 131,136 keys' (H100,
-# bench/probe_table_copy.py); False: every class copies its whole table (`profile_decode --ab default,full_table`).
+# A bucket whose page table is past this many bytes keeps the requests' pages on the device and stages only their
+# changes (engine/page_table_mirror.py), where the graph's kernel can read them (`stage_from_host` passes its probe);
+# smaller ones copy theirs whole, by the kernel that reads the pinned twin. The copy engine took 13 µs for 128 rows x
+# 32K keys' pages, 42-44 for 131,136 keys' and 64-66 for 202,752's; the changes and the rows' gather 6.4-8.5 µs
+# (H100, bench/probe_table_copy.py --deltas, forty-seventh session). False: every bucket copies its whole table
+# (`profile_decode --ab default,full_table`).
 TABLE_MIRROR = True
 TABLE_MIRROR_MIN_BYTES = 64 << 10
 
@@ -150,20 +154,22 @@ class CudaGraphRunner:
         # The static inputs are views of one int64 buffer (5 per-token rows, then the page table), so a host
         # batch reaches them in one H2D copy from a pinned twin: each CUDA call is host time the GPU idles
         # through before the replay starts (tens of us each on the H200's host), and this was 14 of them. With
-        # the page table on the device (`mirror`) the rows are 6 (the mirror's row of each batch row) and the
-        # table's staged changes follow them, padded to an even length: the table keeps the alignment it had.
+        # the page table on the device (`mirror`) a 6th row (the mirror's row each batch row reads) precedes the
+        # table (padded to keep the table's alignment) and the staged changes follow it.
         self.input_rows = INPUT_ROWS + bool(self.max_deltas)
-        staged = self.input_rows * max_bs + (1 + 2 * self.max_deltas if self.max_deltas else 0)
-        self.table_start = staged + (staged - INPUT_ROWS * max_bs) % 2
-        self.inputs = torch.zeros(self.table_start + max_bs * max_pages_per_req, dtype=torch.int64, device=dev)
-        self.host_inputs = torch.zeros(staged if self.max_deltas else self.inputs.numel(), dtype=torch.int64)
+        self.table_start = self.input_rows * max_bs + bool(self.max_deltas) * (max_bs % 2)
+        table_end = self.table_start + max_bs * max_pages_per_req
+        self.changes_start = table_end + table_end % 2
+        staged = self.changes_start + 1 + 2 * self.max_deltas if self.max_deltas else table_end
+        self.inputs = torch.zeros(table_end, dtype=torch.int64, device=dev)
+        self.host_inputs = torch.zeros(staged, dtype=torch.int64)
         if dev.type == "cuda":
             self.host_inputs = self.host_inputs.pin_memory()
         self.mirror = None if not self.max_deltas else PageTableMirror(
-            max(table_rows, max_bs), max_pages_per_req, sink_page, self.host_inputs.numpy()[self.input_rows * max_bs:],
-            dev)
-        if self.mirror is None:
-            self._views(self.host_inputs)[-1].fill_(sink_page)  # columns past a batch's width: never real pages
+            max(table_rows, max_bs), max_pages_per_req, sink_page, self.host_inputs.numpy()[self.changes_start:], dev)
+        # the buckets whose graphs read the page table from the mirror (fixed here: each graph captures its way)
+        self.mirrored = {b for b in self.buckets if self.mirror is not None and self._mirrors(b)}
+        self._views(self.host_inputs)[5].fill_(sink_page)  # columns past a batch's width: never real pages
         self.host_np = self._views(self.host_inputs.numpy())  # numpy writes: ~10x less host time than torch's
         # Recorded once the last step's copy has read the pinned twin: a node of each graph beside its copy
         # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
@@ -189,18 +195,22 @@ class CudaGraphRunner:
         self.capture_retries = 0  # buckets captured again after an eager run (capture(warm_each=False))
 
     def _max_deltas(self, dev: torch.device) -> int:
-        """How many page-table changes a step stages (0: the class copies its whole table each step): one request
-        joining at the class's full width and a new page for every row."""
-        if not (TABLE_MIRROR and self.copy_in_graph and self.max_bs * self.max_pages * 8 > TABLE_MIRROR_MIN_BYTES):
+        """How many page-table changes a step stages (0: every bucket copies its whole table each step): one
+        request joining at the class's full width and a new page for every row."""
+        if not (TABLE_MIRROR and self.copy_in_graph and self._mirrors(self.max_bs)):
             return 0
         return self.max_pages + 2 * self.max_bs if _stage_op_works(dev, get_ops(dev).stage_from_host) else 0
 
+    def _mirrors(self, bucket: int) -> bool:
+        """Whether a bucket's page table is large enough to be read from the mirror (else copied whole)."""
+        return bucket * self.max_pages * 8 > TABLE_MIRROR_MIN_BYTES
+
     def _views(self, buf):
         """(input_ids, positions, req_index, seq_lens, out_cache_loc, page_table) inside buf (a tensor or
-        its numpy view; with the mirror the host's has no page table: None), then with the mirror its rows."""
+        its numpy view), then with the mirror the row of it each batch row reads."""
         n = self.max_bs
         rows = [buf[i * n:(i + 1) * n] for i in range(self.input_rows)]
-        table = buf[self.table_start:].reshape(n, self.max_pages) if len(buf) > self.table_start else None
+        table = buf[self.table_start:self.table_start + n * self.max_pages].reshape(n, self.max_pages)
         return (*rows[:INPUT_ROWS], table, *rows[INPUT_ROWS:])
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -210,21 +220,22 @@ class CudaGraphRunner:
                             torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones,
                             dp_rows=bs if self.moe_gather else 0)
 
-    def _reset_padding(self, start: int, end: int | None = None, host: bool = False) -> None:
-        """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page
-        (in the host staging buffer with host=True, else on the device)."""
+    def _reset_padding(self, start: int, end: int | None = None, host: bool = False, table: bool = True) -> None:
+        """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page, its page
+        table the sink's (table False: only the mirror's sink row; in the host staging buffer with host=True, else
+        on the device)."""
         end = self.max_bs if end is None else end
         if start >= end:
             return
-        ids, pos, req, lens, out, table, *keys = self.host_np if host else (
+        ids, pos, req, lens, out, pages, *keys = self.host_np if host else (
             self.input_ids, self.positions, self.req_index, self.seq_lens, self.out_cache_loc, self.page_table,
             self.mirror_rows)
         ids[start:end] = 0
         pos[start:end] = 0
         lens[start:end] = 1
         req[start:end] = np.arange(start, end) if host else torch.arange(start, end, device=req.device)
-        if table is not None:
-            table[start:end] = self.sink_page
+        if table:
+            pages[start:end] = self.sink_page
         if self.mirror is not None:
             keys[0][start:end] = self.mirror.sink_row
         out[start:end] = self.sink_page * self.page_size
@@ -358,11 +369,12 @@ class CudaGraphRunner:
         req[:bs] = batch.req_index.numpy()
         lens[:bs] = batch.seq_lens.numpy()
         out[:bs] = batch.out_cache_loc.numpy()
-        if self.mirror is None:
-            table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
-        else:
+        mirrored = bucket in self.mirrored
+        if mirrored:
             self._stage_table(batch, bs, keys[0])
-        self._reset_padding(bs, bucket, host=True)  # only this bucket's padding rows are read
+        else:
+            table[:bs, : batch.page_table.shape[1]] = batch.page_table.numpy()
+        self._reset_padding(bs, bucket, host=True, table=not mirrored)  # only this bucket's padding rows are read
         if not self.copy_in_graph:
             self._copy_staged(bucket)
             if self.staged is not None:
@@ -380,13 +392,14 @@ class CudaGraphRunner:
     def _copy_staged(self, bucket: int) -> None:
         """The per-token rows and the bucket's page-table rows (with the mirror: the table's staged changes into
         it, then the bucket's rows gathered from it): host staging -> the graph's inputs."""
-        if self.mirror is not None:
+        if bucket in self.mirrored:
             rows = self.input_rows * self.max_bs
-            get_ops(self.inputs.device).stage_from_host(self.inputs[:rows], self.mirror.device.view(-1),
-                                                        self.host_inputs, self.max_deltas)
+            get_ops(self.inputs.device).stage_from_host(self.inputs[:rows], self.host_inputs[:rows],
+                                                        self.mirror.device.view(-1),
+                                                        self.host_inputs[self.changes_start:], self.max_deltas)
             torch.index_select(self.mirror.device, 0, self.mirror_rows[:bucket], out=self.page_table[:bucket])
             return
-        n = INPUT_ROWS * self.max_bs + bucket * self.max_pages
+        n = self.table_start + bucket * self.max_pages
         self.copy_inputs(self.inputs[:n], self.host_inputs[:n])
 
     def _load_device(self, batch: ForwardBatch, bs: int, bucket: int) -> None:

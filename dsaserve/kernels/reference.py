@@ -220,20 +220,21 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def stage_from_host(rows: torch.Tensor, table: torch.Tensor, src: torch.Tensor, max_deltas: int) -> None:
+def stage_from_host(rows: torch.Tensor, rows_src: torch.Tensor, table: torch.Tensor, changes: torch.Tensor,
+                    max_deltas: int) -> None:
     """A decode graph's inputs out of pinned host memory with the device's page table changed in place (engine/
-    page_table_mirror.py): src is [rows' n values, count, count flat indices into `table` then padding to max_deltas,
-    the count values then padding]; rows (the device, n int64s) <- the first n, then table[index] = value for each
-    of the count pairs. Indices must lie inside `table` (1-D, the device). The count is read when this runs: a graph
-    that captured this function would replay the capture's count (the runner's probe refuses it then)."""
-    n = rows.numel()
-    if src.numel() != n + 1 + 2 * max_deltas:
-        raise ValueError(f"stage_from_host: src holds {src.numel()} values, not {n} rows + 1 + 2 x {max_deltas}")
-    rows.copy_(src[:n], non_blocking=True)
-    count = int(src[n])
+    page_table_mirror.py): rows (the device) <- rows_src (pinned, same size), then `changes` (pinned: [count, count
+    flat indices into `table` then padding to max_deltas, the count values then padding]) written: table[index] =
+    value for each of the count pairs. Indices must lie inside `table` (1-D, the device). The count is read when this
+    runs: a graph that captured this function would replay the capture's count (the runner's probe refuses it)."""
+    if rows_src.numel() != rows.numel() or changes.numel() != 1 + 2 * max_deltas:
+        raise ValueError(f"stage_from_host: {rows_src.numel()} rows for {rows.numel()}, {changes.numel()} change "
+                         f"values for 1 + 2 x {max_deltas}")
+    rows.copy_(rows_src, non_blocking=True)
+    count = int(changes[0])
     if count:
-        idx = src[n + 1:n + 1 + count].to(table.device)
-        table[idx] = src[n + 1 + max_deltas:n + 1 + max_deltas + count].to(table.device)
+        idx = changes[1:1 + count].to(table.device)
+        table[idx] = changes[1 + max_deltas:1 + max_deltas + count].to(table.device)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

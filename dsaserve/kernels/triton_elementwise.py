@@ -269,7 +269,7 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton.jit(do_not_specialize=["n", "max_deltas", "table_n"])
-def _stage_from_host_kernel(src_ptr, rows_ptr, table_ptr, n, max_deltas, table_n, BLOCK: tl.constexpr):
+def _stage_from_host_kernel(src_ptr, rows_ptr, changes_ptr, table_ptr, n, max_deltas, table_n, BLOCK: tl.constexpr):
     """Programs up to cdiv(n, BLOCK) copy the rows; the rest read the count and each take BLOCK of the changes (a
     program past the count returns after one load: the host link carries only what changed)."""
     pid = tl.program_id(0)
@@ -278,23 +278,25 @@ def _stage_from_host_kernel(src_ptr, rows_ptr, table_ptr, n, max_deltas, table_n
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         tl.store(rows_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
     else:
-        count = tl.load(src_ptr + n)
+        count = tl.load(changes_ptr)
         offs = (pid - row_programs) * BLOCK + tl.arange(0, BLOCK)
         live = offs < tl.minimum(count, max_deltas)
-        idx = tl.load(src_ptr + n + 1 + offs, mask=live, other=0)
+        idx = tl.load(changes_ptr + 1 + offs, mask=live, other=0)
         live = live & (idx >= 0) & (idx < table_n)  # a bad index is dropped, never a wild store
-        tl.store(table_ptr + idx, tl.load(src_ptr + n + 1 + max_deltas + offs, mask=live), mask=live)
+        tl.store(table_ptr + idx, tl.load(changes_ptr + 1 + max_deltas + offs, mask=live), mask=live)
 
 
-def stage_from_host(rows: torch.Tensor, table: torch.Tensor, src: torch.Tensor, max_deltas: int) -> None:
-    """GPU `reference.stage_from_host`: one launch whose loads read the pinned buffer (capturable: a replay reads
+def stage_from_host(rows: torch.Tensor, rows_src: torch.Tensor, table: torch.Tensor, changes: torch.Tensor,
+                    max_deltas: int) -> None:
+    """GPU `reference.stage_from_host`: one launch whose loads read the pinned buffers (capturable: a replay reads
     the rows, the count and that many changes as they are then). Not pinned: the reference."""
     n = rows.numel()
-    if src.numel() != n + 1 + 2 * max_deltas or not (rows.is_contiguous() and table.is_contiguous()
-                                                     and src.is_contiguous()):
-        raise ValueError(f"stage_from_host: src holds {src.numel()} values, not {n} rows + 1 + 2 x {max_deltas} "
-                         "(all contiguous)")
-    if src.is_cuda or not src.is_pinned() or not rows.is_cuda:
-        return reference.stage_from_host(rows, table, src, max_deltas)
+    if rows_src.numel() != n or changes.numel() != 1 + 2 * max_deltas or not all(
+            t.is_contiguous() for t in (rows, rows_src, table, changes)):
+        raise ValueError(f"stage_from_host: {rows_src.numel()} rows for {n}, {changes.numel()} change values for 1 + "
+                         f"2 x {max_deltas} (all contiguous)")
+    if not rows.is_cuda or any(t.is_cuda or not t.is_pinned() for t in (rows_src, changes)):
+        return reference.stage_from_host(rows, rows_src, table, changes, max_deltas)
     grid = (triton.cdiv(n, HOST_READ_BLOCK) + triton.cdiv(max_deltas, HOST_READ_BLOCK),)
-    _stage_from_host_kernel[grid](_HostPointer(src), rows, table, n, max_deltas, table.numel(), BLOCK=HOST_READ_BLOCK)
+    _stage_from_host_kernel[grid](_HostPointer(rows_src), rows, _HostPointer(changes), table, n, max_deltas,
+                                  table.numel(), BLOCK=HOST_READ_BLOCK)

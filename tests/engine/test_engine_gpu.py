@@ -147,14 +147,16 @@ def test_steps_staged_while_the_step_before_waits_give_the_one_at_a_time_logits(
     assert (one_at_a_time[0] - one_at_a_time[1]).norm() / one_at_a_time[0].norm() > 1e-2  # the steps differ
 
 
-@pytest.mark.parametrize("max_deltas,keyed", [(None, True), (None, False), (2, True)])  # 2: most steps copy it all
-def test_a_device_resident_page_table_changed_in_place_gives_the_eager_logits_one_by_one_and_queued(monkeypatch,
-                                                                                                     max_deltas, keyed):
+# max_deltas 2: most steps copy the whole mirror; mixed: the 1-2-row buckets copy their table whole, 4 rows do not
+@pytest.mark.parametrize("max_deltas,keyed,mixed", [(None, True, False), (None, False, False), (2, True, False),
+                                                    (None, True, True)])
+def test_a_device_resident_page_table_changed_in_place_gives_the_eager_logits_one_by_one_and_queued(
+        monkeypatch, max_deltas, keyed, mixed):
     """Every class keeps the requests' pages on the device and stages only their changes (engine/
     page_table_mirror.py), keyed by the builder's rows and generations or (keyed False) by the batch's rows, compared
-    whole: steps whose rows swap
-    requests, shrink into a smaller bucket (padding rows) and grow again replay the eager logits, one at a time and
-    queued back to back (a step staged over the one before it would read the wrong pages)."""
+    whole: steps whose rows swap requests, shrink into a smaller bucket (padding rows) and grow again replay the eager
+    logits, one at a time and queued back to back (a step staged over the one before it would read the wrong pages).
+    Mixed: the buckets that copy their table whole leave the mirror behind, and the next mirrored step catches up."""
     import numpy as np
 
     from dsaserve.engine import cuda_graph_runner
@@ -164,8 +166,11 @@ def test_a_device_resident_page_table_changed_in_place_gives_the_eager_logits_on
     monkeypatch.setattr(cuda_graph_runner, "TABLE_MIRROR_MIN_BYTES", 0)
     if max_deltas is not None:
         monkeypatch.setattr(cuda_graph_runner.CudaGraphRunner, "_max_deltas", lambda self, dev: max_deltas)
+    if mixed:
+        monkeypatch.setattr(cuda_graph_runner.CudaGraphRunner, "_mirrors", lambda self, bucket: bucket > 2)
     runner = ModelRunner.from_kwargs("glm-5.3-tiny", dtype="bfloat16", device="cuda", num_pages=32, cuda_graph_max_bs=4)
     assert runner.graphs.copy_in_graph and all(r.mirror is not None for r in runner.graphs._all())
+    assert runner.graphs.widest.mirrored == ({4} if mixed else {1, 2, 4})
     assert runner.manifest()["cuda_graph"]["page_table_on_device_widths"] == sorted({*runner.graphs.widths,
                                                                                      *runner.graphs.few_row_widths})
     prompts = [[5, 6, 7] * 30, [11, 12] * 40, [3] * 150, [9, 8] * 70]

@@ -23,7 +23,8 @@ def _replay(m: PageTableMirror, staged: torch.Tensor, fits: bool, keys: np.ndarr
     """What the replay reads as its table: the kernel's changes (or the caller's copy of the whole twin), then the
     rows gathered by key, padding rows from the sink row."""
     if fits:
-        R.stage_from_host(torch.zeros(0, dtype=torch.int64), m.device.view(-1), staged, m.max_deltas)
+        none = torch.zeros(0, dtype=torch.int64)
+        R.stage_from_host(none, none, m.device.view(-1), staged, m.max_deltas)
     else:
         m.copy_whole()
     rows = torch.full((bucket,), m.sink_row, dtype=torch.int64)
@@ -152,16 +153,16 @@ def test_the_engines_batches_keyed_by_builder_row_and_generation_read_their_page
 
 
 def test_stage_from_host_copies_the_rows_and_writes_the_counted_changes_only():
-    src = torch.tensor([5, 6, 7, 2, 1, 3, 9, 40, 50, 60], dtype=torch.int64)  # 3 rows, 2 of 3 pairs counted
+    src, changes = torch.tensor([5, 6, 7]), torch.tensor([2, 1, 3, 9, 40, 50, 60])  # 2 of 3 pairs counted
     rows, table = torch.zeros(3, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
-    R.stage_from_host(rows, table, src, 3)
+    R.stage_from_host(rows, src, table, changes, 3)
     assert rows.tolist() == [5, 6, 7] and table[1] == 40 and table[3] == 50 and table.count_nonzero() == 2
     with pytest.raises(ValueError, match="stage_from_host"):
-        R.stage_from_host(rows, table, src[:-1], 3)
+        R.stage_from_host(rows, src, table, changes[:-1], 3)
     try:
         from dsaserve.kernels import triton_elementwise as E
     except ImportError:  # the CI's CPU torch may ship no Triton
         return
     rows.zero_(), table.zero_()
-    E.stage_from_host(rows, table, src, 3)  # not pinned: the reference
+    E.stage_from_host(rows, src, table, changes, 3)  # not pinned: the reference
     assert rows.tolist() == [5, 6, 7] and table[1] == 40 and table[3] == 50 and table.count_nonzero() == 2

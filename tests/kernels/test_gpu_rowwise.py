@@ -89,23 +89,23 @@ def test_stage_from_host_under_capture_writes_the_counts_changes_as_the_referenc
 
     g = torch.Generator().manual_seed(rows)
     table_n = 128 * 3168
-    src = torch.zeros(rows + 1 + 2 * max_deltas, dtype=torch.int64).pin_memory()
+    src = torch.zeros(rows, dtype=torch.int64).pin_memory()
+    changes = torch.zeros(1 + 2 * max_deltas, dtype=torch.int64).pin_memory()
     got_rows = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
     got, want = (torch.zeros(table_n, dtype=torch.int64, device=DEVICE) for _ in range(2))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        E.stage_from_host(got_rows, got, src, max_deltas)
+        E.stage_from_host(got_rows, src, got, changes, max_deltas)
     for count in (0, 1, max_deltas // 2 + 1, max_deltas):
-        src[:rows] = torch.randint(0, 2**40, (rows,), generator=g)
-        src[rows] = count
-        idx = torch.randperm(table_n, generator=g)[:max_deltas]
-        src[rows + 1:rows + 1 + max_deltas] = idx
-        src[rows + 1 + max_deltas:] = torch.randint(0, 2**40, (max_deltas,), generator=g)
+        src.copy_(torch.randint(0, 2**40, (rows,), generator=g))
+        changes[0] = count
+        changes[1:1 + max_deltas] = torch.randperm(table_n, generator=g)[:max_deltas]
+        changes[1 + max_deltas:] = torch.randint(0, 2**40, (max_deltas,), generator=g)
         graph.replay()
-        R.stage_from_host(torch.zeros_like(got_rows), want, src, max_deltas)
+        R.stage_from_host(torch.zeros_like(got_rows), src, want, changes, max_deltas)
         torch.cuda.synchronize()
-        assert torch.equal(got_rows.cpu(), src[:rows]) and torch.equal(got, want), f"count {count}"
-    src[rows], src[rows + 1] = 1, table_n  # one past the table
+        assert torch.equal(got_rows.cpu(), src) and torch.equal(got, want), f"count {count}"
+    changes[0], changes[1] = 1, table_n  # one past the table
     before = got.clone()
     graph.replay()
     torch.cuda.synchronize()
