@@ -246,8 +246,7 @@ def ab_setting(runner, name: str):
     programs (`variants.FUSED_PROGRAMS`, 128), "fused132" over up to 132 (the H100's and H200's SM count: its
     few-row decode graph classes move to 528 / 1,056 pages, so the A/B rebuilds the classes: `REBUILDS`),
     "copy_node" the graphs' inputs by a copy node (not a kernel reading the pinned staging buffer,
-    `triton_elementwise.HOST_READ_MAX_BYTES`), "staged_inline" the graphs' staging event recorded in the step's
-    chain after the input copy (not on a branch beside it, `cuda_graph_runner.STAGED_ON_BRANCH`), "full_table"
+    `triton_elementwise.HOST_READ_MAX_BYTES`), "full_table"
     every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
     `cuda_graph_runner.TABLE_MIRROR`). "a+b" takes both settings."""
     ops = get_ops(runner.device)
@@ -277,7 +276,6 @@ def ab_setting(runner, name: str):
                     "fused64": (variants, "FUSED_PROGRAMS", 64),
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
-                    "staged_inline": (cuda_graph_runner, "STAGED_ON_BRANCH", False),
                     "full_table": (cuda_graph_runner, "TABLE_MIRROR", False)}
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"

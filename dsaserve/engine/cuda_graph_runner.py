@@ -106,12 +106,6 @@ def _probe_graph_copy(device: torch.device, copy) -> bool:
 
 
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
-# `staged` is recorded on a branch of each graph that joins at its end, so no kernel of the step waits on the record
-# node; False records it in the step's chain right after the input copy (an A/B: `profile_decode --ab
-# default,staged_inline`). Why ask: a replayed b1 step's first kernel started ~14 µs after the copy ended (H100,
-# bench/RESULTS.md forty-sixth session), and reading the inputs by a kernel took back only 3-4 of them; whether the
-# fork holds the rest is not measured.
-STAGED_ON_BRANCH = True
 # A bucket whose page table is past this many bytes keeps the requests' pages on the device and stages only their
 # changes (engine/page_table_mirror.py), where the graph's kernel can read them (`stage_from_host` passes its probe);
 # smaller ones copy theirs whole, by the kernel that reads the pinned twin. The copy engine took 13 µs for 128 rows x
@@ -283,16 +277,16 @@ class CudaGraphRunner:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # capture-time Python must not count
         try:
             with lean_capture(graph, self.pool_handle, stream):
-                fork = self.copy_in_graph and STAGED_ON_BRANCH
                 if self.copy_in_graph:
                     self._copy_staged(bs)
-                    if fork:
-                        branch.wait_stream(stream)
-                    self.staged.record(branch if fork else stream)  # a node after the copy (`STAGED_ON_BRANCH`)
+                    branch.wait_stream(stream)
+                    # a node beside the step's kernels, after the copy (in the step's chain instead: the same step
+                    # times, b1 and b128 1K, H100, bench/RESULTS.md forty-seventh session)
+                    self.staged.record(branch)
                 try:
                     logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
-                    if fork:
+                    if self.copy_in_graph:
                         stream.wait_stream(branch)
         finally:
             COUNTERS.enabled = enabled
