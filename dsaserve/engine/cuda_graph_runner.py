@@ -108,12 +108,14 @@ def _probe_graph_copy(device: torch.device, copy) -> bool:
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # A bucket whose page table is past this many bytes keeps the requests' pages on the device and stages only their
 # changes (engine/page_table_mirror.py), where the graph's kernel can read them (`stage_from_host` passes its probe);
-# smaller ones copy theirs whole, by the kernel that reads the pinned twin. The copy engine took 13 µs for 128 rows x
-# 32K keys' pages, 42-44 for 131,136 keys' and 64-66 for 202,752's; the changes and the rows' gather 6.4-8.5 µs
-# (H100, bench/probe_table_copy.py --deltas, forty-seventh session). False: every bucket copies its whole table
-# (`profile_decode --ab default,full_table`).
+# smaller ones copy theirs whole. The copy engine took 13 µs for 128 rows x 32K keys' pages, 42-44 for 131,136
+# keys' and 64-66 for 202,752's, the changes and the rows' gather 5.4-8.5 µs, and below ~256 KB of table the copy
+# is as fast (7.8 µs at 64 rows x 32K keys, 5.4-6.5 staged); at 4 rows x 131,136 keys (64 KB) the step timed the
+# same overlapped and 33 µs slower synchronous with the changes staged (H100, bench/probe_table_copy.py --deltas,
+# profile_decode --ab default,full_table; bench/RESULTS.md forty-seventh session). False: every bucket copies its
+# whole table.
 TABLE_MIRROR = True
-TABLE_MIRROR_MIN_BYTES = 64 << 10
+TABLE_MIRROR_MIN_BYTES = 256 << 10
 
 
 @dataclass
@@ -378,7 +380,7 @@ class CudaGraphRunner:
         """The batch's page-table changes into the staged inputs, each row's mirror row into `keys` (the host's)."""
         rows = self.mirror.keys(batch.table_rows, bs)
         keys[:bs] = np.arange(bs) if rows is None else rows
-        need = -(-np.asarray(batch.host_lens()[0], dtype=np.int64) // self.page_size)
+        need = -(-batch.seq_lens.numpy() // self.page_size)
         gens = None if rows is None else batch.table_gens
         if not self.mirror.stage(batch.page_table.numpy(), rows, gens, need):  # too many changes: the whole twin
             self.mirror.copy_whole()

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 class PageTableMirror:
     def __init__(self, rows: int, max_pages: int, sink_page: int, staged: np.ndarray, device: torch.device):
@@ -66,8 +68,11 @@ class PageTableMirror:
             self.gen[keys] = -1  # what these rows hold is not a generation's pages
         else:
             r, c, pages = self._appended(rows, keys, gens, need)
-        self.shadow[keys[r], c] = pages
         n = r.size
+        if not n:  # most decode steps (host time: the synchronous step waits for it)
+            self.staged[0] = 0
+            return True
+        self.shadow[keys[r], c] = pages
         if n > self.max_deltas:
             self.staged[0] = 0
             return False
@@ -86,11 +91,15 @@ class PageTableMirror:
 
     def _appended(self, rows: np.ndarray, keys: np.ndarray, gens: np.ndarray, need: np.ndarray):
         """(row, column, page) of the pages each row needs past those the device holds for its request."""
-        start = np.where(self.gen[keys] == gens, self.cols[keys], 0)
+        held = self.gen[keys] == gens
+        start = np.where(held, self.cols[keys], 0)
         stop = np.minimum(need, rows.shape[1])
-        self.gen[keys] = gens
-        self.cols[keys] = np.maximum(start, stop)
         grow = np.flatnonzero(stop > start)  # most steps: none, or the few rows that crossed into a page
+        if grow.size or not held.all():
+            self.gen[keys] = gens
+            self.cols[keys] = np.maximum(start, stop)
+        if not grow.size:
+            return _NONE, _NONE, _NONE
         count = stop[grow] - start[grow]
         r = np.repeat(grow, count)
         c = np.arange(r.size) - np.repeat(np.cumsum(count) - count, count) + np.repeat(start[grow], count)
