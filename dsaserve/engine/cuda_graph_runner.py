@@ -141,6 +141,7 @@ class CudaGraphRunner:
         self.model, self.pool, self.page_size, self.moe_gather = model, pool, pool.page_size, moe_gather
         self.future_token_ids = future_token_ids
         self.max_bs, self.max_pages, self.sink_page = max_bs, max_pages_per_req, sink_page
+        self.table_rows = table_rows  # the batch builder's rows (the mirror's keys), where known
         self.buckets = decode_buckets(max_bs)
         dev = pool.kv_buffer.device
         # The H2D copy is a node of each graph where the driver allows it (probed): the replay is then the

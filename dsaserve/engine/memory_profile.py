@@ -10,6 +10,7 @@ allocated before the first request (note 000: "warmup 覆盖哪些形状").
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -75,8 +76,13 @@ def dummy_decode(bs: int, context: int, page_size: int, device, vocab_size: int 
     draw = torch.Generator().manual_seed(bs if seed is None else seed)
     tokens = torch.randint(1, vocab_size, (bs,), generator=draw).tolist() if vocab_size > 0 else [1] * bs
     batch = contiguous_batch([[t] for t in tokens], [context] * bs, bases, page_size).to(device)
-    batch.table_rows, batch.table_gens = np.arange(bs), np.zeros(bs, dtype=np.int64)  # a request a builder row
+    # a request a builder row, each taken anew by this batch (a wide graph's mirror stages all its pages once)
+    batch.table_rows, batch.table_gens = np.arange(bs), np.full(bs, next(_DUMMY_GENS), dtype=np.int64)
     return batch
+
+
+# the dummy batches' row generations: far above any the scheduler counts (engine/page_table_mirror.py), one a batch
+_DUMMY_GENS = itertools.count(1 << 48)
 
 
 def indexer_score_budget() -> int:

@@ -35,10 +35,11 @@ class MTPGraphRunner(CudaGraphRunner):
     mtp_layer = 0
 
     def __init__(self, model, pool, max_bs: int, max_pages_per_req: int, sink_page: int,
-                 logits_out: torch.Tensor | None = None):
+                 logits_out: torch.Tensor | None = None, table_rows: int = 0):
         dev = pool.kv_buffer.device
         super().__init__(model, pool, max_bs, max_pages_per_req, sink_page,
-                         future_token_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev), logits_out=logits_out)
+                         future_token_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev), logits_out=logits_out,
+                         table_rows=table_rows)
         # read by every graph; rows past a batch (its bucket's padding) keep stale values, which only reach padding
         self.prev_hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=model.dtype, device=dev)
 
@@ -67,8 +68,8 @@ def capture_mtp_graphs(model, pool, decode: DecodeGraphs, warm_each: bool) -> De
     """MTP graphs at the decode graphs' page-table widths and buckets, captured into their memory pool, their logits
     in the decode graphs' buffer: a step replays the verify graph, then the MTP ones, one after another on one
     stream, each read before the next."""
-    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, decode.max_bs, pages, pool.sink_page),
-                          decode.widths)
+    graphs = DecodeGraphs(lambda pages: MTPGraphRunner(model, pool, decode.max_bs, pages, pool.sink_page,
+                                                       table_rows=decode.widest.table_rows), decode.widths)
     graphs.widest.pool_handle, graphs.widest.logits_out = decode.widest.pool_handle, decode.widest.logits_out
     graphs.capture(warm_each=warm_each)
     return graphs

@@ -225,16 +225,17 @@ def stage_from_host(rows: torch.Tensor, rows_src: torch.Tensor, table: torch.Ten
     """A decode graph's inputs out of pinned host memory with the device's page table changed in place (engine/
     page_table_mirror.py): rows (the device) <- rows_src (pinned, same size), then `changes` (pinned: [count, count
     flat indices into `table` then padding to max_deltas, the count values then padding]) written: table[index] =
-    value for each of the count pairs. Indices must lie inside `table` (1-D, the device). The count is read when this
-    runs: a graph that captured this function would replay the capture's count (the runner's probe refuses it)."""
+    value for each of the count pairs (at most max_deltas; an index outside `table`, 1-D on the device, is dropped).
+    The count is read when this runs: a graph that captured this function would replay the capture's count (the
+    runner's probe refuses it)."""
     if rows_src.numel() != rows.numel() or changes.numel() != 1 + 2 * max_deltas:
         raise ValueError(f"stage_from_host: {rows_src.numel()} rows for {rows.numel()}, {changes.numel()} change "
                          f"values for 1 + 2 x {max_deltas}")
     rows.copy_(rows_src, non_blocking=True)
-    count = int(changes[0])
-    if count:
-        idx = changes[1:1 + count].to(table.device)
-        table[idx] = changes[1 + max_deltas:1 + max_deltas + count].to(table.device)
+    count = min(int(changes[0]), max_deltas)
+    idx, values = changes[1:1 + count], changes[1 + max_deltas:1 + max_deltas + count]
+    inside = (idx >= 0) & (idx < table.numel())  # as the kernel: an index outside the table is dropped
+    table[idx[inside].to(table.device)] = values[inside].to(table.device)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,21 @@ def test_the_engines_batches_keyed_by_builder_row_and_generation_read_their_page
     assert core.stats()["preemptions"] > 0 and len(checked) > 100 and sum(checked) > len(checked) // 2
 
 
+def test_dummy_decode_batches_of_other_contexts_take_their_rows_anew():
+    """The benches' batches (several contexts through one wide graph, `memory_profile.dummy_decode`): each batch's
+    rows are a new generation, so a batch after another reads its own pages, not the columns the first left."""
+    from dsaserve.engine.memory_profile import dummy_decode
+
+    m, staged = _mirror(rows=4, max_pages=8, max_deltas=8 + 8)
+    for context in (100, 300, 100):
+        batch = dummy_decode(4, context, 64, "cpu")
+        keys, need = m.keys(batch.table_rows, 4), -(-batch.seq_lens.numpy() // 64)
+        fits = m.stage(batch.page_table.numpy(), keys, batch.table_gens, need)
+        got = _replay(m, staged, fits, keys, 4)
+        for i in range(4):
+            assert torch.equal(got[i, :need[i]], batch.page_table[i, :need[i]]), f"context {context} row {i}"
+
+
 def test_stage_from_host_copies_the_rows_and_writes_the_counted_changes_only():
     src, changes = torch.tensor([5, 6, 7]), torch.tensor([2, 1, 3, 9, 40, 50, 60])  # 2 of 3 pairs counted
     rows, table = torch.zeros(3, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
@@ -159,6 +174,9 @@ def test_stage_from_host_copies_the_rows_and_writes_the_counted_changes_only():
     assert rows.tolist() == [5, 6, 7] and table[1] == 40 and table[3] == 50 and table.count_nonzero() == 2
     with pytest.raises(ValueError, match="stage_from_host"):
         R.stage_from_host(rows, src, table, changes[:-1], 3)
+    table.zero_()
+    R.stage_from_host(rows, src, table, torch.tensor([5, -1, 10, 4, 7, 8, 9]), 3)  # count past 3; two outside
+    assert table.tolist() == [0] * 4 + [9] + [0] * 5
     try:
         from dsaserve.kernels import triton_elementwise as E
     except ImportError:  # the CI's CPU torch may ship no Triton
