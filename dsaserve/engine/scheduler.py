@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from dsaserve.common.request_limits import RequestLimits
 from dsaserve.common.sampling_params import SamplingParams
 from dsaserve.engine.page_allocator import PageAllocator
+from dsaserve.engine.page_table_rows import PageTableRows
 from dsaserve.engine.prefix_cache import PrefixCache
 from dsaserve.engine.prompt_entry_cache import PromptEntryCache
 from dsaserve.engine.request import Req, ReqStatus, TokenDelta, placeholder
@@ -102,11 +103,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # sorted by priority (oldest first)
         self.groups: dict[str, list[Req]] = {}  # request_id -> its n samples
-        self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
-        self.row_reservations: dict[Req, int] = {}  # running leader -> rows promised to its parked followers
+        self.rows = PageTableRows(cfg.max_running_requests)
         self._abort_deltas: list[TokenDelta] = []
         self._seq = itertools.count()
-        self._row_gens = itertools.count()  # each time a request takes a page-table row (`Req.row_gen`)
         self.counters = dict(preemptions=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0,
                              prefix_cache_hit_tokens=0, steps=0, requests=0, aborted=0, aborted_samples=0,
                              overlap_discarded_tokens=0, **spec_counters())
@@ -150,7 +149,7 @@ class Scheduler:
 
     @property
     def reserved_rows(self) -> int:
-        return sum(self.row_reservations.values())
+        return self.rows.reserved
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -250,13 +249,13 @@ class Scheduler:
             self.counters["prefix_cache_hit_tokens"] += len(hits) * ps
             self._start_running(req)
             if req.followers:
-                self.row_reservations[req] = min(len(req.followers), free_rows - 1)
+                self.rows.reservations[req] = min(len(req.followers), free_rows - 1)
             st.sched[req] = n
             st.budget -= n
 
     def _start_running(self, req: Req) -> None:
         req.status = ReqStatus.RUNNING
-        req.row, req.row_gen, req.pages_synced = self.free_rows.pop(), next(self._row_gens), 0
+        self.rows.take(req)
         bisect.insort(self.running, req, key=lambda r: r.priority)
 
     def _batch(self, st: _Step) -> ScheduledBatch:
@@ -286,8 +285,8 @@ class Scheduler:
         and any freed since); the others wait for a row as new requests do, ahead of later arrivals."""
         if not leader.followers:
             return []
-        self.row_reservations.pop(leader, None)
-        fit = len(self.free_rows) - self.reserved_rows
+        self.rows.reservations.pop(leader, None)
+        fit = len(self.rows.free) - self.reserved_rows
         keep, rest = leader.followers[:fit], leader.followers[fit:]
         for f in reversed(rest):
             f.status, f.leader = ReqStatus.WAITING, None
@@ -296,7 +295,7 @@ class Scheduler:
             self.waiting.appendleft(f)
         leader.followers = keep
         if keep:
-            self.row_reservations[leader] = len(keep)
+            self.rows.reservations[leader] = len(keep)
         return keep
 
     # ---- after the forward ---------------------------------------------------------------------
@@ -411,7 +410,7 @@ class Scheduler:
             f.prompt_logprobs, f.prompt_lp_asked = leader.prompt_logprobs, leader.prompt_lp_asked  # computed once
             f.leader = None
             self._start_running(f)
-        self.row_reservations.pop(leader, None)
+        self.rows.reservations.pop(leader, None)
         leader.followers = []
 
     # ---- leaving the running set -----------------------------------------------------------
@@ -420,10 +419,10 @@ class Scheduler:
         self.cache.release(req.pages)
         req.pages = []
         req.num_computed = req.num_registered = req.chain_uid = 0
-        self.free_rows.append(req.row)
-        req.row, req.pages_synced, req.drafts = -1, 0, []
+        self.rows.give_back(req)
+        req.drafts = []
         self.running.remove(req)
-        self.row_reservations.pop(req, None)  # parked followers wait for the leader's next admission
+        self.rows.reservations.pop(req, None)  # parked followers wait for the leader's next admission
 
     def _preempt(self, req: Req, st: _Step) -> None:
         if req in st.sched:
@@ -464,7 +463,7 @@ class Scheduler:
                 self.waiting.remove(req)
             elif req.status is ReqStatus.PARKED and req.leader is not None:
                 req.leader.followers.remove(req)
-                self._shrink_reservation(req.leader)
+                self.rows.shrink_reservation(req.leader)
             req.drop_placeholder()  # overlap: its token still on the way is dropped, never reported
             req.followers = []
             req.status, req.finish_reason = ReqStatus.FINISHED, "abort"
@@ -477,13 +476,6 @@ class Scheduler:
     def _drop_group(self, request_id: str) -> None:
         """Every sample of the request finished."""
         self.prompt_lp_groups -= self.groups.pop(request_id)[0].sampling.prompt_logprobs is not None
-
-    def _shrink_reservation(self, leader: Req) -> None:
-        """A parked follower left: its leader never holds more reserved rows than it has followers."""
-        if leader in self.row_reservations:
-            self.row_reservations[leader] = min(self.row_reservations[leader], len(leader.followers))
-            if not self.row_reservations[leader]:
-                del self.row_reservations[leader]
 
     def take_abort_deltas(self) -> list[TokenDelta]:
         out, self._abort_deltas = self._abort_deltas, []

@@ -64,8 +64,8 @@ def check_no_leak(s: Any) -> None:
         problems.append("a page is on the free list twice")
     if free & evictable or len(free) + len(evictable) != s.cfg.num_pages:
         problems.append(f"free ({len(free)}) + evictable ({len(evictable)}) != {s.cfg.num_pages} pages")
-    if sorted(s.free_rows) != list(range(s.cfg.max_running_requests)) or s.reserved_rows:
-        problems.append(f"page-table rows leaked: {s.cfg.max_running_requests - len(s.free_rows)} "
+    if sorted(s.rows.free) != list(range(s.cfg.max_running_requests)) or s.reserved_rows:
+        problems.append(f"page-table rows leaked: {s.cfg.max_running_requests - len(s.rows.free)} "
                         f"held, {s.reserved_rows} reserved")
     if problems:
         raise AssertionError("KV leak: " + "; ".join(problems))
