@@ -42,7 +42,7 @@ def _copy_node(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-# (device, copy) -> whether the probe passed: each width class's runner and MTP's ask the same question at start-up
+# (device, op) -> whether its probe passed: each width class's runner and MTP's ask the same question at start-up
 _PROBED: dict[tuple[torch.device, object], bool] = {}
 
 
@@ -50,22 +50,37 @@ def _graph_h2d_copy_works(device: torch.device, copy=_copy_node) -> bool:
     """Whether `copy` (dst, src) out of pinned host memory captures into a CUDA graph and, replayed, reads the
     host memory as it is then (probed once a device and copy). DSASERVE_GRAPH_H2D=0 keeps the copy outside the
     graphs."""
-    if not envs.DSASERVE_GRAPH_H2D:
-        return False
-    key = (torch.device(device), copy)
-    if key not in _PROBED:
-        _PROBED[key] = _probe_graph_copy(device, copy)
-    return _PROBED[key]
+    return bool(envs.DSASERVE_GRAPH_H2D) and _probed(device, copy, _probe_graph_copy)
 
 
 def _stage_op_works(device: torch.device, stage) -> bool:
     """Whether `stage` (the registry's `stage_from_host`) captured into a CUDA graph reads, at each replay, the
     rows, the count and that many changes as the pinned buffer holds them then (the reference, which reads the
     count when it runs, does not). Probed once a device and op."""
-    key = (torch.device(device), stage)
+    return _probed(device, stage, _probe_stage)
+
+
+def _probed(device: torch.device, op, probe) -> bool:
+    key = (torch.device(device), op)
     if key not in _PROBED:
-        _PROBED[key] = _probe_stage(device, stage)
+        _PROBED[key] = probe(device, op)
     return _PROBED[key]
+
+
+def _replay_reads_host(device: torch.device, run, change, check) -> bool:
+    """Capture run(), then change() the pinned inputs, replay, and check() what the replay made; False on any
+    capture error."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        change()  # written after the capture: the replay must read these values
+        graph.replay()
+        torch.cuda.synchronize(device)
+        return check()
+    except Exception:  # noqa: BLE001 - any capture error means: the copy outside the graph / the whole table
+        torch.cuda.synchronize(device)
+        return False
 
 
 def _probe_stage(device: torch.device, stage) -> bool:
@@ -73,36 +88,22 @@ def _probe_stage(device: torch.device, stage) -> bool:
     changes = torch.tensor([1, 2, 0, 0, 0, 77, 0, 0, 0], dtype=torch.int64).pin_memory()  # 4 pairs, 1 counted
     rows = torch.zeros(4, dtype=torch.int64, device=device)
     table = torch.zeros(9, dtype=torch.int64, device=device)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stage(rows, src, table, changes, 4)
-        src.mul_(3)  # after the capture: new rows and 2 changes
+    want = torch.zeros(9, dtype=torch.int64)
+    want[0], want[8] = 5, 6  # the 2 changes written after the capture
+
+    def change() -> None:
+        src.mul_(3)
         changes.copy_(torch.tensor([2, 0, 8, 0, 0, 5, 6, 0, 0]))
-        graph.replay()
-        torch.cuda.synchronize(device)
-        want = torch.zeros(9, dtype=torch.int64)
-        want[0], want[8] = 5, 6
-        return torch.equal(rows.cpu(), src) and torch.equal(table.cpu(), want)
-    except Exception:  # noqa: BLE001 - any capture error means: copy the table whole
-        torch.cuda.synchronize(device)
-        return False
+
+    return _replay_reads_host(device, lambda: stage(rows, src, table, changes, 4), change,
+                              lambda: torch.equal(rows.cpu(), src) and torch.equal(table.cpu(), want))
 
 
 def _probe_graph_copy(device: torch.device, copy) -> bool:
     src = torch.arange(1, 9, dtype=torch.int64).pin_memory()
     dst = torch.zeros(8, dtype=torch.int64, device=device)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            copy(dst, src)
-        src.mul_(3)  # written after the capture: the replay must copy these values
-        graph.replay()
-        torch.cuda.synchronize(device)
-        return torch.equal(dst.cpu(), src)
-    except Exception:  # noqa: BLE001 - any capture error means: copy outside the graph
-        torch.cuda.synchronize(device)
-        return False
+    return _replay_reads_host(device, lambda: copy(dst, src), lambda: src.mul_(3),
+                              lambda: torch.equal(dst.cpu(), src))
 
 
 INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
