@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import traceback
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from dsaserve.kernels import triton_kv_write as KVW
 from dsaserve.kernels import triton_moe as MOE
 from dsaserve.kernels import triton_sparse_mla as MLA
 from dsaserve.kernels import triton_sparse_mla_tc as MLA_TC
+from dsaserve.kernels.cublaslt_tuning import graph_us
 from dsaserve.weights.fp8 import quantize_fp8_block
 
 L2_BYTES = 60 << 20
@@ -49,36 +49,8 @@ RESULTS: list[dict] = []
 
 
 def graph_time(calls: list, reps: int = 20) -> float:
-    """Median seconds per call of a CUDA graph that runs `calls` in order."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # compile + warm outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = replay_seconds(g, reps)
-    del g
-    return statistics.median(times) / len(calls)
-
-
-def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
-    """Seconds of each of `reps` replays, one at a time: an event before the replay to one after it."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return times
+    """Median seconds per call of a CUDA graph that runs `calls` in order (warmed outside the capture first)."""
+    return graph_us(calls, reps) / 1e6
 
 
 def copies_for(nbytes: int, cap: int = 32) -> int:

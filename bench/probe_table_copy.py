@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_kernels import replay_seconds
 from dsaserve.engine.cuda_graph_runner import INPUT_ROWS
 from dsaserve.kernels import triton_elementwise
+from dsaserve.kernels.cublaslt_tuning import replay_seconds
 
 PS = 64
 # the top-k's 2048 keys, 32K and 64K (the few-row classes), bench_gpu's 128K and GLM-5.3's 202,752 positions

@@ -27,6 +27,7 @@ from dsaserve.engine import cuda_graph_runner
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
+    cublaslt_tuning,
     gluon_fp8_splitk,
     gluon_sparse_mla,
     triton_elementwise,
@@ -248,7 +249,9 @@ def ab_setting(runner, name: str):
     "copy_node" the graphs' inputs by a copy node (not a kernel reading the pinned staging buffer,
     `triton_elementwise.HOST_READ_MAX_BYTES`), "full_table"
     every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
-    `cuda_graph_runner.TABLE_MIRROR`). "a+b" takes both settings."""
+    `cuda_graph_runner.TABLE_MIRROR`), "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
+    timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting), not
+    `_scaled_mm`'s own. "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -277,6 +280,12 @@ def ab_setting(runner, name: str):
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
                     "full_table": (cuda_graph_runner, "TABLE_MIRROR", False)}
+    if name == "lt_tuned":
+        if not cublaslt_tuning.TIMED:
+            report = cublaslt_tuning.tune(cublaslt_tuning.projection_shapes(runner.model), 128, runner.device,
+                                          runner.model.lm_head.weight)
+            print("cublaslt tuning:", json.dumps(report), flush=True)
+        return _set(cublaslt_tuning, TUNED=True)
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant
@@ -443,6 +452,8 @@ def main() -> None:
                 "host_us": host_phases(runner, batch), "roofline_ms": bound * 1e3}
         if args.ab:
             case["ab"] = ab_replays(runner, batch, args.ab.split(","))
+            print(f"A/B bs {bs} ctx {ctx} (ms):", {k: [round(v, 4) for v in vs] for k, vs in case["ab"].items()},
+                  flush=True)  # now: a call cut short by its limit still returns the cases timed
         report["cases"].append(case)
     for (_, _, batch), case in zip(cases, report["cases"], strict=True):
         profiled(runner, batch, case, args)

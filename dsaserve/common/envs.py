@@ -96,6 +96,10 @@ SWITCHES: dict[str, Switch] = {
         None, lambda raw: raw.strip().lower() or None, "'triton' / 'cublas': the FP8 MoE prefill's expert GEMMs "
         "(kernels/triton_moe_prefill.py's grouped GEMM, or a block-scaled cuBLAS GEMM an expert: "
         "kernels/cublas_moe_prefill.py) whatever the size; unset, PREFILL_CONFIG's 'auto' (the A/B for issue 17)"),
+    "DSASERVE_GEMM_TUNING": Switch(
+        False, lambda raw: raw.strip() == "1", "'1': at start-up, time cuBLASLt's algorithms for the 33-512-row FP8 "
+        "projections and the 1-32-row lm_head and run the fastest (kernels/cublaslt_tuning.py; measured in the "
+        "decode step, opt-in until the engine's GPU tests and cold start have run with it)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
         "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),
@@ -130,6 +134,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_SPARSE_MLA_GLUON: bool
     DSASERVE_SPARSE_MLA_WS: bool
     DSASERVE_MOE_PREFILL_GEMM: str | None
+    DSASERVE_GEMM_TUNING: bool
     DSASERVE_STARTUP_PROFILE: str | None
     DSASERVE_PYCACHE: bool
     DSASERVE_KERNEL_SPECS: str | None

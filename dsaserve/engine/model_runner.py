@@ -40,6 +40,7 @@ from dsaserve.engine.runner_startup import PhaseTimer, RunnerStartup
 from dsaserve.engine.warmup import KernelLoads, warm_core_shapes, warm_mtp, warm_sampler
 from dsaserve.engine.warmup_plan import WarmupPlan
 from dsaserve.errors import CheckpointError
+from dsaserve.kernels import cublaslt_tuning
 from dsaserve.kernels.registry import get_ops
 from dsaserve.model.forward_batch import ForwardBatch, as_decode_rows, one_token_rows
 from dsaserve.model.glm_moe_dsa import DsaForCausalLM
@@ -74,6 +75,11 @@ class ModelRunner(RunnerStartup):
         self._wait_precompile()
         # warm start: the kernels a start of this configuration loaded, into the JITs before any forward needs them
         self.warm_start = self._preload() if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and cublaslt_tuning.TUNED and not args.disable_cuda_graph:
+            with PhaseTimer(self.startup_time, "gemm_tuning"):  # before the memory profile and any capture
+                self.gemm_tuning = cublaslt_tuning.tune(cublaslt_tuning.projection_shapes(self.model),
+                                                        cublaslt_tuning.ROW_CLASSES[-1], self.device,
+                                                        self.model.lm_head.weight)
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()
@@ -125,6 +131,7 @@ class ModelRunner(RunnerStartup):
         self.warmed_prefill: list[int] = []
         self.warmed: dict[str, Any] = {}
         self.graph_errors: dict[str, str] = {}
+        self.gemm_tuning: dict | None = None  # the cuBLASLt choices (kernels/cublaslt_tuning.py), where timed
         cuda = self.device.type == "cuda"
         self.compile_cache = CompileCache(None) if cuda else None
         self.kernel_loads = KernelLoads() if cuda else None  # before any kernel compiles

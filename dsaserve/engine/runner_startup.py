@@ -178,6 +178,7 @@ class RunnerStartup:
                     "pool_bytes": self.piecewise.capture_bytes if self.piecewise else 0,
                     "capture_retries": self.piecewise.capture_retries if self.piecewise else 0,
                     "error": self.graph_errors.get("piecewise")},
+                "gemm_tuning": self.gemm_tuning,
                 "warmed_prefill_chunks": self.warmed_prefill,
                 "warmed_shapes": self.warmed,
                 "compile_cache": self.compile_cache.report() if self.compile_cache else None,

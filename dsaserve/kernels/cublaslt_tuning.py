@@ -1,0 +1,214 @@
+"""Which cuBLASLt algorithm each decode-size FP8 projection runs: chosen by timing once a shape and row class at
+start-up (issue 17).
+
+`_scaled_mm` runs the heuristic's first algorithm; at 33-512 rows that is often one 128 x 128 tile a CTA over the
+whole K, which leaves most SMs idle on the narrow projections (bench/RESULTS.md, forty-second session). Before the
+graphs are captured (`tune_model`), each FP8 projection shape the cuBLAS path takes is timed at the top of each
+row class (ROW_CLASSES) as a CUDA graph over weight copies past the L2: `_scaled_mm`, then the heuristic's first
+CANDIDATES algorithms (`cublaslt.Gemm`), each checked against `_scaled_mm`'s output first. A candidate at least
+MIN_GAIN faster is that (shape, class)'s choice; `linear` then runs it for every row count of the class that the
+algorithm supports (`Gemm.supports`), and `_scaled_mm` runs everything else. Choices are per process: a restart
+times again (the same kernels mostly win; where two are within the noise a restart may take the other, whose sums
+differ by bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dsaserve.common import envs
+from dsaserve.kernels import cublaslt
+
+# off: every projection on torch's own choice (DSASERVE_GEMM_TUNING=1 turns it on; profile_decode --ab lt_tuned)
+TUNED = envs.DSASERVE_GEMM_TUNING
+ROW_CLASSES = (64, 128, 256, 512)  # a projection of m rows (33..512) takes the choice timed at the class's top
+CANDIDATES = 12
+# a kernel's timing repeats within ~1 %; the lm_head's other tiles gain 2.4-3.3 % at 1-32 rows, and 13-15 us in
+# the batch-1 step (H100, bench/RESULTS.md, forty-eighth session)
+MIN_GAIN = 1.02
+L2_PAST_BYTES = 160 << 20  # weight copies over this much: each timed call reads its weight from HBM
+
+TIMED: set[int] = set()  # devices `tune` has run on
+_CHOICES: dict[tuple, cublaslt.Algo] = {}  # (device, class, n, k) or (device, m, n, k, "bf16") -> algorithm
+_GEMMS: dict[tuple, cublaslt.Gemm | None] = {}  # (device, m, n, k) -> None: unsupported
+
+
+def row_class(m: int) -> int | None:
+    """The smallest class holding m rows, None past the last."""
+    return next((c for c in ROW_CLASSES if m <= c), None)
+
+
+def _gemm_for(device: int, m: int, n: int, k: int, algo: cublaslt.Algo, a_s: torch.Tensor,
+              scale: torch.Tensor) -> cublaslt.Gemm | None:
+    key = (device, m, n, k)
+    if key not in _GEMMS:
+        gemm = cublaslt.Gemm(m, n, k, fp8=True)
+        _GEMMS[key] = gemm if gemm.supports(algo, a_s, scale) else None
+    return _GEMMS[key]
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """cuBLASLt's heuristic assumes 256-byte aligned operands (its MIN_ALIGNMENT preferences' default)."""
+    return all(t.data_ptr() % 256 == 0 for t in tensors)
+
+
+def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """y [M, N] bf16 = a @ dequant(weight)^T by the tuned algorithm of a's shape and row class, or None (the
+    caller runs `_scaled_mm`). a: e4m3 [M, K], M a multiple of 16; a_s its outer-dim-major 1 x 128 scales."""
+    if not TUNED or a.device.index not in TIMED:
+        return None
+    m, k = a.shape
+    n, cls = weight.shape[0], row_class(m)
+    algo = _CHOICES.get((a.device.index, cls, n, k)) if cls is not None else None
+    if algo is None or not _aligned(a, a_s, weight, scale):
+        return None
+    gemm = _gemm_for(a.device.index, m, n, k, algo, a_s, scale)
+    if gemm is None:
+        return None
+    return gemm.run(algo, a, weight, torch.empty(m, n, dtype=torch.bfloat16, device=a.device), a_s, scale)
+
+
+def graph_us(calls: list[Callable[[], object]], reps: int = 7) -> float:
+    """Median µs a call of a CUDA graph running `calls` in order (warmed on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    return statistics.median(replay_seconds(graph, reps)) * 1e6 / len(calls)
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
+    """Seconds of each of `reps` replays, one at a time: an event before the replay to one after it."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _weights(n: int, k: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    copies = max(2, -(-L2_PAST_BYTES // (n * k)))
+    return [((torch.randn(n, k, device=device) * 0.5).to(torch.float8_e4m3fn),
+             torch.rand(n // 128, k // 128, device=device) * 1e-2 + 1e-3) for _ in range(copies)]
+
+
+def _pick(torch_calls: list[Callable[[], object]], want: torch.Tensor, candidates: list[cublaslt.Candidate],
+          output_of: Callable[[cublaslt.Candidate], torch.Tensor],
+          calls_of: Callable[[cublaslt.Candidate], list[Callable[[], object]]], head: dict) -> dict:
+    """torch's calls and each candidate's (its output checked against `want` first), graph-timed; torch's timed
+    before and after the candidates and its faster reading kept (a shape's first timing may run on clocks still
+    rising: a choice must beat torch at its best). The row of the report, with the chosen algorithm."""
+    torch_us, best = graph_us(torch_calls), (float("inf"), None)
+    for cand in candidates:
+        if float((output_of(cand).float() - want.float()).norm() / want.float().norm()) > 1e-2:
+            continue  # not the same product (never seen; a guard, not a choice)
+        best = min(best, (graph_us(calls_of(cand)), cand), key=lambda b: b[0])
+    torch_us = min(torch_us, graph_us(torch_calls))
+    chosen = best[1] if best[1] is not None and torch_us / best[0] >= MIN_GAIN else None
+    return {**head, "torch_us": round(torch_us, 2), "best_us": round(best[0], 2),
+            "chosen": chosen.config() if chosen else None, "algo": chosen.algo if chosen else None}
+
+
+def time_shape(n: int, k: int, m: int, device: torch.device) -> dict:
+    """`_scaled_mm` and each candidate at (m, n, k) over weight copies past the L2 (`_pick`)."""
+    from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
+
+    ws = _weights(n, k, device)
+    a, a_s = quant_act_fp8(torch.randn(m, k, device=device, dtype=torch.bfloat16), pad_m_to=16, scale_m_major=True)
+    want = torch._scaled_mm(a, ws[0][0].t(), scale_a=a_s, scale_b=ws[0][1].t(), out_dtype=torch.bfloat16)
+    gemm, y = cublaslt.Gemm(m, n, k, fp8=True), torch.empty_like(want)
+    return _pick([lambda w=w, s=s: torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=s.t(), out_dtype=torch.bfloat16)
+                  for w, s in ws], want, gemm.algos(CANDIDATES, a_s, ws[0][1]),
+                 lambda c: gemm.run(c.algo, a, ws[0][0], y, a_s, ws[0][1]),
+                 lambda c: [lambda w=w, s=s: gemm.run(c.algo, a, w, y, a_s, s) for w, s in ws],
+                 {"n": n, "k": k, "m": m})
+
+
+def lm_head(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """out [M, V] = h @ weight^T (bf16) by the algorithm timed fastest at exactly M rows, or None (the caller runs
+    torch.mm)."""
+    if not TUNED or h.device.index not in TIMED or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        return None
+    m, k = h.shape
+    key = (h.device.index, m, weight.shape[0], k, "bf16")
+    algo = _CHOICES.get(key)
+    if algo is None or not h.is_contiguous() or not weight.is_contiguous() or not _aligned(h, weight, out):
+        return None
+    if key not in _GEMMS:
+        gemm = cublaslt.Gemm(m, weight.shape[0], k, fp8=False)
+        _GEMMS[key] = gemm if gemm.supports(algo) else None
+    return _GEMMS[key].run(algo, h, weight, out) if _GEMMS[key] is not None else None
+
+
+def time_lm_head(weight: torch.Tensor, m: int) -> dict:
+    """torch.mm and each candidate at m rows over the model's own lm_head weight (past the L2 whatever its size
+    at GLM-5.3's vocabulary: 1.9 GB; `_pick`)."""
+    n, k = weight.shape
+    h = torch.randn(m, k, device=weight.device, dtype=weight.dtype)
+    want, y = h @ weight.t(), torch.empty(m, n, device=weight.device, dtype=weight.dtype)
+    gemm = cublaslt.Gemm(m, n, k, fp8=False)
+    return _pick([lambda: torch.mm(h, weight.t(), out=y)], want, gemm.algos(CANDIDATES),
+                 lambda c: gemm.run(c.algo, h, weight, y), lambda c: [lambda: gemm.run(c.algo, h, weight, y)],
+                 {"n": n, "k": k, "m": m, "dtype": "bf16"})
+
+
+def projection_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(N, K) of every FP8 projection the cuBLAS path takes (`scaled_mm_shape_ok`), once each."""
+    from dsaserve.kernels.triton_fp8_gemm import scaled_mm_shape_ok
+    from dsaserve.model.layers.linear import Linear
+
+    shapes = {tuple(mod.weight.shape) for mod in model.modules()
+              if isinstance(mod, Linear) and mod.weight.dtype == torch.float8_e4m3fn and mod.weight.dim() == 2}
+    return sorted(s for s in shapes if scaled_mm_shape_ok(*s))
+
+
+LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # decode buckets whose logits GEMM is timed (the batch-1 step's largest kernel)
+
+
+def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
+         lm_head_weight: torch.Tensor | None = None) -> dict:
+    """Time every FP8 shape at each class up to max_rows' (33+ rows) and the bf16 lm_head at LM_HEAD_ROWS up to
+    max_rows, and keep the winners; the manifest's report."""
+    from dsaserve.kernels.triton_fp8_gemm import SMALL_M
+
+    t0, rows = time.perf_counter(), []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    classes = [c for c in ROW_CLASSES if c > SMALL_M and (row_class(max_rows) or ROW_CLASSES[-1]) >= c]
+    # (key, timing) of each case: the FP8 ones only where cuBLAS's block scaling runs (`scaled_mm_ok`: Hopper)
+    cases = [((index, cls, n, k), functools.partial(time_shape, n, k, cls, device))
+             for n, k in shapes for cls in classes if torch.cuda.get_device_capability(device) == (9, 0)]
+    if lm_head_weight is not None and lm_head_weight.dtype == torch.bfloat16:
+        cases += [((index, m, *lm_head_weight.shape, "bf16"), functools.partial(time_lm_head, lm_head_weight, m))
+                  for m in LM_HEAD_ROWS if m <= max_rows]
+    try:
+        for side in (False, True):  # before any capture (`cublaslt.workspace`)
+            cublaslt.workspace(index, side)
+        for key, timing in cases:
+            row = timing()
+            algo = row.pop("algo")
+            if algo is not None:
+                _CHOICES[key] = algo
+            rows.append(row)
+    except cublaslt.CublasLtError as e:  # this torch / cuBLAS cannot: every GEMM stays on torch's own choice
+        _CHOICES.clear()
+        return {"seconds": round(time.perf_counter() - t0, 2), "error": str(e), "shapes": rows}
+    TIMED.add(index)
+    torch.cuda.empty_cache()  # the timing's weight copies are not the memory profile's
+    return {"seconds": round(time.perf_counter() - t0, 2), "chosen": sum(r["chosen"] is not None for r in rows),
+            "shapes": rows}
