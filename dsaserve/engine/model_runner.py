@@ -77,9 +77,7 @@ class ModelRunner(RunnerStartup):
         self.warm_start = self._preload() if self.device.type == "cuda" else None
         if self.device.type == "cuda" and cublaslt_tuning.TUNED and not args.disable_cuda_graph:
             with PhaseTimer(self.startup_time, "gemm_tuning"):  # before the memory profile and any capture
-                self.gemm_tuning = cublaslt_tuning.tune(cublaslt_tuning.projection_shapes(self.model),
-                                                        cublaslt_tuning.ROW_CLASSES[-1], self.device,
-                                                        self.model.lm_head.weight)
+                self.gemm_tuning = cublaslt_tuning.tune_model(self.model, self.device)
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()

@@ -1,5 +1,8 @@
 """cuBLASLt's GEMMs called directly (ctypes), so a decode projection can run an algorithm of our choosing (issue 17).
 
+Owns: the binding (the library, one handle a device, one workspace a device and stream kind), `Gemm` (one shape's
+descriptors: its candidates, a check, a run) and `algo_config` (what an algorithm is).
+
 `torch._scaled_mm` and `F.linear` ask cuBLASLt's heuristic for one algorithm and run it. At decode sizes that one
 is a 128 x 128 tile a CTA over the whole K (o_proj at 128 rows: 48 CTAs on 132 SMs), ~0.6 of the HBM ceiling
 (bench/RESULTS.md, forty-second session). The heuristic has more candidates (split K, other tiles and clusters);
@@ -35,7 +38,9 @@ ALGO_CONFIG = (("algo_id", 0, ctypes.c_int32), ("tile", 1, ctypes.c_uint32), ("s
                ("reduction", 3, ctypes.c_uint32), ("swizzle", 4, ctypes.c_uint32), ("custom", 5, ctypes.c_uint32),
                ("stages", 6, ctypes.c_uint32), ("inner_shape", 7, ctypes.c_uint16),
                ("cluster", 8, ctypes.c_uint16))
-WORKSPACE_BYTES = 32 << 20  # torch's own cuBLAS workspace on sm_90
+# torch's cuBLAS (not Lt) workspace on sm_90; torch's cuBLASLt calls get 1 MB unless CUBLASLT_WORKSPACE_SIZE says
+# otherwise, too little for the split-K algorithms the narrow FP8 projections gain by (2.8-6 MB)
+WORKSPACE_BYTES = 32 << 20
 
 
 class Algo(ctypes.Structure):
@@ -77,10 +82,15 @@ def _set(fn: str, obj: ctypes.c_void_p, attr: int, value) -> None:
 
 
 @functools.cache
-def handle() -> ctypes.c_void_p:
+def handle(device_index: int) -> ctypes.c_void_p:
     h = ctypes.c_void_p()
-    _call("cublasLtCreate", ctypes.byref(h))
+    with torch.cuda.device(device_index):
+        _call("cublasLtCreate", ctypes.byref(h))
     return h
+
+
+def _handle() -> ctypes.c_void_p:
+    return handle(torch.cuda.current_device())
 
 
 @functools.cache
@@ -88,6 +98,8 @@ def workspace(device_index: int, side: bool) -> torch.Tensor:
     """One workspace per device for the compute streams and one for the step's high-priority side stream, whose
     GEMMs may run beside the compute stream's (torch keeps one a stream too). Made once, before any capture
     (`cublaslt_tuning.tune`): one first made inside a capture would belong to that graph's memory pool."""
+    if torch.cuda.is_current_stream_capturing():
+        raise CublasLtError("cublaslt: a workspace is made before any capture (cublaslt_tuning.tune makes them)")
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
 
 
@@ -157,8 +169,8 @@ class Gemm:
 
     def algos(self, count: int = 32, x_scale: torch.Tensor | None = None,
               w_scale: torch.Tensor | None = None) -> list[Candidate]:
-        """The heuristic's candidates, best-first by its own ranking (the first is what torch runs); fp8 needs
-        the scales (any of the right layout: only their addresses are read here)."""
+        """The heuristic's candidates, best-first by its own ranking (with this workspace the first may split K
+        where torch's call, with 1 MB, does not); fp8 needs the scales (only their addresses are read here)."""
         self.set_scales(x_scale, w_scale)
         pref = ctypes.c_void_p()
         _call("cublasLtMatmulPreferenceCreate", ctypes.byref(pref))
@@ -166,7 +178,7 @@ class Gemm:
             _set("cublasLtMatmulPreferenceSetAttribute", pref, PREF_MAX_WORKSPACE_BYTES,
                  ctypes.c_uint64(WORKSPACE_BYTES))
             results, returned = (HeuristicResult * count)(), ctypes.c_int()
-            _call("cublasLtMatmulAlgoGetHeuristic", handle(), self.desc, self.a_layout, self.b_layout, self.d_layout,
+            _call("cublasLtMatmulAlgoGetHeuristic", _handle(), self.desc, self.a_layout, self.b_layout, self.d_layout,
                   self.d_layout, pref, ctypes.c_int(count), results, ctypes.byref(returned))
         finally:
             library().cublasLtMatmulPreferenceDestroy(pref)
@@ -177,7 +189,7 @@ class Gemm:
         """Whether `algo` (found for another row count, say) runs this shape (cublasLtMatmulAlgoCheck)."""
         self.set_scales(x_scale, w_scale)
         result = HeuristicResult()
-        return library().cublasLtMatmulAlgoCheck(handle(), self.desc, self.a_layout, self.b_layout, self.d_layout,
+        return library().cublasLtMatmulAlgoCheck(_handle(), self.desc, self.a_layout, self.b_layout, self.d_layout,
                                                  self.d_layout, ctypes.byref(algo), ctypes.byref(result)) == 0 \
             and result.workspace_size <= WORKSPACE_BYTES
 
@@ -194,9 +206,14 @@ class Gemm:
         ws = workspace(x.device.index, current.priority < 0)
         stream = ctypes.c_void_p(current.cuda_stream)
         a, b = (x, w) if self.tokens_as_a else (w, x)
-        _call("cublasLtMatmul", handle(), self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(a.data_ptr()),
+        with torch.cuda.device(x.device):
+            self._matmul(a, b, out, algo, ws, stream)
+        return out
+
+    def _matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, algo: Algo | None, ws: torch.Tensor,
+                stream: ctypes.c_void_p) -> None:
+        _call("cublasLtMatmul", _handle(), self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(a.data_ptr()),
               self.a_layout, ctypes.c_void_p(b.data_ptr()), self.b_layout, ctypes.byref(self.beta),
               ctypes.c_void_p(out.data_ptr()), self.d_layout, ctypes.c_void_p(out.data_ptr()), self.d_layout,
               ctypes.byref(algo) if algo is not None else None, ctypes.c_void_p(ws.data_ptr()),
               ctypes.c_size_t(WORKSPACE_BYTES), stream)
-        return out

@@ -1,5 +1,8 @@
-"""Which cuBLASLt algorithm each decode-size FP8 projection runs: chosen by timing once a shape and row class at
-start-up (issue 17).
+"""Which cuBLASLt algorithm each decode-size FP8 projection and the few-row lm_head run: chosen by timing once a
+shape and row class at start-up (issue 17).
+
+Owns: the choices (`tune`, `tune_model`), the two call sites' way to them (`linear` for `scaled_mm_linear`,
+`lm_head` for `LMHead.forward`), and the graph timer the benches share (`graph_us`, `replay_seconds`).
 
 `_scaled_mm` runs the heuristic's first algorithm; at 33-512 rows that is often one 128 x 128 tile a CTA over the
 whole K, which leaves most SMs idle on the narrow projections (bench/RESULTS.md, forty-second session). Before the
@@ -7,7 +10,8 @@ graphs are captured (`tune_model`), each FP8 projection shape the cuBLAS path ta
 row class (ROW_CLASSES) as a CUDA graph over weight copies past the L2: `_scaled_mm`, then the heuristic's first
 CANDIDATES algorithms (`cublaslt.Gemm`), each checked against `_scaled_mm`'s output first. A candidate at least
 MIN_GAIN faster is that (shape, class)'s choice; `linear` then runs it for every row count of the class that the
-algorithm supports (`Gemm.supports`), and `_scaled_mm` runs everything else. Choices are per process: a restart
+algorithm supports (`Gemm.supports`) inside a CUDA graph's capture (an eager call's ctypes host time would cost
+more than it saves), and `_scaled_mm` runs everything else. Choices are per process: a restart
 times again (the same kernels mostly win; where two are within the noise a restart may take the other, whose sums
 differ by bf16 rounding).
 """
@@ -28,14 +32,14 @@ from dsaserve.kernels import cublaslt
 TUNED = envs.DSASERVE_GEMM_TUNING
 ROW_CLASSES = (64, 128, 256, 512)  # a projection of m rows (33..512) takes the choice timed at the class's top
 CANDIDATES = 12
-# a kernel's timing repeats within ~1 %; the lm_head's other tiles gain 2.4-3.3 % at 1-32 rows, and 13-15 us in
-# the batch-1 step (H100, bench/RESULTS.md, forty-eighth session)
+# a kernel's timing repeats within ~1 %; the lm_head's other tiles gain 2.4-3.3 % at 1-32 rows, and 12-22 us in
+# the batch-1 step overlapped (H100, bench/RESULTS.md, forty-eighth session)
 MIN_GAIN = 1.02
 L2_PAST_BYTES = 160 << 20  # weight copies over this much: each timed call reads its weight from HBM
 
 TIMED: set[int] = set()  # devices `tune` has run on
 _CHOICES: dict[tuple, cublaslt.Algo] = {}  # (device, class, n, k) or (device, m, n, k, "bf16") -> algorithm
-_GEMMS: dict[tuple, cublaslt.Gemm | None] = {}  # (device, m, n, k) -> None: unsupported
+_GEMMS: dict[tuple, cublaslt.Gemm | None] = {}  # (device, m, n, k[, "bf16"]) -> None: the algorithm cannot run it
 
 
 def row_class(m: int) -> int | None:
@@ -43,12 +47,12 @@ def row_class(m: int) -> int | None:
     return next((c for c in ROW_CLASSES if m <= c), None)
 
 
-def _gemm_for(device: int, m: int, n: int, k: int, algo: cublaslt.Algo, a_s: torch.Tensor,
-              scale: torch.Tensor) -> cublaslt.Gemm | None:
-    key = (device, m, n, k)
+def _gemm_for(key: tuple, m: int, n: int, k: int, algo: cublaslt.Algo, scales: tuple = (None, None)
+              ) -> cublaslt.Gemm | None:
+    """The shape's descriptors, made once; None where the algorithm (timed at another row count) cannot run it."""
     if key not in _GEMMS:
-        gemm = cublaslt.Gemm(m, n, k, fp8=True)
-        _GEMMS[key] = gemm if gemm.supports(algo, a_s, scale) else None
+        gemm = cublaslt.Gemm(m, n, k, fp8=len(key) == 4)
+        _GEMMS[key] = gemm if gemm.supports(algo, *scales) else None
     return _GEMMS[key]
 
 
@@ -57,17 +61,21 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 256 == 0 for t in tensors)
 
 
+def _usable(t: torch.Tensor) -> bool:
+    return TUNED and t.device.index in TIMED and torch.cuda.is_current_stream_capturing()
+
+
 def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """y [M, N] bf16 = a @ dequant(weight)^T by the tuned algorithm of a's shape and row class, or None (the
     caller runs `_scaled_mm`). a: e4m3 [M, K], M a multiple of 16; a_s its outer-dim-major 1 x 128 scales."""
-    if not TUNED or a.device.index not in TIMED:
+    if not _usable(a):
         return None
     m, k = a.shape
     n, cls = weight.shape[0], row_class(m)
     algo = _CHOICES.get((a.device.index, cls, n, k)) if cls is not None else None
     if algo is None or not _aligned(a, a_s, weight, scale):
         return None
-    gemm = _gemm_for(a.device.index, m, n, k, algo, a_s, scale)
+    gemm = _gemm_for((a.device.index, m, n, k), m, n, k, algo, (a_s, scale))
     if gemm is None:
         return None
     return gemm.run(algo, a, weight, torch.empty(m, n, dtype=torch.bfloat16, device=a.device), a_s, scale)
@@ -104,7 +112,7 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
 
 def _weights(n: int, k: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     copies = max(2, -(-L2_PAST_BYTES // (n * k)))
-    return [((torch.randn(n, k, device=device) * 0.5).to(torch.float8_e4m3fn),
+    return [((torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.5).to(torch.float8_e4m3fn),
              torch.rand(n // 128, k // 128, device=device) * 1e-2 + 1e-3) for _ in range(copies)]
 
 
@@ -121,7 +129,7 @@ def _pick(torch_calls: list[Callable[[], object]], want: torch.Tensor, candidate
         best = min(best, (graph_us(calls_of(cand)), cand), key=lambda b: b[0])
     torch_us = min(torch_us, graph_us(torch_calls))
     chosen = best[1] if best[1] is not None and torch_us / best[0] >= MIN_GAIN else None
-    return {**head, "torch_us": round(torch_us, 2), "best_us": round(best[0], 2),
+    return {**head, "torch_us": round(torch_us, 2), "best_us": round(best[0], 2) if best[1] is not None else None,
             "chosen": chosen.config() if chosen else None, "algo": chosen.algo if chosen else None}
 
 
@@ -143,17 +151,17 @@ def time_shape(n: int, k: int, m: int, device: torch.device) -> dict:
 def lm_head(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     """out [M, V] = h @ weight^T (bf16) by the algorithm timed fastest at exactly M rows, or None (the caller runs
     torch.mm)."""
-    if not TUNED or h.device.index not in TIMED or out.dtype != torch.bfloat16 or not out.is_contiguous():
+    if not _usable(h) or h.dim() != 2:
         return None
     m, k = h.shape
     key = (h.device.index, m, weight.shape[0], k, "bf16")
     algo = _CHOICES.get(key)
-    if algo is None or not h.is_contiguous() or not weight.is_contiguous() or not _aligned(h, weight, out):
+    if algo is None or tuple(out.shape) != (m, weight.shape[0]) or \
+            any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (h, weight, out)) or \
+            not _aligned(h, weight, out):
         return None
-    if key not in _GEMMS:
-        gemm = cublaslt.Gemm(m, weight.shape[0], k, fp8=False)
-        _GEMMS[key] = gemm if gemm.supports(algo) else None
-    return _GEMMS[key].run(algo, h, weight, out) if _GEMMS[key] is not None else None
+    gemm = _gemm_for(key, m, weight.shape[0], k, algo)
+    return gemm.run(algo, h, weight, out) if gemm is not None else None
 
 
 def time_lm_head(weight: torch.Tensor, m: int) -> dict:
@@ -196,19 +204,32 @@ def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
     if lm_head_weight is not None and lm_head_weight.dtype == torch.bfloat16:
         cases += [((index, m, *lm_head_weight.shape, "bf16"), functools.partial(time_lm_head, lm_head_weight, m))
                   for m in LM_HEAD_ROWS if m <= max_rows]
-    try:
+    with torch.cuda.device(index):
         for side in (False, True):  # before any capture (`cublaslt.workspace`)
             cublaslt.workspace(index, side)
-        for key, timing in cases:
-            row = timing()
-            algo = row.pop("algo")
-            if algo is not None:
-                _CHOICES[key] = algo
-            rows.append(row)
-    except cublaslt.CublasLtError as e:  # this torch / cuBLAS cannot: every GEMM stays on torch's own choice
-        _CHOICES.clear()
-        return {"seconds": round(time.perf_counter() - t0, 2), "error": str(e), "shapes": rows}
+        try:
+            for key, timing in cases:
+                try:
+                    row = timing()
+                except (cublaslt.CublasLtError, RuntimeError) as e:  # this case stays on torch's own choice
+                    rows.append({"case": list(key[1:]), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                algo = row.pop("algo")
+                if algo is not None:
+                    _CHOICES[key] = algo
+                rows.append(row)
+        finally:
+            torch.cuda.empty_cache()  # the timing's weight copies are not the memory profile's
     TIMED.add(index)
-    torch.cuda.empty_cache()  # the timing's weight copies are not the memory profile's
-    return {"seconds": round(time.perf_counter() - t0, 2), "chosen": sum(r["chosen"] is not None for r in rows),
-            "shapes": rows}
+    return {"seconds": round(time.perf_counter() - t0, 2),
+            "chosen": sum(r.get("chosen") is not None for r in rows), "shapes": rows}
+
+
+def tune_model(model: torch.nn.Module, device: torch.device) -> dict | None:
+    """`tune` over the model's projections and, where one GPU writes the bf16 logits with torch.mm (no TP, no
+    DSASERVE_FP32_LM_HEAD), its lm_head; None where the GPU kernels are off (DSASERVE_KERNELS=reference)."""
+    if envs.DSASERVE_KERNELS == "reference":
+        return None
+    head = getattr(model, "lm_head", None)
+    one_gpu_bf16 = head is not None and head.group.size == 1 and not envs.DSASERVE_FP32_LM_HEAD
+    return tune(projection_shapes(model), ROW_CLASSES[-1], device, head.weight if one_gpu_bf16 else None)

@@ -32,6 +32,19 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.float() - want.float()).norm() / want.float().norm()).item())
 
 
+def _captured(fn):
+    """fn() captured in a CUDA graph (where the tuned calls run: `cublaslt_tuning._usable`) and replayed once: its
+    output (None where fn returned None in the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @gpu
 @pytest.mark.parametrize("m,n,k", [(128, 6144, 16384), (64, 2816, 6144), (128, 4096, 6144), (48, 6144, 2048)])
 def test_every_fp8_candidate_matches_scaled_mm(m, n, k):
@@ -103,12 +116,14 @@ def test_tuned_projection_equals_scaled_mm_at_every_row_count_of_its_class():
     report = T.tune([(6144, 16384)], 128, torch.device("cuda"))
     assert {r["m"] for r in report["shapes"]} == {64, 128}
     assert all(r["best_us"] * T.MIN_GAIN <= r["torch_us"] for r in report["shapes"] if r["chosen"] is not None)
+    assert report["chosen"] == sum(r["chosen"] is not None for r in report["shapes"])
     saved = T.TUNED
     try:
         T.TUNED = True
         for m in (48, 64, 80, 128):
             a, a_s, w, s, want = _fp8_case(m, 6144, 16384)
-            got = T.linear(a, a_s, w, s)
+            assert T.linear(a, a_s, w, s) is None  # eager: torch's call (the ctypes host time would cost more)
+            got = _captured(lambda a=a, a_s=a_s, w=w, s=s: T.linear(a, a_s, w, s))
             chosen = next(r["chosen"] for r in report["shapes"] if r["m"] == T.row_class(m))
             if chosen is None:
                 assert got is None  # nothing beat `_scaled_mm`: the caller runs it
@@ -132,7 +147,7 @@ def test_tuned_lm_head_equals_mm():
         for r in report["shapes"]:
             h = torch.randn(r["m"], 1024, device="cuda", generator=gen).bfloat16()
             out = torch.empty(r["m"], 8192, device="cuda", dtype=torch.bfloat16)
-            got = T.lm_head(h, w, out)
+            got = _captured(lambda h=h, out=out: T.lm_head(h, w, out))
             assert (got is None) == (r["chosen"] is None)
             if got is not None:
                 assert got.data_ptr() == out.data_ptr() and _rel(got, h @ w.t()) < 4e-3
