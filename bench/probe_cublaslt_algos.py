@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.bench_kernels import graph_time, measure_ceilings
+from bench.bench_kernels import graph_time, probe_start
 from bench.probe_scaled_mm_rows import SHAPES, _mm, weight_copies
 from dsaserve.kernels.cublaslt import Gemm
 from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
@@ -107,9 +107,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="projections by name, comma-separated (default: all)")
     ap.add_argument("--bf16", default="", help="lm_head rows, e.g. 1,128 (default: none)")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
-    print({k: round(v / 1e12, 3) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
+    ceilings = probe_start(args.out)
     rows: list[dict] = []
     wanted = set(args.shapes.split(",")) if args.shapes else None
     for name, n, k in SHAPES:

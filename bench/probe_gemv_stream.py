@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.bench_kernels import graph_time, measure_ceilings
+from bench.bench_kernels import graph_time, probe_start
 from bench.probe_scaled_mm_rows import weight_copies
 
 # (name, N, K): the slice's b1 GEMVs (qkv_a: q_a 2048 + kv_a 576 padded to 640 + wk 128)
@@ -117,9 +117,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="by name, comma-separated (default: all)")
     ap.add_argument("--skip-read", action="store_true")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
-    print({k: round(v / 1e12, 3) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
+    ceilings = probe_start(args.out)
     rows: list[dict] = []
     wanted = set(args.shapes.split(",")) if args.shapes else None
     for shape in (s for s in SHAPES if wanted is None or s[0] in wanted):
