@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.bench_gpu import cuda_time, decode_bytes, fill_pool, measure_ceilings, pipelined_time
 from dsaserve.common import envs
 from dsaserve.engine import cuda_graph_runner
+from dsaserve.engine.gemm_tuning import tune_model
 from dsaserve.engine.memory_profile import dummy_decode
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.kernels import (
@@ -282,8 +283,7 @@ def ab_setting(runner, name: str):
                     "full_table": (cuda_graph_runner, "TABLE_MIRROR", False)}
     if name == "lt_tuned":
         if not cublaslt_tuning.TIMED:
-            report = cublaslt_tuning.tune(cublaslt_tuning.projection_shapes(runner.model), 128, runner.device,
-                                          runner.model.lm_head.weight)
+            report = tune_model(runner.model, runner.device, max_rows=128)
             print("cublaslt tuning:", json.dumps(report), flush=True)
         return _set(cublaslt_tuning, TUNED=True)
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)

@@ -31,6 +31,7 @@ from dsaserve.engine.cuda_graph_runner import CudaGraphRunner, decode_buckets
 from dsaserve.engine.decode_graphs import DecodeGraphs, few_row_widths, width_classes
 from dsaserve.engine.dp_step import A2A, GATHER, SKIP, DPStep, DPStepSync, empty_batch
 from dsaserve.engine.engine_args import EngineArgs
+from dsaserve.engine.gemm_tuning import tune_model
 from dsaserve.engine.kv_pool import PAGE_SIZE, KVPool, pool_pages_for_budget
 from dsaserve.engine.memory_profile import CompileCache, MemoryProfile, warmup_prefill
 from dsaserve.engine.mtp_graphs import capture_mtp_graphs
@@ -77,7 +78,7 @@ class ModelRunner(RunnerStartup):
         self.warm_start = self._preload() if self.device.type == "cuda" else None
         if self.device.type == "cuda" and cublaslt_tuning.TUNED and not args.disable_cuda_graph:
             with PhaseTimer(self.startup_time, "gemm_tuning"):  # before the memory profile and any capture
-                self.gemm_tuning = cublaslt_tuning.tune_model(self.model, self.device)
+                self.gemm_tuning = tune_model(self.model, self.device)
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()

@@ -1,13 +1,13 @@
 """Which cuBLASLt algorithm each decode-size FP8 projection and the few-row lm_head run: chosen by timing once a
 shape and row class at start-up (issue 17).
 
-Owns: the choices (`tune`, `tune_model`), the two call sites' way to them (`linear` for `scaled_mm_linear`,
+Owns: the choices (`tune`), the two call sites' way to them (`linear` for `scaled_mm_linear`,
 `lm_head` for `LMHead.forward`), and the graph timer the benches share (`graph_us`, `replay_seconds`).
 
 `_scaled_mm` runs the heuristic's first algorithm; at 33-512 rows that is often one 128 x 128 tile a CTA over the
 whole K, which leaves most SMs idle on the narrow projections (bench/RESULTS.md, forty-second session). Before the
-graphs are captured (`tune_model`), each FP8 projection shape the cuBLAS path takes is timed at the top of each
-row class (ROW_CLASSES) as a CUDA graph over weight copies past the L2: `_scaled_mm`, then the heuristic's first
+graphs are captured (`engine/gemm_tuning.py`), each FP8 projection shape the cuBLAS path takes is timed at the top
+of each row class (ROW_CLASSES) as a CUDA graph over weight copies past the L2: `_scaled_mm`, then the heuristic's first
 CANDIDATES algorithms (`cublaslt.Gemm`), each checked against `_scaled_mm`'s output first. A candidate at least
 MIN_GAIN faster is that (shape, class)'s choice; `linear` then runs it for every row count of the class that the
 algorithm supports (`Gemm.supports`) inside a CUDA graph's capture (an eager call's ctypes host time would cost
@@ -135,10 +135,10 @@ def _pick(torch_calls: list[Callable[[], object]], want: torch.Tensor, candidate
 
 def time_shape(n: int, k: int, m: int, device: torch.device) -> dict:
     """`_scaled_mm` and each candidate at (m, n, k) over weight copies past the L2 (`_pick`)."""
-    from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
-
     ws = _weights(n, k, device)
-    a, a_s = quant_act_fp8(torch.randn(m, k, device=device, dtype=torch.bfloat16), pad_m_to=16, scale_m_major=True)
+    # e4m3 rows and positive outer-dim-major 1 x 128 scales, as `quant_act_fp8(pad_m_to=16, scale_m_major=True)`
+    a = (torch.randn(m, k, device=device, dtype=torch.bfloat16) * 64).to(torch.float8_e4m3fn)
+    a_s = (torch.rand(k // 128, m, device=device) * 1e-2 + 1e-3).t()
     want = torch._scaled_mm(a, ws[0][0].t(), scale_a=a_s, scale_b=ws[0][1].t(), out_dtype=torch.bfloat16)
     gemm, y = cublaslt.Gemm(m, n, k, fp8=True), torch.empty_like(want)
     return _pick([lambda w=w, s=s: torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=s.t(), out_dtype=torch.bfloat16)
@@ -176,28 +176,17 @@ def time_lm_head(weight: torch.Tensor, m: int) -> dict:
                  {"n": n, "k": k, "m": m, "dtype": "bf16"})
 
 
-def projection_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(N, K) of every FP8 projection the cuBLAS path takes (`scaled_mm_shape_ok`), once each."""
-    from dsaserve.kernels.triton_fp8_gemm import scaled_mm_shape_ok
-    from dsaserve.model.layers.linear import Linear
-
-    shapes = {tuple(mod.weight.shape) for mod in model.modules()
-              if isinstance(mod, Linear) and mod.weight.dtype == torch.float8_e4m3fn and mod.weight.dim() == 2}
-    return sorted(s for s in shapes if scaled_mm_shape_ok(*s))
-
-
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # decode buckets whose logits GEMM is timed (the batch-1 step's largest kernel)
 
 
 def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
-         lm_head_weight: torch.Tensor | None = None) -> dict:
-    """Time every FP8 shape at each class up to max_rows' (33+ rows) and the bf16 lm_head at LM_HEAD_ROWS up to
-    max_rows, and keep the winners; the manifest's report."""
-    from dsaserve.kernels.triton_fp8_gemm import SMALL_M
-
+         lm_head_weight: torch.Tensor | None = None, min_rows: int = 33) -> dict:
+    """Time every FP8 shape (N, K: cuBLAS's block scaling takes them) at each class from min_rows (the skinny
+    kernels' end + 1) up to max_rows' and the bf16 lm_head at LM_HEAD_ROWS up to max_rows, and keep the winners;
+    the manifest's report."""
     t0, rows = time.perf_counter(), []
     index = device.index if device.index is not None else torch.cuda.current_device()
-    classes = [c for c in ROW_CLASSES if c > SMALL_M and (row_class(max_rows) or ROW_CLASSES[-1]) >= c]
+    classes = [c for c in ROW_CLASSES if c >= min_rows and (row_class(max_rows) or ROW_CLASSES[-1]) >= c]
     # (key, timing) of each case: the FP8 ones only where cuBLAS's block scaling runs (`scaled_mm_ok`: Hopper)
     cases = [((index, cls, n, k), functools.partial(time_shape, n, k, cls, device))
              for n, k in shapes for cls in classes if torch.cuda.get_device_capability(device) == (9, 0)]
@@ -224,12 +213,3 @@ def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
     return {"seconds": round(time.perf_counter() - t0, 2),
             "chosen": sum(r.get("chosen") is not None for r in rows), "shapes": rows}
 
-
-def tune_model(model: torch.nn.Module, device: torch.device) -> dict | None:
-    """`tune` over the model's projections and, where one GPU writes the bf16 logits with torch.mm (no TP, no
-    DSASERVE_FP32_LM_HEAD), its lm_head; None where the GPU kernels are off (DSASERVE_KERNELS=reference)."""
-    if envs.DSASERVE_KERNELS == "reference":
-        return None
-    head = getattr(model, "lm_head", None)
-    one_gpu_bf16 = head is not None and head.group.size == 1 and not envs.DSASERVE_FP32_LM_HEAD
-    return tune(projection_shapes(model), ROW_CLASSES[-1], device, head.weight if one_gpu_bf16 else None)

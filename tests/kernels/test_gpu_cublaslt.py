@@ -156,10 +156,10 @@ def test_tuned_lm_head_equals_mm():
 
 
 def test_projection_shapes_are_the_fp8_linears_cublas_takes():
-    from dsaserve.kernels import cublaslt_tuning as T
+    from dsaserve.engine.gemm_tuning import projection_shapes
     from dsaserve.model.layers.linear import Linear
 
     model = torch.nn.ModuleList([Linear(2048, 512, quantized=True), Linear(2048, 512, quantized=True),
                                  Linear(256, 512, quantized=True),  # K/128 = 2: not cuBLAS's (scaled_mm_shape_ok)
                                  Linear(2048, 640, quantized=False)])  # bf16: not an FP8 projection
-    assert T.projection_shapes(model) == [(512, 2048)]
+    assert projection_shapes(model) == [(512, 2048)]
