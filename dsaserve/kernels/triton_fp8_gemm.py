@@ -421,8 +421,7 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     m = x.shape[0]
     a, a_s = act if act is not None else quant_act_fp8(x, pad_m_to=CUBLAS_M, scale_m_major=True)
     y = cublaslt_tuning.linear(a, a_s, weight, scale)  # the algorithm timed fastest at start-up, where one was
-    if y is None:
-        y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(a, weight.t(), scale_a=a_s, scale_b=scale.t(), out_dtype=torch.bfloat16) if y is None else y
     return y[:m].to(out_dtype)
 
 
