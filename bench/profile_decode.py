@@ -251,8 +251,8 @@ def ab_setting(runner, name: str):
     `triton_elementwise.HOST_READ_MAX_BYTES`), "full_table"
     every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
     `cuda_graph_runner.TABLE_MIRROR`), "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
-    timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting), not
-    `_scaled_mm`'s own. "a+b" takes both settings."""
+    timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
+    engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
     if name == "fp32_head":
@@ -286,6 +286,8 @@ def ab_setting(runner, name: str):
             report = tune_model(runner.model, runner.device, max_rows=128)
             print("cublaslt tuning:", json.dumps(report), flush=True)
         return _set(cublaslt_tuning, TUNED=True)
+    if name == "lt_off":
+        return _set(cublaslt_tuning, TUNED=False)
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant

@@ -97,9 +97,9 @@ SWITCHES: dict[str, Switch] = {
         "(kernels/triton_moe_prefill.py's grouped GEMM, or a block-scaled cuBLAS GEMM an expert: "
         "kernels/cublas_moe_prefill.py) whatever the size; unset, PREFILL_CONFIG's 'auto' (the A/B for issue 17)"),
     "DSASERVE_GEMM_TUNING": Switch(
-        False, lambda raw: raw.strip() == "1", "'1': at start-up, time cuBLASLt's algorithms for the 33-512-row FP8 "
-        "projections and the 1-32-row lm_head and run the fastest (kernels/cublaslt_tuning.py; measured in the "
-        "decode step, opt-in until the engine's GPU tests and cold start have run with it)"),
+        True, _on_unless_zero, "'0': the 33-512-row FP8 projections and the 1-32-row lm_head on torch's own cuBLAS "
+        "algorithm; else each is timed against cuBLASLt's candidates at start-up and the fastest runs in the CUDA "
+        "graphs (kernels/cublaslt_tuning.py; the A/B for issue 17)"),
     "DSASERVE_STARTUP_PROFILE": Switch(
         None, _text, "a directory: each scheduler rank's start-up under cProfile, written there as "
         "startup-rank<N>.prof and a text summary, startup-rank<N>.txt (finding a slow start's Python)"),

@@ -28,7 +28,7 @@ import torch
 from dsaserve.common import envs
 from dsaserve.kernels import cublaslt
 
-# off: every projection on torch's own choice (DSASERVE_GEMM_TUNING=1 turns it on; profile_decode --ab lt_tuned)
+# on unless DSASERVE_GEMM_TUNING=0 (every projection on torch's own choice; profile_decode --ab lt_off / lt_tuned)
 TUNED = envs.DSASERVE_GEMM_TUNING
 ROW_CLASSES = (64, 128, 256, 512)  # a projection of m rows (33..512) takes the choice timed at the class's top
 CANDIDATES = 12
@@ -194,8 +194,12 @@ def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
         cases += [((index, m, *lm_head_weight.shape, "bf16"), functools.partial(time_lm_head, lm_head_weight, m))
                   for m in LM_HEAD_ROWS if m <= max_rows]
     with torch.cuda.device(index):
-        for side in (False, True):  # before any capture (`cublaslt.workspace`)
-            cublaslt.workspace(index, side)
+        try:
+            cublaslt.handle(index)
+            for side in (False, True):  # before any capture (`cublaslt.workspace`)
+                cublaslt.workspace(index, side)
+        except (cublaslt.CublasLtError, OSError) as e:  # no cuBLASLt to call here: torch's choices stay
+            return {"seconds": round(time.perf_counter() - t0, 2), "chosen": 0, "error": str(e)[:200]}
         try:
             for key, timing in cases:
                 try:
