@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_kernels import graph_time, measure_ceilings
+from dsaserve.kernels.cublaslt_tuning import fp8_weight_copies
 from dsaserve.kernels.triton_fp8_gemm import quant_act_fp8
 
 # (name, N, K) of the glm-5.3-slice's decode projections (qkv_a: q_a 2048 + kv_a 576 padded to 640 + wk 128)
@@ -34,12 +35,7 @@ SHAPES = [("qkv_a", 2816, 6144), ("q_b", 16384, 2048), ("o_proj", 6144, 16384), 
 def weight_copies(n: int, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Copies of an [N, K] e4m3 weight and its 128 x 128 scales, over 200 MB in all (each replay reads HBM, not
     L2), and one copy's bytes."""
-    out = []
-    for _ in range(max(2, -(-200_000_000 // (n * k)))):
-        w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-        s = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 + 1e-3
-        out.append((w, s))
-    return out, n * k + 4 * (n // 128) * (k // 128)
+    return fp8_weight_copies(n, k, "cuda", 200_000_000), n * k + 4 * (n // 128) * (k // 128)
 
 
 def _mm(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: int) -> torch.Tensor:

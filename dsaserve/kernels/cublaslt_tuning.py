@@ -110,8 +110,11 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
     return times
 
 
-def _weights(n: int, k: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    copies = max(2, -(-L2_PAST_BYTES // (n * k)))
+def fp8_weight_copies(n: int, k: int, device: torch.device | str, past_bytes: int = L2_PAST_BYTES
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random copies of an [N, K] e4m3 weight and its 128 x 128 block scales, over past_bytes in all: replays that
+    take each in turn read HBM, not the L2 (the timing here and the benches' probes)."""
+    copies = max(2, -(-past_bytes // (n * k)))
     return [((torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.5).to(torch.float8_e4m3fn),
              torch.rand(n // 128, k // 128, device=device) * 1e-2 + 1e-3) for _ in range(copies)]
 
@@ -135,7 +138,7 @@ def _pick(torch_calls: list[Callable[[], object]], want: torch.Tensor, candidate
 
 def time_shape(n: int, k: int, m: int, device: torch.device) -> dict:
     """`_scaled_mm` and each candidate at (m, n, k) over weight copies past the L2 (`_pick`)."""
-    ws = _weights(n, k, device)
+    ws = fp8_weight_copies(n, k, device)
     # e4m3 rows and positive outer-dim-major 1 x 128 scales, as `quant_act_fp8(pad_m_to=16, scale_m_major=True)`
     a = (torch.randn(m, k, device=device, dtype=torch.bfloat16) * 64).to(torch.float8_e4m3fn)
     a_s = (torch.rand(k // 128, m, device=device) * 1e-2 + 1e-3).t()
