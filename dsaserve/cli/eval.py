@@ -14,6 +14,9 @@ both runs' top-1 margins there: a parting at a near-tie is rounding, one at a wi
            moves greedy); on a GPU also the GPU path against both, same KV layout
   fp32_head (GPU) the GPU path with a float32 lm_head output (DSASERVE_FP32_LM_HEAD) against the CPU
            reference and against the bf16 lm_head: bf16 logits make close tokens tie exactly
+  gpu_fp32 (GPU) the GPU path in float32 without FP8 activations against the CPU reference (kernel order alone)
+  graphs   (GPU) greedy through the CUDA graphs serving replays, --batch prompts a step, against the eager base;
+           with the cuBLASLt choices on (DSASERVE_GEMM_TUNING), also against the same graphs on torch's choices
   hf       each KV layout run against HF transformers (float32, CPU; checkpoints up to 4 GiB) whose cached
            latent and indexer keys go through that layout's codec: the fair oracle of a quantised layout
 Needs a checkpoint with its tokenizer; the held-out split is rebuilt from corpus_recipe.json when present, out of

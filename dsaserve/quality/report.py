@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsaserve.kernels import cublaslt_tuning
 from dsaserve.quality.runs import Setting, run_setting
 from dsaserve.quality.variants import make_variant
 from dsaserve.training import corpus
 
-ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "fp32_head", "gpu_fp32", "hf")
+ALL_GROUPS = ("kv", "sparse", "indexer", "fp8_act", "cpu_ref", "fp32_head", "gpu_fp32", "graphs", "hf")
 KV_GROUP = ("fp32", "bf16", "fp8_ds_mla", "fp8_e4m3")  # the engine's layouts; fp32 is the exact reference
 
 
@@ -90,11 +91,25 @@ def make_plan(a: EvalArgs) -> Plan:
         p.add(f32)
         p.add(Setting(f"cpu:{a.kv_layout}", "cpu", a.kv_layout))
         p.pairs.append(("GPU float32 vs CPU reference", f32.name, f"cpu:{a.kv_layout}"))
+    if gpu and "graphs" in a.groups:
+        _add_graphs(p, dev, a.kv_layout, base.name)
     # most telling first: a run cut short (a time limit) still answers the main questions
     order = [base.name, f"{dev}:fp32", f"cpu:{a.kv_layout}", f"cpu:{a.kv_layout}:bfloat16",
              f"{dev}:{a.kv_layout}:dense", f"{dev}:bf16"]
     p.settings.sort(key=lambda s: order.index(s.name) if s.name in order else len(order))
     return p
+
+
+def _add_graphs(p: Plan, dev: str, kv_layout: str, base: str) -> None:
+    """Greedy through the CUDA graphs serving replays (--batch prompts a step) against the eager base (all prompts
+    a step), and, where the cuBLASLt choices are on, against the same graphs on torch's own cuBLAS choices."""
+    graphs = Setting(f"{dev}:{kv_layout}:graphs", dev, kv_layout, graphs=True)
+    p.add(graphs)
+    p.pairs.append(("CUDA graphs (--batch prompts a step) vs eager (all at once)", graphs.name, base))
+    if cublaslt_tuning.TUNED:
+        torch_gemm = Setting(f"{graphs.name}:torch_gemm", dev, kv_layout, graphs=True, gemm_tuning=False)
+        p.add(torch_gemm)
+        p.pairs.append(("cuBLASLt choices vs torch's, in the graphs", graphs.name, torch_gemm.name))
 
 
 def _add_cpu_refs(p: Plan, kv_layout: str, gpu_base: str | None) -> None:

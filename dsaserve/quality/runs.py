@@ -6,19 +6,23 @@ whole life (the kernel registry reads it per forward; `envs.override`, so os.env
 prefill perplexity over held-out windows (each window's logits at every position, the KV written and
 read back in the setting's layout, as a real prefill does), MTP acceptance on the same text, and batched
 greedy decode (prefill, then one token per request per step: the decode path reading the paged cache).
-CUDA graphs are off: they replay the same kernels, and eval steps have shapes no bucket was captured for.
+CUDA graphs are off unless a setting asks for them (`graphs`: greedy through `ModelRunner.forward`, the decode
+graphs serving replays, --batch prompts a step), since what runs only inside a capture (the cuBLASLt choices,
+`kernels/cublaslt_tuning.py`) is numerics an eager run never sees.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsaserve.common import envs
 from dsaserve.engine.kv_pool import PAGE_SIZE
-from dsaserve.model.forward_batch import contiguous_batch
+from dsaserve.kernels import cublaslt_tuning
+from dsaserve.model.forward_batch import ForwardBatch, contiguous_batch
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Setting:
     hf: bool = False  # HF transformers (float32, CPU) with this KV layout's codec instead of the engine
     dtype: str = "auto"  # compute dtype (EngineArgs.dtype): auto = bfloat16 on cuda, float32 on the CPU
     fp32_head: bool = False  # DSASERVE_FP32_LM_HEAD: float32 logits from a bf16 model
+    graphs: bool = False  # GPU: greedy decode replays the CUDA graphs, --batch prompts a step (perplexity stays eager)
+    gemm_tuning: bool = True  # with graphs: the cuBLASLt choices (DSASERVE_GEMM_TUNING permitting), else torch's
 
     def describe(self) -> str:
         if self.hf:
@@ -38,7 +44,9 @@ class Setting:
         act = "" if self.device == "cpu" else f", fp8 act {'on' if self.fp8_act else 'off'}"
         dtype = "" if self.dtype == "auto" else f" {self.dtype}"
         head = ", fp32 lm_head" if self.fp32_head else ""
-        return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}{head}"
+        graphs = (", greedy in CUDA graphs" + ("" if self.gemm_tuning else " on torch's cuBLAS choices")
+                  if self.graphs else "")
+        return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}{head}{graphs}"
 
 
 def open_runner(model_dir: str, s: Setting, max_tokens: int):
@@ -47,7 +55,7 @@ def open_runner(model_dir: str, s: Setting, max_tokens: int):
 
     pages = -(-max_tokens // PAGE_SIZE) + 2
     return ModelRunner.from_kwargs(str(model_dir), device=s.device, dtype=s.dtype, kv_layout=s.kv_layout,
-                                   num_pages=pages, load_mtp=True, disable_cuda_graph=True,
+                                   num_pages=pages, load_mtp=True, disable_cuda_graph=not s.graphs,
                                    max_num_batched_tokens=max(max_tokens, 2048))
 
 
@@ -109,12 +117,18 @@ def _offsets(chunk: list[list[int]]) -> list[int]:
     return out
 
 
+def _eager_step(runner) -> Callable[[ForwardBatch], torch.Tensor]:
+    return lambda b: runner.model(b.to(runner.device), runner.kv_pool)[0]
+
+
 @torch.no_grad()
-def greedy(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
-    """n greedy tokens per prompt (EOS ignored), all prompts batched; also each step's top-1 margin (nats)."""
+def greedy(runner, prompts: list[list[int]], n: int, run: Callable[[ForwardBatch], torch.Tensor] | None = None
+           ) -> tuple[list[list[int]], list[list[float]]]:
+    """n greedy tokens per prompt (EOS ignored), all prompts batched; also each step's top-1 margin (nats).
+    run: a batch's logits (default the model's eager forward; `runner.forward` replays the graphs)."""
+    run = run or _eager_step(runner)
     bases = page_bases([len(p) + n for p in prompts])
-    b = contiguous_batch(prompts, [0] * len(prompts), bases)
-    logits, _ = runner.model(b.to(runner.device), runner.kv_pool)
+    logits = run(contiguous_batch(prompts, [0] * len(prompts), bases))
     toks: list[list[int]] = [[] for _ in prompts]
     margins: list[list[float]] = [[] for _ in prompts]
     lens = [len(p) for p in prompts]
@@ -127,7 +141,16 @@ def greedy(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], l
             break
         b = contiguous_batch([[t[-1]] for t in toks], lens, bases)
         lens = [x + 1 for x in lens]
-        logits, _ = runner.model(b.to(runner.device), runner.kv_pool)
+        logits = run(b)
+    return toks, margins
+
+
+def greedy_in_graphs(runner, prompts: list[list[int]], n: int, rows: int) -> tuple[list[list[int]], list[list[float]]]:
+    """`greedy` through `runner.forward` (a decode step replays its graph), `rows` prompts at a time."""
+    toks, margins = [], []
+    for i in range(0, len(prompts), rows):
+        t, m = greedy(runner, prompts[i:i + rows], n, runner.forward)
+        toks, margins = toks + t, margins + m
     return toks, margins
 
 
@@ -141,11 +164,17 @@ def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list
                 **run_oracle(model_dir, s.kv_layout, wins, prompts, n_tokens, batch)}
     longest = max([len(w) for w in wins[:batch]] + [0])
     need = max(batch * (longest + PAGE_SIZE), len(prompts) * (max(map(len, prompts), default=0) + n_tokens + PAGE_SIZE))
-    with envs.override(DSASERVE_FP8_ACTIVATIONS="1" if s.fp8_act else "0",
-                       DSASERVE_FP32_LM_HEAD="1" if s.fp32_head else "0"):
-        runner = open_runner(model_dir, s, need)
-        ppl = perplexity(runner, wins, batch)
-        toks, margins = greedy(runner, prompts, n_tokens)
+    tuned = cublaslt_tuning.TUNED
+    cublaslt_tuning.TUNED = tuned and s.gemm_tuning  # read at the runner's start and at each capture
+    try:
+        with envs.override(DSASERVE_FP8_ACTIVATIONS="1" if s.fp8_act else "0",
+                           DSASERVE_FP32_LM_HEAD="1" if s.fp32_head else "0"):
+            runner = open_runner(model_dir, s, need)
+            ppl = perplexity(runner, wins, batch)
+            toks, margins = (greedy_in_graphs(runner, prompts, n_tokens, batch) if s.graphs
+                             else greedy(runner, prompts, n_tokens))
+    finally:
+        cublaslt_tuning.TUNED = tuned
     del runner
     if s.device == "cuda":
         torch.cuda.empty_cache()

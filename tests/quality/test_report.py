@@ -74,3 +74,19 @@ def test_the_gpu_fp32_group_runs_the_gpu_in_float32_without_fp8_activations_agai
     assert (f32.device, f32.fp8_act) == ("cuda", False)
     assert ("GPU float32 vs CPU reference", f32.name, "cpu:fp8_ds_mla") in plan.pairs
     assert not any(s.dtype == "float32" for s in make_plan(EvalArgs(model="m", groups=("gpu_fp32",))).settings)
+
+
+def test_the_graphs_group_replays_the_decode_graphs_with_and_without_the_cublaslt_choices(monkeypatch):
+    from dsaserve.kernels import cublaslt_tuning
+
+    monkeypatch.setattr(cublaslt_tuning, "TUNED", True)
+    plan = make_plan(EvalArgs(model="m", device="cuda", groups=("graphs",)))
+    by_name = {s.name: s for s in plan.settings}
+    graphs, torch_gemm = by_name["cuda:fp8_ds_mla:graphs"], by_name["cuda:fp8_ds_mla:graphs:torch_gemm"]
+    assert graphs.graphs and graphs.gemm_tuning and torch_gemm.graphs and not torch_gemm.gemm_tuning
+    assert [p[1:] for p in plan.pairs] == [(graphs.name, "cuda:fp8_ds_mla"), (graphs.name, torch_gemm.name)]
+    assert "greedy in CUDA graphs on torch's cuBLAS choices" in torch_gemm.describe()
+    monkeypatch.setattr(cublaslt_tuning, "TUNED", False)  # nothing to compare the graphs against but eager
+    assert [s.name for s in make_plan(EvalArgs(model="m", device="cuda", groups=("graphs",))).settings] == [
+        "cuda:fp8_ds_mla", "cuda:fp8_ds_mla:graphs"]
+    assert all(not s.graphs for s in make_plan(EvalArgs(model="m", device="cpu", groups=("graphs",))).settings)

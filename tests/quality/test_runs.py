@@ -56,3 +56,27 @@ def test_a_setting_computes_in_its_dtype(tiny_checkpoint):
     runner = runs.open_runner(str(tiny_checkpoint(MODEL)), s, 128)
     assert runner.dtype == torch.bfloat16 and s.describe().startswith("cpu bfloat16, kv bf16")
     assert runs.open_runner(str(tiny_checkpoint(MODEL)), Setting("cpu:bf16", "cpu", "bf16"), 128).dtype == torch.float32
+
+
+def test_a_graphs_setting_decodes_batch_prompts_a_step_through_forward_and_restores_the_tuning_flag(
+        tiny_checkpoint, monkeypatch):
+    """On the CPU `forward` runs eagerly: the setting's tokens are the eager base's, its steps `--batch` rows, and
+    the cuBLASLt flag is off for a torch_gemm setting's run only."""
+    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.kernels import cublaslt_tuning
+
+    ckpt, rows, flags = str(tiny_checkpoint(MODEL)), [], []
+    forward = ModelRunner.forward
+
+    def spy(self, batch):
+        rows.append(len(batch.logits_indices))
+        flags.append(cublaslt_tuning.TUNED)
+        return forward(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "forward", spy)
+    monkeypatch.setattr(cublaslt_tuning, "TUNED", True)
+    base = run_setting(ckpt, Setting("cpu:fp32", "cpu", "fp32"), WINS, PROMPTS, 3, 1)
+    assert rows == []  # the eager setting never calls forward
+    out = run_setting(ckpt, Setting("g", "cpu", "fp32", graphs=True, gemm_tuning=False), WINS, PROMPTS, 3, 1)
+    assert rows == [1] * 6 and flags == [False] * 6 and cublaslt_tuning.TUNED is True
+    assert out["greedy"] == base["greedy"] and out["loss"] == base["loss"]
