@@ -79,6 +79,9 @@ class ModelRunner(RunnerStartup):
         if self.device.type == "cuda" and cublaslt_tuning.TUNED and not args.disable_cuda_graph:
             with PhaseTimer(self.startup_time, "gemm_tuning"):  # before the memory profile and any capture
                 self.gemm_tuning = tune_model(self.model, self.device)
+            if self.gemm_tuning and "error" in self.gemm_tuning:
+                logging.getLogger(__name__).warning("cuBLASLt timing skipped, torch's choices stay: %s",
+                                                    self.gemm_tuning["error"])
         kv_budget_bytes = args.kv_cache_bytes
         if self.device.type == "cuda" and args.num_pages is None and kv_budget_bytes is None:
             kv_budget_bytes = self._profile_memory()

@@ -2,7 +2,8 @@
 shape and row class at start-up (issue 17).
 
 Owns: the choices (`tune`), the two call sites' way to them (`linear` for `scaled_mm_linear`,
-`lm_head` for `LMHead.forward`), and the graph timer the benches share (`graph_us`, `replay_seconds`).
+`lm_head` for `LMHead.forward`), and what the benches share: the graph timer (`graph_us`, `replay_seconds`) and
+the weight copies past the L2 (`fp8_weight_copies`).
 
 `_scaled_mm` runs the heuristic's first algorithm; at 33-512 rows that is often one 128 x 128 tile a CTA over the
 whole K, which leaves most SMs idle on the narrow projections (bench/RESULTS.md, forty-second session). Before the
@@ -182,6 +183,16 @@ def time_lm_head(weight: torch.Tensor, m: int) -> dict:
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32)  # decode buckets whose logits GEMM is timed (the batch-1 step's largest kernel)
 
 
+def _forget(index: int) -> None:
+    """A device's earlier choices and descriptors (another runner in this process): a new timing may choose
+    otherwise, or torch, and a descriptor's `supports` answered for the algorithm it was made with. Graphs already
+    captured keep what they captured (descriptors are never destroyed)."""
+    TIMED.discard(index)
+    for table in (_CHOICES, _GEMMS):
+        for key in [k for k in table if k[0] == index]:
+            del table[key]
+
+
 def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
          lm_head_weight: torch.Tensor | None = None, min_rows: int = 33) -> dict:
     """Time every FP8 shape (N, K: cuBLAS's block scaling takes them) at each class from min_rows (the skinny
@@ -189,6 +200,7 @@ def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
     the manifest's report."""
     t0, rows = time.perf_counter(), []
     index = device.index if device.index is not None else torch.cuda.current_device()
+    _forget(index)
     classes = [c for c in ROW_CLASSES if c >= min_rows and (row_class(max_rows) or ROW_CLASSES[-1]) >= c]
     # (key, timing) of each case: the FP8 ones only where cuBLAS's block scaling runs (`scaled_mm_ok`: Hopper)
     cases = [((index, cls, n, k), functools.partial(time_shape, n, k, cls, device))

@@ -7,13 +7,15 @@ prefill perplexity over held-out windows (each window's logits at every position
 read back in the setting's layout, as a real prefill does), MTP acceptance on the same text, and batched
 greedy decode (prefill, then one token per request per step: the decode path reading the paged cache).
 CUDA graphs are off unless a setting asks for them (`graphs`: greedy through `ModelRunner.forward`, the decode
-graphs serving replays, --batch prompts a step), since what runs only inside a capture (the cuBLASLt choices,
-`kernels/cublaslt_tuning.py`) is numerics an eager run never sees.
+graphs serving replays, --batch prompts a step, each step's route counted), since what runs only inside a capture
+(the cuBLASLt choices, `kernels/cublaslt_tuning.py`) is numerics an eager run never sees; its eager reference
+decodes the same --batch prompts a step (`chunked`: a step's rows choose kernels too).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +37,8 @@ class Setting:
     hf: bool = False  # HF transformers (float32, CPU) with this KV layout's codec instead of the engine
     dtype: str = "auto"  # compute dtype (EngineArgs.dtype): auto = bfloat16 on cuda, float32 on the CPU
     fp32_head: bool = False  # DSASERVE_FP32_LM_HEAD: float32 logits from a bf16 model
-    graphs: bool = False  # GPU: greedy decode replays the CUDA graphs, --batch prompts a step (perplexity stays eager)
+    chunked: bool = False  # greedy decodes --batch prompts a step (else all at once)
+    graphs: bool = False  # GPU, chunked: greedy decode replays the CUDA graphs (perplexity stays eager)
     gemm_tuning: bool = True  # with graphs: the cuBLASLt choices (DSASERVE_GEMM_TUNING permitting), else torch's
 
     def describe(self) -> str:
@@ -45,7 +48,7 @@ class Setting:
         dtype = "" if self.dtype == "auto" else f" {self.dtype}"
         head = ", fp32 lm_head" if self.fp32_head else ""
         graphs = (", greedy in CUDA graphs" + ("" if self.gemm_tuning else " on torch's cuBLAS choices")
-                  if self.graphs else "")
+                  if self.graphs else ", greedy --batch a step" if self.chunked else "")
         return f"{self.device}{dtype}, kv {self.kv_layout}, {self.variant}{act}{head}{graphs}"
 
 
@@ -118,7 +121,16 @@ def _offsets(chunk: list[list[int]]) -> list[int]:
 
 
 def _eager_step(runner) -> Callable[[ForwardBatch], torch.Tensor]:
+    """The model's eager forward: a batch's logits at its logits_indices."""
     return lambda b: runner.model(b.to(runner.device), runner.kv_pool)[0]
+
+
+def _replay_step(runner, routes: Counter) -> Callable[[ForwardBatch], torch.Tensor]:
+    """`runner.forward` (a decode step replays its graph), each step's route counted."""
+    def run(b: ForwardBatch) -> torch.Tensor:
+        routes[runner.route(b)] += 1
+        return runner.forward(b)
+    return run
 
 
 @torch.no_grad()
@@ -145,13 +157,37 @@ def greedy(runner, prompts: list[list[int]], n: int, run: Callable[[ForwardBatch
     return toks, margins
 
 
-def greedy_in_graphs(runner, prompts: list[list[int]], n: int, rows: int) -> tuple[list[list[int]], list[list[float]]]:
-    """`greedy` through `runner.forward` (a decode step replays its graph), `rows` prompts at a time."""
-    toks, margins = [], []
+def greedy_chunked(runner, prompts: list[list[int]], n: int, rows: int, graphs: bool
+                   ) -> tuple[list[list[int]], list[list[float]], dict]:
+    """`greedy`, `rows` prompts at a time, eagerly or through `runner.forward`; what the graphs ran: each step's
+    route, the capture errors and the cuBLASLt timing's report."""
+    toks: list[list[int]] = []
+    margins: list[list[float]] = []
+    routes: Counter = Counter()
     for i in range(0, len(prompts), rows):
-        t, m = greedy(runner, prompts[i:i + rows], n, runner.forward)
-        toks, margins = toks + t, margins + m
-    return toks, margins
+        t, m = greedy(runner, prompts[i:i + rows], n, _replay_step(runner, routes) if graphs else None)
+        toks.extend(t)
+        margins.extend(m)
+    if not graphs:
+        return toks, margins, {}
+    tuning = getattr(runner, "gemm_tuning", None) or {}
+    return toks, margins, {"routes": dict(routes), "graph_errors": dict(runner.graph_errors),
+                           "gemm_tuning": {k: tuning[k] for k in ("chosen", "error") if k in tuning}}
+
+
+def _graphs_warning(s: Setting, prompts: int, n: int, rows: int, seen: dict) -> str | None:
+    """Why a graphs setting's tokens may not be the graphs' (decode steps that ran eagerly, a failed capture, no
+    cuBLASLt choice where one was meant)."""
+    decode_steps = -(-prompts // rows) * (n - 1)
+    problems = []
+    if seen["routes"].get("decode_graph", 0) < decode_steps:
+        problems.append(f"{decode_steps - seen['routes'].get('decode_graph', 0)} of {decode_steps} decode steps "
+                        f"did not replay a graph (routes {seen['routes']})")
+    if seen["graph_errors"]:
+        problems.append(f"capture errors {seen['graph_errors']}")
+    if s.gemm_tuning and cublaslt_tuning.TUNED and not seen["gemm_tuning"].get("chosen"):
+        problems.append(f"no cuBLASLt choice was made ({seen['gemm_tuning']})")
+    return "; ".join(problems) or None
 
 
 def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list[list[int]], n_tokens: int,
@@ -171,11 +207,19 @@ def run_setting(model_dir: str, s: Setting, wins: list[list[int]], prompts: list
                            DSASERVE_FP32_LM_HEAD="1" if s.fp32_head else "0"):
             runner = open_runner(model_dir, s, need)
             ppl = perplexity(runner, wins, batch)
-            toks, margins = (greedy_in_graphs(runner, prompts, n_tokens, batch) if s.graphs
-                             else greedy(runner, prompts, n_tokens))
+            if s.chunked or s.graphs:
+                toks, margins, seen = greedy_chunked(runner, prompts, n_tokens, batch, s.graphs)
+            else:
+                (toks, margins), seen = greedy(runner, prompts, n_tokens), {}
     finally:
         cublaslt_tuning.TUNED = tuned
     del runner
     if s.device == "cuda":
         torch.cuda.empty_cache()
-    return {"setting": s.name, "describe": s.describe(), **ppl, "greedy": toks, "margins": margins}
+    out = {"setting": s.name, "describe": s.describe(), **ppl, "greedy": toks, "margins": margins}
+    if seen:
+        out["graphs"] = seen
+        warning = _graphs_warning(s, len(prompts), n_tokens, batch, seen)
+        if warning:
+            out["warning"] = warning
+    return out

@@ -4,6 +4,7 @@ choices, and the tuned call sites decline (CPU; the GPU side is tests/kernels/te
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,14 +29,18 @@ def test_on_unless_zero(monkeypatch):
 @pytest.mark.parametrize("error", [cublaslt.CublasLtError("cublaslt: torch has no libcublasLt loaded"),
                                    OSError("libcublasLt.so: cannot open shared object file")])
 def test_tune_without_cublaslt_reports_and_keeps_torch(monkeypatch, error):
+    """Also: a new timing forgets the device's earlier choices (another runner's), and only that device's."""
     def no_library(index):
         raise error
 
     monkeypatch.setattr(cublaslt, "handle", no_library)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    timed = set(cublaslt_tuning.TIMED)
+    for table in ("_CHOICES", "_GEMMS"):
+        monkeypatch.setattr(cublaslt_tuning, table, {(7, 64, 4096, 6144): "old", (3, 64, 4096, 6144): "kept"})
+    monkeypatch.setattr(cublaslt_tuning, "TIMED", {3, 7})
     report = cublaslt_tuning.tune([], 128, torch.device("cuda", 7))
     assert report["chosen"] == 0 and str(error)[:40] in report["error"]
-    assert timed == cublaslt_tuning.TIMED  # device 7 untimed: `linear` / `lm_head` leave it to torch
-    x = torch.zeros(64, 6144)
-    assert cublaslt_tuning.linear(x, x, x, x) is None
+    assert {3} == cublaslt_tuning.TIMED  # device 7 untimed: `linear` / `lm_head` leave it to torch
+    assert cublaslt_tuning._CHOICES == cublaslt_tuning._GEMMS == {(3, 64, 4096, 6144): "kept"}
+    a = SimpleNamespace(device=torch.device("cuda", 7))
+    assert cublaslt_tuning.linear(a, a, a, a) is None

@@ -82,11 +82,13 @@ def test_the_graphs_group_replays_the_decode_graphs_with_and_without_the_cublasl
     monkeypatch.setattr(cublaslt_tuning, "TUNED", True)
     plan = make_plan(EvalArgs(model="m", device="cuda", groups=("graphs",)))
     by_name = {s.name: s for s in plan.settings}
-    graphs, torch_gemm = by_name["cuda:fp8_ds_mla:graphs"], by_name["cuda:fp8_ds_mla:graphs:torch_gemm"]
+    eager, graphs = by_name["cuda:fp8_ds_mla:chunked"], by_name["cuda:fp8_ds_mla:graphs"]
+    torch_gemm = by_name["cuda:fp8_ds_mla:graphs:torch_gemm"]
+    assert eager.chunked and not eager.graphs  # the graphs' reference decodes the same rows a step
     assert graphs.graphs and graphs.gemm_tuning and torch_gemm.graphs and not torch_gemm.gemm_tuning
-    assert [p[1:] for p in plan.pairs] == [(graphs.name, "cuda:fp8_ds_mla"), (graphs.name, torch_gemm.name)]
+    assert [p[1:] for p in plan.pairs] == [(graphs.name, eager.name), (graphs.name, torch_gemm.name)]
     assert "greedy in CUDA graphs on torch's cuBLAS choices" in torch_gemm.describe()
     monkeypatch.setattr(cublaslt_tuning, "TUNED", False)  # nothing to compare the graphs against but eager
     assert [s.name for s in make_plan(EvalArgs(model="m", device="cuda", groups=("graphs",))).settings] == [
-        "cuda:fp8_ds_mla", "cuda:fp8_ds_mla:graphs"]
+        "cuda:fp8_ds_mla", "cuda:fp8_ds_mla:chunked", "cuda:fp8_ds_mla:graphs"]
     assert all(not s.graphs for s in make_plan(EvalArgs(model="m", device="cpu", groups=("graphs",))).settings)

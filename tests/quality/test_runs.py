@@ -58,10 +58,10 @@ def test_a_setting_computes_in_its_dtype(tiny_checkpoint):
     assert runs.open_runner(str(tiny_checkpoint(MODEL)), Setting("cpu:bf16", "cpu", "bf16"), 128).dtype == torch.float32
 
 
-def test_a_graphs_setting_decodes_batch_prompts_a_step_through_forward_and_restores_the_tuning_flag(
+def test_a_graphs_setting_decodes_batch_prompts_a_step_through_forward_and_says_what_ran_there(
         tiny_checkpoint, monkeypatch):
-    """On the CPU `forward` runs eagerly: the setting's tokens are the eager base's, its steps `--batch` rows, and
-    the cuBLASLt flag is off for a torch_gemm setting's run only."""
+    """On the CPU `forward` runs eagerly: the setting's tokens are the eager ones, its steps `--batch` rows, the
+    cuBLASLt flag off for a torch_gemm setting's run only, and a warning names the decode steps no graph replayed."""
     from dsaserve.engine.model_runner import ModelRunner
     from dsaserve.kernels import cublaslt_tuning
 
@@ -75,8 +75,9 @@ def test_a_graphs_setting_decodes_batch_prompts_a_step_through_forward_and_resto
 
     monkeypatch.setattr(ModelRunner, "forward", spy)
     monkeypatch.setattr(cublaslt_tuning, "TUNED", True)
-    base = run_setting(ckpt, Setting("cpu:fp32", "cpu", "fp32"), WINS, PROMPTS, 3, 1)
-    assert rows == []  # the eager setting never calls forward
+    chunked = run_setting(ckpt, Setting("c", "cpu", "fp32", chunked=True), WINS, PROMPTS, 3, 1)
+    assert rows == [] and "graphs" not in chunked  # the eager settings never call forward
     out = run_setting(ckpt, Setting("g", "cpu", "fp32", graphs=True, gemm_tuning=False), WINS, PROMPTS, 3, 1)
     assert rows == [1] * 6 and flags == [False] * 6 and cublaslt_tuning.TUNED is True
-    assert out["greedy"] == base["greedy"] and out["loss"] == base["loss"]
+    assert out["greedy"] == chunked["greedy"] and out["loss"] == chunked["loss"]
+    assert out["graphs"]["routes"] == {"eager": 6} and out["warning"].startswith("4 of 4 decode steps did not replay")
