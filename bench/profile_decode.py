@@ -280,14 +280,13 @@ def ab_setting(runner, name: str):
                     "fused64": (variants, "FUSED_PROGRAMS", 64),
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
-                    "full_table": (cuda_graph_runner, "TABLE_MIRROR", False)}
+                    "full_table": (cuda_graph_runner, "TABLE_MIRROR", False),
+                    "lt_off": (cublaslt_tuning, "TUNED", False)}
     if name == "lt_tuned":
         if not cublaslt_tuning.TIMED:
             report = tune_model(runner.model, runner.device, max_rows=128)
             print("cublaslt tuning:", json.dumps(report), flush=True)
         return _set(cublaslt_tuning, TUNED=True)
-    if name == "lt_off":
-        return _set(cublaslt_tuning, TUNED=False)
     if name == "splitk128":  # the split-K GEMM at 33-128 rows (not only to 64)
         name = "splitk:rows=128"
     if name.startswith("splitk:"):  # e.g. splitk:pdl=0/rows=128/stages=6: the split-K GEMM's variant

@@ -203,8 +203,9 @@ def tune(shapes: Iterable[tuple[int, int]], max_rows: int, device: torch.device,
     _forget(index)
     classes = [c for c in ROW_CLASSES if c >= min_rows and (row_class(max_rows) or ROW_CLASSES[-1]) >= c]
     # (key, timing) of each case: the FP8 ones only where cuBLAS's block scaling runs (`scaled_mm_ok`: Hopper)
+    hopper = bool(shapes) and torch.cuda.get_device_capability(device) == (9, 0)
     cases = [((index, cls, n, k), functools.partial(time_shape, n, k, cls, device))
-             for n, k in shapes for cls in classes if torch.cuda.get_device_capability(device) == (9, 0)]
+             for n, k in shapes for cls in classes if hopper]
     if lm_head_weight is not None and lm_head_weight.dtype == torch.bfloat16:
         cases += [((index, m, *lm_head_weight.shape, "bf16"), functools.partial(time_lm_head, lm_head_weight, m))
                   for m in LM_HEAD_ROWS if m <= max_rows]

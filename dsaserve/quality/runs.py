@@ -170,7 +170,7 @@ def greedy_chunked(runner, prompts: list[list[int]], n: int, rows: int, graphs: 
         margins.extend(m)
     if not graphs:
         return toks, margins, {}
-    tuning = getattr(runner, "gemm_tuning", None) or {}
+    tuning = runner.gemm_tuning or {}
     return toks, margins, {"routes": dict(routes), "graph_errors": dict(runner.graph_errors),
                            "gemm_tuning": {k: tuning[k] for k in ("chosen", "error") if k in tuning}}
 
