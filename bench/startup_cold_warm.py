@@ -9,8 +9,8 @@ mixed-length load whose `kernel_compiles_after_up` / `kernel_loads_after_up` mus
   cold_parallel  empty caches again, DSASERVE_KERNEL_SPECS=that list (as installed with the package): the
                  kernels compile on all cores while the engine imports and loads weights
   warm           cold_parallel's caches: its warm-start record too (engine/warm_start.py: the recorded kernels
-                 preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep,
-                 no eager prefill warmup), and no precompile process (engine/compiled_specs.py: every listed
+                 preloaded, the memory profile reused, one attention-core shape per class instead of the row sweep),
+                 and no precompile process (engine/compiled_specs.py: every listed
                  spec known compiled); the rank's CUDA context made while torch imports (engine/early_cuda.py)
   warm_again     the same once more (a warm start after a warm start: nothing left to record or replay)
   warm_noearly   the same caches, DSASERVE_EARLY_CUDA=0 (the A/B: the context made by torch's first allocation)
@@ -117,6 +117,7 @@ def run_one(name: str, env: dict[str, str], args: argparse.Namespace, out: Path)
         res["caches"] = manifest["startup"]["caches"]
         res["precompile"] = (manifest.get("engine") or {}).get("kernel_precompile")
         res["warmed_shapes"] = (manifest.get("engine") or {}).get("warmed_shapes")
+        res["warmed_prefill_chunks"] = (manifest.get("engine") or {}).get("warmed_prefill_chunks")
         res["warm_start"] = (manifest.get("engine") or {}).get("warm_start")
         res["early_cuda"] = (manifest.get("engine") or {}).get("early_cuda_context")
         res["load_weights_parts"] = (manifest.get("weights") or {}).get("phases")
@@ -204,7 +205,7 @@ def print_table(rows: list[dict]) -> None:
         parts, early = r.get("load_weights_parts") or {}, r.get("early_cuda") or {}
         print(f"{'':>14} load_weights: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
               + f"; early CUDA context: {early.get('status')}" + (f" {early['seconds']}s" if 'seconds' in early else '')
-              + f"; prefill warmup: {(r.get('warmed_shapes') or {}).get('prefill_warmup')}")
+              + f"; prefill warmup: {r.get('warmed_prefill_chunks')}")
 
 
 if __name__ == "__main__":

@@ -206,12 +206,11 @@ class ModelRunner(RunnerStartup):
     def _warmup_and_capture(self) -> None:
         """CUDA: the configured prefill chunk eagerly, then the piecewise and decode graphs, then what runs
         between and after them (attention-core shapes, sampler variants: engine/warmup_plan.py)."""
-        # every recorded kernel preloaded: the large eager steps' kernels are in the JITs already, and the
-        # largest bucket's eager run before its capture does the first-use work (a capture that fails without
-        # one is retried after one); the prefill warmup runs only if something loads after the preload (below)
-        deferred = self._preload_hit()
-        if not deferred:
-            self._warmup_prefill()
+        # the chunk's eager forward runs on a preload hit too: the kernels are in the JITs then, but a reused memory
+        # profile ran no forward of that size, and a process's first one pays more than its kernels (bench_gpu's
+        # first prefill after Up: +32-61 ms over steady in the 9 starts that skipped this, 2.4-3.3x at 2K, 1.7x at 8K;
+        # none in the 51 that ran it)
+        self._warmup_prefill()
         if not self.args.disable_cuda_graph and self._graphs_possible():
             with PhaseTimer(self.startup_time, "cuda_graph_capture"):
                 self.piecewise = self._capture("piecewise", self._capture_piecewise)
@@ -226,9 +225,6 @@ class ModelRunner(RunnerStartup):
                                     self.cfg.index_topk)
             # every kernel preloaded and none loaded since: one core shape per class, not the row sweep
             preloaded = self.warm_start is not None and self.warm_start.covers(self._jit_loads())
-        if deferred and not preloaded:  # the preload missed a kernel: the large eager steps warm as cold
-            self._warmup_prefill()
-        with PhaseTimer(self.startup_time, "warmup_shapes"):
             cores = warm_core_shapes(self.piecewise, plan, self.max_model_len, preloaded) if self.piecewise else 0
             drafter = self.args.speculative_algorithm is not None and self.kv_pool.sink_page >= 0
             # the MTP layer's MoE meets the other ranks': its shape list may not hang on a rank's own preload hit
@@ -240,7 +236,6 @@ class ModelRunner(RunnerStartup):
             self.warmed = {"decode_buckets": list(plan.decode), "piecewise_buckets": list(plan.piecewise),
                            "core_shapes": cores, "mtp_shapes": mtp,
                            "core_warmup": "per class (preloaded)" if preloaded else "row sweep",
-                           "prefill_warmup": "skipped (preloaded)" if deferred and preloaded else "ran",
                            "sampler_variants": sampler}
 
     def _warmup_prefill(self) -> None:
@@ -266,9 +261,9 @@ class ModelRunner(RunnerStartup):
         return True
 
     def _preload_hit(self) -> bool:
-        """One rank whose preload loaded every recorded kernel: the eager warm runs before its captures and
-        its prefill warmup can be left out (each rank's record hits or misses on its own, and those forwards
-        hold collectives: several ranks run them all)."""
+        """One rank whose preload loaded every recorded kernel: the eager warm runs before its captures can be
+        left out (each rank's record hits or misses on its own, and those forwards hold collectives: several
+        ranks run them all)."""
         return (self.parallel.world_size == 1 and self.warm_start is not None
                 and self.warm_start.preload_report.get("status") == "hit")
 

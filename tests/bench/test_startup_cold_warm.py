@@ -35,7 +35,7 @@ def test_the_table_reads_a_skipped_precompile_and_the_load_parts(capsys):
            "precompile": {"status": "skipped: every spec already compiled", "specs": 185},
            "warm_start": {"status": "hit", "preload": {"status": "hit", "specs": 92, "seconds": 0.3},
                           "memory_profile": "hit"},
-           "warmed_shapes": {"core_warmup": "per class (preloaded)", "prefill_warmup": "skipped (preloaded)"},
+           "warmed_shapes": {"core_warmup": "per class (preloaded)"}, "warmed_prefill_chunks": [8192, 8193],
            "phases": {"engine_imports": 2.3, "load_weights": 0.3, "total_s": 4.6},
            "load_weights_parts": {"cuda_context": 0.01, "build": 0.02, "fill": 0.2, "finalize": 0.05},
            "early_cuda": {"status": "created", "seconds": 0.31}, "after_up": {"kernel_compiles_after_up": 0}}
@@ -43,7 +43,7 @@ def test_the_table_reads_a_skipped_precompile_and_the_load_parts(capsys):
     out = capsys.readouterr().out
     assert "skipped (185 known)" in out and "hit 92/0.3s prof hit class" in out
     assert "cuda_context 0.010" in out and "early CUDA context: created 0.31s" in out
-    assert "prefill warmup: skipped (preloaded)" in out and "RuntimeError: x" in out
+    assert "prefill warmup: [8192, 8193]" in out and "RuntimeError: x" in out
 
 
 def test_a_scenario_whose_source_did_not_run_gets_its_own_caches(tmp_path):

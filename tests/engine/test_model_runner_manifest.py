@@ -33,14 +33,12 @@ def test_manifest_splits_load_weights_into_its_parts():
     assert m["early_cuda_context"]["status"]  # what the scheduler process's early context did (here: nothing)
 
 
-@pytest.mark.parametrize(("status", "loads_after_capture", "prefill_ran", "ranks"),
-                         [("hit", 5, False, 1), ("hit", 6, True, 1), ("miss", 5, True, 1), ("partial", 5, True, 1),
-                          ("hit", 5, True, 2)])
-def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp_path, status, loads_after_capture,
-                                                              prefill_ran, ranks):
-    """A preload hit defers the eager prefill warmup; a kernel loaded after the preload (the capture found one
-    the record lacked) runs it after all, as does a start without a full preload (run first, as before), and a
-    start of several ranks (each rank's record hits or misses alone; the forward holds collectives)."""
+@pytest.mark.parametrize(("status", "loads_after_capture", "ranks"),
+                         [("hit", 5, 1), ("hit", 6, 1), ("miss", 5, 1), ("partial", 5, 1), ("hit", 5, 2)])
+def test_prefill_warmup_runs_on_every_start(monkeypatch, tmp_path, status, loads_after_capture, ranks):
+    """The chunk's eager prefill runs whether or not the preload covered the kernels (a preload hit reuses the
+    memory profile, so nothing else ran a forward of that size before the first request), and the core shapes
+    warm one per class only when the preload covers every kernel loaded since."""
     from types import SimpleNamespace
 
     from dsaserve.engine import model_runner as mr
@@ -60,6 +58,7 @@ def test_prefill_warmup_is_skipped_only_when_the_preload_covers(monkeypatch, tmp
     r.model = SimpleNamespace(logits_dtype=lambda: torch.float32)
     r._jit_loads = lambda: loads_after_capture
     r._warmup_and_capture()
-    assert runs == ([[512, 513]] if prefill_ran else [])  # the chunk, and one token over the piecewise buckets
-    assert r.warmed["prefill_warmup"] == ("ran" if prefill_ran else "skipped (preloaded)")
-    assert ("warmup" in r.startup_time) == prefill_ran
+    assert runs == [[512, 513]]  # the chunk, and one token over the piecewise buckets
+    assert "warmup" in r.startup_time and "prefill_warmup" not in r.warmed
+    covered = status == "hit" and loads_after_capture == 5
+    assert r.warmed["core_warmup"] == ("per class (preloaded)" if covered else "row sweep")
