@@ -1,0 +1,87 @@
+"""The nodes of a replayed decode graph as CUDA writes them (`cudaGraphDebugDotPrint`, torch's graph debug mode):
+what sits between a step's first kernel and the next, where every replay's timeline shows ~9 µs with no kernel
+(bench/RESULTS.md, forty-sixth and fifty-second sessions: not the staging copy, not the fork of its event).
+
+    PYTHONPATH=. python bench/probe_graph_nodes.py --bs 1 --context 1024 --out DIR
+
+Writes DIR/decode_w<width>_bs<bs>.dot for each width class's graph of that bucket and prints, per graph, the node
+kinds it holds and the first nodes from its roots with their edges (an edge's label says whether it is programmatic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+NODE = re.compile(r'"(graph_\d+_node_\d+)"\s*\[(.*?)\];', re.S)
+EDGE = re.compile(r'"(graph_\d+_node_\d+)"\s*->\s*"(graph_\d+_node_\d+)"(?:\s*\[(.*?)\])?')
+
+
+class _DebugGraph(torch.cuda.CUDAGraph):
+    """A graph that keeps its cudaGraph_t after instantiation, so it can be dumped."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.enable_debug_mode()
+
+
+def kind(attrs: str) -> str:
+    """A node's kind and, for a kernel, its function's name, out of its DOT attributes."""
+    label = re.sub(r"<[^>]*>|\\n|\|", " ", attrs)
+    name = re.search(r"(_\w+_kernel|nvjet\w*|void [\w:<>, ]+?\(|\w*[Mm]emset\w*|\w*[Mm]emcpy\w*|EVENT_\w+|"
+                     r"EventRecord\w*|WaitEvent\w*|HOST\w*|EMPTY\w*|KERNEL)", label)
+    return name.group(1)[:60] if name else label.strip()[:60]
+
+
+def first_nodes(dot: str, n: int) -> list[str]:
+    """The graph's nodes breadth-first from its roots: each with its kind and the edges that leave it."""
+    nodes = {m.group(1): kind(m.group(2)) for m in NODE.finditer(EDGE.sub("", dot))}
+    out_edges: dict[str, list[tuple[str, str]]] = {k: [] for k in nodes}
+    indeg = Counter()
+    for m in EDGE.finditer(dot):
+        if m.group(1) in nodes:
+            out_edges[m.group(1)].append((m.group(2), " ".join((m.group(3) or "").split())[:40]))
+            indeg[m.group(2)] += 1
+    order, seen = [k for k in nodes if indeg[k] == 0], set()
+    lines = []
+    while order and len(lines) < n:
+        k = order.pop(0)
+        if k in seen:
+            continue
+        seen.add(k)
+        lines.append(f"{k}: {nodes[k]} -> " + ", ".join(f"{d}({nodes.get(d, '?')[:24]}{' ' + e if e else ''})"
+                                                        for d, e in out_edges[k]))
+        order.extend(d for d, _ in out_edges[k])
+    lines.insert(0, "kinds: " + ", ".join(f"{v} x{c}" for v, c in Counter(nodes.values()).most_common(12)))
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="glm-5.3-slice")
+    ap.add_argument("--bs", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--first", type=int, default=14, help="nodes to print from each graph's roots")
+    ap.add_argument("--out", default="graph-nodes")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.cuda.CUDAGraph = _DebugGraph  # the runners make their graphs as torch.cuda.CUDAGraph()
+    from dsaserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
+                                     cuda_graph_max_bs=args.bs, max_model_len=args.context + 64)
+    for width, graphs in [*runner.graphs.runners.items(), *runner.graphs.few.items()]:
+        if args.bs not in graphs.graphs:
+            continue
+        path = out / f"decode_w{width}_bs{args.bs}.dot"
+        graphs.graphs[args.bs].graph.debug_dump(str(path))
+        print(f"== {path.name}", *first_nodes(path.read_text(), args.first), sep="\n  ", flush=True)
+
+
+if __name__ == "__main__":
+    main()
