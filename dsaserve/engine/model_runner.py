@@ -209,7 +209,7 @@ class ModelRunner(RunnerStartup):
         # the chunk's eager forward runs on a preload hit too: the kernels are in the JITs then, but a reused memory
         # profile ran no forward of that size, and a process's first one pays more than its kernels (bench_gpu's
         # first prefill after Up: +32-61 ms over steady in the 9 starts that skipped this, 2.4-3.3x at 2K, 1.7x at 8K;
-        # none in the 51 that ran it)
+        # -74 to +19 ms, 0.83-1.12x, in the 51 that ran it)
         self._warmup_prefill()
         if not self.args.disable_cuda_graph and self._graphs_possible():
             with PhaseTimer(self.startup_time, "cuda_graph_capture"):
