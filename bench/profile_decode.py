@@ -222,6 +222,7 @@ def ab_setting(runner, name: str):
     the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
     cuBLAS (not the split-K tiles), "mla1:k=v/k=v" one token's sparse MLA tile overridden
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
+    "mla1dec:N" one token's full row on the decode-schedule Gluon kernel in N splits (`ONE_TOKEN_DEC_SPLITS`),
     "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
     narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits, "float_logits" bf16 logits copied to float32 in the step (the
@@ -299,6 +300,8 @@ def ab_setting(runner, name: str):
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch, bucket=None: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
+    if name.startswith("mla1dec:"):  # e.g. mla1dec:16: one token's full row on the decode-schedule Gluon kernel
+        return _set(gluon_sparse_mla, ONE_TOKEN_DEC_SPLITS=int(name[8:]))
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))
     if name.startswith("quant:"):  # e.g. quant:rows=1/groups=16: the activation quantiser's program tile
