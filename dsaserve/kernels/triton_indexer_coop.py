@@ -51,6 +51,13 @@ FUSED_ROWS = COOP_ROWS
 # every cooperative launch takes the shared workspace its programs leave zero (False: a zeroed one of its own,
 # a fill launch before each; bench/profile_decode.py's "select_fill")
 SHARED_WORKSPACE = True
+# round 0 also counts each visible key's top 16 bits into the row's 65,536-bin histogram (one relaxed atomic a key),
+# so after round 0's barrier every program chooses digits 0 and 1 (two 256-bin reads) and round 1 and its barrier
+# are gone: the same digits (digit 1's bins are the chosen digit 0's slice), so the same output bit for bit
+# (`profile_decode --ab coop_rounds`: False, every round its own barrier)
+FINE_ROUND = True
+FINE_BINS = tl.constexpr(1 << 16)
+FINE_AT = tl.constexpr(COOP_WS_ROWS * WS_ROW.value)  # the fine histograms' offset in `coop_workspace`'s buffer
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -86,7 +93,7 @@ def _leave_zeroed(ws, c, n_active):
 
 @triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, FINE: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
@@ -99,9 +106,18 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     need = tl.zeros([], dtype=tl.int32) + k
     shift = tl.zeros([], dtype=tl.int32)
     done = tl.zeros([], dtype=tl.int32)
+    fine = ws_ptr + FINE_AT + row * FINE_BINS
     for D in tl.static_range(DIGITS):
-        if done == 0:
+        if D == 1 and FINE:  # digit 1 from round 0's 16-bit histogram: the chosen digit 0's 256 bins
+            if done == 0:
+                d, need, resolved = _choose_digit(fine + prefix.to(tl.int32) * BINS, need)
+                prefix = prefix * 256 + d.to(tl.uint32)
+                shift = tl.zeros([], dtype=tl.int32) + 16
+                done = resolved.to(tl.int32)
+        elif done == 0:
             _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
+            if D == 0 and FINE:
+                tl.atomic_add(fine + (u >> 16).to(tl.int32), 1, mask=vis, sem="relaxed")
             _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
             d, need, resolved = _choose_digit(ws + D * BINS, need)
             prefix = prefix * 256 + d.to(tl.uint32)
@@ -115,6 +131,8 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     tl.store(cnt_row + c * 4 + 1, ties)
     _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
     _leave_zeroed(ws, c, n_active)
+    if FINE:  # every program read the fine bins before this barrier: each zeroes the bins of its own keys
+        tl.store(fine + (u >> 16).to(tl.int32), 0, mask=vis)
     above_before = tl.zeros([], dtype=tl.int32)
     ties_before = tl.zeros([], dtype=tl.int32)
     for q0 in range(0, c, PREFIX_BLOCK):
@@ -128,7 +146,8 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+                        FINE: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -138,7 +157,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK)
+                      n_chunks, CHUNK, FINE)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -146,7 +165,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               out_ptr, n_heads, head_dim, n_cols, k, page_size: tl.constexpr, page_bytes, stride_qt,
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, FINE: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -162,7 +181,8 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
                     page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
         tl.debug_barrier()
-        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK)
+        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK,
+                      FINE)
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:
@@ -176,13 +196,29 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     (piecewise segments, no side stream); `forward_hidden` / `forward_mtp` join the side stream at their end; graphs
     replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
     beside its target, would need a workspace each."""
-    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace",
-                     lambda: torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device))
+    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace", lambda: _new_workspace(device))
 
 
-def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:
-    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or None for one of its own."""
-    return coop_workspace(scores.device) if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS else None
+def _new_workspace(device: torch.device) -> torch.Tensor:
+    """A zeroed [COOP_WS_ROWS, WS_ROW] int32 view at the start of a buffer that holds each row's FINE_BINS
+    histogram after it (at FINE_AT: the kernels address it from the view's pointer)."""
+    flat = torch.zeros(FINE_AT.value + COOP_WS_ROWS * FINE_BINS.value, dtype=torch.int32, device=device)
+    return flat[:FINE_AT.value].view(COOP_WS_ROWS, WS_ROW.value)
+
+
+def fine_histograms(ws: torch.Tensor) -> torch.Tensor:
+    """The [COOP_WS_ROWS, FINE_BINS] fine histograms behind a workspace `_new_workspace` made (tests check them)."""
+    flat = ws.untyped_storage()
+    return torch.empty(0, dtype=torch.int32, device=ws.device).set_(flat, FINE_AT.value,
+                                                                     (COOP_WS_ROWS, FINE_BINS.value))
+
+
+def _zeroed(scores: torch.Tensor) -> torch.Tensor:
+    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or a zeroed one of its own (a fill
+    launch; `SHARED_WORKSPACE` off)."""
+    if scores.shape[0] > COOP_WS_ROWS:
+        raise ValueError(f"a cooperative select takes at most {COOP_WS_ROWS} rows, got {scores.shape[0]}")
+    return coop_workspace(scores.device) if SHARED_WORKSPACE else _new_workspace(scores.device)
 
 
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
@@ -220,7 +256,8 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
-                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]), kw)
+                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
+            {**kw, "FINE": FINE_ROUND})
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -250,7 +287,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"],
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "FINE": FINE_ROUND,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

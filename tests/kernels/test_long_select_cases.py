@@ -129,11 +129,15 @@ def test_the_cooperative_select_equals_the_row_select(kind):
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("positions", [(WIDTH - 1,), (WIDTH - 1, 2 * CHUNK + 7), (K - 1, CHUNK)])
 @pytest.mark.parametrize("kind", ["normal", "round1", "round3"])
-def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions):
+@pytest.mark.parametrize("fine", [True, False])
+def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions, fine, monkeypatch):
     """Decode's 1-2 rows select over the workspace every cooperative launch shares (`coop_workspace`: no fill launch
-    before them): each launch leaves it all zero, so launch after launch (a graph's replays, the next full layer)
-    selects what the row select does; a row that takes every key (position k - 1) beside one that selects."""
+    before them): each launch leaves it all zero, its rows and their 16-bit histograms, so launch after launch (a
+    graph's replays, the next full layer) selects what the row select does; a row that takes every key (position
+    k - 1) beside one that selects. With round 0's 16-bit histogram (`FINE_ROUND`) and without."""
     from dsaserve.kernels import triton_indexer_coop
+
+    monkeypatch.setattr(triton_indexer_coop, "FINE_ROUND", fine)
 
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 2)
     rows = len(positions)
@@ -151,6 +155,7 @@ def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions
     for _ in range(3):
         got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
         assert torch.equal(got, want) and not shared.any()
+        assert not triton_indexer_coop.fine_histograms(shared).any()
 
 
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
