@@ -237,9 +237,10 @@ def ab_setting(runner, name: str):
     in turn (not programs beside it, `triton_kv_write.Q_ROPE_PROGRAMS`), "select_fill" each cooperative selection
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
     `triton_indexer_coop.SHARED_WORKSPACE`), "coop_rounds" the cooperative selects' round 1 counted and waited for
-    on its own (not chosen from round 0's 16-bit histogram, `triton_indexer_coop.FINE_ROUND`), "fold_in_block" W_uv's fold loading each K block's split partials in
-    that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
-    program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
+    on its own (not chosen from round 0's 16-bit histogram, `triton_indexer_coop.FINE_ROUND`), "fold_in_block"
+    W_uv's fold loading each K block's split partials in that block (not a block ahead,
+    `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
+    time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
     "copy_for_cublas" / "no_copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both
     scale layouts, so the cuBLAS projections and the MoE do not quantise them, or not (the quantiser launch before
     each: `triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, 512 by default since the forty-third session),
