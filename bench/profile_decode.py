@@ -237,7 +237,9 @@ def ab_setting(runner, name: str):
     in turn (not programs beside it, `triton_kv_write.Q_ROPE_PROGRAMS`), "select_fill" each cooperative selection
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
     `triton_indexer_coop.SHARED_WORKSPACE`), "coop_rounds" the cooperative selects' round 1 counted and waited for
-    on its own (not chosen from round 0's 16-bit histogram, `triton_indexer_coop.FINE_ROUND`), "fold_in_block"
+    on its own (not chosen from round 0's 16-bit histogram, `triton_indexer_coop.FINE_ROUND`; every round and the
+    count behind a barrier), "coop_no_cands" rounds 2-3 and the count behind barriers of their own (not settled from
+    the candidate list, `triton_indexer_coop.CANDIDATES`), "fold_in_block"
     W_uv's fold loading each K block's split partials in that block (not a block ahead,
     `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
     time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
@@ -275,6 +277,7 @@ def ab_setting(runner, name: str):
                     "q_rope_serial": (triton_kv_write, "Q_ROPE_PROGRAMS", False),
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
                     "coop_rounds": (triton_indexer_coop, "FINE_ROUND", False),
+                    "coop_no_cands": (triton_indexer_coop, "CANDIDATES", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
