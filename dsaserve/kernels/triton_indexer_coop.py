@@ -12,6 +12,11 @@ one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17
 22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
 two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
 stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
+Barriers, not instructions, are what a select of a few rows waits on: the rounds took four (rounds 0-2, resolved
+at 24 bits on the model's rows, and the count). Round 0 also counts every key's top 16 bits into a 65,536-bin
+histogram (`FINE_ROUND`), so digit 1 needs no round; the keys at that 16-bit prefix (~1 % of the keys) are listed
+(`CANDIDATES`), so one barrier later every program settles the last digits and the counts from the list: two
+barriers a select.
 """
 
 from __future__ import annotations
