@@ -7,8 +7,6 @@ combine launch, as in the step):
   one_row  every slot the same row (one line set: the gather's latency at its least)
   masked   every slot -1 under the static split (each program runs its tile's dots on masked loads: no gather)
   one_split the 2048 rows as one program's 32 tiles (the per-tile cost of the loop when nothing else waits)
-  decN     hbm's rows on the decode-schedule Gluon kernel in N splits (`gluon_sparse_mla.ONE_TOKEN_DEC_SPLITS`)
-  decN_masked  masked's slots on it (its chain with no gather)
 The gaps between the cases are the gather's HBM latency (hbm - l2), its L2 latency (l2 - masked) and the fixed
 chain of a program (masked). Prints µs a call; writes probe_one_token_mla.json under --out.
 
@@ -25,7 +23,6 @@ import torch
 
 from bench.bench_long_select import _graph_time
 from dsaserve.common.kv_layout import encode_latent, get_kv_layout
-from dsaserve.kernels import gluon_sparse_mla
 from dsaserve.kernels import triton_sparse_mla as tsm
 
 H, DC, DR, TOPK = 64, 512, 64, 2048
@@ -34,13 +31,13 @@ FP8 = get_kv_layout("fp8_ds_mla")
 
 def case_slots(name: str, calls: int, pool_rows: int) -> torch.Tensor:
     """[calls, 1, TOPK] int64 slots of one case (module docstring)."""
-    if name in ("hbm", "one_split") or name.startswith("dec") and not name.endswith("_masked"):
+    if name in ("hbm", "one_split"):
         return torch.randint(0, pool_rows, (calls, 1, TOPK), device="cuda")
     if name == "l2":
         return torch.randint(0, pool_rows, (1, 1, TOPK), device="cuda").expand(calls, 1, TOPK).contiguous()
     if name == "one_row":
         return torch.full((calls, 1, TOPK), 7, dtype=torch.int64, device="cuda")
-    if name.endswith("masked"):
+    if name == "masked":
         return torch.full((calls, 1, TOPK), -1, dtype=torch.int64, device="cuda")
     raise ValueError(f"probe_one_token_mla: unknown case {name!r}")
 
@@ -61,16 +58,11 @@ def main() -> None:
     for name in args.cases.split(","):
         slots = case_slots(name, args.calls, cache.shape[0])
         cfg = {**tsm.FULL_ROW_CONFIG, **({"splits": 1} if name == "one_split" else {})}
-        gluon_sparse_mla.ONE_TOKEN_DEC_SPLITS = int(name[3:].split("_")[0]) if name.startswith("dec") else 0
 
         def calls(slots=slots, cfg=cfg):
             for i in range(args.calls):
-                if gluon_sparse_mla.ONE_TOKEN_DEC_SPLITS:
-                    gluon_sparse_mla.sparse_mla_attention(qn[i], qr[i], cache, FP8, slots[i], 0.04, DC, out=out[i],
-                                                          defer_combine=True, full_rows=True)
-                else:
-                    tsm.sparse_mla_attention(qn[i], qr[i], cache, FP8, slots[i], 0.04, DC, out=out[i], config=cfg,
-                                             defer_combine=True)
+                tsm.sparse_mla_attention(qn[i], qr[i], cache, FP8, slots[i], 0.04, DC, out=out[i], config=cfg,
+                                         defer_combine=True)
 
         rows[name] = _graph_time(calls, args.reps) * 1e6 / args.calls
         print(f"{name:10s} {rows[name]:7.2f} us a call", flush=True)

@@ -222,7 +222,6 @@ def ab_setting(runner, name: str):
     the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
     cuBLAS (not the split-K tiles), "mla1:k=v/k=v" one token's sparse MLA tile overridden
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
-    "mla1dec:N" one token's full row on the decode-schedule Gluon kernel in N splits (`ONE_TOKEN_DEC_SPLITS`),
     "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
     narrowest width class that holds it, engine/decode_graphs.py), "fp32_head" float32 logits out of the lm_head's
     GEMM (DSASERVE_FP32_LM_HEAD=1), not bf16 logits, "float_logits" bf16 logits copied to float32 in the step (the
@@ -236,13 +235,9 @@ def ab_setting(runner, name: str):
     launches (not in the KV writes' launches), "q_rope_serial" q's RoPE blocks rotated by the KV write's own program
     in turn (not programs beside it, `triton_kv_write.Q_ROPE_PROGRAMS`), "select_fill" each cooperative selection
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
-    `triton_indexer_coop.SHARED_WORKSPACE`), "coop_rounds" the cooperative selects' round 1 counted and waited for
-    on its own (not chosen from round 0's 16-bit histogram, `triton_indexer_coop.FINE_ROUND`; every round and the
-    count behind a barrier), "coop_no_cands" rounds 2-3 and the count behind barriers of their own (not settled from
-    the candidate list, `triton_indexer_coop.CANDIDATES`), "fold_in_block"
-    W_uv's fold loading each K block's split partials in that block (not a block ahead,
-    `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
-    time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
+    `triton_indexer_coop.SHARED_WORKSPACE`), "fold_in_block" W_uv's fold loading each K block's split partials in
+    that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
+    program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
     "copy_for_cublas" / "no_copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both
     scale layouts, so the cuBLAS projections and the MoE do not quantise them, or not (the quantiser launch before
     each: `triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, 512 by default since the forty-third session),
@@ -276,8 +271,6 @@ def ab_setting(runner, name: str):
                     "float_logits": (embedding, "FLOAT_COPY", True),
                     "q_rope_serial": (triton_kv_write, "Q_ROPE_PROGRAMS", False),
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
-                    "coop_rounds": (triton_indexer_coop, "FINE_ROUND", False),
-                    "coop_no_cands": (triton_indexer_coop, "CANDIDATES", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),
@@ -306,8 +299,6 @@ def ab_setting(runner, name: str):
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch, bucket=None: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
-    if name.startswith("mla1dec:"):  # e.g. mla1dec:16: one token's full row on the decode-schedule Gluon kernel
-        return _set(gluon_sparse_mla, ONE_TOKEN_DEC_SPLITS=int(name[8:]))
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))
     if name.startswith("quant:"):  # e.g. quant:rows=1/groups=16: the activation quantiser's program tile

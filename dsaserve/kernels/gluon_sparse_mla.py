@@ -73,9 +73,6 @@ DC, DR = tl.constexpr(512), tl.constexpr(64)
 # gluon_sparse_mla_dec_fp8.SWITCHES)
 DEFAULT = {"block_k": 64, "num_stages": 2, "splits": None, "ws": None, "ws_variant": None}
 WAVE_FILL = 0.7  # the share of a wave of programs the fewest splits must reach (`pick_splits`)
-# one token over a full top-k (`full_rows`, a batch-1 step past index_topk keys) on the decode-schedule kernel in
-# this many splits, not `triton_sparse_mla.FULL_ROW_CONFIG`'s tile; 0: off (bench/profile_decode.py --ab mla1dec:N)
-ONE_TOKEN_DEC_SPLITS = 0
 
 
 def pick_splits(t: int, head_blocks: int, n_keys: int, block_k: int, sms: int) -> int:
@@ -368,14 +365,13 @@ def launch_plan(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, 
 
 def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
                                topk_slots: torch.Tensor, softmax_scale: float, out: torch.Tensor,
-                               config: dict | None = None, defer_combine: bool = False) -> torch.Tensor:
+                               config: dict | None = None) -> torch.Tensor:
     """`reference.sparse_mla_attention` at kv_lora 512, rope 64 into `out` [T, H, 512] over bf16 rows [slots, 576]
     (a prefill's staged rows, the bf16 cache) or the fp8_ds_mla cache's bytes [slots, 656] (the caller has
     checked the rest: `sparse_mla_attention` dispatches here). `config` (bench/tuning only)
     overrides DEFAULT: block_k, num_stages (bf16 rows, single-partition kernel), splits, ws (True / False: a
     warp-specialised kernel or not; over the fp8 cache True is the prefill schedule's, "dec" the decode schedule's,
-    which None takes too), ws_variant (its switches). defer_combine: as `triton_sparse_mla.sparse_mla_attention`'s
-    (a split call of up to FOLD_MAX_T tokens leaves its partials for W_uv's fold)."""
+    which None takes too), ws_variant (its switches)."""
     width = DC.value + DR.value if rows.dtype == torch.bfloat16 else FP8_ROW if rows.dtype == torch.uint8 else -1
     if rows.shape[-1] != width or q_nope.shape[-1] != DC.value:
         raise ValueError(f"sparse_mla_attention_gluon: bf16 rows of {DC.value + DR.value} or fp8_ds_mla bytes of "
@@ -385,8 +381,6 @@ def sparse_mla_attention_gluon(q_nope: torch.Tensor, q_rope: torch.Tensor, rows:
     kernel, part, lse, grid, args, meta = launch_plan(q_nope, q_rope, rows, topk_slots, softmax_scale, out, cfg,
                                                       _sm_count(q_nope))
     kernel[grid](*args, **meta)
-    if defer_combine and part.shape[0] > 1 and q_nope.shape[0] <= tsm.FOLD_MAX_T:
-        return tsm.attach_splits(out, part, lse)
     tsm.combine_splits(part, lse, out)
     return out
 
@@ -407,12 +401,7 @@ def sparse_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     graphs, so each captured bucket keeps one kernel), else `triton_sparse_mla`'s (split-K flash-decoding for a
     few tokens, its tensor-core tiles for other latents and layouts)."""
     layout = get_kv_layout(layout, "sparse_mla_attention: layout")
-    t, h, dc = q_nope.shape
-    if (t == 1 and full_rows and ONE_TOKEN_DEC_SPLITS and layout == FP8_DS_MLA and dc == DC.value == kv_lora_rank
-            and h % BLOCK_H.value == 0 and q_rope.shape[-1] == DR.value and available(q_nope.device)):
-        return sparse_mla_attention_gluon(q_nope, q_rope, kv_cache, topk_slots, softmax_scale,
-                                          _out_buffer(q_nope, out), {"ws": "dec", "splits": ONE_TOKEN_DEC_SPLITS},
-                                          defer_combine=defer_combine)
+    t, _, dc = q_nope.shape
     if dc != kv_lora_rank or t == 0 or not takes(layout, dc, q_rope.shape[-1], t, q_nope.device):
         return tsm.sparse_mla_attention(q_nope, q_rope, kv_cache, layout, topk_slots, softmax_scale, kv_lora_rank,
                                         out=out, defer_combine=defer_combine, full_rows=full_rows)

@@ -12,11 +12,6 @@ one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17
 22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
 two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
 stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
-Barriers, not instructions, are what a select of a few rows waits on: the rounds took four (rounds 0-2, resolved
-at 24 bits on the model's rows, and the count). Round 0 also counts every key's top 16 bits into a 65,536-bin
-histogram (`FINE_ROUND`), so digit 1 needs no round; the keys at that 16-bit prefix (~1 % of the keys) are listed
-(`CANDIDATES`), so one barrier later every program settles the last digits and the counts from the list: two
-barriers a select.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from dsaserve.kernels.triton_indexer_long import (
     STATE,
     WS_ROW,
     _choose_digit,
-    _choose_from,
     _chunk_keys,
     _count_digit,
     _last_visible,
@@ -57,25 +51,6 @@ FUSED_ROWS = COOP_ROWS
 # every cooperative launch takes the shared workspace its programs leave zero (False: a zeroed one of its own,
 # a fill launch before each; bench/profile_decode.py's "select_fill")
 SHARED_WORKSPACE = True
-# round 0 also counts each visible key's top 16 bits into the row's 65,536-bin histogram (one relaxed atomic a key),
-# so after round 0's barrier every program chooses digits 0 and 1 (two 256-bin reads) and round 1 and its barrier
-# are gone: the same digits (digit 1's bins are the chosen digit 0's slice), so the same output bit for bit
-# (`profile_decode --ab coop_rounds`: False, every round its own barrier)
-FINE_ROUND = True
-FINE_BINS = tl.constexpr(1 << 16)
-# a cooperative workspace's buffer: LAYOUT_ROWS rows of state, then their fine histograms, then their candidate
-# lists (the kernels address them from the state rows' pointer; a launch takes at most LAYOUT_ROWS rows: decode's
-# 1-2, the tests' 6)
-LAYOUT_ROWS = 8
-FINE_AT = tl.constexpr(LAYOUT_ROWS * WS_ROW.value)
-# with FINE_ROUND: the keys at round 0's 16-bit prefix (the candidates) listed, so one barrier settles the last two
-# digits and the counts (`_by_candidates`): two barriers a select where the rounds took four; up to CAND_MAX
-# candidates (past it, every program runs rounds 2-3 and the count instead). (`profile_decode --ab coop_no_cands`)
-CANDIDATES = True
-CAND_MAX = tl.constexpr(2048)
-CAND_KEYS = tl.constexpr(32)  # a row's list: its count, then CAND_MAX keys (uint32 order keys) and CAND_MAX chunks
-CAND_ROW = tl.constexpr(CAND_KEYS.value + 2 * CAND_MAX.value)
-CAND_AT = tl.constexpr(FINE_AT.value + LAYOUT_ROWS * FINE_BINS.value)
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -94,108 +69,28 @@ def _row_barrier(counter, n_active):
 
 
 @triton.jit
-def _leave_zeroed(ws, cand, c, n_active):
+def _leave_zeroed(ws, c, n_active):
     """Leave the row's workspace zero, as the launch found it (`coop_workspace`: no fill launch before the next).
-    Past the last barrier no program reads the histograms or the rounds' barriers again, so the row's first program
-    zeroes them; the last barrier's counter (the count's, or the candidates' at 1) and the candidate count are zeroed
-    by the last program past it (a count of programs past it: only that one knows that none still polls or reads
-    them)."""
+    Past the last barrier no program reads the histograms or the round barriers again, so the row's first program
+    zeroes them; the last barrier's counter is zeroed by the last program past it (a count of programs past it:
+    only that one knows that none still polls the counter)."""
     if c == 0:
         tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
         rounds = tl.arange(0, 8)
-        tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32),
-                 mask=(rounds < DIGITS) & (rounds != 1))
+        tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
     past = tl.atomic_add(ws + STATE + COOP_EXIT, 1, sem="acq_rel") + 1
     if past == n_active:
-        tl.store(ws + STATE + COOP_BARRIERS + 1, 0)
         tl.store(ws + STATE + COOP_BARRIERS + DIGITS, 0)
         tl.store(ws + STATE + COOP_EXIT, 0)
-        tl.store(cand, 0)
-
-
-@triton.jit
-def _finish(ws, cand, fine, u, vis, c, n_active, FINE: tl.constexpr):
-    """After a program's last barrier: the workspace left zero (`_leave_zeroed`) and, with the 16-bit histogram,
-    the bins of its own keys (every program read those bins before its last barrier)."""
-    _leave_zeroed(ws, cand, c, n_active)
-    if FINE:
-        tl.store(fine + (u >> 16).to(tl.int32), 0, mask=vis)
-
-
-@triton.jit
-def _counts_before(cnt_row, c, TIES: tl.constexpr):
-    """The chunks before c: their keys above the threshold and (TIES) at it, as they stored them."""
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    for q0 in range(0, c, PREFIX_BLOCK):
-        q = q0 + tl.arange(0, PREFIX_BLOCK)
-        m = q < c
-        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
-        if TIES:
-            ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
-    return above_before, ties_before
-
-
-@triton.jit
-def _by_candidates(ws, cand, fine, cnt_row, u, vis, c, n_active, prefix, need, shift, done):
-    """After round 0 chose 8 or 16 bits (`FINE_ROUND`): each chunk stores its keys above that prefix and at it,
-    and, unresolved, appends the keys at it (the candidates: ~1 % of the model's keys) to the row's list; one
-    barrier; then every program takes the last 16 bits' digits from the whole list in registers (the same counts as
-    rounds 2 and 3, so the same choices) and its chunk's counts and those of the chunks before it, so no round
-    barrier and no count barrier follow. (threshold, its chunk's counts, the counts before it, settled): not settled
-    when the list outgrew CAND_MAX (then rounds 2-3 and the count run as without it; every program sees the same)."""
-    key = u >> shift
-    hit = vis & (key == prefix)
-    ties = tl.sum(hit.to(tl.int32), axis=0)
-    tl.store(cnt_row + c * 4, tl.sum((vis & (key > prefix)).to(tl.int32), axis=0))
-    tl.store(cnt_row + c * 4 + 1, ties)
-    if (done == 0) & (ties > 0):
-        at = tl.atomic_add(cand, ties, sem="relaxed") + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-        keep = hit & (at < CAND_MAX)
-        tl.store(cand + CAND_KEYS + at, u.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(cand + CAND_KEYS + CAND_MAX + at, c + tl.zeros_like(at), mask=keep)
-    _row_barrier(ws + STATE + COOP_BARRIERS + 1, n_active)
-    n_cand = tl.load(cand, cache_modifier=".cg")
-    settled = (done != 0) | (n_cand <= CAND_MAX)
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    if settled:
-        if done == 0:  # the threshold among the candidates (they share its top 16 bits)
-            j = tl.arange(0, CAND_MAX)
-            valid = j < n_cand
-            cu = tl.load(cand + CAND_KEYS + j, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            d, need, resolved = _choose_from(tl.histogram(((cu >> 8) & 255).to(tl.int32), BINS, mask=valid), need)
-            prefix = prefix * 256 + d.to(tl.uint32)
-            shift = tl.zeros([], dtype=tl.int32) + 8
-            if resolved.to(tl.int32) == 0:
-                m = valid & ((cu >> 8) == prefix)
-                d, need, resolved = _choose_from(tl.histogram((cu & 255).to(tl.int32), BINS, mask=m), need)
-                prefix = prefix * 256 + d.to(tl.uint32)
-                shift = tl.zeros([], dtype=tl.int32)
-            earlier = valid & (tl.load(cand + CAND_KEYS + CAND_MAX + j, mask=valid, other=0,
-                                       cache_modifier=".cg") < c)
-            above_before = tl.sum((earlier & ((cu >> shift) > prefix)).to(tl.int32), axis=0)
-            ties_before = tl.sum((earlier & ((cu >> shift) == prefix)).to(tl.int32), axis=0)
-            key = u >> shift
-            ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
-            a16, _ = _counts_before(cnt_row, c, False)  # keys above the 16-bit prefix: above the threshold
-            above_before += a16
-        else:
-            above_before, ties_before = _counts_before(cnt_row, c, True)
-        _finish(ws, cand, fine, u, vis, c, n_active, True)
-    above = tl.sum((vis & ((u >> shift) > prefix)).to(tl.int32), axis=0)
-    return prefix, need, shift, above, ties, above_before, ties_before, settled.to(tl.int32)
 
 
 @triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr, FINE: tl.constexpr, CANDS: tl.constexpr):
+                  CHUNK: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
-    so the same choice and the same early end); the output equals the launches', bit for bit. FINE: digit 1 from
-    round 0's 16-bit histogram (`FINE_ROUND`); CANDS (with FINE): the last two digits and the counts from the
-    candidate list (`_by_candidates`, `CANDIDATES`)."""
+    so the same choice and the same early end); the output equals the launches', bit for bit."""
     ws = ws_ptr + row * WS_ROW
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
@@ -204,50 +99,36 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     need = tl.zeros([], dtype=tl.int32) + k
     shift = tl.zeros([], dtype=tl.int32)
     done = tl.zeros([], dtype=tl.int32)
-    settled = tl.zeros([], dtype=tl.int32)
-    above = tl.zeros([], dtype=tl.int32)
-    ties = tl.zeros([], dtype=tl.int32)
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    fine = ws_ptr + FINE_AT + row * FINE_BINS
-    cand = ws_ptr + CAND_AT + row * CAND_ROW
-    cnt_row = cnt_ptr + row * n_chunks * 4
     for D in tl.static_range(DIGITS):
-        if D == 1 and FINE:  # digit 1 from round 0's 16-bit histogram: the chosen digit 0's 256 bins
-            if done == 0:
-                d, need, resolved = _choose_digit(fine + prefix.to(tl.int32) * BINS, need)
-                prefix = prefix * 256 + d.to(tl.uint32)
-                shift = tl.zeros([], dtype=tl.int32) + 16
-                done = resolved.to(tl.int32)
-            if CANDS:
-                prefix, need, shift, above, ties, above_before, ties_before, settled = _by_candidates(
-                    ws, cand, fine, cnt_row, u, vis, c, n_active, prefix, need, shift, done)
-        elif (done == 0) & (settled == 0):
+        if done == 0:
             _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
-            if D == 0 and FINE:
-                tl.atomic_add(fine + (u >> 16).to(tl.int32), 1, mask=vis, sem="relaxed")
             _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
             d, need, resolved = _choose_digit(ws + D * BINS, need)
             prefix = prefix * 256 + d.to(tl.uint32)
             shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
             done = resolved.to(tl.int32)
-    if settled == 0:  # the count: each chunk's keys above the threshold and at it, then those before it
-        key = u >> shift
-        above = tl.sum((vis & (key > prefix)).to(tl.int32), axis=0)
-        ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
-        tl.store(cnt_row + c * 4, above)
-        tl.store(cnt_row + c * 4 + 1, ties)
-        _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
-        _finish(ws, cand, fine, u, vis, c, n_active, FINE)
-        above_before, ties_before = _counts_before(cnt_row, c, True)
+    key = u >> shift
+    above = tl.sum((vis & (key > prefix)).to(tl.int32), axis=0)
+    ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
+    cnt_row = cnt_ptr + row * n_chunks * 4
+    tl.store(cnt_row + c * 4, above)
+    tl.store(cnt_row + c * 4 + 1, ties)
+    _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
+    _leave_zeroed(ws, c, n_active)
+    above_before = tl.zeros([], dtype=tl.int32)
+    ties_before = tl.zeros([], dtype=tl.int32)
+    for q0 in range(0, c, PREFIX_BLOCK):
+        q = q0 + tl.arange(0, PREFIX_BLOCK)
+        m = q < c
+        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
+        ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
     _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
                     above_before, ties_before, CHUNK, True)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
-                        FINE: tl.constexpr = False, CANDS: tl.constexpr = False):
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -257,7 +138,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK, FINE, CANDS)
+                      n_chunks, CHUNK)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -265,8 +146,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               out_ptr, n_heads, head_dim, n_cols, k, page_size: tl.constexpr, page_bytes, stride_qt,
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
-                              PDL: tl.constexpr = False, FINE: tl.constexpr = False,
-                              CANDS: tl.constexpr = False):
+                              PDL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -282,13 +162,11 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
                     page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
         tl.debug_barrier()
-        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK,
-                      FINE, CANDS)
+        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK)
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:
-    """[LAYOUT_ROWS, WS_ROW] int32 (and the histograms and lists behind it, `_new_workspace`), zero between
-    launches (decode's launches use its first COOP_WS_ROWS rows): every cooperative launch leaves its rows as it found
+    """[COOP_WS_ROWS, WS_ROW] int32, zero between launches: every cooperative launch leaves its rows as it found
     them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
     3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
     the registry binds the GPU ops (`triton_utils.made_once`).
@@ -298,36 +176,13 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     (piecewise segments, no side stream); `forward_hidden` / `forward_mtp` join the side stream at their end; graphs
     replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
     beside its target, would need a workspace each."""
-    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace", lambda: _new_workspace(device))
+    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace",
+                     lambda: torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device))
 
 
-def _new_workspace(device: torch.device) -> torch.Tensor:
-    """A zeroed [LAYOUT_ROWS, WS_ROW] int32 view at the start of a buffer that holds each row's FINE_BINS histogram
-    and candidate list after it (at FINE_AT, CAND_AT: the kernels address them from the view's pointer)."""
-    flat = torch.zeros(CAND_AT.value + LAYOUT_ROWS * CAND_ROW.value, dtype=torch.int32, device=device)
-    return flat[:FINE_AT.value].view(LAYOUT_ROWS, WS_ROW.value)
-
-
-def behind(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fine histograms [LAYOUT_ROWS, FINE_BINS], candidate lists [LAYOUT_ROWS, CAND_ROW]) behind a workspace
-    `_new_workspace` made (tests check that a launch leaves them zero; a list's entries past its count may stay)."""
-    def part(at: int, cols: int) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int32, device=ws.device).set_(ws.untyped_storage(), at, (LAYOUT_ROWS, cols))
-    return part(FINE_AT.value, FINE_BINS.value), part(CAND_AT.value, CAND_ROW.value)
-
-
-def _mode() -> dict:
-    """The launch's round switches (FINE_ROUND, CANDIDATES: the candidates need round 0's 16-bit histogram)."""
-    return {"FINE": FINE_ROUND, "CANDS": FINE_ROUND and CANDIDATES}
-
-
-def _zeroed(scores: torch.Tensor) -> torch.Tensor:
-    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or a zeroed one of its own (a fill
-    launch; `SHARED_WORKSPACE` off)."""
-    if scores.shape[0] > LAYOUT_ROWS:
-        raise ValueError(f"a cooperative select takes at most {LAYOUT_ROWS} rows, got {scores.shape[0]}")
-    shared = SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS
-    return coop_workspace(scores.device) if shared else _new_workspace(scores.device)
+def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:
+    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or None for one of its own."""
+    return coop_workspace(scores.device) if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS else None
 
 
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
@@ -365,8 +220,7 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
-                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
-            {**kw, **_mode()})
+                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]), kw)
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -396,7 +250,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], **_mode(),
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"],
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

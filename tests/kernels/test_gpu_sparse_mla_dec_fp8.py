@@ -52,23 +52,3 @@ def test_each_switch_gives_the_default_output_bit_for_bit(gen, t, h, k, splits, 
     got = _run(qn, qr, cache, slots, splits, {"ws": "dec", "ws_variant": switches})
     default = _run(qn, qr, cache, slots, splits, {"ws": "dec"})
     assert torch.equal(got, default), f"{switches}: seed {gen.initial_seed()}"
-
-
-@pytest.mark.parametrize("splits", [8, 16, 32])
-@pytest.mark.parametrize("defer", [False, True])
-def test_one_token_of_full_rows_on_the_decode_schedule(gen, monkeypatch, splits, defer):
-    """`ONE_TOKEN_DEC_SPLITS` (the --ab mla1dec:N setting): a batch-1 step's full row in N splits, merged here or
-    left for W_uv's fold (`take_splits` merges them), against the reference."""
-    from dsaserve.kernels import triton_sparse_mla as tsm
-    monkeypatch.setattr(gluon_sparse_mla, "ONE_TOKEN_DEC_SPLITS", splits)
-    rows, slots, qn, qr = _case(gen, 1, 64, 2048, 6000)
-    slots = torch.randperm(6000, generator=gen, device=DEVICE)[:2048][None].to(torch.int32).contiguous()
-    cache = encode_latent(rows.float(), FP8, 512)
-    poison_free_memory()
-    got = gluon_sparse_mla.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512, defer_combine=defer,
-                                                full_rows=True)
-    assert (tsm.pending_splits(got) is not None) == defer
-    got = tsm.take_splits(got)
-    want = R.sparse_mla_attention(qn, qr, cache, FP8, slots, 0.04, 512)
-    single = _run(qn, qr, cache, slots, splits, {"ws": False})
-    assert_close_on_kept_tokens(gen, got, want, single, SINGLE_BOUND)

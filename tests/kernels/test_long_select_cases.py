@@ -112,15 +112,9 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
-@pytest.mark.parametrize("cands", [True, False])
-def test_the_cooperative_select_equals_the_row_select(kind, cands, monkeypatch):
+def test_the_cooperative_select_equals_the_row_select(kind):
     """One launch with barriers among a row's programs (`triton_indexer_coop`, decode's 1-2 rows) writes what the
-    row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once), with the
-    candidate list (`CANDIDATES`; "ties", "all_equal", "round3": more candidates than CAND_MAX, so the rounds run)
-    and without it."""
-    from dsaserve.kernels import triton_indexer_coop
-
-    monkeypatch.setattr(triton_indexer_coop, "CANDIDATES", cands)
+    row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once)."""
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 1)
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
@@ -135,17 +129,11 @@ def test_the_cooperative_select_equals_the_row_select(kind, cands, monkeypatch):
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("positions", [(WIDTH - 1,), (WIDTH - 1, 2 * CHUNK + 7), (K - 1, CHUNK)])
 @pytest.mark.parametrize("kind", ["normal", "round1", "round3"])
-@pytest.mark.parametrize("fine,cands", [(True, True), (True, False), (False, False)])
-def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions, fine, cands, monkeypatch):
+def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions):
     """Decode's 1-2 rows select over the workspace every cooperative launch shares (`coop_workspace`: no fill launch
-    before them): each launch leaves it all zero, its rows, their 16-bit histograms and candidate counts, so launch
-    after launch (a graph's replays, the next full layer) selects what the row select does; a row that takes every
-    key (position k - 1) beside one that selects. With round 0's 16-bit histogram (`FINE_ROUND`) and the candidate
-    list (`CANDIDATES`), the histogram alone, neither."""
+    before them): each launch leaves it all zero, so launch after launch (a graph's replays, the next full layer)
+    selects what the row select does; a row that takes every key (position k - 1) beside one that selects."""
     from dsaserve.kernels import triton_indexer_coop
-
-    monkeypatch.setattr(triton_indexer_coop, "FINE_ROUND", fine)
-    monkeypatch.setattr(triton_indexer_coop, "CANDIDATES", cands)
 
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 2)
     rows = len(positions)
@@ -163,36 +151,6 @@ def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions
     for _ in range(3):
         got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
         assert torch.equal(got, want) and not shared.any()
-        fine_bins, lists = triton_indexer_coop.behind(shared)
-        assert not fine_bins.any() and not lists[:, 0].any()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="a barrier among a launch's programs: the interpreter runs them one after another")
-@pytest.mark.parametrize("tied", [0.3, 0.6])
-def test_more_candidates_than_the_list_holds_run_the_rounds(tied):
-    """Rows whose k-th key's 16-bit bucket holds more keys than CAND_MAX (a share `tied` of 8192 keys equal, the
-    k-th among them): every program falls back to rounds 2-3 and the count, and the output is still the row
-    select's, bit for bit (2 rows x 32 chunks)."""
-    from dsaserve.kernels import triton_indexer_coop
-
-    gen = torch.Generator().manual_seed(int(tied * 10))
-    width, k = 8192, 2048
-    scores = torch.randn(2, width, generator=gen)
-    scores[:, torch.randperm(width, generator=gen)[:int(tied * width)]] = 0.75
-    scores = scores.to(DEVICE)
-    kth = scores.topk(k, dim=1).values[:, -1:]
-    top16 = _top16(scores)
-    assert ((top16 == _top16(kth)).sum(1) > triton_indexer_coop.CAND_MAX.value).all()
-    pos = torch.tensor([width - 1, width - 100], device=DEVICE)
-    got, want, _ = _select_both(scores, pos, 256, k=k, coop=True)
-    assert torch.equal(got, want)
-
-
-def _top16(x: torch.Tensor) -> torch.Tensor:
-    """The top 16 bits of each fp32 score's order key (its sign flipped into order, as the selects do)."""
-    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(b >= 1 << 31, 0xFFFFFFFF - b, b | 1 << 31) >> 16
 
 
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
