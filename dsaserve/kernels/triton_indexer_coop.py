@@ -85,8 +85,22 @@ def _leave_zeroed(ws, c, n_active):
 
 
 @triton.jit
+def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
+    """ts [32] int64 with stamp i (the SM's %clock64 at 2i, %globaltimer at 2i + 1) where STAMPS (a bench switch:
+    bench/probe_select_phases.py reads where a program's time goes; off, nothing is compiled in)."""
+    if STAMPS:
+        j = tl.arange(0, 32)
+        clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        ts = tl.where(j == 2 * i, clk, ts)
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        ts = tl.where(j == 2 * i + 1, now, ts)
+    return ts
+
+
+@triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
@@ -95,6 +109,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
+    ts = _stamp(ts, 4, STAMPS)
     prefix = tl.zeros([], dtype=tl.uint32)
     need = tl.zeros([], dtype=tl.int32) + k
     shift = tl.zeros([], dtype=tl.int32)
@@ -102,7 +117,9 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     for D in tl.static_range(DIGITS):
         if done == 0:
             _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
+            ts = _stamp(ts, 5 + 2 * D, STAMPS)
             _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
+            ts = _stamp(ts, 6 + 2 * D, STAMPS)
             d, need, resolved = _choose_digit(ws + D * BINS, need)
             prefix = prefix * 256 + d.to(tl.uint32)
             shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
@@ -113,7 +130,9 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     cnt_row = cnt_ptr + row * n_chunks * 4
     tl.store(cnt_row + c * 4, above)
     tl.store(cnt_row + c * 4 + 1, ties)
+    ts = _stamp(ts, 13, STAMPS)
     _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
+    ts = _stamp(ts, 14, STAMPS)
     _leave_zeroed(ws, c, n_active)
     above_before = tl.zeros([], dtype=tl.int32)
     ties_before = tl.zeros([], dtype=tl.int32)
@@ -124,6 +143,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
         ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
     _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
                     above_before, ties_before, CHUNK, True)
+    return _stamp(ts, 15, STAMPS)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -138,7 +158,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK)
+                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -146,23 +166,32 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               out_ptr, n_heads, head_dim, n_cols, k, page_size: tl.constexpr, page_bytes, stride_qt,
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, STAMPS: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
-    its threads' stores before those loads), so no barrier among programs guards the scores."""
+    its threads' stores before those loads), so no barrier among programs guards the scores. STAMPS (bench only):
+    each program's phase stamps (`_stamp`) over the first 64 scores of its own chunk once it is done with them."""
+    ts = _stamp(tl.zeros([32], dtype=tl.int64), 0, STAMPS)
     grid_dependency_sync(PDL)
     row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
                                                         n_chunks, k, page_size, CHUNK)
+    ts = _stamp(ts, 1, STAMPS)
     if active:
         row_ptr = score_ptr + row * stride_s
         j0 = c * CHUNK
         end = tl.minimum(pos + 1, n_cols)
         q, w = rounded_q(q_ptr, w_ptr, row, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D, Q_FP8)
+        ts = _stamp(ts, 2, STAMPS)
         score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
                     page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
         tl.debug_barrier()
-        _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks, CHUNK)
+        ts = _stamp(ts, 3, STAMPS)
+        ts = _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
+                           CHUNK, ts, STAMPS)
+        if STAMPS:
+            tl.debug_barrier()  # every thread done reading the chunk's scores
+            tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:

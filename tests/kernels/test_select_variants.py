@@ -95,3 +95,18 @@ def test_the_row_select_compiles_one_variant_per_row_block_whatever_the_page_tab
         blocks[width] = kwargs["BLOCK"]
     assert sorted(set(blocks.values())) == [4096, 8192, 16384]
     assert _kernel_counts(recorder) == {"_topk_select_kernel": 3}
+
+
+def test_the_stamped_score_select_compiles_with_its_clock_reads(monkeypatch, tmp_path):
+    """bench/probe_select_phases.py's variant (STAMPS: %clock64 and %globaltimer at each phase, stored over the
+    chunk's first scores) compiles for sm_90 beside the shipped one, and reads both timers in its SASS."""
+    offline_jit(monkeypatch, tmp_path / "triton", (triton_indexer_coop._coop_score_select_kernel,))
+    _, table, req, pos, out = _operands(513, 1)
+    q, w = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 32)
+    cache = torch.zeros(514, PS * 132, dtype=torch.uint8)
+    kernel, grid, args, kwargs = triton_indexer_coop.score_select_launch(
+        q, w, cache, table, req, pos, out, TOPK, PS, fused_select_chunk(1, 513 * PS))
+    plain = kernel.warmup(*args, grid=grid, **kwargs)
+    stamped = kernel.warmup(*args, grid=grid, **{**kwargs, "STAMPS": True})
+    assert "globaltimer" not in plain.asm["ptx"] and "clock64" not in plain.asm["ptx"]
+    assert stamped.asm["ptx"].count("%globaltimer") >= 8 and stamped.asm["ptx"].count("%clock64") >= 8
