@@ -6,6 +6,7 @@ the time from its last arrival to its first release. One row, decode's chunk (`v
 launch over its own pages (keys from HBM), the stamped launch's slots checked equal to the unstamped one's.
 
     PYTHONPATH=. python bench/probe_select_phases.py --out DIR [--keys 32768,131072] [--launches 12]
+        [--modes poll,barriers]
 
 Prints, per phase, the median over launches of the programs' median and slowest µs; writes probe_select_phases.json.
 """
@@ -13,6 +14,7 @@ Prints, per phase, the median over launches of the programs' median and slowest 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -91,13 +93,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--keys", default="32768,131072")
     ap.add_argument("--launches", type=int, default=12)
+    ap.add_argument("--modes", default="poll,barriers", help="rounds' histograms polled until complete (`HIST_POLL`) "
+                    "and / or behind barriers")
     args = ap.parse_args()
     torch.manual_seed(0)
     results = []
-    for keys in (int(k) for k in args.keys.split(",")):
-        res = probe(keys, args.launches)
+    for mode, keys in itertools.product(args.modes.split(","), (int(k) for k in args.keys.split(","))):
+        triton_indexer_coop.HIST_POLL = {"poll": True, "barriers": False}[mode]
+        res = {"mode": mode, **probe(keys, args.launches)}
         results.append(res)
-        print(f"== {keys} keys, chunk {res['chunk']} ({res['programs']} programs): graph-timed "
+        print(f"== {mode}: {keys} keys, chunk {res['chunk']} ({res['programs']} programs): graph-timed "
               f"{res['graph_us_plain']} µs a launch, stamped {res['graph_us_stamped']}", flush=True)
         for name, v in res["phases"].items():
             print(f"  {name:48s} median {v['median_us']:7.3f}  slowest {v['max_us']:7.3f} µs", flush=True)

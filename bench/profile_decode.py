@@ -235,9 +235,11 @@ def ab_setting(runner, name: str):
     launches (not in the KV writes' launches), "q_rope_serial" q's RoPE blocks rotated by the KV write's own program
     in turn (not programs beside it, `triton_kv_write.Q_ROPE_PROGRAMS`), "select_fill" each cooperative selection
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
-    `triton_indexer_coop.SHARED_WORKSPACE`), "fold_in_block" W_uv's fold loading each K block's split partials in
-    that block (not a block ahead, `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last
-    program loading the parts one at a time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
+    `triton_indexer_coop.SHARED_WORKSPACE`), "coop_barriers" each round of the cooperative selects behind a barrier,
+    then its histogram read (not the histogram polled until complete, `triton_indexer_coop.HIST_POLL`),
+    "fold_in_block" W_uv's fold loading each K block's split partials in that block (not a block ahead,
+    `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
+    time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
     "copy_for_cublas" / "no_copy_for_cublas" 33-512-row RMSNorm / SiLU outputs carrying their FP8 copy in both
     scale layouts, so the cuBLAS projections and the MoE do not quantise them, or not (the quantiser launch before
     each: `triton_fp8_gemm.CUBLAS_COPY_MAX_ROWS`, 512 by default since the forty-third session),
@@ -271,6 +273,7 @@ def ab_setting(runner, name: str):
                     "float_logits": (embedding, "FLOAT_COPY", True),
                     "q_rope_serial": (triton_kv_write, "Q_ROPE_PROGRAMS", False),
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
+                    "coop_barriers": (triton_indexer_coop, "HIST_POLL", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),

@@ -28,6 +28,7 @@ from dsaserve.kernels.triton_indexer_long import (
     STATE,
     WS_ROW,
     _choose_digit,
+    _choose_from,
     _chunk_keys,
     _count_digit,
     _last_visible,
@@ -51,6 +52,12 @@ FUSED_ROWS = COOP_ROWS
 # every cooperative launch takes the shared workspace its programs leave zero (False: a zeroed one of its own,
 # a fill launch before each; bench/profile_decode.py's "select_fill")
 SHARED_WORKSPACE = True
+# each round's histogram polled until its bins sum to the keys that round counts (round 0: the row's visible keys;
+# round r: the bucket round r - 1 chose), then the digit chosen from the bins the poll read: no arrival counter, no
+# acquire, no second read of the histogram. Bins only grow, so a read whose sum is the total read every bin's
+# final count. (False: a barrier among the row's programs, then the histogram read; `profile_decode --ab
+# coop_barriers`.) The count keeps its barrier: its chunks' counts are stored, not summed.
+HIST_POLL = True
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -66,6 +73,16 @@ def _row_barrier(counter, n_active):
         arrived = tl.load(counter, volatile=True)
     tl.atomic_add(counter, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _complete_histogram(hist, total):
+    """The row's 256-bin histogram once its bins sum to `total` (every program's counts landed: `HIST_POLL`)."""
+    b = tl.arange(0, BINS)
+    h = tl.load(hist + b, volatile=True)
+    while tl.sum(h, axis=0) < total:
+        h = tl.load(hist + b, volatile=True)
+    return h
 
 
 @triton.jit
@@ -100,7 +117,7 @@ def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
 
 @triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr):
+                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
@@ -114,13 +131,20 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     need = tl.zeros([], dtype=tl.int32) + k
     shift = tl.zeros([], dtype=tl.int32)
     done = tl.zeros([], dtype=tl.int32)
+    total = lim + 1  # the keys round 0 counts: every visible one (POLL)
     for D in tl.static_range(DIGITS):
         if done == 0:
             _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
             ts = _stamp(ts, 5 + 2 * D, STAMPS)
-            _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
-            ts = _stamp(ts, 6 + 2 * D, STAMPS)
-            d, need, resolved = _choose_digit(ws + D * BINS, need)
+            if POLL:
+                h = _complete_histogram(ws + D * BINS, total)
+                ts = _stamp(ts, 6 + 2 * D, STAMPS)
+                d, need, resolved = _choose_from(h, need)
+                total = tl.sum(tl.where(tl.arange(0, BINS) == d, h, 0), axis=0)  # the next round's keys
+            else:
+                _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
+                ts = _stamp(ts, 6 + 2 * D, STAMPS)
+                d, need, resolved = _choose_digit(ws + D * BINS, need)
             prefix = prefix * 256 + d.to(tl.uint32)
             shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
             done = resolved.to(tl.int32)
@@ -148,7 +172,8 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
-                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                        stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+                        POLL: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -158,7 +183,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False)
+                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -166,7 +191,8 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               out_ptr, n_heads, head_dim, n_cols, k, page_size: tl.constexpr, page_bytes, stride_qt,
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
-                              PDL: tl.constexpr = False, STAMPS: tl.constexpr = False):
+                              PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
+                              POLL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -188,7 +214,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         tl.debug_barrier()
         ts = _stamp(ts, 3, STAMPS)
         ts = _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                           CHUNK, ts, STAMPS)
+                           CHUNK, ts, STAMPS, POLL)
         if STAMPS:
             tl.debug_barrier()  # every thread done reading the chunk's scores
             tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
@@ -249,7 +275,8 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
-                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]), kw)
+                                        page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
+            {**kw, "POLL": HIST_POLL})
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -279,7 +306,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"],
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

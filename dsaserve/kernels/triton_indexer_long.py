@@ -162,8 +162,13 @@ def _count_digit(hist, u, vis, prefix, lim, c, D: tl.constexpr, CHUNK: tl.conste
 def _choose_digit(hist, need):
     """(the digit of the k-th key among the matching ones, keys still needed at it, whether its bucket is taken
     whole) from the row's complete 256-bin histogram (read from L2)."""
+    return _choose_from(tl.load(hist + tl.arange(0, BINS), cache_modifier=".cg"), need)
+
+
+@triton.jit
+def _choose_from(h, need):
+    """`_choose_digit` from a complete 256-bin histogram held in registers."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist + b, cache_modifier=".cg")
     at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
     d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
     new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
