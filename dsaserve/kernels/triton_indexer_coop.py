@@ -58,9 +58,6 @@ SHARED_WORKSPACE = True
 # final count. (False: a barrier among the row's programs, then the histogram read; `profile_decode --ab
 # coop_barriers`.) The count keeps its barrier: its chunks' counts are stored, not summed.
 HIST_POLL = True
-# with HIST_POLL: ns each poller sleeps between reads (0: none; 128 programs rereading a round's lines slow the
-# atomics that land on them: `bench/probe_select_phases.py`, round 1)
-POLL_SLEEP_NS = 0
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -79,15 +76,13 @@ def _row_barrier(counter, n_active):
 
 
 @triton.jit
-def _complete_histogram(hist, total, SLEEP: tl.constexpr):
-    """The row's 256-bin histogram once its bins sum to `total` (every program's counts landed: `HIST_POLL`),
-    SLEEP ns between reads."""
+def _complete_histogram(hist, total):
+    """The row's 256-bin histogram once its bins sum to `total` (every program's counts landed: `HIST_POLL`). (A
+    sleep of 100 or 400 ns between reads, so the pollers' rereads load the L2 lines less while the atomics land:
+    no faster, H100, bench/RESULTS.md fifty-fourth session.)"""
     b = tl.arange(0, BINS)
     h = tl.load(hist + b, volatile=True)
     while tl.sum(h, axis=0) < total:
-        if SLEEP > 0:
-            tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [tl.full([], SLEEP, tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
         h = tl.load(hist + b, volatile=True)
     return h
 
@@ -143,8 +138,8 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
         if done == 0:
             _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
             ts = _stamp(ts, 5 + 2 * D, STAMPS)
-            if POLL > 0:
-                h = _complete_histogram(ws + D * BINS, total, POLL - 1)
+            if POLL:
+                h = _complete_histogram(ws + D * BINS, total)
                 ts = _stamp(ts, 6 + 2 * D, STAMPS)
                 d, need, resolved = _choose_from(h, need)
                 total = tl.sum(tl.where(tl.arange(0, BINS) == d, h, 0), axis=0)  # the next round's keys
@@ -180,7 +175,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
-                        POLL: tl.constexpr = 0):
+                        POLL: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -199,7 +194,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-                              POLL: tl.constexpr = 0):
+                              POLL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -225,11 +220,6 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         if STAMPS:
             tl.debug_barrier()  # every thread done reading the chunk's scores
             tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
-
-
-def _poll() -> int:
-    """The kernels' POLL constexpr: 0 a barrier a round, else the histograms polled with POLL - 1 ns of sleep."""
-    return 1 + POLL_SLEEP_NS if HIST_POLL else 0
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:
@@ -288,7 +278,7 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
-            {**kw, "POLL": _poll()})
+            {**kw, "POLL": HIST_POLL})
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -318,7 +308,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": _poll(),
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 
