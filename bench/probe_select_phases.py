@@ -93,14 +93,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--keys", default="32768,131072")
     ap.add_argument("--launches", type=int, default=12)
-    ap.add_argument("--modes", default="poll,barriers", help="rounds' histograms polled until complete "
-                    "(`HIST_POLL`) over 4 copies (poll) or N (copiesN), and / or behind barriers")
+    ap.add_argument("--modes", default="poll,barriers", help="rounds' histograms polled until complete (`HIST_POLL`) "
+                    "and / or behind barriers")
     args = ap.parse_args()
     torch.manual_seed(0)
     results = []
     for mode, keys in itertools.product(args.modes.split(","), (int(k) for k in args.keys.split(","))):
-        triton_indexer_coop.HIST_POLL = mode != "barriers"
-        triton_indexer_coop.HIST_COPIES = int(mode[6:]) if mode.startswith("copies") else 4
+        triton_indexer_coop.HIST_POLL = {"poll": True, "barriers": False}[mode]
         res = {"mode": mode, **probe(keys, args.launches)}
         results.append(res)
         print(f"== {mode}: {keys} keys, chunk {res['chunk']} ({res['programs']} programs): graph-timed "

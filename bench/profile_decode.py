@@ -237,7 +237,6 @@ def ab_setting(runner, name: str):
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
     `triton_indexer_coop.SHARED_WORKSPACE`), "coop_barriers" each round of the cooperative selects behind a barrier,
     then its histogram read (not the histogram polled until complete, `triton_indexer_coop.HIST_POLL`),
-    "coop_copies:N" those histograms as N copies (`triton_indexer_coop.HIST_COPIES`),
     "fold_in_block" W_uv's fold loading each K block's split partials in that block (not a block ahead,
     `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
     time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
@@ -303,8 +302,6 @@ def ab_setting(runner, name: str):
     if name == "wide_graphs":  # every batch on the graphs captured at max_model_len's width
         runner.graphs.runner_for = lambda batch, bucket=None: runner.graphs.widest
         return lambda: vars(runner.graphs).pop("runner_for")
-    if name.startswith("coop_copies:"):  # e.g. coop_copies:1: the cooperative selects' histograms as one copy
-        return _set(triton_indexer_coop, HIST_COPIES=int(name[12:]))
     if name.startswith("mla1:"):  # e.g. mla1:grouped=dequant/block_h=16/num_warps=8: one token's sparse MLA tile
         return _override(triton_sparse_mla.ONE_TOKEN_CONFIG, _key_values(name[5:]))
     if name.startswith("quant:"):  # e.g. quant:rows=1/groups=16: the activation quantiser's program tile

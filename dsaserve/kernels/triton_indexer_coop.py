@@ -58,18 +58,6 @@ SHARED_WORKSPACE = True
 # final count. (False: a barrier among the row's programs, then the histogram read; `profile_decode --ab
 # coop_barriers`.) The count keeps its barrier: its chunks' counts are stored, not summed.
 HIST_POLL = True
-# with HIST_POLL: each round's histogram as this many copies, program c adding into copy c % HIST_COPIES and every
-# reader summing them, so the ~128 programs' atomics on a round's ~100 busy bins queue at HIST_COPIES times fewer
-# lines (round 1 took 1.8-3.0 µs of a 15 µs selection at 32K keys: bench/probe_select_phases.py, H100).
-# `profile_decode --ab coop_copies:N`
-HIST_COPIES = 4
-MAX_COPIES = tl.constexpr(8)
-# a cooperative workspace's buffer: LAYOUT_ROWS rows of state (the `coop_workspace` view), then each row's
-# MAX_COPIES copies of its histograms (the kernels address them from the view's pointer); a launch takes at most
-# LAYOUT_ROWS rows (decode's 1-2, the tests' 6)
-LAYOUT_ROWS = 8
-COPIES_AT = tl.constexpr(LAYOUT_ROWS * WS_ROW.value)
-COPY = tl.constexpr(DIGITS.value * BINS.value)  # a copy: every round's histogram
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -88,27 +76,25 @@ def _row_barrier(counter, n_active):
 
 
 @triton.jit
-def _complete_histogram(hist, total, COPIES: tl.constexpr):
-    """The row's 256-bin histogram, its COPIES copies summed, once its bins sum to `total` (every program's counts
-    landed: `HIST_POLL`). (A sleep of 100 or 400 ns between reads, so the pollers' rereads load the L2 lines less
-    while the atomics land: no faster, H100, bench/RESULTS.md fifty-fourth session.)"""
-    at = (tl.arange(0, COPIES) * COPY)[:, None] + tl.arange(0, BINS)[None, :]
-    h = tl.sum(tl.load(hist + at, volatile=True), axis=0)
+def _complete_histogram(hist, total):
+    """The row's 256-bin histogram once its bins sum to `total` (every program's counts landed: `HIST_POLL`). (A
+    sleep of 100 or 400 ns between reads, so the pollers' rereads load the L2 lines less while the atomics land:
+    no faster, H100, bench/RESULTS.md fifty-fourth session.)"""
+    b = tl.arange(0, BINS)
+    h = tl.load(hist + b, volatile=True)
     while tl.sum(h, axis=0) < total:
-        h = tl.sum(tl.load(hist + at, volatile=True), axis=0)
+        h = tl.load(hist + b, volatile=True)
     return h
 
 
 @triton.jit
-def _leave_zeroed(ws, copies, c, n_active, POLL: tl.constexpr, COPIES: tl.constexpr):
+def _leave_zeroed(ws, c, n_active):
     """Leave the row's workspace zero, as the launch found it (`coop_workspace`: no fill launch before the next).
     Past the last barrier no program reads the histograms or the round barriers again, so the row's first program
     zeroes them; the last barrier's counter is zeroed by the last program past it (a count of programs past it:
     only that one knows that none still polls the counter)."""
     if c == 0:
         tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
-        if POLL:
-            tl.store(copies + tl.arange(0, COPIES * COPY), tl.zeros([COPIES * COPY], dtype=tl.int32))
         rounds = tl.arange(0, 8)
         tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
     past = tl.atomic_add(ws + STATE + COOP_EXIT, 1, sem="acq_rel") + 1
@@ -133,14 +119,12 @@ def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
 
 @triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr, COPIES: tl.constexpr):
+                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
-    so the same choice and the same early end); the output equals the launches', bit for bit. POLL: each round's
-    histogram over COPIES copies, polled until complete (`HIST_POLL`, `HIST_COPIES`)."""
+    so the same choice and the same early end); the output equals the launches', bit for bit."""
     ws = ws_ptr + row * WS_ROW
-    copies = ws_ptr + COPIES_AT + row * (MAX_COPIES * COPY)
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
@@ -152,16 +136,14 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     total = lim + 1  # the keys round 0 counts: every visible one (POLL)
     for D in tl.static_range(DIGITS):
         if done == 0:
+            _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
+            ts = _stamp(ts, 5 + 2 * D, STAMPS)
             if POLL:
-                _count_digit(copies + (c % COPIES) * COPY + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
-                ts = _stamp(ts, 5 + 2 * D, STAMPS)
-                h = _complete_histogram(copies + D * BINS, total, COPIES)
+                h = _complete_histogram(ws + D * BINS, total)
                 ts = _stamp(ts, 6 + 2 * D, STAMPS)
                 d, need, resolved = _choose_from(h, need)
                 total = tl.sum(tl.where(tl.arange(0, BINS) == d, h, 0), axis=0)  # the next round's keys
             else:
-                _count_digit(ws + D * BINS, u, vis, prefix, lim, c, D, CHUNK)
-                ts = _stamp(ts, 5 + 2 * D, STAMPS)
                 _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
                 ts = _stamp(ts, 6 + 2 * D, STAMPS)
                 d, need, resolved = _choose_digit(ws + D * BINS, need)
@@ -177,7 +159,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     ts = _stamp(ts, 13, STAMPS)
     _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
     ts = _stamp(ts, 14, STAMPS)
-    _leave_zeroed(ws, copies, c, n_active, POLL, COPIES)
+    _leave_zeroed(ws, c, n_active)
     above_before = tl.zeros([], dtype=tl.int32)
     ties_before = tl.zeros([], dtype=tl.int32)
     for q0 in range(0, c, PREFIX_BLOCK):
@@ -193,7 +175,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
-                        POLL: tl.constexpr = False, COPIES: tl.constexpr = 1):
+                        POLL: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -203,7 +185,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL, COPIES)
+                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -212,7 +194,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-                              POLL: tl.constexpr = False, COPIES: tl.constexpr = 1):
+                              POLL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -234,15 +216,14 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         tl.debug_barrier()
         ts = _stamp(ts, 3, STAMPS)
         ts = _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                           CHUNK, ts, STAMPS, POLL, COPIES)
+                           CHUNK, ts, STAMPS, POLL)
         if STAMPS:
             tl.debug_barrier()  # every thread done reading the chunk's scores
             tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:
-    """[LAYOUT_ROWS, WS_ROW] int32 (and the histogram copies behind it, `_new_workspace`), zero between launches
-    (decode's launches use its first COOP_WS_ROWS rows): every cooperative launch leaves its rows as it found
+    """[COOP_WS_ROWS, WS_ROW] int32, zero between launches: every cooperative launch leaves its rows as it found
     them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
     3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
     the registry binds the GPU ops (`triton_utils.made_once`).
@@ -252,38 +233,13 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     (piecewise segments, no side stream); `forward_hidden` / `forward_mtp` join the side stream at their end; graphs
     replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
     beside its target, would need a workspace each."""
-    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace", lambda: _new_workspace(device))
+    return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace",
+                     lambda: torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device))
 
 
-def _new_workspace(device: torch.device) -> torch.Tensor:
-    """A zeroed [LAYOUT_ROWS, WS_ROW] int32 view at the start of a buffer that holds each row's MAX_COPIES
-    histogram copies after it (at COPIES_AT: the kernels address them from the view's pointer)."""
-    flat = torch.zeros(COPIES_AT.value + LAYOUT_ROWS * MAX_COPIES.value * COPY.value, dtype=torch.int32, device=device)
-    return flat[:COPIES_AT.value].view(LAYOUT_ROWS, WS_ROW.value)
-
-
-def histogram_copies(ws: torch.Tensor) -> torch.Tensor:
-    """The [LAYOUT_ROWS, MAX_COPIES * COPY] histogram copies behind a workspace `_new_workspace` made (tests check
-    that a launch leaves them zero)."""
-    return torch.empty(0, dtype=torch.int32, device=ws.device).set_(
-        ws.untyped_storage(), COPIES_AT.value, (LAYOUT_ROWS, MAX_COPIES.value * COPY.value))
-
-
-def _rounds() -> dict:
-    """The launch's round constexprs: POLL (`HIST_POLL`) and COPIES (`HIST_COPIES`, checked)."""
-    if not 1 <= HIST_COPIES <= MAX_COPIES.value or HIST_COPIES & (HIST_COPIES - 1):
-        raise ValueError(f"triton_indexer_coop.HIST_COPIES: a power of two in [1, {MAX_COPIES.value}], "
-                         f"got {HIST_COPIES}")
-    return {"POLL": HIST_POLL, "COPIES": HIST_COPIES}
-
-
-def _zeroed(scores: torch.Tensor) -> torch.Tensor:
-    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or a zeroed one of its own (a fill
-    launch; `SHARED_WORKSPACE` off, or more rows than decode's)."""
-    if scores.shape[0] > LAYOUT_ROWS:
-        raise ValueError(f"a cooperative select takes at most {LAYOUT_ROWS} rows, got {scores.shape[0]}")
-    shared = SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS
-    return coop_workspace(scores.device) if shared else _new_workspace(scores.device)
+def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:
+    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or None for one of its own."""
+    return coop_workspace(scores.device) if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS else None
 
 
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
@@ -322,7 +278,7 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
-            {**kw, **_rounds()})
+            {**kw, "POLL": HIST_POLL})
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -352,7 +308,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], **_rounds(),
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

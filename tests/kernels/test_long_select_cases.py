@@ -112,15 +112,14 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
-@pytest.mark.parametrize("poll,copies", [(True, 4), (True, 1), (True, 8), (False, 4)])
-def test_the_cooperative_select_equals_the_row_select(kind, poll, copies, monkeypatch):
+@pytest.mark.parametrize("poll", [True, False])
+def test_the_cooperative_select_equals_the_row_select(kind, poll, monkeypatch):
     """One launch with barriers among a row's programs (`triton_indexer_coop`, decode's 1-2 rows) writes what the
     row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once), each round's
-    histogram polled until complete over `copies` copies (`HIST_POLL`, `HIST_COPIES`) or behind a barrier."""
+    histogram polled until complete (`HIST_POLL`) or behind a barrier."""
     from dsaserve.kernels import triton_indexer_coop
 
     monkeypatch.setattr(triton_indexer_coop, "HIST_POLL", poll)
-    monkeypatch.setattr(triton_indexer_coop, "HIST_COPIES", copies)
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 1)
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
@@ -157,7 +156,6 @@ def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions
     for _ in range(3):
         got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
         assert torch.equal(got, want) and not shared.any()
-        assert not triton_indexer_coop.histogram_copies(shared).any()
 
 
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
