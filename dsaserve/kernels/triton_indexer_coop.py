@@ -56,7 +56,9 @@ SHARED_WORKSPACE = True
 # round r: the bucket round r - 1 chose), then the digit chosen from the bins the poll read: no arrival counter, no
 # acquire, no second read of the histogram. Bins only grow, so a read whose sum is the total read every bin's
 # final count. (False: a barrier among the row's programs, then the histogram read; `profile_decode --ab
-# coop_barriers`.) The count keeps its barrier: its chunks' counts are stored, not summed.
+# coop_barriers`.) The count keeps its barrier: its chunks' counts are stored, not summed. H100, three machines, in
+# the step (bench/RESULTS.md, fifty-fourth session): b1 32K -4.5 to -7 µs, 128K -5 to -6.5 against the barriers,
+# though alone the selection is ~0.5 µs slower (round 1's atomics land slower under 128 pollers)
 HIST_POLL = True
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
