@@ -12,6 +12,9 @@ one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17
 22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
 two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
 stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
+A radix round needs no barrier (`HIST_POLL`): each program polls the round's histogram until its bins sum to the keys
+the round counts, then chooses the digit from what it read; only the count keeps one. Where a program's time goes,
+phase by phase: bench/probe_select_phases.py (the kernels' STAMPS).
 """
 
 from __future__ import annotations
