@@ -128,7 +128,8 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
-    so the same choice and the same early end); the output equals the launches', bit for bit."""
+    so the same choice and the same early end); the output equals the launches', bit for bit. POLL: no barrier
+    before a round's choice; each program polls the round's histogram until it is complete (`_complete_histogram`)."""
     ws = ws_ptr + row * WS_ROW
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
