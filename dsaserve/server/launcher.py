@@ -140,7 +140,8 @@ class Readiness:
         if warm:  # the kernel preload and the memory profile of engine/warm_start.py: hit / miss each
             caches["warm_start"] = {k: v for k, v in warm.items() if k != "memory_profile"}
             caches["memory_profile"] = {"status": warm.get("memory_profile")}
-        return {"total_s": self.clock.total_s(), "critical_path": list(self.clock.laps), "caches": caches}
+        clock = {"interpreter_clock": self.clock.interpreter_clock} if self.clock.interpreter_clock else {}
+        return {"total_s": self.clock.total_s(), "critical_path": list(self.clock.laps), **clock, "caches": caches}
 
     def manifest(self, args: ServerArgs) -> dict[str, Any]:
         sched = dict(self.info.get("scheduler", {}))
@@ -187,6 +188,8 @@ def report_startup(args: ServerArgs, readiness: Readiness) -> None:
     once, when the first health probe passed."""
     phases = ", ".join(f"{k} {v:.3f}s" for k, v in readiness.startup_time().items())
     log.info("startup phases: %s", phases)
+    if readiness.clock.interpreter_clock:
+        log.info("startup clock: the interpreter lap is %s", readiness.clock.interpreter_clock)
     if args.manifest_json:
         with open(args.manifest_json, "w") as f:
             json.dump(readiness.manifest(args), f, indent=2, default=str)

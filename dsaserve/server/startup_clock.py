@@ -3,7 +3,9 @@
 Owns: `StartupClock`, the main process's critical path of `dsaserve serve` as consecutive phases on one
 wall clock (`time.time()`), so that they add up to `total_s` exactly:
 
-  interpreter       process created -> first line of `dsaserve.cli` (Python start-up, read from /proc)
+  interpreter       process created -> first line of `dsaserve.cli` (Python start-up, read from /proc; 0 and
+                    `interpreter_clock` says why where the process ran other programs first: a shell that
+                    exec'd dsaserve as its last command, `bash -c "pip install ... && dsaserve serve"`)
   cli_imports       -> `serve` runs (argparse, the engine and server flags)
   resolve_model     -> --model is a directory (built-in: its cached checkpoint or config+tokenizer, made on a miss)
   spawn_processes   -> every scheduler rank and the detokenizer are started (from here on the children's
@@ -29,13 +31,32 @@ CRITICAL_PATH = ("interpreter", "cli_imports", "resolve_model", "spawn_processes
                  "main_tokenizer", "wait_for_ready", "health_probe")
 
 
+def _stat_fields() -> list[str]:
+    """/proc/self/stat's fields from the 3rd on (after the command name); [] where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def process_age_s() -> float:
     """Seconds since this process was created (Linux /proc, 10 ms ticks); 0.0 where that cannot be read."""
     try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        start_ticks = int(_stat_fields()[19])  # field 22, starttime
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):
+    except (ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def reaped_children_cpu_s() -> float:
+    """CPU seconds of the children this process waited for (fields 16-17, cutime + cstime; 10 ms ticks). Python
+    starts none before the entry point's first line, so more than 0 there means the process ran other programs
+    before it became this one (a shell's exec): its creation time is not Python's start."""
+    try:
+        fields = _stat_fields()
+        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    except (ValueError, IndexError, AttributeError):
         return 0.0
 
 
@@ -49,12 +70,21 @@ def child_phases(who: str, spawn_time: float | None, first_line: float, run_star
 
 class StartupClock:
     """Consecutive laps from the process's creation; `first_line` is `time.time()` at the first line of the
-    entry point (the interpreter lap ends there). `now` is injectable for tests."""
+    entry point (the interpreter lap ends there). Where the process ran other programs before Python
+    (`reaped_children_cpu_s`, injectable as `ran_before`), the clock starts at the first line and
+    `interpreter_clock` says why. `now` is injectable for tests."""
 
     def __init__(self, first_line: float | None = None, created: float | None = None,
-                 now: Any = time.time) -> None:
+                 now: Any = time.time, ran_before: float | None = None) -> None:
         self.now = now
         first_line = now() if first_line is None else first_line
+        ran_before = reaped_children_cpu_s() if ran_before is None and created is None else ran_before or 0.0
+        self.interpreter_clock: str | None = None
+        if created is None and ran_before > 0:
+            self.interpreter_clock = (f"not measured: this process ran other programs ({ran_before:.2f} s of their "
+                                      f"CPU) before Python started (a shell exec'd it), so it counts from the entry "
+                                      f"point's first line")
+            created = first_line
         self.created = min(first_line, now() - process_age_s()) if created is None else created
         self.laps: dict[str, float] = {}
         self.milestones: dict[str, float] = {}

@@ -5,6 +5,8 @@ caches' hit/miss reach the manifest."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsaserve.server.launcher import Readiness
@@ -50,8 +52,33 @@ def test_milestones_count_from_the_process_creation_and_a_lap_never_goes_negativ
 def test_the_real_clock_starts_at_the_process_creation():
     age = process_age_s()
     assert age > 0  # this test runs well after the interpreter started (Linux /proc)
-    clock = StartupClock()  # first line = now: the interpreter lap is the process's age (10 ms ticks)
-    assert clock.laps["interpreter"] == pytest.approx(age, abs=0.05)
+    # first line = now: the interpreter lap is the process's age (10 ms ticks); ran_before 0: as a process that ran
+    # no other program (pytest's own children would count here)
+    clock = StartupClock(ran_before=0.0)
+    assert clock.laps["interpreter"] == pytest.approx(age, abs=0.05) and clock.interpreter_clock is None
+
+
+def test_a_process_that_ran_other_programs_first_counts_from_its_first_line():
+    """A shell that ran `pip install` and then exec'd dsaserve: the process's creation is the shell's, so the
+    interpreter lap is 0 and says why (the README's first line logged 67 s of "interpreter" so)."""
+    clock = StartupClock(1000.25, now=Ticks(1000.25), ran_before=42.5)
+    assert clock.laps == {"interpreter": 0.0} and "42.50 s" in clock.interpreter_clock
+    assert clock.milestone("up") == 0.0
+
+
+@pytest.mark.parametrize("exec_after_work", [True, False])
+def test_the_real_clock_sees_a_shell_that_ran_a_program_before_its_exec(exec_after_work):
+    """Real processes: `bash -c "<a CPU-bound python> && exec python ..."` is one process from the shell's fork, and
+    its reaped child's CPU time shows; a python started on its own has none."""
+    import subprocess
+    import sys
+
+    probe = ("from dsaserve.server.startup_clock import StartupClock, reaped_children_cpu_s; "
+             "c = StartupClock(); print(reaped_children_cpu_s() > 0, c.interpreter_clock is not None)")
+    work = f"{sys.executable} -c 'sum(range(3 * 10 ** 7))' && " if exec_after_work else ""
+    out = subprocess.run(["bash", "-c", f"{work}exec {sys.executable} -c \"{probe}\""], capture_output=True, text=True,
+                         check=True, cwd=str(Path(__file__).resolve().parents[2])).stdout.split()
+    assert out == [str(exec_after_work)] * 2
 
 
 def test_child_phases_split_spawn_from_imports():
