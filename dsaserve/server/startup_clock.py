@@ -52,7 +52,8 @@ def process_age_s() -> float:
 def reaped_children_cpu_s() -> float:
     """CPU seconds of the children this process waited for (fields 16-17, cutime + cstime; 10 ms ticks). Python
     starts none before the entry point's first line, so more than 0 there means the process ran other programs
-    before it became this one (a shell's exec): its creation time is not Python's start."""
+    before it became this one (a shell's exec): its creation time is not Python's start. (A shell whose earlier
+    commands used under a 10 ms tick of CPU, `sleep 5; exec dsaserve ...`, is not seen: its wait still counts.)"""
     try:
         fields = _stat_fields()
         return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
