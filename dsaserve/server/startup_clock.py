@@ -79,11 +79,11 @@ class StartupClock:
                  now: Any = time.time, ran_before: float | None = None) -> None:
         self.now = now
         first_line = now() if first_line is None else first_line
-        ran_before = reaped_children_cpu_s() if ran_before is None and created is None else ran_before or 0.0
         self.interpreter_clock: str | None = None
-        if created is None and ran_before > 0:
-            self.interpreter_clock = (f"not measured: this process ran other programs ({ran_before:.2f} s of their "
-                                      f"CPU) before Python started (a shell exec'd it), so it counts from the entry "
+        ran = (reaped_children_cpu_s() if ran_before is None else ran_before) if created is None else 0.0
+        if ran > 0:
+            self.interpreter_clock = (f"not measured: this process ran other programs ({ran:.2f} s of their CPU) "
+                                      f"before Python started (a shell exec'd it), so it counts from the entry "
                                       f"point's first line")
             created = first_line
         self.created = min(first_line, now() - process_age_s()) if created is None else created
