@@ -6,7 +6,7 @@ the time from its last arrival to its first release. One row, decode's chunk (`v
 launch over its own pages (keys from HBM), the stamped launch's slots checked equal to the unstamped one's.
 
     PYTHONPATH=. python bench/probe_select_phases.py --out DIR [--keys 32768,131072] [--launches 12]
-        [--modes poll,barriers]
+        [--modes poll,count_barrier,barriers]
 
 Prints, per phase, the median over launches of the programs' median and slowest µs; writes probe_select_phases.json.
 """
@@ -29,8 +29,10 @@ PS, IH, IDIM, TOPK = 64, 32, 128, 2048
 # stamp i (`triton_indexer_coop`): where it is taken; a phase runs from one taken stamp to the next
 STAMPS = ["entry", "PDL sync + role", "q + head weights", "scores", "chunk keys", "round 0 counted", "barrier 0",
           "round 1 counted", "barrier 1", "round 2 counted", "barrier 2", "round 3 counted", "barrier 3",
-          "count stored", "count barrier", "write"]
-BARRIERS = {6: "barrier 0", 8: "barrier 1", 10: "barrier 2", 12: "barrier 3", 14: "count barrier"}
+          "counts out", "counts in", "write"]
+BARRIERS = {6: "barrier 0", 8: "barrier 1", 10: "barrier 2", 12: "barrier 3", 14: "counts in"}
+# mode -> (HIST_POLL, COUNT_POLL): the rounds' histograms and the chunks' counts polled, or behind barriers
+MODES = {"poll": (True, True), "count_barrier": (True, False), "barriers": (False, False)}
 
 
 def read_stamps(scores: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -93,19 +95,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--keys", default="32768,131072")
     ap.add_argument("--launches", type=int, default=12)
-    ap.add_argument("--modes", default="poll,barriers", help="rounds' histograms polled until complete (`HIST_POLL`) "
-                    "and / or behind barriers")
+    ap.add_argument("--modes", default="poll,count_barrier,barriers",
+                    help="rounds' histograms and chunks' counts polled (`HIST_POLL`, `COUNT_POLL`), the counts behind "
+                    "a barrier, or both")
     args = ap.parse_args()
     torch.manual_seed(0)
-    results = []
+    results, engine = [], (triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL)
     for mode, keys in itertools.product(args.modes.split(","), (int(k) for k in args.keys.split(","))):
-        triton_indexer_coop.HIST_POLL = {"poll": True, "barriers": False}[mode]
+        triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL = MODES[mode]
         res = {"mode": mode, **probe(keys, args.launches)}
         results.append(res)
         print(f"== {mode}: {keys} keys, chunk {res['chunk']} ({res['programs']} programs): graph-timed "
               f"{res['graph_us_plain']} µs a launch, stamped {res['graph_us_stamped']}", flush=True)
         for name, v in res["phases"].items():
             print(f"  {name:48s} median {v['median_us']:7.3f}  slowest {v['max_us']:7.3f} µs", flush=True)
+    triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL = engine
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "probe_select_phases.json").write_text(json.dumps(results, indent=1))
 

@@ -237,6 +237,7 @@ def ab_setting(runner, name: str):
     on a zeroed workspace of its own, a fill launch before it (not the shared one its programs leave zero,
     `triton_indexer_coop.SHARED_WORKSPACE`), "coop_barriers" each round of the cooperative selects behind a barrier,
     then its histogram read (not the histogram polled until complete, `triton_indexer_coop.HIST_POLL`),
+    "coop_count_barrier" their counts behind a barrier, then read (not polled as tagged words, `COUNT_POLL`),
     "fold_in_block" W_uv's fold loading each K block's split partials in that block (not a block ahead,
     `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
     time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
@@ -274,6 +275,7 @@ def ab_setting(runner, name: str):
                     "q_rope_serial": (triton_kv_write, "Q_ROPE_PROGRAMS", False),
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
                     "coop_barriers": (triton_indexer_coop, "HIST_POLL", False),
+                    "coop_count_barrier": (triton_indexer_coop, "COUNT_POLL", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),

@@ -7,14 +7,15 @@ row's complete histogram; and `coop_score_select`, the paged score kernel's scor
 `_coop_score_select_kernel` launch over the page-major FP8 cache (each program scores its own chunk, then selects
 over it). `cooperative` and `fused` are decode's choices (`triton_indexer_dispatch`): 1-2 rows where every program
 can be resident at once, fused up to FUSED_MAX_CHUNK-key chunks. Both work in `coop_workspace`, one shared buffer
-their programs leave zero, so no fill launch precedes them. H200, graph-timed (bench/RESULTS.md): the select,
-one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows 17.4-19.5 -> 12.8-14.6 and
-22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys 21.0-21.4 -> 17.1-17.5 us,
-two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the machine's spread: the side
-stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
+their programs leave ready for the next launch, so no fill launch precedes them. H200, graph-timed
+(bench/RESULTS.md): the select, one row of 32K keys 16.7 -> 12.4 us, of 128K 20.5-23.1 -> 15.7-17.8; two rows
+17.4-19.5 -> 12.8-14.6 and 22.8-24.1 -> 18.1-19.3 (nineteenth session); scores + select fused, one row of 32K keys
+21.0-21.4 -> 17.1-17.5 us, two rows 26.5-26.8 -> 22.7-23.0 (twenty-second session; in the batch-1 step inside the
+machine's spread: the side stream's few microseconds a full layer are mostly hidden behind the q path at 32K).
 A radix round needs no barrier (`HIST_POLL`): each program polls the round's histogram until its bins sum to the keys
-the round counts, then chooses the digit from what it read; only the count keeps one. Where a program's time goes,
-phase by phase: bench/probe_select_phases.py (the kernels' STAMPS).
+the round counts, then chooses the digit from what it read; nor does the count (`COUNT_POLL`): each program polls
+the earlier chunks' tagged count words. Where a program's time goes, phase by phase: bench/probe_select_phases.py
+(the kernels' STAMPS).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import _sm_count
+from dsaserve.kernels.triton_indexer import page_slots
 from dsaserve.kernels.triton_indexer_long import (
     BINS,
     DIGITS,
@@ -45,6 +47,12 @@ from dsaserve.kernels.variants import FEW_ROWS, FUSED_MAX_CHUNK
 
 COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counters (state 8..12, after the launches')
 COOP_EXIT = tl.constexpr(13)  # and the count of programs past the last barrier (`_leave_zeroed`)
+COOP_PARITY = tl.constexpr(14)  # and which of the row's two count buffers this launch's programs fill (COUNT_POLL)
+COOP_MAX_CHUNKS = tl.constexpr(256)  # a row's programs at most (one an SM: `coop_fits`)
+COOP_COUNTS = WS_ROW  # then the two count buffers: COOP_MAX_CHUNKS int64 words each (COUNT_POLL)
+COOP_WS_ROW = tl.constexpr(WS_ROW.value + 2 * 2 * COOP_MAX_CHUNKS.value)  # int32 (8256 bytes: 64-byte rows)
+# a chunk's count word: (keys above T) << 32 | (ties at T) | COUNT_IN, so a zero word is one not yet written
+COUNT_IN = tl.constexpr(1 << 62)
 COOP_WS_ROWS = FEW_ROWS  # the rows of `coop_workspace`: decode's 1-2 rows (the decode graphs' few-row classes too)
 # decode rows up to which one cooperative launch replaces the select's launches (`cooperative`; not under the
 # interpreter: it runs a launch's programs one after another, so a barrier among them would never open)
@@ -63,6 +71,14 @@ SHARED_WORKSPACE = True
 # the step (bench/RESULTS.md, fifty-fourth session): b1 32K -4.5 to -7 µs, 128K -5 to -6.5 against the barriers,
 # though alone the selection is ~0.5 µs slower (round 1's atomics land slower under 128 pollers)
 HIST_POLL = True
+# the chunks' counts exchanged as tagged words, each program polling only the words of the chunks before it (whose
+# keys it ranks after), not behind a barrier among all the row's programs; the row's last program zeroes the
+# histograms once every word is in, and nothing is left to count programs out (`_leave_zeroed`'s read-modify-write
+# a program). The words live in two buffers a row, the launches taking them in turn (`COOP_PARITY`): a launch's
+# first program zeroes the buffer the next launch fills, which the previous launch filled and finished reading.
+# (False: a barrier, then the earlier chunks' counts read, then `_leave_zeroed`; `profile_decode --ab
+# coop_count_barrier`.)
+COUNT_POLL = True
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -109,6 +125,75 @@ def _leave_zeroed(ws, c, n_active):
 
 
 @triton.jit
+def _count_buffer(ws, parity):
+    """The row's count buffer `parity` (COOP_MAX_CHUNKS int64 words)."""
+    return (ws + COOP_COUNTS).to(tl.pointer_type(tl.int64)) + parity * COOP_MAX_CHUNKS
+
+
+@triton.jit
+def _counts_before(words, c):
+    """(keys above T, ties at T) in the chunks before chunk c, their words polled until every one is in."""
+    q = tl.arange(0, COOP_MAX_CHUNKS)
+    w = tl.load(words + q, mask=q < c, other=COUNT_IN, volatile=True)
+    while tl.min((w >> 62).to(tl.int32), axis=0) == 0:
+        w = tl.load(words + q, mask=q < c, other=COUNT_IN, volatile=True)
+    return tl.sum((w >> 32).to(tl.int32) & 0xFFFFF, axis=0), tl.sum(w.to(tl.int32) & 0xFFFFF, axis=0)
+
+
+@triton.jit
+def _exchange_counts(ws, parity, c, n_active, above, ties, POLL: tl.constexpr):
+    """COUNT_POLL: chunk c's counts out as a tagged word, the earlier chunks' summed in (`_counts_before`). The row's
+    last program, once every word is in (so every program is past its rounds), zeroes the histograms (and the
+    rounds' barrier counters where they ran: not POLL) and hands the next launch the other buffer, which the first
+    program zeroes: its readers were the previous launch's."""
+    words = _count_buffer(ws, parity)
+    tl.store(words + c, COUNT_IN | (above.to(tl.int64) << 32) | ties.to(tl.int64))
+    if c == 0:
+        tl.store(_count_buffer(ws, 1 - parity) + tl.arange(0, COOP_MAX_CHUNKS),
+                 tl.zeros([COOP_MAX_CHUNKS], dtype=tl.int64))
+    above_before, ties_before = _counts_before(words, c)
+    if c == n_active - 1:
+        tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
+        if not POLL:
+            rounds = tl.arange(0, 8)
+            tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
+        tl.store(ws + STATE + COOP_PARITY, 1 - parity)
+    return above_before, ties_before
+
+
+@triton.jit
+def _counts_at_barrier(ws, cnt_row, c, n_active, above, ties):
+    """Not COUNT_POLL: chunk c's counts stored, a barrier among the row's programs, the workspace left zero
+    (`_leave_zeroed`), then the earlier chunks' counts read and summed."""
+    tl.store(cnt_row + c * 4, above)
+    tl.store(cnt_row + c * 4 + 1, ties)
+    _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
+    _leave_zeroed(ws, c, n_active)
+    above_before = tl.zeros([], dtype=tl.int32)
+    ties_before = tl.zeros([], dtype=tl.int32)
+    for q0 in range(0, c, PREFIX_BLOCK):
+        q = q0 + tl.arange(0, PREFIX_BLOCK)
+        m = q < c
+        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
+        ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
+    return above_before, ties_before
+
+
+@triton.jit
+def _write_held(out_row, slots, gt, eq, need, above, ties, above_before, ties_before):
+    """`triton_indexer_long._write_selected` from what the program holds (COUNT_POLL): the chunk's keys' compares
+    with T and their slots, read before the rounds, not its scores and page-table entries read again after them."""
+    taken = tl.minimum(tl.maximum(need - ties_before, 0), ties)  # this chunk's ties that are taken
+    if above + taken > 0:
+        sel = gt | (eq & (taken > 0))
+        if (taken > 0) & (taken < ties):  # the chunk holds the last tie taken: its ties ranked in position order
+            sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= taken))
+        sel = sel.to(tl.int32)
+        out_at = out_row + above_before + tl.minimum(need, ties_before) - 1
+        tl.store(out_at + tl.cumsum(sel, axis=0), slots, mask=sel == 1)
+
+
+@triton.jit
 def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
     """ts [32] int64 with stamp i (the SM's %clock64 at 2i, %globaltimer at 2i + 1) where STAMPS (a bench switch:
     bench/probe_select_phases.py reads where a program's time goes; off, nothing is compiled in)."""
@@ -124,16 +209,20 @@ def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
 
 @triton.jit
 def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr):
+                  CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr, COUNT_POLL: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
     so the same choice and the same early end); the output equals the launches', bit for bit. POLL: no barrier
-    before a round's choice; each program polls the round's histogram until it is complete (`_complete_histogram`)."""
-    ws = ws_ptr + row * WS_ROW
+    before a round's choice; each program polls the round's histogram until it is complete (`_complete_histogram`).
+    COUNT_POLL: no barrier before the write either (`_exchange_counts`), which takes the keys and slots held here."""
+    ws = ws_ptr + row * COOP_WS_ROW
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
     vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
+    if COUNT_POLL:  # read now, used after the rounds
+        parity = tl.load(ws + STATE + COOP_PARITY, cache_modifier=".cg")
+        slots = page_slots(pt_row, c * CHUNK + tl.arange(0, CHUNK), page_size, vis)
     ts = _stamp(ts, 4, STAMPS)
     prefix = tl.zeros([], dtype=tl.uint32)
     need = tl.zeros([], dtype=tl.int32) + k
@@ -147,8 +236,7 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
             if POLL:
                 h = _complete_histogram(ws + D * BINS, total)
                 ts = _stamp(ts, 6 + 2 * D, STAMPS)
-                d, need, resolved = _choose_from(h, need)
-                total = tl.sum(tl.where(tl.arange(0, BINS) == d, h, 0), axis=0)  # the next round's keys
+                d, need, resolved, total = _choose_from(h, need)  # total: the next round's keys
             else:
                 _row_barrier(ws + STATE + COOP_BARRIERS + D, n_active)
                 ts = _stamp(ts, 6 + 2 * D, STAMPS)
@@ -157,31 +245,29 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
             shift = tl.zeros([], dtype=tl.int32) + (24 - 8 * D)
             done = resolved.to(tl.int32)
     key = u >> shift
-    above = tl.sum((vis & (key > prefix)).to(tl.int32), axis=0)
-    ties = tl.sum((vis & (key == prefix)).to(tl.int32), axis=0)
-    cnt_row = cnt_ptr + row * n_chunks * 4
-    tl.store(cnt_row + c * 4, above)
-    tl.store(cnt_row + c * 4 + 1, ties)
+    gt = vis & (key > prefix)
+    eq = vis & (key == prefix)
+    tl.static_assert(CHUNK < 32768)  # both counts in one int32 sum (one block-wide reduction, not two)
+    both = tl.sum(gt.to(tl.int32) * 65536 + eq.to(tl.int32), axis=0)
+    above = both >> 16
+    ties = both & 0xFFFF
     ts = _stamp(ts, 13, STAMPS)
-    _row_barrier(ws + STATE + COOP_BARRIERS + DIGITS, n_active)
-    ts = _stamp(ts, 14, STAMPS)
-    _leave_zeroed(ws, c, n_active)
-    above_before = tl.zeros([], dtype=tl.int32)
-    ties_before = tl.zeros([], dtype=tl.int32)
-    for q0 in range(0, c, PREFIX_BLOCK):
-        q = q0 + tl.arange(0, PREFIX_BLOCK)
-        m = q < c
-        above_before += tl.sum(tl.load(cnt_row + q * 4, mask=m, other=0, cache_modifier=".cg"), axis=0)
-        ties_before += tl.sum(tl.load(cnt_row + q * 4 + 1, mask=m, other=0, cache_modifier=".cg"), axis=0)
-    _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
-                    above_before, ties_before, CHUNK, True)
+    if COUNT_POLL:
+        above_before, ties_before = _exchange_counts(ws, parity, c, n_active, above, ties, POLL)
+        ts = _stamp(ts, 14, STAMPS)
+        _write_held(out_row, slots, gt, eq, need, above, ties, above_before, ties_before)
+    else:
+        above_before, ties_before = _counts_at_barrier(ws, cnt_ptr + row * n_chunks * 4, c, n_active, above, ties)
+        ts = _stamp(ts, 14, STAMPS)
+        _write_selected(row_ptr, pt_row, out_row, c, pos, n_cols, page_size, prefix, need, shift, above, ties,
+                        above_before, ties_before, CHUNK, True)
     return _stamp(ts, 15, STAMPS)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
 def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, out_ptr, n_cols, k, page_size,
                         stride_s, stride_pt, stride_o, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
-                        POLL: tl.constexpr = False):
+                        POLL: tl.constexpr = False, COUNT_POLL: tl.constexpr = False):
     """The split radix select in one launch for a few rows (COOP_ROWS): `_select_chunk` a program.
     Deadlock-free because `coop_select` takes it only for at most one program an SM (rows x chunks <= the SM
     count): each program finds an SM once the kernels beside it end, and none of them waits for this one (on the
@@ -191,7 +277,7 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
         _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
-                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL)
+                      n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL, COUNT_POLL)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "n_chunks"])
@@ -200,7 +286,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-                              POLL: tl.constexpr = False):
+                              POLL: tl.constexpr = False, COUNT_POLL: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
     runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
@@ -222,15 +308,16 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         tl.debug_barrier()
         ts = _stamp(ts, 3, STAMPS)
         ts = _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                           CHUNK, ts, STAMPS, POLL)
+                           CHUNK, ts, STAMPS, POLL, COUNT_POLL)
         if STAMPS:
             tl.debug_barrier()  # every thread done reading the chunk's scores
             tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
 
 
 def coop_workspace(device: torch.device) -> torch.Tensor:
-    """[COOP_WS_ROWS, WS_ROW] int32, zero between launches: every cooperative launch leaves its rows as it found
-    them (`_leave_zeroed`), so none needs a fill launch before it (a torch fill on each full layer's selection path,
+    """[COOP_WS_ROWS, COOP_WS_ROW] int32 whose histograms and barrier counters are zero between launches: every
+    cooperative launch leaves them as it found them (`_exchange_counts`, or `_leave_zeroed`), and the count buffer the
+    next launch fills zeroed, so none needs a fill launch before it (a torch fill on each full layer's selection path,
     3.6-4.1 us of an H100's batch-1 step at 32K, bench/RESULTS.md thirty-seventh session). Made once per device when
     the registry binds the GPU ops (`triton_utils.made_once`).
     Shared by every cooperative launch. **Invariant: no two cooperative launches of a device run at once.** Today
@@ -240,19 +327,36 @@ def coop_workspace(device: torch.device) -> torch.Tensor:
     replay on one stream; one thread runs forwards. Two batches overlapped on two streams, or a drafter running
     beside its target, would need a workspace each."""
     return made_once(_COOP_WS, (device.type, device.index), device, "coop_workspace",
-                     lambda: torch.zeros((COOP_WS_ROWS, WS_ROW.value), dtype=torch.int32, device=device))
+                     lambda: _fresh_workspace(COOP_WS_ROWS, device))
 
 
-def _zeroed(scores: torch.Tensor) -> torch.Tensor | None:
-    """The launch's zeroed workspace rows: the shared one (`coop_workspace`), or None for one of its own."""
-    return coop_workspace(scores.device) if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS else None
+def ready_for_next_launch(ws: torch.Tensor) -> bool:
+    """Whether workspace rows are as every cooperative launch must find them: the histograms, the barrier counters
+    and the count buffer the next launch fills (`COOP_PARITY` says which) all zero; the other buffer may hold the
+    last launch's count words."""
+    words = ws[:, COOP_COUNTS.value:].view(torch.int64).view(ws.shape[0], 2, COOP_MAX_CHUNKS.value)
+    parity = ws[:, STATE.value + COOP_PARITY.value].long()
+    state = ws[:, :WS_ROW.value].clone()
+    state[:, STATE.value + COOP_PARITY.value] = 0
+    return not state.any() and not words[torch.arange(ws.shape[0], device=ws.device), parity].any()
+
+
+def _fresh_workspace(rows: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros((rows, COOP_WS_ROW.value), dtype=torch.int32, device=device)
+
+
+def _zeroed(scores: torch.Tensor) -> torch.Tensor:
+    """The launch's workspace rows: the shared ones (`coop_workspace`), or zeroed ones of its own (a fill launch)."""
+    if SHARED_WORKSPACE and scores.shape[0] <= COOP_WS_ROWS:
+        return coop_workspace(scores.device)
+    return _fresh_workspace(scores.shape[0], scores.device)
 
 
 def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
     """Whether a cooperative launch of rows x n_chunks programs is safe: one program an SM at most, so each finds an
     SM once the kernels beside it end and all are resident together (a GPU shared through MPS with an SM limit is
-    not seen here)."""
-    return rows * n_chunks <= _sm_count(scores)
+    not seen here), and no more programs a row than its count buffers hold."""
+    return rows * n_chunks <= _sm_count(scores) and n_chunks <= COOP_MAX_CHUNKS.value
 
 
 def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> bool:
@@ -284,7 +388,7 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     _refuse_unless_resident(grid, scores, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
-            {**kw, "POLL": HIST_POLL})
+            {**kw, "POLL": HIST_POLL, "COUNT_POLL": COUNT_POLL})
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -315,6 +419,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
     return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
+                                                   "COUNT_POLL": COUNT_POLL,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

@@ -162,17 +162,24 @@ def _count_digit(hist, u, vis, prefix, lim, c, D: tl.constexpr, CHUNK: tl.conste
 def _choose_digit(hist, need):
     """(the digit of the k-th key among the matching ones, keys still needed at it, whether its bucket is taken
     whole) from the row's complete 256-bin histogram (read from L2)."""
-    return _choose_from(tl.load(hist + tl.arange(0, BINS), cache_modifier=".cg"), need)
+    d, new_need, resolved, _ = _choose_from(tl.load(hist + tl.arange(0, BINS), cache_modifier=".cg"), need)
+    return d, new_need, resolved
 
 
 @triton.jit
 def _choose_from(h, need):
-    """`_choose_digit` from a complete 256-bin histogram held in registers."""
+    """`_choose_digit`'s three and the chosen bin's count (the keys the next round counts) from a complete 256-bin
+    histogram held in registers (counts < 2^24), 1 <= need <= its total. One scan and one reduction: the digit is
+    the one bin b with at_or_above[b] >= need > at_or_above[b + 1] (at_or_above falls from the total to 0), its
+    number, at_or_above and count packed in one int64 sum (each block-wide reduction a shared-memory round trip
+    and barriers: the choice took five and a scan)."""
     b = tl.arange(0, BINS)
-    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
-    d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-    new_need = need - tl.sum(tl.where(b > d, h, 0), axis=0)
-    return d, new_need, new_need == tl.sum(tl.where(b == d, h, 0), axis=0)
+    at_or_above = tl.cumsum(h, axis=0, reverse=True)
+    here = (at_or_above >= need) & (at_or_above - h < need)
+    packed = tl.sum(tl.where(here, (b.to(tl.int64) << 48) | (at_or_above.to(tl.int64) << 24) | h, 0), axis=0)
+    count = (packed & 0xFFFFFF).to(tl.int32)
+    new_need = need - ((packed >> 24) & 0xFFFFFF).to(tl.int32) + count
+    return (packed >> 48).to(tl.int32), new_need, new_need == count, count
 
 
 @triton.jit(do_not_specialize=["n_chunks"])

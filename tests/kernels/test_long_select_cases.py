@@ -112,14 +112,16 @@ def test_the_split_select_equals_the_row_select(kind, window, late_slots):
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("kind", ["normal", "ties", "all_equal", "rising", "round0", "round1", "round2", "round3"])
-@pytest.mark.parametrize("poll", [True, False])
-def test_the_cooperative_select_equals_the_row_select(kind, poll, monkeypatch):
+@pytest.mark.parametrize("poll,count_poll", [(True, True), (False, True), (True, False), (False, False)])
+def test_the_cooperative_select_equals_the_row_select(kind, poll, count_poll, monkeypatch):
     """One launch with barriers among a row's programs (`triton_indexer_coop`, decode's 1-2 rows) writes what the
     row select does, bit for bit, on the same rows (6 rows x 6 chunks: every program resident at once), each round's
-    histogram polled until complete (`HIST_POLL`) or behind a barrier."""
+    histogram polled until complete (`HIST_POLL`) or behind a barrier, the chunks' counts polled as tagged words
+    (`COUNT_POLL`) or exchanged behind one."""
     from dsaserve.kernels import triton_indexer_coop
 
     monkeypatch.setattr(triton_indexer_coop, "HIST_POLL", poll)
+    monkeypatch.setattr(triton_indexer_coop, "COUNT_POLL", count_poll)
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 1)
     pos = torch.tensor([K - 1, K, CHUNK - 1, CHUNK, 2 * CHUNK + 7, WIDTH - 1], device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(len(pos))]).to(DEVICE)
@@ -134,28 +136,35 @@ def test_the_cooperative_select_equals_the_row_select(kind, poll, monkeypatch):
                     reason="a barrier among a launch's programs: the interpreter runs them one after another")
 @pytest.mark.parametrize("positions", [(WIDTH - 1,), (WIDTH - 1, 2 * CHUNK + 7), (K - 1, CHUNK)])
 @pytest.mark.parametrize("kind", ["normal", "round1", "round3"])
-def test_the_cooperative_select_leaves_the_shared_workspace_zero(kind, positions):
+@pytest.mark.parametrize("count_poll", [True, False])
+def test_the_cooperative_select_leaves_the_shared_workspace_ready(kind, positions, count_poll, monkeypatch):
     """Decode's 1-2 rows select over the workspace every cooperative launch shares (`coop_workspace`: no fill launch
-    before them): each launch leaves it all zero, so launch after launch (a graph's replays, the next full layer)
-    selects what the row select does; a row that takes every key (position k - 1) beside one that selects."""
+    before them): each launch leaves it as the next must find it (`ready_for_next_launch`), so launch after launch
+    (a graph's replays, the next full layer) selects what the row select does; a row that takes every key (position
+    k - 1) beside one that selects. Rows whose programs differ from launch to launch (chunks past the position are
+    idle) must not read a count word an earlier launch left (`COUNT_POLL`: the two buffers taken in turn)."""
     from dsaserve.kernels import triton_indexer_coop
 
+    monkeypatch.setattr(triton_indexer_coop, "COUNT_POLL", count_poll)
     gen = torch.Generator().manual_seed(hash(kind) % 2**31 + 2)
     rows = len(positions)
-    pos = torch.tensor(positions, device=DEVICE)
     scores = torch.stack([_rows(kind, gen, WIDTH) for _ in range(rows)]).to(DEVICE)
     if kind == "round3":
         scores[:, ::3] = 2.5
     shared = triton_indexer_coop.coop_workspace(scores.device)
     kernel, grid, args, _ = triton_indexer_coop.launch(scores, torch.zeros(rows, WIDTH // PS, dtype=torch.int64,
                                                                           device=DEVICE),
-                                                       torch.arange(rows, device=DEVICE), pos,
+                                                       torch.arange(rows, device=DEVICE),
+                                                       torch.tensor(positions, device=DEVICE),
                                                        torch.empty(rows, K, dtype=torch.int64, device=DEVICE), K,
                                                        PS, CHUNK)
     assert args[4].data_ptr() == shared.data_ptr()  # the shared rows, not a zeroed workspace of its own
-    for _ in range(3):
+    # the same positions again, then fewer chunks, more, one, and back: each launch's programs differ from the last's
+    for step in (0, 0, 0, -3 * CHUNK, 0, -(WIDTH - 1 - CHUNK), -2 * CHUNK - 5, 0):
+        pos = torch.tensor([max(p + step, K - 1) if p >= K else p for p in positions], device=DEVICE)
         got, want, _ = _select_both(scores, pos, CHUNK, coop=True)
-        assert torch.equal(got, want) and not shared.any()
+        assert torch.equal(got, want), f"positions {pos.tolist()}"
+        assert triton_indexer_coop.ready_for_next_launch(shared)
 
 
 def test_the_cooperative_launch_is_refused_where_its_programs_might_not_all_be_resident():
