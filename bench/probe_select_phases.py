@@ -6,7 +6,7 @@ the time from its last arrival to its first release. One row, decode's chunk (`v
 launch over its own pages (keys from HBM), the stamped launch's slots checked equal to the unstamped one's.
 
     PYTHONPATH=. python bench/probe_select_phases.py --out DIR [--keys 32768,131072] [--launches 12]
-        [--modes poll,count_barrier,barriers]
+        [--modes poll,q_first_off,count_barrier,barriers]
 
 Prints, per phase, the median over launches of the programs' median and slowest µs; writes probe_select_phases.json.
 """
@@ -31,8 +31,11 @@ STAMPS = ["entry", "PDL sync + role", "q + head weights", "scores", "chunk keys"
           "round 1 counted", "barrier 1", "round 2 counted", "barrier 2", "round 3 counted", "barrier 3",
           "counts out", "counts in", "write"]
 BARRIERS = {6: "barrier 0", 8: "barrier 1", 10: "barrier 2", 12: "barrier 3", 14: "counts in"}
-# mode -> (HIST_POLL, COUNT_POLL): the rounds' histograms and the chunks' counts polled, or behind barriers
-MODES = {"poll": (True, True), "count_barrier": (True, False), "barriers": (False, False)}
+# mode -> (HIST_POLL, COUNT_POLL, KEYS_FIRST): the rounds' histograms and the chunks' counts polled, or behind
+# barriers; the scores in registers, the keys asked for before q is rounded, or q first and scores through memory
+MODES = {"poll": (True, True, True), "q_first_off": (True, True, False), "count_barrier": (True, False, True),
+         "barriers": (False, False, False)}
+FLAGS = ("HIST_POLL", "COUNT_POLL", "KEYS_FIRST")
 
 
 def read_stamps(scores: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -95,21 +98,23 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--keys", default="32768,131072")
     ap.add_argument("--launches", type=int, default=12)
-    ap.add_argument("--modes", default="poll,count_barrier,barriers",
-                    help="rounds' histograms and chunks' counts polled (`HIST_POLL`, `COUNT_POLL`), the counts behind "
-                    "a barrier, or both")
+    ap.add_argument("--modes", default="poll,q_first_off,count_barrier,barriers",
+                    help="the engine's selection (`HIST_POLL`, `COUNT_POLL`, `KEYS_FIRST`), its scores through memory, "
+                    "its counts behind a barrier, or its rounds too (MODES)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    results, engine = [], (triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL)
+    results, engine = [], [getattr(triton_indexer_coop, f) for f in FLAGS]
     for mode, keys in itertools.product(args.modes.split(","), (int(k) for k in args.keys.split(","))):
-        triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL = MODES[mode]
+        for flag, value in zip(FLAGS, MODES[mode], strict=True):
+            setattr(triton_indexer_coop, flag, value)
         res = {"mode": mode, **probe(keys, args.launches)}
         results.append(res)
         print(f"== {mode}: {keys} keys, chunk {res['chunk']} ({res['programs']} programs): graph-timed "
               f"{res['graph_us_plain']} µs a launch, stamped {res['graph_us_stamped']}", flush=True)
         for name, v in res["phases"].items():
             print(f"  {name:48s} median {v['median_us']:7.3f}  slowest {v['max_us']:7.3f} µs", flush=True)
-    triton_indexer_coop.HIST_POLL, triton_indexer_coop.COUNT_POLL = engine
+    for flag, value in zip(FLAGS, engine, strict=True):
+        setattr(triton_indexer_coop, flag, value)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "probe_select_phases.json").write_text(json.dumps(results, indent=1))
 

@@ -238,6 +238,7 @@ def ab_setting(runner, name: str):
     `triton_indexer_coop.SHARED_WORKSPACE`), "coop_barriers" each round of the cooperative selects behind a barrier,
     then its histogram read (not the histogram polled until complete, `triton_indexer_coop.HIST_POLL`),
     "coop_count_barrier" their counts behind a barrier, then read (not polled as tagged words, `COUNT_POLL`),
+    "coop_q_first_off" the fused one's q rounded before its keys are read, scores through memory (`KEYS_FIRST`),
     "fold_in_block" W_uv's fold loading each K block's split partials in that block (not a block ahead,
     `triton_head_gemm.FOLD_PREFETCH`), "split_sum_serial" the split GEMV's last program loading the parts one at a
     time (not four at once, `triton_fp8_gemm.SPLIT_PARTS_AT_ONCE`),
@@ -276,6 +277,7 @@ def ab_setting(runner, name: str):
                     "select_fill": (triton_indexer_coop, "SHARED_WORKSPACE", False),
                     "coop_barriers": (triton_indexer_coop, "HIST_POLL", False),
                     "coop_count_barrier": (triton_indexer_coop, "COUNT_POLL", False),
+                    "coop_q_first_off": (triton_indexer_coop, "KEYS_FIRST", False),
                     "fold_in_block": (triton_head_gemm, "FOLD_PREFETCH", False),
                     "split_sum_serial": (triton_fp8_gemm, "SPLIT_PARTS_AT_ONCE", False),
                     "copy_for_cublas": (triton_fp8_gemm, "CUBLAS_COPY_MAX_ROWS", 512),

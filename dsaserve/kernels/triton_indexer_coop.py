@@ -37,11 +37,20 @@ from dsaserve.kernels.triton_indexer_long import (
     _chunk_keys,
     _count_digit,
     _last_visible,
+    _ukey,
     _write_selected,
     _writer_role,
     workspace,
 )
-from dsaserve.kernels.triton_indexer_paged import DEFAULT_TILE, q_meta, rounded_q, score_tiles
+from dsaserve.kernels.triton_indexer_paged import (
+    DEFAULT_TILE,
+    key_place,
+    q_meta,
+    q_rows,
+    round_q,
+    rounded_q,
+    score_tiles,
+)
 from dsaserve.kernels.triton_utils import INTERPRET, grid_dependency_sync, made_once
 from dsaserve.kernels.variants import FEW_ROWS, FUSED_MAX_CHUNK
 
@@ -79,6 +88,14 @@ HIST_POLL = True
 # (False: a barrier, then the earlier chunks' counts read, then `_leave_zeroed`; `profile_decode --ab
 # coop_count_barrier`.)
 COUNT_POLL = True
+# the fused launch's scores kept in registers, its keys asked of memory before the token's q is rounded and q asked
+# for beside the program's role (`_chunk_scores`), in chunks up to KEYS_FIRST_MAX_CHUNK keys; else q loaded and
+# rounded, then the keys tile by tile through the score buffer (`score_tiles`), read back by the select
+# (`profile_decode --ab coop_q_first_off`). H100 (bench/RESULTS.md, fifty-fifth session): b1 32K (256-key chunks)
+# -3.6 µs a step, the selection alone 13.68 -> 12.84 µs; at 64K (512-key chunks: 120 registers) no gain in the step,
+# so those keep the tiles; 2048-key chunks in registers did not give the tiles' scores bit for bit
+KEYS_FIRST = True
+KEYS_FIRST_MAX_CHUNK = 256
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -208,9 +225,32 @@ def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
 
 
 @triton.jit
-def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
+def _chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
+                  BLOCK_D: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr):
+    """(visible, scores: -inf from `end` on) of the CHUNK keys from j0, in registers (KEYS_FIRST), given the token's
+    q and head weights as loaded (`q_rows`, asked of memory with the program's role, so their latency passes under
+    the page table's): the keys' bytes and scales asked for before q is rounded, then one MMA over the whole chunk
+    (`score_tiles`' numbers: each key's dot, ReLU, weights and head sum are its own)."""
+    d = tl.arange(0, BLOCK_D)
+    j = (j0 + tl.arange(0, CHUNK)).to(tl.int32)
+    vis = j < end
+    kbyte, sidx = key_place(pt_row, j, vis, page_size, page_bytes, head_dim)
+    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    keys = tl.load(k8 + kbyte[:, None] + d[None, :], mask=vis[:, None] & (d < head_dim)[None, :], other=0.0)
+    scale = tl.load(ks_ptr + sidx, mask=vis, other=1.0)
+    q, w = round_q(q_raw, w_raw, Q_FP8)
+    if not Q_FP8:
+        keys = keys.to(tl.float16)
+    acc = tl.dot(keys, tl.trans(q))  # [CHUNK keys, HP heads], fp32
+    return vis, tl.where(vis, tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale, float("-inf"))
+
+
+@triton.jit
+def _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
                   CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr, COUNT_POLL: tl.constexpr):
-    """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write) with a
+    """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write), given its
+    keys (visible, order key: `_chunk_keys` of its scores at row_ptr, which only the write without COUNT_POLL reads
+    again), with a
     barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
     kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
     so the same choice and the same early end); the output equals the launches', bit for bit. POLL: no barrier
@@ -219,7 +259,6 @@ def _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols
     ws = ws_ptr + row * COOP_WS_ROW
     n_active = tl.minimum(pos // CHUNK, n_chunks - 1) + 1
     lim = _last_visible(pos, n_cols)
-    vis, u = _chunk_keys(row_ptr, c, lim, CHUNK)
     if COUNT_POLL:  # read now, used after the rounds
         parity = tl.load(ws + STATE + COOP_PARITY, cache_modifier=".cg")
         slots = page_slots(pt_row, c * CHUNK + tl.arange(0, CHUNK), page_size, vis)
@@ -276,7 +315,9 @@ def _coop_select_kernel(score_ptr, pt_ptr, req_ptr, pos_ptr, ws_ptr, cnt_ptr, ou
     row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
                                                         n_chunks, k, page_size, CHUNK)
     if active:  # (a chunk past the position is not one of the row's n_active programs)
-        _select_chunk(score_ptr + row * stride_s, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
+        row_ptr = score_ptr + row * stride_s
+        vis, u = _chunk_keys(row_ptr, c, _last_visible(pos, n_cols), CHUNK)
+        _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
                       n_chunks, CHUNK, tl.zeros([32], dtype=tl.int64), False, POLL, COUNT_POLL)
 
 
@@ -286,14 +327,18 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               stride_qh, stride_wt, stride_s, stride_pt, stride_o, n_chunks, HP: tl.constexpr,
                               BLOCK_D: tl.constexpr, BS: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr,
                               PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-                              POLL: tl.constexpr = False, COUNT_POLL: tl.constexpr = False):
+                              POLL: tl.constexpr = False, COUNT_POLL: tl.constexpr = False,
+                              KEYS_FIRST: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
-    the page-major cache (`triton_indexer_paged.score_tiles`, the decode score kernel's tiles and numbers), then
-    runs the chunk's select over them. A program reads back only the scores it wrote (the CTA barrier orders
-    its threads' stores before those loads), so no barrier among programs guards the scores. STAMPS (bench only):
-    each program's phase stamps (`_stamp`) over the first 64 scores of its own chunk once it is done with them."""
+    the page-major cache (the decode score kernel's numbers), then runs the chunk's select over them: KEYS_FIRST,
+    in registers (`_chunk_scores`), else through the score buffer (`triton_indexer_paged.score_tiles`; a program
+    reads back only the scores it wrote, the CTA barrier ordering its threads' stores before those loads). STAMPS
+    (bench only): each program's phase stamps (`_stamp`) over the first 64 scores of its own chunk at its end."""
     ts = _stamp(tl.zeros([32], dtype=tl.int64), 0, STAMPS)
     grid_dependency_sync(PDL)
+    if KEYS_FIRST:  # asked for beside the role's loads (needs only the row: program_id(0))
+        q_raw, w_raw = q_rows(q_ptr, w_ptr, tl.program_id(0).to(tl.int64), n_heads, head_dim, stride_qt, stride_qh,
+                              stride_wt, HP, BLOCK_D)
     row, c, pos, pt_row, out_row, active = _writer_role(pos_ptr, pt_ptr, req_ptr, out_ptr, stride_pt, stride_o,
                                                         n_chunks, k, page_size, CHUNK)
     ts = _stamp(ts, 1, STAMPS)
@@ -301,14 +346,25 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         row_ptr = score_ptr + row * stride_s
         j0 = c * CHUNK
         end = tl.minimum(pos + 1, n_cols)
-        q, w = rounded_q(q_ptr, w_ptr, row, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D, Q_FP8)
-        ts = _stamp(ts, 2, STAMPS)
-        score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
-                    page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
-        tl.debug_barrier()
-        ts = _stamp(ts, 3, STAMPS)
-        ts = _select_chunk(row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
-                           CHUNK, ts, STAMPS, POLL, COUNT_POLL)
+        if KEYS_FIRST:
+            vis, x = _chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
+                                   BLOCK_D, Q_FP8, CHUNK)
+            if not COUNT_POLL:  # that write reads the scores again
+                tl.store(row_ptr + j0 + tl.arange(0, CHUNK), x)
+                tl.debug_barrier()
+            u = _ukey(x)
+            ts = _stamp(ts, 3, STAMPS)
+        else:
+            q, w = rounded_q(q_ptr, w_ptr, row, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D,
+                             Q_FP8)
+            ts = _stamp(ts, 2, STAMPS)
+            score_tiles(q, w, k_ptr, ks_ptr, pt_row, row_ptr, j0, tl.cdiv(tl.minimum(end, j0 + CHUNK) - j0, BS), end,
+                        page_size, page_bytes, head_dim, BLOCK_D, BS, Q_FP8)
+            tl.debug_barrier()
+            ts = _stamp(ts, 3, STAMPS)
+            vis, u = _chunk_keys(row_ptr, c, _last_visible(pos, n_cols), CHUNK)
+        ts = _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size,
+                           n_chunks, CHUNK, ts, STAMPS, POLL, COUNT_POLL)
         if STAMPS:
             tl.debug_barrier()  # every thread done reading the chunk's scores
             tl.store((row_ptr + j0).to(tl.pointer_type(tl.int64)) + tl.arange(0, 32), ts)
@@ -420,6 +476,7 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
     return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
                                                    "COUNT_POLL": COUNT_POLL,
+                                                   "KEYS_FIRST": KEYS_FIRST and chunk <= KEYS_FIRST_MAX_CHUNK,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}
 

@@ -90,14 +90,29 @@ def rounded_q(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_w
               BLOCK_D: tl.constexpr, Q_FP8: tl.constexpr):
     """(token t's q [HP, BLOCK_D] rounded to e4m3 (fp16 without Q_FP8) with one scale a head, its head weights
     [HP] fp32 with that scale folded in); padded heads and dims are 0."""
+    x, w = q_rows(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP, BLOCK_D)
+    return round_q(x, w, Q_FP8)
+
+
+@triton.jit
+def q_rows(q_ptr, w_ptr, t, n_heads, head_dim, stride_qt, stride_qh, stride_wt, HP: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """`rounded_q`'s loads: token t's q [HP, BLOCK_D] and head weights [HP] as stored (padding 0)."""
     h = tl.arange(0, HP)
     hm = h < n_heads
     d = tl.arange(0, BLOCK_D)
     x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=hm[:, None] & (d < head_dim)[None, :], other=0.0).to(tl.float32)
+                mask=hm[:, None] & (d < head_dim)[None, :], other=0.0)
+    return x, tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0)
+
+
+@triton.jit
+def round_q(x, w, Q_FP8: tl.constexpr):
+    """`rounded_q`'s numbers from its loads (`q_rows`)."""
+    x = x.to(tl.float32)
     s = fp8_q_scale(tl.max(tl.abs(x), axis=1))
     q = quant_q(x, s[:, None], Q_FP8)  # padded heads: 0 / s = 0
-    return q, tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32) * s  # padded heads: weight 0
+    return q, w.to(tl.float32) * s  # padded heads: weight 0
 
 
 @triton.jit

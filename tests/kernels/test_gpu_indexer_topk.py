@@ -122,14 +122,18 @@ def test_long_context_decode_replays_from_a_cuda_graph(gen):
 @pytest.mark.parametrize("seq_lens,keys", [([32768], "normal"), ([131072], "normal"), ([202752], "normal"),
                                            ([32768, 131000], "normal"), ([40000, 1500], "normal"),
                                            ([70000], "repeated"), ([20000, 9000], "repeated")])
-def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys):
+@pytest.mark.parametrize("keys_first", [True, False])
+def test_scores_and_select_in_one_launch_equal_the_two_apart(gen, seq_lens, keys, keys_first, monkeypatch):
     """`coop_score_select` (decode's 1-2 rows over the FP8 cache) writes the slots the paged score kernel and the
     cooperative select write, bit for bit, at the fused chunks these contexts give (1 row: 256 to 2048 keys;
     2 rows: 512 to 2048, past what decode takes, FUSED_MAX_CHUNK): the same score tiles, each program reading back
     only its own chunk. "repeated": every page holds the same 64 keys, so ties at the k-th key span every chunk; a
-    token that sees fewer than top-k keys takes them all; positions land mid-chunk."""
+    token that sees fewer than top-k keys takes them all; positions land mid-chunk. keys_first: the chunk's scores
+    in registers, one MMA over the chunk (`KEYS_FIRST`), or tile by tile through the score buffer."""
     from dsaserve.kernels import triton_indexer_coop, triton_indexer_paged
     from dsaserve.kernels.variants import fused_select_chunk
+
+    monkeypatch.setattr(triton_indexer_coop, "KEYS_FIRST", keys_first)
 
     ps, hi, d, topk = 64, 32, 128, 2048
     q, w, cache, table, req, pos = _indexer_case(gen, "fp8_ds_mla", seq_lens, [1] * len(seq_lens), ps, hi, d)

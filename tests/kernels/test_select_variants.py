@@ -115,20 +115,23 @@ def test_the_stamped_score_select_compiles_with_its_clock_reads(monkeypatch, tmp
 def test_the_polled_selection_compiles_without_a_read_modify_write_on_the_rows_state(monkeypatch, tmp_path):
     """The fused score + select with its rounds' histograms and its counts polled (`HIST_POLL`, `COUNT_POLL`, the
     engine's) arrives at no barrier and counts no program out: its sm_90 PTX holds no global `atom` (only the
-    histograms' fire-and-forget `red` adds); each barrier that either switch puts back adds its arrival RMW."""
+    histograms' fire-and-forget `red` adds); each barrier that either switch puts back adds its arrival RMW. Its
+    scores stay in registers (`KEYS_FIRST`), or go through the score buffer (compiled both ways here)."""
     import re
 
     offline_jit(monkeypatch, tmp_path / "triton", (triton_indexer_coop._coop_score_select_kernel,))
-    _, table, req, pos, out = _operands(513, 1)
+    _, table, req, pos, out = _operands(512, 1)  # 32K keys: decode's 256-key chunks
     q, w = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 32)
-    cache = torch.zeros(514, PS * 132, dtype=torch.uint8)
+    cache = torch.zeros(513, PS * 132, dtype=torch.uint8)
     kernel, grid, args, kwargs = triton_indexer_coop.score_select_launch(
-        q, w, cache, table, req, pos, out, TOPK, PS, fused_select_chunk(1, 513 * PS))
+        q, w, cache, table, req, pos, out, TOPK, PS, fused_select_chunk(1, 512 * PS))
+    assert kwargs["CHUNK"] == 256
     atoms = {}
     for poll, count_poll in ((True, True), (True, False), (False, True), (False, False)):
-        ptx = kernel.warmup(*args, grid=grid, **{**kwargs, "POLL": poll, "COUNT_POLL": count_poll}).asm["ptx"]
+        ptx = kernel.warmup(*args, grid=grid, **{**kwargs, "POLL": poll, "COUNT_POLL": count_poll,
+                                                 "KEYS_FIRST": count_poll}).asm["ptx"]
         atoms[poll, count_poll] = len(re.findall(r"\batom\.global\.", ptx))
         assert re.search(r"\bred\.global\.[\w.]*add", ptx)  # the histograms' adds, in every variant
-    assert kwargs["POLL"] and kwargs["COUNT_POLL"]  # the engine's launch
+    assert kwargs["POLL"] and kwargs["COUNT_POLL"] and kwargs["KEYS_FIRST"]  # the engine's launch
     assert atoms[True, True] == 0
     assert 0 < atoms[True, False] < atoms[False, False] and 0 < atoms[False, True] < atoms[False, False]
