@@ -44,10 +44,9 @@ from dsaserve.kernels.triton_indexer_long import (
 )
 from dsaserve.kernels.triton_indexer_paged import (
     DEFAULT_TILE,
-    key_place,
+    chunk_scores,
     q_meta,
     q_rows,
-    round_q,
     rounded_q,
     score_tiles,
 )
@@ -89,11 +88,11 @@ HIST_POLL = True
 # coop_count_barrier`.)
 COUNT_POLL = True
 # the fused launch's scores kept in registers, its keys asked of memory before the token's q is rounded and q asked
-# for beside the program's role (`_chunk_scores`), in chunks up to KEYS_FIRST_MAX_CHUNK keys; else q loaded and
-# rounded, then the keys tile by tile through the score buffer (`score_tiles`), read back by the select
-# (`profile_decode --ab coop_q_first_off`). H100 (bench/RESULTS.md, fifty-fifth session): b1 32K (256-key chunks)
-# -3.6 µs a step, the selection alone 13.68 -> 12.84 µs; at 64K (512-key chunks: 120 registers) no gain in the step,
-# so those keep the tiles; 2048-key chunks in registers did not give the tiles' scores bit for bit
+# for beside the program's role (`triton_indexer_paged.chunk_scores`), in chunks up to KEYS_FIRST_MAX_CHUNK keys;
+# else q loaded and rounded, then the keys tile by tile through the score buffer (`score_tiles`), read back by the
+# select (`profile_decode --ab coop_q_first_off`). H100 (bench/RESULTS.md, fifty-fifth session): b1 32K (256-key
+# chunks) -3.6 µs a step, the selection alone 13.68 -> 12.84 µs; at 64K (512-key chunks: 120 registers) no gain in
+# the step, so those keep the tiles; 2048-key chunks in registers did not give the tiles' scores bit for bit
 KEYS_FIRST = True
 KEYS_FIRST_MAX_CHUNK = 256
 _COOP_WS: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -225,27 +224,6 @@ def _stamp(ts, i: tl.constexpr, STAMPS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
-                  BLOCK_D: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr):
-    """(visible, scores: -inf from `end` on) of the CHUNK keys from j0, in registers (KEYS_FIRST), given the token's
-    q and head weights as loaded (`q_rows`, asked of memory with the program's role, so their latency passes under
-    the page table's): the keys' bytes and scales asked for before q is rounded, then one MMA over the whole chunk
-    (`score_tiles`' numbers: each key's dot, ReLU, weights and head sum are its own)."""
-    d = tl.arange(0, BLOCK_D)
-    j = (j0 + tl.arange(0, CHUNK)).to(tl.int32)
-    vis = j < end
-    kbyte, sidx = key_place(pt_row, j, vis, page_size, page_bytes, head_dim)
-    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    keys = tl.load(k8 + kbyte[:, None] + d[None, :], mask=vis[:, None] & (d < head_dim)[None, :], other=0.0)
-    scale = tl.load(ks_ptr + sidx, mask=vis, other=1.0)
-    q, w = round_q(q_raw, w_raw, Q_FP8)
-    if not Q_FP8:
-        keys = keys.to(tl.float16)
-    acc = tl.dot(keys, tl.trans(q))  # [CHUNK keys, HP heads], fp32
-    return vis, tl.where(vis, tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale, float("-inf"))
-
-
-@triton.jit
 def _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos, n_cols, k, page_size, n_chunks,
                   CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr, COUNT_POLL: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write), given its
@@ -331,7 +309,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
                               KEYS_FIRST: tl.constexpr = False):
     """Scores and select in one launch (`coop_score_select`): each program scores its chunk's visible keys over
     the page-major cache (the decode score kernel's numbers), then runs the chunk's select over them: KEYS_FIRST,
-    in registers (`_chunk_scores`), else through the score buffer (`triton_indexer_paged.score_tiles`; a program
+    in registers (`triton_indexer_paged.chunk_scores`), else through the score buffer (`score_tiles`; a program
     reads back only the scores it wrote, the CTA barrier ordering its threads' stores before those loads). STAMPS
     (bench only): each program's phase stamps (`_stamp`) over the first 64 scores of its own chunk at its end."""
     ts = _stamp(tl.zeros([32], dtype=tl.int64), 0, STAMPS)
@@ -347,7 +325,7 @@ def _coop_score_select_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, score_ptr, pt_ptr, re
         j0 = c * CHUNK
         end = tl.minimum(pos + 1, n_cols)
         if KEYS_FIRST:
-            vis, x = _chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
+            vis, x = chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
                                    BLOCK_D, Q_FP8, CHUNK)
             if not COUNT_POLL:  # that write reads the scores again
                 tl.store(row_ptr + j0 + tl.arange(0, CHUNK), x)

@@ -3,8 +3,9 @@ score kernel and the addressing every FP8 indexer-cache kernel shares (`common/i
 
 Owns: `paged_index_scores` (`triton_indexer.index_scores` for the FP8 layouts), `score_tile`, `q_meta`, and the
 jit helpers `page_split` (a key's page-table column and offset), `key_place` (its byte offset and its scale's
-index), `fp8_q_scale` and `quant_q` (q's FP8 rounding, shared with the prefill kernels), `rounded_q` and
-`score_tiles` (the kernel's body, shared with the fused score + select launch, `triton_indexer_coop`).
+index), `fp8_q_scale` and `quant_q` (q's FP8 rounding, shared with the prefill kernels), `rounded_q` (`q_rows`,
+then `round_q`) and `score_tiles` (the kernel's body, shared with the fused score + select launch,
+`triton_indexer_coop`), and `chunk_scores` (that launch's chunk scored in registers).
 The kernel: `blocks`-tile programs over the page table's width for each token, which share the tiles of the token's
 own keys (`row_run`: the work follows the position, not the width a graph was captured at). It rounds the token's q
 to e4m3 with one s = amax / 448 a head, folded into the head weight (`triton_indexer_gemm`'s rule, DeepGEMM's
@@ -135,6 +136,27 @@ def score_tiles(q, w, k_ptr, ks_ptr, pt_row, out_row, j0, n_run, end, page_size,
         score = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)
         score = score * tl.load(ks_ptr + sidx, mask=valid, other=1.0)
         tl.store(out_row + j, tl.where(valid, score, float("-inf")))
+
+
+@triton.jit
+def chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_size, page_bytes,
+                 BLOCK_D: tl.constexpr, Q_FP8: tl.constexpr, CHUNK: tl.constexpr):
+    """(visible, scores: -inf from `end` on) of the CHUNK keys from j0 in registers (`triton_indexer_coop.KEYS_FIRST`),
+    given the token's q and head weights as loaded (`q_rows`, asked of memory with the program's role, so their
+    latency passes under the page table's): the keys' bytes and scales asked for before q is rounded, then one MMA
+    over the whole chunk (`score_tiles`' numbers: each key's dot, ReLU, weights and head sum are its own)."""
+    d = tl.arange(0, BLOCK_D)
+    j = (j0 + tl.arange(0, CHUNK)).to(tl.int32)
+    vis = j < end
+    kbyte, sidx = key_place(pt_row, j, vis, page_size, page_bytes, head_dim)
+    k8 = k_ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    keys = tl.load(k8 + kbyte[:, None] + d[None, :], mask=vis[:, None] & (d < head_dim)[None, :], other=0.0)
+    scale = tl.load(ks_ptr + sidx, mask=vis, other=1.0)
+    q, w = round_q(q_raw, w_raw, Q_FP8)
+    if not Q_FP8:
+        keys = keys.to(tl.float16)
+    acc = tl.dot(keys, tl.trans(q))  # [CHUNK keys, HP heads], fp32
+    return vis, tl.where(vis, tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale, float("-inf"))
 
 
 @triton.jit
