@@ -144,7 +144,10 @@ def chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_si
     """(visible, scores: -inf from `end` on) of the CHUNK keys from j0 in registers (`triton_indexer_coop.KEYS_FIRST`),
     given the token's q and head weights as loaded (`q_rows`, asked of memory with the program's role, so their
     latency passes under the page table's): the keys' bytes and scales asked for before q is rounded, then one MMA
-    over the whole chunk (`score_tiles`' numbers: each key's dot, ReLU, weights and head sum are its own)."""
+    over the whole chunk (`score_tiles`' numbers: each key's dot, ReLU, weights and head sum are its own). The scores
+    leave in a blocked layout (the `tl.gather` by position: one exchange), not the MMA's row slice, where each thread
+    held 4 keys, each held by 4 threads, so every round's histogram and compares did 4x the work (sm_90 TTGIR: the
+    slice layout reached each `tt.histogram`)."""
     d = tl.arange(0, BLOCK_D)
     j = (j0 + tl.arange(0, CHUNK)).to(tl.int32)
     vis = j < end
@@ -156,7 +159,9 @@ def chunk_scores(q_raw, w_raw, k_ptr, ks_ptr, pt_row, j0, end, head_dim, page_si
     if not Q_FP8:
         keys = keys.to(tl.float16)
     acc = tl.dot(keys, tl.trans(q))  # [CHUNK keys, HP heads], fp32
-    return vis, tl.where(vis, tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale, float("-inf"))
+    x = tl.where(vis, tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale, float("-inf"))
+    j = (j0 + tl.arange(0, CHUNK)).to(tl.int32)  # made again, so its layout follows the gathered scores'
+    return j < end, tl.gather(x, tl.arange(0, CHUNK), 0)
 
 
 @triton.jit

@@ -135,3 +135,8 @@ def test_the_polled_selection_compiles_without_a_read_modify_write_on_the_rows_s
     assert kwargs["POLL"] and kwargs["COUNT_POLL"] and kwargs["KEYS_FIRST"]  # the engine's launch
     assert atoms[True, True] == 0
     assert 0 < atoms[True, False] < atoms[False, False] and 0 < atoms[False, True] < atoms[False, False]
+    # the scores made in registers reach the rounds' histograms in a blocked layout, not the MMA's row slice (each key
+    # held by 4 threads: `triton_indexer_paged.chunk_scores`' gather)
+    ttgir = kernel.warmup(*args, grid=grid, **kwargs).asm["ttgir"]
+    histograms = [line for line in ttgir.splitlines() if "tt.histogram" in line]
+    assert histograms and not any("#mma" in line for line in histograms)
