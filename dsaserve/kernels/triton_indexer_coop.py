@@ -228,10 +228,9 @@ def _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos
                   CHUNK: tl.constexpr, ts, STAMPS: tl.constexpr, POLL: tl.constexpr, COUNT_POLL: tl.constexpr):
     """Chunk c's part of its row's split radix select (`triton_indexer_long`'s rounds, count and write), given its
     keys (visible, order key: `_chunk_keys` of its scores at row_ptr, which only the write without COUNT_POLL reads
-    again), with a
-    barrier among the row's programs where the launches had a launch boundary: the chunk's scores read once and
-    kept, every program choosing each round's digit itself from the row's complete histogram (the same numbers,
-    so the same choice and the same early end); the output equals the launches', bit for bit. POLL: no barrier
+    again), with a barrier among the row's programs where the launches had a launch boundary: the chunk's keys kept,
+    every program choosing each round's digit itself from the row's complete histogram (the same numbers, so the
+    same choice and the same early end); the output equals the launches', bit for bit. POLL: no barrier
     before a round's choice; each program polls the round's histogram until it is complete (`_complete_histogram`).
     COUNT_POLL: no barrier before the write either (`_exchange_counts`), which takes the keys and slots held here."""
     ws = ws_ptr + row * COOP_WS_ROW
