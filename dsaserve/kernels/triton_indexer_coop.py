@@ -125,15 +125,22 @@ def _complete_histogram(hist, total):
 
 
 @triton.jit
+def _zero_rounds(ws, BARRIERS: tl.constexpr):
+    """The row's round histograms zeroed, and with BARRIERS the rounds' barrier counters (not the count's)."""
+    tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
+    if BARRIERS:
+        rounds = tl.arange(0, 8)
+        tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
+
+
+@triton.jit
 def _leave_zeroed(ws, c, n_active):
     """Leave the row's workspace zero, as the launch found it (`coop_workspace`: no fill launch before the next).
     Past the last barrier no program reads the histograms or the round barriers again, so the row's first program
     zeroes them; the last barrier's counter is zeroed by the last program past it (a count of programs past it:
     only that one knows that none still polls the counter)."""
     if c == 0:
-        tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
-        rounds = tl.arange(0, 8)
-        tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
+        _zero_rounds(ws, True)
     past = tl.atomic_add(ws + STATE + COOP_EXIT, 1, sem="acq_rel") + 1
     if past == n_active:
         tl.store(ws + STATE + COOP_BARRIERS + DIGITS, 0)
@@ -169,10 +176,7 @@ def _exchange_counts(ws, parity, c, n_active, above, ties, POLL: tl.constexpr):
                  tl.zeros([COOP_MAX_CHUNKS], dtype=tl.int64))
     above_before, ties_before = _counts_before(words, c)
     if c == n_active - 1:
-        tl.store(ws + tl.arange(0, DIGITS * BINS), tl.zeros([DIGITS * BINS], dtype=tl.int32))
-        if not POLL:
-            rounds = tl.arange(0, 8)
-            tl.store(ws + STATE + COOP_BARRIERS + rounds, tl.zeros([8], dtype=tl.int32), mask=rounds < DIGITS)
+        _zero_rounds(ws, not POLL)
         tl.store(ws + STATE + COOP_PARITY, 1 - parity)
     return above_before, ties_before
 
@@ -404,12 +408,16 @@ def fused(rows: int, n_cols: int, chunk: int, like: torch.Tensor) -> bool:
     return rows <= FUSED_ROWS and chunk <= FUSED_MAX_CHUNK and cooperative(rows, n_cols, chunk, like)
 
 
-def _refuse_unless_resident(grid: tuple[int, int], like: torch.Tensor, who: str) -> None:
-    """An error where `coop_fits` says no or under the interpreter: never a launch that could wait forever at its
-    first barrier."""
-    if INTERPRET or not coop_fits(*grid, like):
+def _launch_workspace(scores: torch.Tensor, chunk: int, who: str) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+    """(workspace rows, the chunks' counts, grid, keywords with the switches) of a cooperative launch over `scores`;
+    an error where `coop_fits` says no or under the interpreter: never a launch that could wait forever at its first
+    barrier. With COUNT_POLL the counts live in the workspace rows, so no counts tensor is made (the kernel's
+    `cnt_ptr`, unread, is given the workspace)."""
+    ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores), with_counts=not COUNT_POLL)
+    if INTERPRET or not coop_fits(*grid, scores):
         raise ValueError(f"{who}: a cooperative launch of {grid[0]} x {grid[1]} programs "
                          f"{'under the interpreter' if INTERPRET else 'passes the SM count'}")
+    return ws, ws if counts is None else counts, grid, {**kw, "POLL": HIST_POLL, "COUNT_POLL": COUNT_POLL}
 
 
 def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -417,11 +425,10 @@ def launch(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tens
     """`coop_select`'s one launch as (kernel, grid, arguments, keywords) over the shared zero workspace (up to
     COOP_WS_ROWS rows; else one zeroed here; tests compile it offline); an error where `coop_fits` says no or under
     the interpreter (never a launch that could wait forever at its first barrier)."""
-    ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
-    _refuse_unless_resident(grid, scores, "long_row_select")
+    ws, counts, grid, kw = _launch_workspace(scores, chunk, "long_row_select")
     return (_coop_select_kernel, grid, (scores, page_table, req_index, positions, ws, counts, out, scores.shape[1], k,
                                         page_size, scores.stride(0), page_table.stride(0), out.stride(0), grid[1]),
-            {**kw, "POLL": HIST_POLL, "COUNT_POLL": COUNT_POLL})
+            kw)
 
 
 def coop_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: torch.Tensor, positions: torch.Tensor,
@@ -437,22 +444,21 @@ def score_select_launch(q: torch.Tensor, head_weights: torch.Tensor, index_cache
                         k: int, page_size: int, chunk: int, q_fp8: bool | None = None,
                         stages: int | None = None) -> tuple:
     """`coop_score_select`'s one launch as (kernel, grid, arguments, keywords): its score buffer (chunk-aligned,
-    each program writes and reads only its own chunk's) allocated here, the workspace `launch`'s; the same refusals as
-    `launch`. stages: score tiles in flight (default the score kernel's; bench sweeps)."""
+    each program writes and reads only its own chunk's; with KEYS_FIRST only STAMPS write it) allocated here, the
+    workspace `launch`'s; the same refusals as `launch`. stages: score tiles in flight (default the score kernel's;
+    bench sweeps)."""
     n_cols = page_table.shape[1] * page_size
     meta = q_meta(index_cache, q, page_size, "coop_score_select", q_fp8)
     if chunk % DEFAULT_TILE["bs"]:
         raise ValueError(f"coop_score_select: chunk {chunk} is not a multiple of the score tile's "
                          f"{DEFAULT_TILE['bs']} keys")
     scores = torch.empty(q.shape[0], triton.cdiv(n_cols, chunk) * chunk, dtype=torch.float32, device=q.device)
-    ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores))
-    _refuse_unless_resident(grid, scores, "coop_score_select")
+    ws, counts, grid, kw = _launch_workspace(scores, chunk, "coop_score_select")
     q = q if q.stride(-1) == 1 else q.contiguous()
     args = (q, head_weights, index_cache, index_cache.view(torch.float32), scores, page_table, req_index, positions,
             ws, counts, out, q.shape[1], q.shape[2], n_cols, k, page_size, index_cache.stride(0), q.stride(0),
             q.stride(1), head_weights.stride(0), scores.stride(0), page_table.stride(0), out.stride(0), grid[1])
-    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"], "POLL": HIST_POLL,
-                                                   "COUNT_POLL": COUNT_POLL,
+    return _coop_score_select_kernel, grid, args, {**kw, **meta, "BS": DEFAULT_TILE["bs"],
                                                    "KEYS_FIRST": KEYS_FIRST and chunk <= KEYS_FIRST_MAX_CHUNK,
                                                    "num_warps": DEFAULT_TILE["num_warps"],
                                                    "num_stages": stages or DEFAULT_TILE["num_stages"]}

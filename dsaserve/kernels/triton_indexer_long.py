@@ -415,17 +415,18 @@ def long_row_select(scores: torch.Tensor, page_table: torch.Tensor, req_index: t
         kernel[grid](*args, **kwargs)
 
 
-def workspace(scores: torch.Tensor, chunk: int,
-              zeroed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
-    """(the rows' zeroed workspace: histograms, state, counters; the chunks' counts; the grid (rows, chunks); the
-    launch keywords) of a select over `scores` in `chunk`-key chunks, the chunk checked. zeroed: a workspace of
-    >= rows rows known to be zero (`triton_indexer_coop.coop_workspace`), else one is made (a fill launch)."""
+def workspace(scores: torch.Tensor, chunk: int, zeroed: torch.Tensor | None = None,
+              with_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], dict]:
+    """(the rows' zeroed workspace: histograms, state, counters; the chunks' counts, None without with_counts; the
+    grid (rows, chunks); the launch keywords) of a select over `scores` in `chunk`-key chunks, the chunk checked.
+    zeroed: a workspace of >= rows rows known to be zero (`triton_indexer_coop.coop_workspace`), else one is made
+    (a fill launch)."""
     if chunk < 128 or chunk > 1 << 15 or chunk & (chunk - 1):  # the window pass packs counts <= CHUNK in 16 bits
         raise ValueError(f"long_row_select: chunk {chunk} is not a power of two in [128, 32768]")
     rows, n_chunks = scores.shape[0], triton.cdiv(scores.shape[1], chunk)
     ws = zeroed[:rows] if zeroed is not None else torch.zeros((rows, WS_ROW.value), dtype=torch.int32,
                                                                 device=scores.device)
-    counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device)
+    counts = torch.empty((rows, n_chunks, 4), dtype=torch.int32, device=scores.device) if with_counts else None
     # 16 keys a thread (4096-key chunks: 8 warps), 4..16 warps
     return ws, counts, (rows, n_chunks), {"CHUNK": chunk, "num_warps": min(16, max(4, chunk // 512)),
                                           **pdl_args(scores.device)}
