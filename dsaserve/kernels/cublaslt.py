@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,13 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
     return lay
 
 
+def _destroy(desc: ctypes.c_void_p, layouts: tuple[ctypes.c_void_p, ...]) -> None:
+    """A `Gemm`'s descriptors freed (host memory only: no stream or device work to wait for)."""
+    for lay in layouts:
+        library().cublasLtMatrixLayoutDestroy(lay)
+    library().cublasLtMatmulDescDestroy(desc)
+
+
 def algo_config(algo: Algo) -> dict[str, int]:
     """What an algorithm is (tile, split K, stages, cluster ids: cublasLt.h's enums)."""
     out = {}
@@ -157,6 +165,9 @@ class Gemm:
         # D column-major: [m, n] (ld m) is y^T row-major; [n, m] (ld n) is y row-major
         self.d_layout = _layout(CUDA_R_16BF, m, n, m) if tokens_as_a else _layout(CUDA_R_16BF, n, m, n)
         self.out_shape = (n, m) if tokens_as_a else (m, n)
+        # tuning makes a Gemm for every candidate shape and row count; each one's descriptors go with it
+        self._finalizer = weakref.finalize(self, _destroy, self.desc, (w_layout, x_layout, self.d_layout))
+        self._finalizer.atexit = False  # the process's end frees them anyway
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def set_scales(self, x_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> None:

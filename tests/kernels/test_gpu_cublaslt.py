@@ -2,6 +2,7 @@
 `_scaled_mm` / `F.linear` compute, eagerly and replayed from a CUDA graph; the struct sizes match cublasLt.h."""
 
 import ctypes
+import gc
 
 import pytest
 import torch
@@ -95,6 +96,20 @@ def test_a_wrong_shape_is_refused_by_name():
     with pytest.raises(ValueError, match="Gemm"):
         gemm.run(None, x, torch.zeros(256, 512, device="cuda", dtype=torch.bfloat16),
                  torch.empty(16, 256, device="cuda", dtype=torch.bfloat16))
+
+
+@gpu
+def test_a_dropped_gemm_frees_its_descriptors_and_others_still_run():
+    gemm = cublaslt.Gemm(16, 256, 512, fp8=False)
+    finalizer = gemm._finalizer
+    del gemm
+    gc.collect()
+    assert not finalizer.alive  # _destroy ran (no reference cycle keeps a Gemm)
+    x = torch.ones(16, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(256, 512, device="cuda", dtype=torch.bfloat16)
+    again = cublaslt.Gemm(16, 256, 512, fp8=False)
+    y = again.run(None, x, w, torch.empty(16, 256, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(y, torch.full_like(y, 512))
 
 
 def test_row_classes_and_the_switch():
