@@ -219,7 +219,8 @@ def ab_setting(runner, name: str):
     combine as its own launch (not merged by W_uv's head GEMM), "fp8_single" the fp8 cache's 16+ token calls on the
     single-partition Gluon kernel (not the decode schedule, `gluon_sparse_mla.FP8_DEFAULT`), "moe_swap" busy experts'
     decode MoE on the swap-AB kernel (not `triton_moe.BUSY_CONFIG`), "count_inline" the experts-touched count in
-    the step's chain (not on the side stream), "router_cublas" the router and weights_proj of 33-256 tokens on
+    the step's chain (not on the side stream), "count_off" no experts-touched count on the GPU (what it costs;
+    the counters then miss it), "router_cublas" the router and weights_proj of 33-256 tokens on
     cuBLAS (not the split-K tiles), "mla1:k=v/k=v" one token's sparse MLA tile overridden
     (`triton_sparse_mla.ONE_TOKEN_CONFIG`: block_h, block_k, num_warps, num_stages, scan, grouped, splits),
     "wide_graphs" every batch replaying the decode graphs captured at max_model_len's page-table width (not the
@@ -266,6 +267,7 @@ def ab_setting(runner, name: str):
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
                     "count_inline": (moe, "COUNT_BESIDE", False),
+                    "count_off": (moe, "COUNT_ON_DEVICE", False),
                     "router_cublas": (triton_moe_route, "TILE_GEMM_MAX_T", 0),
                     "score_apart": (triton_indexer_coop, "FUSED_ROWS", 0),
                     "no_fold": (triton_sparse_mla, "FOLD_MAX_T", 0),

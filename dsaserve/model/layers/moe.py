@@ -90,6 +90,7 @@ class Router(nn.Module):
 
 
 COUNT_BESIDE = True  # the experts-touched count on the side stream where a step has one (False: A/B, bisecting)
+COUNT_ON_DEVICE = True  # False (bench A/B only, `profile_decode --ab count_off`): no GPU count, to time what it costs
 
 
 class Experts(nn.Module):
@@ -148,6 +149,8 @@ class Experts(nn.Module):
                 n = int(ids.unique().numel())
                 COUNTERS.add("moe_experts_touched", n)
                 COUNTERS.add("weight_bytes_read", n * self.expert_bytes)
+            return
+        if not COUNT_ON_DEVICE:
             return
         if self.touched is None:
             self.touched = torch.zeros((), dtype=torch.int64, device=ids.device)
