@@ -116,6 +116,9 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # profile_decode --ab default,full_table; bench/RESULTS.md forty-seventh session). False: every bucket copies its
 # whole table.
 TABLE_MIRROR = True
+# False (bench A/B only, `profile_decode --ab no_staged_event`): graphs captured without `staged`'s record node and
+# the host never waits for it, so a step may restage the pinned inputs while the last one's copy still reads them
+STAGED_EVENT = True
 TABLE_MIRROR_MIN_BYTES = 256 << 10
 
 
@@ -286,7 +289,8 @@ class CudaGraphRunner:
                     branch.wait_stream(stream)
                     # a node beside the step's kernels, after the copy (in the step's chain instead: the same step
                     # times, b1 and b128 1K, H100, bench/RESULTS.md forty-seventh session)
-                    self.staged.record(branch)
+                    if STAGED_EVENT:
+                        self.staged.record(branch)
                 try:
                     logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
@@ -359,8 +363,8 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        if self.staged is not None:  # the previous step's copy has read the buffer (its step may still run)
-            self.staged.synchronize()
+        if self.staged is not None and STAGED_EVENT:  # the previous step's copy has read the buffer (its step
+            self.staged.synchronize()  # may still run)
         ids, pos, req, lens, out, table, *keys = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
