@@ -36,11 +36,11 @@ def _bump_kernel(x_ptr, PDL: tl.constexpr = False):
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
-def _graph(first: str, pdl: bool, chain: int, event: bool = False) -> torch.cuda.CUDAGraph:
+def _graph(first: str, pdl: bool, chain: int, mark: str = "") -> torch.cuda.CUDAGraph:
     """A graph of `first` ("host": the input kernel over pinned memory; "device": the same kernel over a device
-    buffer; "none") then `chain` dependent one-program kernels, PDL-launched or not. event: after the first
-    kernel, an external event recorded on a branch stream that joins at the end, as the decode graphs record
-    `CudaGraphRunner.staged`."""
+    buffer; "none") then `chain` dependent one-program kernels, PDL-launched or not. mark: after the first
+    kernel, on a branch stream that joins at the end, "event" an external event's record (the decode graphs'
+    `CudaGraphRunner.staged`), "token" the kernel writing a pinned word (`signal_host`, STAGED_BY_TOKEN)."""
     n = B1_INPUT_INT64S
     src = torch.zeros(n, dtype=torch.int64).pin_memory() if first == "host" else \
         torch.zeros(n, dtype=torch.int64, device="cuda")
@@ -49,18 +49,23 @@ def _graph(first: str, pdl: bool, chain: int, event: bool = False) -> torch.cuda
     launch = pdl_args(x.device) if pdl else {"PDL": False}
 
     staged, branch = torch.cuda.Event(external=True), torch.cuda.Stream()
+    words = torch.zeros(2, dtype=torch.int64).pin_memory()
 
     def body() -> None:
         if first == "host":
             triton_elementwise.copy_from_host(dst, src)
         elif first == "device":
             triton_elementwise._from_host_kernel[(1,)](src, dst, n, BLOCK=triton_elementwise.HOST_READ_BLOCK)
-        if event:
+        if mark:
             branch.wait_stream(torch.cuda.current_stream())
-            staged.record(branch)
+            if mark == "event":
+                staged.record(branch)
+            else:
+                with torch.cuda.stream(branch):
+                    triton_elementwise.signal_host(words[1:], words[:1])
         for _ in range(chain):
             _bump_kernel[(1,)](x, **launch)
-        if event:
+        if mark:
             torch.cuda.current_stream().wait_stream(branch)
 
     stream = torch.cuda.Stream()
@@ -71,20 +76,21 @@ def _graph(first: str, pdl: bool, chain: int, event: bool = False) -> torch.cuda
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    graph.keep = (src, dst, x, staged, branch)  # the buffers live as long as the graph
+    graph.keep = (src, dst, x, staged, branch, words)  # the buffers live as long as the graph
     return graph
 
 
 def gaps(graph: torch.cuda.CUDAGraph, steps: int) -> dict:
-    """Median over `steps` replays: the gap from the first kernel's end to the second's start, the second's gap to
-    the third, and the replay's span (first start to last end), µs."""
+    """Median over `steps` replays: the gap from the first kernel's end to the chain's next kernel's start, that
+    one's gap to the one after it, and the replay's span (first start to last end), µs."""
     evs = cuda_events(graph.replay, steps)
     per = len(evs) // steps
     first_gap, second_gap, span = [], [], []
     for s in range(steps):
         step = sorted(evs[s * per:(s + 1) * per], key=lambda ev: ev.time_range.start)
-        first_gap.append(step[1].time_range.start - step[0].time_range.end)
-        second_gap.append(step[2].time_range.start - step[1].time_range.end)
+        chain = [ev for ev in step[1:] if "_bump_kernel" in ev.name]  # not the branch's signal kernel
+        first_gap.append(chain[0].time_range.start - step[0].time_range.end)
+        second_gap.append(chain[1].time_range.start - chain[0].time_range.end)
         span.append(max(ev.time_range.end for ev in step) - step[0].time_range.start)
     return {"kernels": per, "first_gap_us": statistics.median(first_gap),
             "second_gap_us": statistics.median(second_gap), "span_us": statistics.median(span)}
@@ -96,13 +102,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     rows = []
-    cases = [(first, pdl, chain, False) for first in ("host", "device", "none") for pdl in (True, False)
-             for chain in (4, 100)] + [("host", True, 4, True), ("host", True, 100, True), ("host", False, 100, True)]
-    for first, pdl, chain, event in cases:
-        r = {"first": first, "pdl": pdl, "chain": chain, "event": event,
-             **gaps(_graph(first, pdl, chain, event), args.steps)}
+    cases = [(first, pdl, chain, "") for first in ("host", "device", "none") for pdl in (True, False)
+             for chain in (4, 100)] + [("host", pdl, chain, mark) for mark in ("event", "token")
+                                       for pdl, chain in ((True, 4), (True, 100), (False, 100))]
+    for first, pdl, chain, mark in cases:
+        r = {"first": first, "pdl": pdl, "chain": chain, "mark": mark,
+             **gaps(_graph(first, pdl, chain, mark), args.steps)}
         rows.append(r)
-        print(f"first {first:6s} pdl {pdl!s:5s} chain {chain:3d} event {event!s:5s}: gap after the 1st kernel "
+        print(f"first {first:6s} pdl {pdl!s:5s} chain {chain:3d} mark {mark or '-':5s}: gap after the 1st kernel "
               f"{r['first_gap_us']:5.1f} µs, after the 2nd {r['second_gap_us']:5.1f}, span {r['span_us']:6.1f}",
               flush=True)
     if args.out:

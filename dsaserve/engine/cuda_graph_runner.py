@@ -119,6 +119,12 @@ TABLE_MIRROR = True
 # False (bench A/B only, `profile_decode --ab no_staged_event`): graphs captured without `staged`'s record node and
 # the host never waits for it, so a step may restage the pinned inputs while the last one's copy still reads them
 STAGED_EVENT = True
+# True (bench A/B `profile_decode --ab staged_token`, off until timed): the graphs mark their inputs read with a
+# kernel that writes the staged step's token into a pinned word (`signal_host`), which the host polls, not with an
+# external event's record node. Why: every replayed step's timeline has ~8 µs with no kernel after its input
+# kernel, not seen in small graphs without that node (bench/probe_graph_gap.py, fifty-sixth session)
+STAGED_BY_TOKEN = False
+STAGED_WAIT_S = 600.0  # a step's copy not done after this long: the device is gone, not slow
 TABLE_MIRROR_MIN_BYTES = 256 << 10
 
 
@@ -176,6 +182,12 @@ class CudaGraphRunner:
         # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
         # replays) waits for that step's copy, not for the whole step
         self.staged = torch.cuda.Event(external=True) if dev.type == "cuda" else None
+        # [token, done] (STAGED_BY_TOKEN): the host writes each staged step's token, the graph's `signal_host`
+        # copies it to `done` once the step's copy has read the inputs
+        self.signal = torch.zeros(2, dtype=torch.int64)
+        if dev.type == "cuda":
+            self.signal = self.signal.pin_memory()
+        self.signal_np, self.token, self.signals_by_token = self.signal.numpy(), 0, False
         # The copy in the graph is a kernel reading the pinned buffer where the registry's passes the same probe:
         # the step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
         self.copy_inputs = _copy_node
@@ -256,6 +268,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
         self.capture_retries = 0
+        self.signals_by_token = STAGED_BY_TOKEN and self.copy_in_graph  # how these graphs mark their inputs read
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
             static, (graph, logits, hidden), _, retried = capture_bucket(
                 lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream, branch), warm_each or i == 0)
@@ -287,10 +300,7 @@ class CudaGraphRunner:
                 if self.copy_in_graph:
                     self._copy_staged(bs)
                     branch.wait_stream(stream)
-                    # a node beside the step's kernels, after the copy (in the step's chain instead: the same step
-                    # times, b1 and b128 1K, H100, bench/RESULTS.md forty-seventh session)
-                    if STAGED_EVENT:
-                        self.staged.record(branch)
+                    self._mark_read(branch)
                 try:
                     logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
@@ -299,6 +309,28 @@ class CudaGraphRunner:
         finally:
             COUNTERS.enabled = enabled
         return graph, logits, hidden
+
+    def _mark_read(self, branch: torch.cuda.Stream) -> None:
+        """A node beside the step's kernels, after the copy (in the step's chain instead: the same step times, b1
+        and b128 1K, H100, bench/RESULTS.md forty-seventh session): `staged`'s record, or the token's signal."""
+        if self.signals_by_token:
+            with torch.cuda.stream(branch):
+                get_ops(self.inputs.device).signal_host(self.signal[1:], self.signal[:1])
+        elif STAGED_EVENT:
+            self.staged.record(branch)
+
+    def _wait_staged(self) -> None:
+        """Until the previous step's copy has read the pinned buffer (its step may still run)."""
+        if self.copy_in_graph and self.signals_by_token:
+            if self.signal_np[1] != self.token:  # a step's copy is the first node of its graph: rarely still due
+                deadline = time.monotonic() + STAGED_WAIT_S
+                while self.signal_np[1] != self.token:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"cuda graphs: step {self.token}'s input copy not done after "
+                                           f"{STAGED_WAIT_S:.0f} s")
+                    time.sleep(0)
+        elif self.staged is not None and STAGED_EVENT:
+            self.staged.synchronize()
 
     def _body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph of bucket `bs` runs after its inputs landed: placeholder ids resolved, then `_forward`."""
@@ -363,8 +395,7 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        if self.staged is not None and STAGED_EVENT:  # the previous step's copy has read the buffer (its step
-            self.staged.synchronize()  # may still run)
+        self._wait_staged()
         ids, pos, req, lens, out, table, *keys = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
@@ -381,6 +412,9 @@ class CudaGraphRunner:
             self._copy_staged(bucket)
             if self.staged is not None:
                 self.staged.record()
+        elif self.signals_by_token:  # the replay's signal copies it to `done` once its copy has read the buffer
+            self.token += 1
+            self.signal_np[0] = self.token
 
     def _stage_table(self, batch: ForwardBatch, bs: int, keys: np.ndarray) -> None:
         """The batch's page-table changes into the staged inputs, each row's mirror row into `keys` (the host's)."""
