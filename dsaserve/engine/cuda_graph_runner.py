@@ -116,6 +116,7 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # profile_decode --ab default,full_table; bench/RESULTS.md forty-seventh session). False: every bucket copies its
 # whole table.
 TABLE_MIRROR = True
+TABLE_MIRROR_MIN_BYTES = 256 << 10
 # False (bench A/B only, `profile_decode --ab no_staged_event`): graphs captured without `staged`'s record node and
 # the host never waits for it, so a step may restage the pinned inputs while the last one's copy still reads them
 STAGED_EVENT = True
@@ -125,7 +126,6 @@ STAGED_EVENT = True
 # kernel, not seen in small graphs without that node (bench/probe_graph_gap.py, fifty-sixth session)
 STAGED_BY_TOKEN = False
 STAGED_WAIT_S = 600.0  # a step's copy not done after this long: the device is gone, not slow
-TABLE_MIRROR_MIN_BYTES = 256 << 10
 
 
 @dataclass
