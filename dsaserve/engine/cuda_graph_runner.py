@@ -197,6 +197,8 @@ class CudaGraphRunner:
          self.page_table, *mirror_rows) = self._views(self.inputs)
         self.mirror_rows = mirror_rows[0] if mirror_rows else None  # the mirror's row each batch row reads
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        # every row's logits row: made once here, not by an arange inside each capture (a kernel every replay)
+        self.logits_indices = torch.arange(max_bs, device=dev)
         # Every bucket's graph writes its logits into one buffer (`logits_out`, shareable between runners whose
         # replays never overlap), not a [bucket, V] tensor of its own kept in the pool: summed over the buckets
         # those came to 2.5 GiB a width class at GLM-5.3's vocabulary with 512 rows (3 drafts), twice under TP's
@@ -230,7 +232,7 @@ class CudaGraphRunner:
         ones = [1] * bs
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.req_index[:bs], self.seq_lens[:bs],
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
-                            torch.arange(bs, device=self.input_ids.device), self.page_size, ones, ones,
+                            self.logits_indices[:bs], self.page_size, ones, ones,
                             dp_rows=bs if self.moe_gather else 0)
 
     def _reset_padding(self, start: int, end: int | None = None, host: bool = False, table: bool = True) -> None:
