@@ -40,7 +40,7 @@ def _graph(first: str, pdl: bool, chain: int, mark: str = "") -> torch.cuda.CUDA
     """A graph of `first` ("host": the input kernel over pinned memory; "device": the same kernel over a device
     buffer; "none") then `chain` dependent one-program kernels, PDL-launched or not. mark: after the first
     kernel, on a branch stream that joins at the end, "event" an external event's record (the decode graphs'
-    `CudaGraphRunner.staged`), "token" the kernel writing a pinned word (`signal_host`, STAGED_BY_TOKEN)."""
+    `CudaGraphRunner.staged`), "token" the kernel writing a pinned word (`signal_host`, STAGED_MARK "token")."""
     n = B1_INPUT_INT64S
     src = torch.zeros(n, dtype=torch.int64).pin_memory() if first == "host" else \
         torch.zeros(n, dtype=torch.int64, device="cuda")

@@ -117,14 +117,13 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # whole table.
 TABLE_MIRROR = True
 TABLE_MIRROR_MIN_BYTES = 256 << 10
-# False (bench A/B only, `profile_decode --ab no_staged_event`): graphs captured without `staged`'s record node and
-# the host never waits for it, so a step may restage the pinned inputs while the last one's copy still reads them
-STAGED_EVENT = True
-# True (bench A/B `profile_decode --ab staged_token`, off until timed): the graphs mark their inputs read with a
-# kernel that writes the staged step's token into a pinned word (`signal_host`), which the host polls, not with an
-# external event's record node. Why: every replayed step's timeline has ~8 µs with no kernel after its input
-# kernel, not seen in small graphs without that node (bench/probe_graph_gap.py, fifty-sixth session)
-STAGED_BY_TOKEN = False
+# How a decode graph marks its inputs read, so the host may restage them while the step still runs: "event" an
+# external event's record node, the host syncing on it; "token" (bench A/B `profile_decode --ab staged_token`, off
+# until timed) a kernel writing the staged step's token into a pinned word (`signal_host`) the host polls, because
+# every replayed step's timeline has ~8 µs with no kernel after its input kernel, not seen in small graphs without
+# that node (bench/probe_graph_gap.py, fifty-sixth session); "none" (`--ab no_staged_event`, timing only) nothing,
+# and the host restages without waiting
+STAGED_MARK = "event"
 STAGED_WAIT_S = 600.0  # a step's copy not done after this long: the device is gone, not slow
 
 
@@ -166,8 +165,10 @@ class CudaGraphRunner:
         self.input_rows = INPUT_ROWS + bool(self.max_deltas)
         self.table_start = self.input_rows * max_bs + bool(self.max_deltas) * (max_bs % 2)
         table_end = self.table_start + max_bs * max_pages_per_req
-        self.changes_start = table_end + table_end % 2
-        staged = self.changes_start + 1 + 2 * self.max_deltas if self.max_deltas else table_end
+        # then the staging signal's two words: [token, done] (STAGED_MARK "token": the host writes each staged
+        # step's token, the graph's `signal_host` copies it to `done` once the step's copy has read the inputs)
+        self.changes_start = table_end + 2 + table_end % 2
+        staged = self.changes_start + 1 + 2 * self.max_deltas if self.max_deltas else table_end + 2
         self.inputs = torch.zeros(table_end, dtype=torch.int64, device=dev)
         self.host_inputs = torch.zeros(staged, dtype=torch.int64)
         if dev.type == "cuda":
@@ -182,11 +183,7 @@ class CudaGraphRunner:
         # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
         # replays) waits for that step's copy, not for the whole step
         self.staged = torch.cuda.Event(external=True) if dev.type == "cuda" else None
-        # [token, done] (STAGED_BY_TOKEN): the host writes each staged step's token, the graph's `signal_host`
-        # copies it to `done` once the step's copy has read the inputs
-        self.signal = torch.zeros(2, dtype=torch.int64)
-        if dev.type == "cuda":
-            self.signal = self.signal.pin_memory()
+        self.signal = self.host_inputs[table_end:table_end + 2]
         self.signal_np, self.token, self.signals_by_token = self.signal.numpy(), 0, False
         # The copy in the graph is a kernel reading the pinned buffer where the registry's passes the same probe:
         # the step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
@@ -270,7 +267,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
         self.capture_retries = 0
-        self.signals_by_token = STAGED_BY_TOKEN and self.copy_in_graph  # how these graphs mark their inputs read
+        self.signals_by_token = STAGED_MARK == "token" and self.copy_in_graph  # how these graphs mark inputs read
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
             static, (graph, logits, hidden), _, retried = capture_bucket(
                 lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream, branch), warm_each or i == 0)
@@ -318,7 +315,7 @@ class CudaGraphRunner:
         if self.signals_by_token:
             with torch.cuda.stream(branch):
                 get_ops(self.inputs.device).signal_host(self.signal[1:], self.signal[:1])
-        elif STAGED_EVENT:
+        elif STAGED_MARK == "event":
             self.staged.record(branch)
 
     def _wait_staged(self) -> None:
@@ -331,7 +328,7 @@ class CudaGraphRunner:
                         raise RuntimeError(f"cuda graphs: step {self.token}'s input copy not done after "
                                            f"{STAGED_WAIT_S:.0f} s")
                     time.sleep(0)
-        elif self.staged is not None and STAGED_EVENT:
+        elif self.staged is not None and STAGED_MARK != "none":  # (the eager copy's event, "token" or not)
             self.staged.synchronize()
 
     def _body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:

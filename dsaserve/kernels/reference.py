@@ -222,7 +222,7 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def signal_host(done: torch.Tensor, token: torch.Tensor) -> None:
     """done <- token (one int64 each, host memory): a decode graph's word that its inputs were read, the token the host
-    staged with them (engine/cuda_graph_runner.py, STAGED_BY_TOKEN)."""
+    staged with them (engine/cuda_graph_runner.py, STAGED_MARK "token")."""
     done.copy_(token)
 
 

@@ -46,13 +46,13 @@ def test_a_smaller_batch_after_a_larger_one_rewrites_only_its_rows_and_padding()
 
 
 def test_with_the_token_signal_a_staging_waits_for_the_last_token_and_gives_up_by_name(monkeypatch):
-    """STAGED_BY_TOKEN's host side (the graphs' signal itself needs CUDA: test_engine_gpu.py): each staging writes
+    """STAGED_MARK "token"'s host side (the graphs' signal itself needs CUDA: test_engine_gpu.py): each staging writes
     the next token for its replay's signal and first waits until the `done` word holds the last one; a copy that
     never signals ends the wait with an error naming the step, not a hang."""
     from dsaserve.engine import cuda_graph_runner
 
     g = _runner()
-    g.copy_in_graph, g.signals_by_token = True, True  # as a CUDA runner captured with STAGED_BY_TOKEN
+    g.copy_in_graph, g.signals_by_token = True, True  # as a CUDA runner captured with STAGED_MARK "token"
     batch = contiguous_batch([[11]], [5], [0], PAGE)
     g._load_host(batch, 1, 1)
     assert (g.token, int(g.signal_np[0])) == (1, 1)  # the first staging had nothing to wait for

@@ -81,7 +81,7 @@ def test_copy_from_host_reads_the_pinned_buffer_as_it_is_at_replay(gen, n):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned memory read by a kernel: a CUDA device")
 def test_signal_host_under_capture_writes_the_token_as_it_is_at_replay():
-    """A decode graph's word that its inputs were read (`cuda_graph_runner.STAGED_BY_TOKEN`): captured on a side
+    """A decode graph's word that its inputs were read (`cuda_graph_runner.STAGED_MARK` "token"): captured on a side
     stream, each replay copies the token the host wrote after the capture into the pinned `done` word, and the host
     sees it once the replay is done."""
     from dsaserve.kernels import triton_elementwise as E

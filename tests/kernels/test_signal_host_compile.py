@@ -1,4 +1,4 @@
-"""The staging signal's kernel (`triton_elementwise._signal_host_kernel`, cuda_graph_runner.STAGED_BY_TOKEN) as the
+"""The staging signal's kernel (`triton_elementwise._signal_host_kernel`, cuda_graph_runner.STAGED_MARK "token") as the
 GPU compiles it, offline for sm_90 on the CPU (tests/offline_triton.py): one program that loads the pinned token and
 stores it into the pinned `done` word, a 64-bit word each way, and nothing else reaches memory (the host polls that
 word; a second store or a narrower one would show it a torn or early token). The interpreter checks none of this."""
