@@ -220,12 +220,6 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def signal_host(done: torch.Tensor, token: torch.Tensor) -> None:
-    """done <- token (one int64 each, host memory): a decode graph's word that its inputs were read, the token the host
-    staged with them (engine/cuda_graph_runner.py, STAGED_MARK "token")."""
-    done.copy_(token)
-
-
 def stage_from_host(rows: torch.Tensor, rows_src: torch.Tensor, table: torch.Tensor, changes: torch.Tensor,
                     max_deltas: int) -> None:
     """A decode graph's inputs out of pinned host memory with the device's page table changed in place (engine/

@@ -35,7 +35,7 @@ FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations 
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_k_norm_write", "indexer_topk", "sparse_mla_attention", "moe_route",
        "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots",
-       "resolve_placeholders", "row_argmax", "copy_from_host", "stage_from_host", "signal_host")
+       "resolve_placeholders", "row_argmax", "copy_from_host", "stage_from_host")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -124,7 +124,6 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
                            "else a copy"),
         "stage_from_host": (triton_elementwise.stage_from_host, "triton read of pinned memory: the rows, then only "
                             "the page table's changes"),
-        "signal_host": (triton_elementwise.signal_host, "triton one-word store into pinned memory"),
         "row_argmax": (triton_argmax.row_argmax, "triton split-row argmax, one launch") if argmax else
         (ops["row_argmax"][0], "torch argmax (DSASERVE_ROW_ARGMAX=triton: the split-row kernel)"),
         "head_bmm": (triton_head_gemm.head_bmm,

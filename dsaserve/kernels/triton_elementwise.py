@@ -1,12 +1,11 @@
 """GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
 in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches), the overlap
 scheduler's placeholder ids resolved (five torch kernels a step before) and a decode graph's inputs read out of
-their pinned staging buffer by a kernel (`copy_from_host`, and `stage_from_host` with the page table's changes), and
-the word that tells the host they were read (`signal_host`).
+their pinned staging buffer by a kernel (`copy_from_host`, and `stage_from_host` with the page table's changes).
 
 Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul`,
-`reference.rope_inplace`, `reference.resolve_placeholders`, `reference.copy_from_host`,
-`reference.stage_from_host` and `reference.signal_host`. Each takes its
+`reference.rope_inplace`, `reference.resolve_placeholders`, `reference.copy_from_host` and
+`reference.stage_from_host`. Each takes its
 reference's rounding steps (fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two
 differ only in the order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also
 carry their FP8 copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too,
@@ -267,22 +266,6 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         return
     _from_host_kernel[(triton.cdiv(n, HOST_READ_BLOCK),)](_HostPointer(src), dst, n, BLOCK=HOST_READ_BLOCK)
-
-
-@triton.jit
-def _signal_host_kernel(token_ptr, done_ptr):
-    tl.store(done_ptr, tl.load(token_ptr))
-
-
-def signal_host(done: torch.Tensor, token: torch.Tensor) -> None:
-    """GPU `reference.signal_host`: one one-program launch on the current device and stream whose load and store
-    reach the pinned words themselves (capturable: a replay reads the token as it is then). Not pinned: the
-    reference."""
-    if done.numel() != 1 or token.numel() != 1 or done.dtype != token.dtype:
-        raise ValueError("signal_host: done and token must be one word each, of one dtype")
-    if any(t.is_cuda or not t.is_pinned() for t in (done, token)):
-        return reference.signal_host(done, token)
-    _signal_host_kernel[(1,)](_HostPointer(token), _HostPointer(done))
 
 
 @triton.jit(do_not_specialize=["n", "max_deltas", "table_n"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from dsaserve.engine.cuda_graph_runner import CudaGraphRunner
@@ -43,22 +42,3 @@ def test_a_smaller_batch_after_a_larger_one_rewrites_only_its_rows_and_padding()
     g._load_host(contiguous_batch([[7]], [3], [PAGE], PAGE), 1, 1)
     assert g.input_ids[0] == 7 and g.out_cache_loc[0] == PAGE + 3 and g.page_table[0, 0] == 1
     assert g.input_ids[1:4].tolist() == [1, 1, 1]  # outside bucket 1: never read by its graph
-
-
-def test_with_the_token_signal_a_staging_waits_for_the_last_token_and_gives_up_by_name(monkeypatch):
-    """STAGED_MARK "token"'s host side (the graphs' signal itself needs CUDA: test_engine_gpu.py): each staging writes
-    the next token for its replay's signal and first waits until the `done` word holds the last one; a copy that
-    never signals ends the wait with an error naming the step, not a hang."""
-    from dsaserve.engine import cuda_graph_runner
-
-    g = _runner()
-    g.copy_in_graph, g.signals_by_token = True, True  # as a CUDA runner captured with STAGED_MARK "token"
-    batch = contiguous_batch([[11]], [5], [0], PAGE)
-    g._load_host(batch, 1, 1)
-    assert (g.token, int(g.signal_np[0])) == (1, 1)  # the first staging had nothing to wait for
-    g.signal_np[1] = 1  # the replay's signal
-    g._load_host(batch, 1, 1)
-    assert (g.token, int(g.signal_np[0])) == (2, 2)
-    monkeypatch.setattr(cuda_graph_runner, "STAGED_WAIT_S", 0.05)
-    with pytest.raises(RuntimeError, match="step 2's input copy"):
-        g._load_host(batch, 1, 1)  # step 2's signal never came

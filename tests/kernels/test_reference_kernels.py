@@ -207,21 +207,6 @@ def test_copy_from_host_copies_and_the_gpu_variant_falls_back_to_it_without_pinn
         E.copy_from_host(dst[:3], src)
 
 
-def test_signal_host_copies_the_token_and_the_gpu_variant_falls_back_to_it_without_pinned_memory():
-    token, done = torch.tensor([41], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    R.signal_host(done, token)
-    assert int(done) == 41
-    try:
-        from dsaserve.kernels import triton_elementwise as E
-    except ImportError:  # the CI's CPU torch may ship no Triton
-        return
-    token.fill_(42)
-    E.signal_host(done, token)  # not pinned: the reference, no kernel
-    assert int(done) == 42
-    with pytest.raises(ValueError, match="signal_host"):
-        E.signal_host(torch.zeros(2, dtype=torch.int64), token)
-
-
 def test_registry_on_cpu_binds_every_op_to_the_reference(monkeypatch):
     ops = registry.get_ops("cpu")
     for name in registry.OPS:
