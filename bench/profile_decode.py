@@ -256,9 +256,7 @@ def ab_setting(runner, name: str):
     `triton_elementwise.HOST_READ_MAX_BYTES`), "full_table"
     every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
     `cuda_graph_runner.TABLE_MIRROR`), "no_staged_event" the graphs without the external event recorded after their
-    input copy (`cuda_graph_runner.STAGED_MARK` "none"; timing only: the host then restages without waiting),
-    "staged_token" the inputs marked read by a kernel writing the step's token into a pinned word the host polls
-    (`cuda_graph_runner.STAGED_MARK` "token"), not by that event,
+    input copy (`cuda_graph_runner.STAGED_EVENT`; timing only: the host then restages without waiting),
     "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
     timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
     engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
@@ -294,8 +292,7 @@ def ab_setting(runner, name: str):
                     "fused132": (variants, "FUSED_PROGRAMS", 132),
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
                     "full_table": (cuda_graph_runner, "TABLE_MIRROR", False),
-                    "no_staged_event": (cuda_graph_runner, "STAGED_MARK", "none"),
-                    "staged_token": (cuda_graph_runner, "STAGED_MARK", "token"),
+                    "no_staged_event": (cuda_graph_runner, "STAGED_EVENT", False),
                     "lt_off": (cublaslt_tuning, "TUNED", False)}
     if name == "lt_tuned":
         if not cublaslt_tuning.TIMED:

@@ -117,14 +117,12 @@ INPUT_ROWS = 5  # input_ids, positions, req_index, seq_lens, out_cache_loc
 # whole table.
 TABLE_MIRROR = True
 TABLE_MIRROR_MIN_BYTES = 256 << 10
-# How a decode graph marks its inputs read, so the host may restage them while the step still runs: "event" an
-# external event's record node, the host syncing on it; "token" (bench A/B `profile_decode --ab staged_token`, off
-# until timed) a kernel writing the staged step's token into a pinned word (`signal_host`) the host polls, because
-# every replayed step's timeline has ~8 µs with no kernel after its input kernel, not seen in small graphs without
-# that node (bench/probe_graph_gap.py, fifty-sixth session); "none" (`--ab no_staged_event`, timing only) nothing,
-# and the host restages without waiting
-STAGED_MARK = "event"
-STAGED_WAIT_S = 600.0  # a step's copy not done after this long: the device is gone, not slow
+# A decode graph marks its inputs read by an external event's record node, so the host may restage them while the
+# step still runs. False (`profile_decode --ab no_staged_event`, timing only: the host then restages without
+# waiting): no such node. The step times the same without it, and a kernel writing a pinned word the host polls in
+# its place timed the same too (H100, b1 1K and 32K): the ~8 µs after a step's input kernel comes with any branch
+# of a long graph, not with this node (bench/probe_graph_gap.py, RESULTS fifty-sixth and fifty-seventh sessions).
+STAGED_EVENT = True
 
 
 @dataclass
@@ -165,10 +163,8 @@ class CudaGraphRunner:
         self.input_rows = INPUT_ROWS + bool(self.max_deltas)
         self.table_start = self.input_rows * max_bs + bool(self.max_deltas) * (max_bs % 2)
         table_end = self.table_start + max_bs * max_pages_per_req
-        # then the staging signal's two words: [token, done] (STAGED_MARK "token": the host writes each staged
-        # step's token, the graph's `signal_host` copies it to `done` once the step's copy has read the inputs)
-        self.changes_start = table_end + 2 + table_end % 2
-        staged = self.changes_start + 1 + 2 * self.max_deltas if self.max_deltas else table_end + 2
+        self.changes_start = table_end + table_end % 2
+        staged = self.changes_start + 1 + 2 * self.max_deltas if self.max_deltas else table_end
         self.inputs = torch.zeros(table_end, dtype=torch.int64, device=dev)
         self.host_inputs = torch.zeros(staged, dtype=torch.int64)
         if dev.type == "cuda":
@@ -183,8 +179,6 @@ class CudaGraphRunner:
         # (an external event), so a step staged while the one before still runs (overlap scheduling, back-to-back
         # replays) waits for that step's copy, not for the whole step
         self.staged = torch.cuda.Event(external=True) if dev.type == "cuda" else None
-        self.signal = self.host_inputs[table_end:table_end + 2]
-        self.signal_np, self.token, self.signals_by_token = self.signal.numpy(), 0, False
         # The copy in the graph is a kernel reading the pinned buffer where the registry's passes the same probe:
         # the step's kernels then start a few µs sooner than after a copy node (`triton_elementwise.copy_from_host`)
         self.copy_inputs = _copy_node
@@ -267,7 +261,6 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.input_ids.device)  # the captures' side stream (synchronized before each)
         branch = torch.cuda.Stream(self.input_ids.device)  # inside each capture: `staged`'s record, off the chain
         self.capture_retries = 0
-        self.signals_by_token = STAGED_MARK == "token" and self.copy_in_graph  # how these graphs mark inputs read
         for i, bs in enumerate(sorted(self.buckets, reverse=True)):
             static, (graph, logits, hidden), _, retried = capture_bucket(
                 lambda bs=bs: self._warm(bs), lambda bs=bs: self._capture_one(bs, stream, branch), warm_each or i == 0)
@@ -299,7 +292,10 @@ class CudaGraphRunner:
                 if self.copy_in_graph:
                     self._copy_staged(bs)
                     branch.wait_stream(stream)
-                    self._mark_read(branch)
+                    # a node beside the step's kernels, after the copy (in the step's chain instead: the same step
+                    # times, b1 and b128 1K, H100, bench/RESULTS.md forty-seventh session)
+                    if STAGED_EVENT:
+                        self.staged.record(branch)
                 try:
                     logits, hidden = self._body(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
@@ -308,28 +304,6 @@ class CudaGraphRunner:
         finally:
             COUNTERS.enabled = enabled
         return graph, logits, hidden
-
-    def _mark_read(self, branch: torch.cuda.Stream) -> None:
-        """A node beside the step's kernels, after the copy (in the step's chain instead: the same step times, b1
-        and b128 1K, H100, bench/RESULTS.md forty-seventh session): `staged`'s record, or the token's signal."""
-        if self.signals_by_token:
-            with torch.cuda.stream(branch):
-                get_ops(self.inputs.device).signal_host(self.signal[1:], self.signal[:1])
-        elif STAGED_MARK == "event":
-            self.staged.record(branch)
-
-    def _wait_staged(self) -> None:
-        """Until the previous step's copy has read the pinned buffer (its step may still run)."""
-        if self.copy_in_graph and self.signals_by_token:
-            if self.signal_np[1] != self.token:  # a step's copy is the first node of its graph: rarely still due
-                deadline = time.monotonic() + STAGED_WAIT_S
-                while self.signal_np[1] != self.token:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"cuda graphs: step {self.token}'s input copy not done after "
-                                           f"{STAGED_WAIT_S:.0f} s")
-                    time.sleep(0)
-        elif self.staged is not None and STAGED_MARK != "none":  # (the eager copy's event, "token" or not)
-            self.staged.synchronize()
 
     def _body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph of bucket `bs` runs after its inputs landed: placeholder ids resolved, then `_forward`."""
@@ -394,7 +368,8 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        self._wait_staged()
+        if self.staged is not None and STAGED_EVENT:  # the previous step's copy has read the buffer (its step
+            self.staged.synchronize()  # may still run)
         ids, pos, req, lens, out, table, *keys = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()
@@ -411,9 +386,6 @@ class CudaGraphRunner:
             self._copy_staged(bucket)
             if self.staged is not None:
                 self.staged.record()
-        elif self.signals_by_token:  # the replay's signal copies it to `done` once its copy has read the buffer
-            self.token += 1
-            self.signal_np[0] = self.token
 
     def _stage_table(self, batch: ForwardBatch, bs: int, keys: np.ndarray) -> None:
         """The batch's page-table changes into the staged inputs, each row's mirror row into `keys` (the host's)."""
