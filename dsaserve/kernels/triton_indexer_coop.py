@@ -57,6 +57,9 @@ COOP_BARRIERS = tl.constexpr(8)  # a row's state: the ROUNDS + 1 barrier counter
 COOP_EXIT = tl.constexpr(13)  # and the count of programs past the last barrier (`_leave_zeroed`)
 COOP_PARITY = tl.constexpr(14)  # and which of the row's two count buffers this launch's programs fill (COUNT_POLL)
 COOP_MAX_CHUNKS = tl.constexpr(256)  # a row's programs at most (one an SM: `coop_fits`)
+# chunks below this many keys: a chunk's two counts (above, ties) share one int32 sum (one block-wide reduction,
+# not two), 16 bits each; `long_row_select`'s launches take chunks up to 32768
+COOP_CHUNK_LIMIT = tl.constexpr(1 << 15)
 COOP_COUNTS = WS_ROW  # then the two count buffers: COOP_MAX_CHUNKS int64 words each (COUNT_POLL)
 COOP_WS_ROW = tl.constexpr(WS_ROW.value + 2 * 2 * COOP_MAX_CHUNKS.value)  # int32 (8256 bytes: 64-byte rows)
 # a chunk's count word: (keys above T) << 32 | (ties at T) | COUNT_IN, so a zero word is one not yet written
@@ -267,7 +270,7 @@ def _select_chunk(vis, u, row_ptr, pt_row, out_row, ws_ptr, cnt_ptr, row, c, pos
     key = u >> shift
     gt = vis & (key > prefix)
     eq = vis & (key == prefix)
-    tl.static_assert(CHUNK < 32768)  # both counts in one int32 sum (one block-wide reduction, not two)
+    tl.static_assert(CHUNK < COOP_CHUNK_LIMIT)
     both = tl.sum(gt.to(tl.int32) * 65536 + eq.to(tl.int32), axis=0)
     above = both >> 16
     ties = both & 0xFFFF
@@ -397,9 +400,10 @@ def coop_fits(rows: int, n_chunks: int, scores: torch.Tensor) -> bool:
 
 
 def cooperative(rows: int, n_cols: int, chunk: int, scores: torch.Tensor) -> bool:
-    """Decode's choice (`triton_indexer_dispatch`): its 1-2 rows (COOP_ROWS) as one cooperative launch where it fits.
-    A prefill's rows keep the launches (its late slots and window pass; none of its kernels runs beside it)."""
-    return rows <= COOP_ROWS and coop_fits(rows, triton.cdiv(n_cols, chunk), scores)
+    """Decode's choice (`triton_indexer_dispatch`): its 1-2 rows (COOP_ROWS) as one cooperative launch where it fits
+    and its chunk is below COOP_CHUNK_LIMIT. A prefill's rows keep the launches (its late slots and window pass; none
+    of its kernels runs beside it)."""
+    return rows <= COOP_ROWS and chunk < COOP_CHUNK_LIMIT.value and coop_fits(rows, triton.cdiv(n_cols, chunk), scores)
 
 
 def fused(rows: int, n_cols: int, chunk: int, like: torch.Tensor) -> bool:
@@ -413,6 +417,9 @@ def _launch_workspace(scores: torch.Tensor, chunk: int, who: str) -> tuple[torch
     an error where `coop_fits` says no or under the interpreter: never a launch that could wait forever at its first
     barrier. With COUNT_POLL the counts live in the workspace rows, so no counts tensor is made (the kernel's
     `cnt_ptr`, unread, is given the workspace)."""
+    if chunk >= COOP_CHUNK_LIMIT.value:
+        raise ValueError(f"{who}: chunk {chunk} is not below {COOP_CHUNK_LIMIT.value} keys "
+                         "(the cooperative kernels' limit)")
     ws, counts, grid, kw = workspace(scores, chunk, _zeroed(scores), with_counts=not COUNT_POLL)
     if INTERPRET or not coop_fits(*grid, scores):
         raise ValueError(f"{who}: a cooperative launch of {grid[0]} x {grid[1]} programs "

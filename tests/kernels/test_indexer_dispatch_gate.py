@@ -100,3 +100,16 @@ def test_decode_long_rows_leave_the_scores_past_each_position_unwritten(monkeypa
     monkeypatch.setattr(triton_indexer_long, "long_row_select", lambda *a, **kw: seen.update(select=True))
     _route(8, 131072)
     assert seen["fill"] is False and seen["skip_below"] == TOPK and seen["select"]
+
+
+def test_a_chunk_past_the_cooperative_kernels_limit_takes_the_launches_and_a_direct_call_is_refused(monkeypatch):
+    """A chunk's two counts share one int32 sum in the cooperative kernels (`COOP_CHUNK_LIMIT`), while the launches
+    take chunks up to 32768 keys: such a chunk is routed to the launches, and a cooperative call with it fails by
+    name before any compile (not at the kernel's static_assert)."""
+    monkeypatch.setattr(triton_indexer_coop, "COOP_ROWS", 2)
+    limit = triton_indexer_coop.COOP_CHUNK_LIMIT.value
+    scores = torch.zeros(1, 2 * limit)
+    assert triton_indexer_coop.cooperative(1, 2 * limit, limit // 2, scores)
+    assert not triton_indexer_coop.cooperative(1, 2 * limit, limit, scores)
+    with pytest.raises(ValueError, match=f"coop_select: chunk {limit} is not below {limit}"):
+        triton_indexer_coop._launch_workspace(scores, limit, "coop_select")
