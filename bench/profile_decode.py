@@ -257,14 +257,17 @@ def ab_setting(runner, name: str):
     every class's whole page table copied each step (not only its changes into the requests' pages kept on the device,
     `cuda_graph_runner.TABLE_MIRROR`), "no_staged_event" the graphs without the external event recorded after their
     input copy (`cuda_graph_runner.STAGED_EVENT`; timing only: the host then restages without waiting),
+    "one_stream" the step's kernels all on one stream (DSASERVE_OVERLAP_INDEXER=0: the full layers' selection and the
+    experts-touched count in the chain, not on the side stream; with no_staged_event a graph without a branch),
     "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
     timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
     engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
     ops = get_ops(runner.device)
     saved = dict(vars(ops))
-    if name == "fp32_head":
+    env_settings = {"fp32_head": {"DSASERVE_FP32_LM_HEAD": "1"}, "one_stream": {"DSASERVE_OVERLAP_INDEXER": "0"}}
+    if name in env_settings:
         stack = contextlib.ExitStack()
-        stack.enter_context(envs.override(DSASERVE_FP32_LM_HEAD="1"))
+        stack.enter_context(envs.override(**env_settings[name]))
         return stack.close
     module_flags = {"select_launches": (triton_indexer_coop, "COOP_ROWS", 0),
                     "moe_swap": (triton_moe, "BUSY_EXPERT_PAIRS", 1 << 30),
@@ -354,7 +357,7 @@ def ab_setting(runner, name: str):
                                                         "fuse_shared": False, "shared_beside": False})
     elif name != "default":
         raise SystemExit(f"--ab: unknown setting {name!r} (default, cublas_small, unfused_knorm, q_rope_apart, "
-                         f"shared_apart, shared_inline, fp32_head, {', '.join(module_flags)})")
+                         f"shared_apart, shared_inline, fp32_head, one_stream, {', '.join(module_flags)})")
     return lambda: vars(ops).update(saved)
 
 
