@@ -8,7 +8,8 @@ that differ in one thing each and reads the same timeline of their replays (torc
 `--steps`): the first node (the pinned-host read, the same kernel over a device buffer, none), the chain after it
 (PDL launches or plain ones), the graph's size (how many kernels follow) and a branch (an external event's record
 or a kernel on a second stream, forking after the first node or later in the chain), and prints the gap from the
-first kernel's end to the second's start, the chain's largest later gap and the replay's span.
+first kernel's end to the second's start, the chain's largest later gap and the replay's span, then the replay's
+time without the profiler (synchronous and back to back: whether the gap is the profiler's).
 
     PYTHONPATH=. python bench/probe_graph_gap.py [--out DIR]     (~10 s)
 """
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.bench_gpu import cuda_time, pipelined_time
 from bench.profile_decode import cuda_events
 from dsaserve.kernels import triton_elementwise
 from dsaserve.kernels.triton_utils import grid_dependency_sync, pdl_args
@@ -120,13 +122,16 @@ def main() -> None:
               for pdl, chain in ((True, 4), (True, 100), (False, 100), (True, 400))]
     cases += [("host", True, chain, "event", at) for chain, at in ((100, 50), (400, 50), (400, 300))]
     for first, pdl, chain, mark, at in cases:
-        r = {"first": first, "pdl": pdl, "chain": chain, "mark": mark, "fork_at": at,
-             **gaps(_graph(first, pdl, chain, mark, at), args.steps)}
+        graph = _graph(first, pdl, chain, mark, at)
+        r = {"first": first, "pdl": pdl, "chain": chain, "mark": mark, "fork_at": at, **gaps(graph, args.steps),
+             "replay_us": cuda_time(graph.replay) * 1e6, "back_to_back_us": pipelined_time(graph.replay) * 1e6}
         rows.append(r)
         print(f"first {first:6s} pdl {pdl!s:5s} chain {chain:3d} mark {mark or '-':6s} at {at:3d}: gap after the "
               f"1st kernel {r['first_gap_us']:5.1f} µs, after the 2nd {r['second_gap_us']:5.1f}, largest later "
               f"{r['worst_later_gap_us']:5.1f} (before chain kernel {r['worst_later_before']:.0f}), span "
-              f"{r['span_us']:6.1f}", flush=True)
+              f"{r['span_us']:6.1f}; unprofiled: replay {r['replay_us']:6.1f}, back to back "
+              f"{r['back_to_back_us']:6.1f}",
+              flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe_graph_gap.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
