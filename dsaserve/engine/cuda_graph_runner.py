@@ -120,8 +120,9 @@ TABLE_MIRROR_MIN_BYTES = 256 << 10
 # A decode graph marks its inputs read by an external event's record node, so the host may restage them while the
 # step still runs. False (`profile_decode --ab no_staged_event`, timing only: the host then restages without
 # waiting): no such node. The step times the same without it, and a kernel writing a pinned word the host polls in
-# its place timed the same too (H100, b1 1K and 32K): the ~8 µs after a step's input kernel comes with any branch
-# of a long graph, not with this node (bench/probe_graph_gap.py, RESULTS fifty-sixth and fifty-seventh sessions).
+# its place timed the same too (H100, b1 1K and 32K). The ~8 µs a profiled step shows after its input kernel comes
+# with any branch forking there, and is mostly the profiler's: 1-2 µs unprofiled in small graphs
+# (bench/probe_graph_gap.py; bench/RESULTS.md fifty-seventh session).
 STAGED_EVENT = True
 
 
