@@ -1,6 +1,7 @@
-"""The nodes of a replayed decode graph as CUDA writes them (`cudaGraphDebugDotPrint`, torch's graph debug mode):
-what sits between a step's first kernel and the next, where every replay's timeline shows ~9 µs with no kernel
-(bench/RESULTS.md, forty-sixth and fifty-second sessions: not the staging copy, not the fork of its event).
+"""The nodes of a replayed decode graph as CUDA writes them (the driver's `cuGraphDebugDotPrint`): which kernels,
+copies, event records and forks a step's graph holds and in what order. First asked for the ~9 µs with no kernel
+after every replayed step's input kernel (bench/RESULTS.md, forty-sixth to fifty-seventh sessions: the branch forking
+there, and mostly the profiler's view of it).
 
     PYTHONPATH=. python bench/probe_graph_nodes.py --bs 1 --context 1024 --out DIR
 
@@ -11,6 +12,7 @@ kinds it holds and the first nodes from its roots with their edges (an edge's la
 from __future__ import annotations
 
 import argparse
+import ctypes
 import re
 from collections import Counter
 from pathlib import Path
@@ -21,13 +23,20 @@ NODE = re.compile(r'"(graph_\d+_node_\d+)"\s*\[(.*?)\];', re.S)
 EDGE = re.compile(r'"(graph_\d+_node_\d+)"\s*->\s*"(graph_\d+_node_\d+)"(?:\s*\[(.*?)\])?')
 
 
-class _DebugGraph(torch.cuda.CUDAGraph):
-    """A graph that keeps its cudaGraph_t after instantiation, so it can be dumped. On the device's torch 2.11 it
-    kept none (fifty-third session: "DEBUG: calling debug_dump()" and no file, with `keep_graph=True` too)."""
+class _KeptGraph(torch.cuda.CUDAGraph):
+    """A graph that keeps its cudaGraph_t (`keep_graph`: instantiated at its first replay), so the driver can print
+    it. torch's own `debug_dump` wrote no file on the device's torch 2.11 (fifty-third to fifty-sixth sessions)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__()
-        self.enable_debug_mode()
+        super().__init__(keep_graph=True)
+
+
+def dump_dot(graph: torch.cuda.CUDAGraph, path: Path) -> None:
+    """The graph's DOT (verbose: kernels' names and launch parameters) through the driver API."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    rc = driver.cuGraphDebugDotPrint(ctypes.c_void_p(graph.raw_cuda_graph()), str(path).encode(), ctypes.c_uint(1))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphDebugDotPrint: CUresult {rc} for {path}")
 
 
 def kind(attrs: str) -> str:
@@ -71,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.cuda.CUDAGraph = _DebugGraph  # the runners make their graphs as torch.cuda.CUDAGraph()
+    torch.cuda.CUDAGraph = _KeptGraph  # the runners make their graphs as torch.cuda.CUDAGraph()
     from dsaserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner.from_kwargs(args.config, dtype="bfloat16", load_format="dummy", device="cuda",
@@ -80,10 +89,7 @@ def main() -> None:
         if args.bs not in graphs.graphs:
             continue
         path = out / f"decode_w{width}_bs{args.bs}.dot"
-        graphs.graphs[args.bs].graph.debug_dump(str(path))
-        if not path.exists():
-            print(f"== {path.name}: not written (torch's warning above says why)", flush=True)
-            continue
+        dump_dot(graphs.graphs[args.bs].graph, path)
         print(f"== {path.name}", *first_nodes(path.read_text(), args.first), sep="\n  ", flush=True)
 
 
