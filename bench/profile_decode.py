@@ -44,6 +44,7 @@ from dsaserve.kernels import (
 )
 from dsaserve.kernels import reference as R
 from dsaserve.kernels.registry import get_ops
+from dsaserve.model import glm_moe_dsa
 from dsaserve.model.layers import embedding, moe
 from dsaserve.model.layers import indexer as indexer_module
 
@@ -259,6 +260,8 @@ def ab_setting(runner, name: str):
     input copy (`cuda_graph_runner.STAGED_EVENT`; timing only: the host then restages without waiting),
     "one_stream" the step's kernels all on one stream (DSASERVE_OVERLAP_INDEXER=0: the full layers' selection and the
     experts-touched count in the chain, not on the side stream; with no_staged_event a graph without a branch),
+    "prologue_apart" the step's embedding and RoPE rows by two `index_select`s (not one `embed_rope_rows` launch,
+    `glm_moe_dsa.FUSED_PROLOGUE`),
     "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
     timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
     engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
@@ -296,6 +299,7 @@ def ab_setting(runner, name: str):
                     "copy_node": (triton_elementwise, "HOST_READ_MAX_BYTES", 0),
                     "full_table": (cuda_graph_runner, "TABLE_MIRROR", False),
                     "no_staged_event": (cuda_graph_runner, "STAGED_EVENT", False),
+                    "prologue_apart": (glm_moe_dsa, "FUSED_PROLOGUE", False),
                     "lt_off": (cublaslt_tuning, "TUNED", False)}
     if name == "lt_tuned":
         if not cublaslt_tuning.TIMED:

@@ -30,7 +30,6 @@ from dsaserve.common import envs
 from dsaserve.common.counters import COUNTERS, Counters
 from dsaserve.common.host_lists import to_device
 from dsaserve.engine.graph_capture import capture_bucket, lean_capture
-from dsaserve.engine.overlap import resolve_placeholders_
 from dsaserve.engine.page_table_mirror import PageTableMirror
 from dsaserve.engine.warmup_plan import decode_buckets
 from dsaserve.kernels.registry import get_ops
@@ -225,7 +224,7 @@ class CudaGraphRunner:
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.req_index[:bs], self.seq_lens[:bs],
                             self.extend_lens[:bs], self.page_table[:bs], self.out_cache_loc[:bs],
                             self.logits_indices[:bs], self.page_size, ones, ones,
-                            dp_rows=bs if self.moe_gather else 0)
+                            dp_rows=bs if self.moe_gather else 0, future_token_ids=self.future_token_ids)
 
     def _reset_padding(self, start: int, end: int | None = None, host: bool = False, table: bool = True) -> None:
         """Rows [start, end) become padding: position 0 of their own dummy request, KV to the sink page, its page
@@ -298,7 +297,7 @@ class CudaGraphRunner:
                     if STAGED_EVENT:
                         self.staged.record(branch)
                 try:
-                    logits, hidden = self._body(bs)
+                    logits, hidden = self._forward(bs)
                 finally:  # the branch joins at the end (nothing of the step waits on it), raised or not
                     if self.copy_in_graph:
                         stream.wait_stream(branch)
@@ -306,14 +305,9 @@ class CudaGraphRunner:
             COUNTERS.enabled = enabled
         return graph, logits, hidden
 
-    def _body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph of bucket `bs` runs after its inputs landed: placeholder ids resolved, then `_forward`."""
-        if self.future_token_ids is not None:  # before anything reads the ids
-            resolve_placeholders_(self.input_ids[:bs], self.future_token_ids)
-        return self._forward(bs)
-
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, final hidden rows) of the main model over the static inputs of bucket `bs`."""
+        """(logits, final hidden rows) of the main model over the static inputs of bucket `bs` (what a graph runs
+        after its inputs landed; the placeholder ids resolved by the model's first launch: `_static_batch`)."""
         return self.model(self._static_batch(bs), self.pool, logits_out=self.logits_out[:bs])
 
     def fallback_reason(self, batch: ForwardBatch, bucket: int | None = None) -> str | None:

@@ -214,6 +214,17 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
     torch.where(input_ids < 0, future_token_ids.index_select(0, rows), input_ids, out=input_ids)
 
 
+def embed_rope_rows(ids: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                    future_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's first gathers: (the ids' embedding rows [T, H], the positions' RoPE table rows [T, R]: cos | sin,
+    `model/layers/rope.RotaryTables`), with `future_token_ids` the ids' placeholders resolved in place first
+    (`resolve_placeholders`). One GPU (the vocabulary unsplit): under TP the embedding masks and all-reduces
+    (`model/layers/embedding.py`)."""
+    if future_token_ids is not None:
+        resolve_placeholders(ids, future_token_ids)
+    return weight.index_select(0, ids), table.index_select(0, positions)
+
+
 def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (the device) <- src (pinned host memory, same dtype and size, both contiguous): a decode graph's inputs
     out of their staging buffer (engine/cuda_graph_runner.py), as an asynchronous copy (a graph's copy node)."""

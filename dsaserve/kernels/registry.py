@@ -35,7 +35,7 @@ FP8_ACT_ENV = "DSASERVE_FP8_ACTIVATIONS"  # "0": GPU FP8 GEMMs keep activations 
 OPS = ("dequant_fp8_weight", "fp8_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "rope_inplace",
        "mla_kv_write", "indexer_k_write", "indexer_k_norm_write", "indexer_topk", "sparse_mla_attention", "moe_route",
        "fused_moe", "count_distinct", "head_bmm", "router_logits", "small_linear", "stage_latent", "remap_slots",
-       "resolve_placeholders", "row_argmax", "copy_from_host", "stage_from_host")
+       "resolve_placeholders", "row_argmax", "copy_from_host", "stage_from_host", "embed_rope_rows")
 _CACHE: dict[tuple[str, int | None, str, str], SimpleNamespace] = {}
 
 
@@ -119,6 +119,7 @@ def _gpu_ops(device: torch.device) -> dict[str, tuple[object, str]]:
         "silu_and_mul": (triton_elementwise.silu_and_mul, "triton SiLU(gate) * up"),
         "rope_inplace": (triton_elementwise.rope_inplace, "triton in-place RoPE"),
         "resolve_placeholders": (triton_elementwise.resolve_placeholders, "triton one-launch placeholder ids"),
+        "embed_rope_rows": (triton_elementwise.embed_rope_rows, "triton embedding + RoPE rows, one launch"),
         "copy_from_host": (triton_elementwise.copy_from_host,
                            f"triton read of pinned memory (<= {triton_elementwise.HOST_READ_MAX_BYTES} B), "
                            "else a copy"),

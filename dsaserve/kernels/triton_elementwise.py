@@ -229,6 +229,50 @@ def resolve_placeholders(input_ids: torch.Tensor, future_token_ids: torch.Tensor
                                                           **pdl_args(input_ids.device))
 
 
+EMBED_BLOCK = 1024  # a row's elements a program: 6 programs a token at GLM's hidden 6144
+
+
+@triton.jit
+def _embed_rope_kernel(ids_ptr, future_ptr, weight_ptr, pos_ptr, table_ptr, h_ptr, rows_ptr, H, R, w_stride,
+                       t_stride, RESOLVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PDL: tl.constexpr):
+    grid_dependency_sync(PDL)  # the ids and the future tokens: written by the launches before
+    t, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    row = tl.load(ids_ptr + t).to(tl.int64)
+    if RESOLVE and row < 0:  # every program of the token resolves it; its first writes it back
+        row = tl.load(future_ptr - 1 - row).to(tl.int64)
+        if part == 0:
+            tl.store(ids_ptr + t, row.to(ids_ptr.dtype.element_ty))
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    tl.store(h_ptr + t * H + offs, tl.load(weight_ptr + row * w_stride + offs, mask=offs < H), mask=offs < H)
+    if part == 0:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        tl.store(rows_ptr + t * R + r, tl.load(table_ptr + pos * t_stride + r, mask=r < R), mask=r < R)
+
+
+def embed_rope_rows(ids: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                    future_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU `reference.embed_rope_rows`: one PDL launch for a decode graph's first three (the placeholders'
+    resolve, and two aten `index_select`s outside the PDL chain, ~2.2 µs each in a batch-1 step: bench/RESULTS.md
+    fifty-seventh session). Like the gathers, an id or position out of its table's rows is not checked on the
+    device (the server checks prompt ids against the vocabulary; positions stay below max_position_embeddings)."""
+    if ids.dim() != 1 or positions.shape != ids.shape or weight.stride(-1) != 1 or table.stride(-1) != 1 or \
+            not ids.is_contiguous() or (future_token_ids is not None and future_token_ids.dtype != ids.dtype):
+        raise ValueError("embed_rope_rows: ids (contiguous) and positions 1-D of one length, weight and table with "
+                         "a unit last stride, future_token_ids of the ids' dtype")
+    t, h, r = ids.numel(), weight.shape[1], table.shape[1]
+    out = torch.empty(t, h, dtype=weight.dtype, device=weight.device)
+    rows = torch.empty(t, r, dtype=table.dtype, device=table.device)
+    if t:
+        resolve = future_token_ids is not None
+        _embed_rope_kernel[(t, triton.cdiv(h, EMBED_BLOCK))](
+            ids, future_token_ids if resolve else ids, weight, positions, table, out, rows, h, r, weight.stride(0),
+            table.stride(0), RESOLVE=resolve, BLOCK=EMBED_BLOCK, BLOCK_R=triton.next_power_of_2(r),
+            **pdl_args(ids.device))
+    return out, rows
+
+
 # A kernel reads at most this many bytes of pinned memory itself; more take the copy engine. Why a kernel: in a
 # decode graph the first kernel after the inputs' copy node started ~14 µs after the copy ended (H100 timelines,
 # b1 and b128); read by a kernel the graph's chain ran 2.8-4.4 µs sooner a replay and the b128 1K step 5 µs sooner

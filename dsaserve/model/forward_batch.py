@@ -49,6 +49,9 @@ class ForwardBatch:
     # stages only a request's new pages (engine/page_table_mirror.py); None: by the batch's rows, compared whole
     table_rows: np.ndarray | None = None
     table_gens: np.ndarray | None = None
+    # overlap scheduling inside a decode graph: input ids -1-j stand for future_token_ids[j] (engine/overlap.py),
+    # resolved in place by the model's first launch (`embed_rope_rows`); None: the ids are real (resolved before)
+    future_token_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,10 @@ from dsaserve.model.layers.norm import RMSNorm
 from dsaserve.model.layers.rope import RotaryTables
 from dsaserve.model.step_counts import ForwardShape, count_step, forward_shape
 
+# a step's placeholder ids, embedding rows and RoPE rows in one launch on one GPU; False: the resolve and two
+# `index_select`s (`profile_decode --ab prologue_apart`)
+FUSED_PROLOGUE = True
+
 
 @dataclass
 class SegmentCarry:
@@ -211,14 +215,29 @@ class DsaForCausalLM(nn.Module):
         and the collectives of TP / EP: fixed shapes at a fixed token count, so each may be a CUDA graph."""
         layers, n = self.model.layers, self.cfg.num_hidden_layers
         if i == 0:
-            ctx.cos, ctx.sin = self.rotary(ctx.batch.positions, self.dtype)
-            h, residual = self.model.embed_tokens(ctx.batch.input_ids), None
+            h, residual = self._embed_and_rope(ctx), None
         else:
             h, residual = layers[i - 1].close(carry.attn, carry.residual, ctx)
         if i == n:
             return SegmentCarry(self.model.norm.add_forward(h, residual)[0], None)
         attn, residual = layers[i].open(h, ctx, residual)
         return SegmentCarry(residual, attn)
+
+    def _embed_and_rope(self, ctx: StepContext) -> torch.Tensor:
+        """The step's embedding rows, its RoPE rows into ctx, the batch's placeholder ids resolved first (where it
+        has `future_token_ids`): with the GPU kernels on one GPU one launch does all three (`embed_rope_rows`),
+        else each apart (the vocabulary split; the reference ops, whose RoPE rows on the CPU are computed)."""
+        ids, positions, future = ctx.batch.input_ids, ctx.batch.positions, ctx.batch.future_token_ids
+        embed = self.model.embed_tokens
+        if not FUSED_PROLOGUE or embed.group.size != 1 or ctx.ops.impls["embed_rope_rows"] == "reference":
+            if future is not None:
+                ctx.ops.resolve_placeholders(ids, future)
+            ctx.cos, ctx.sin = self.rotary(positions, self.dtype)
+            return embed(ids)
+        table = self.rotary.table(positions.device, self.dtype)
+        h, rows = ctx.ops.embed_rope_rows(ids, embed.weight, positions, table, future)
+        ctx.cos, ctx.sin = self.rotary.halves(rows)
+        return h
 
     def attention_core(self, i: int, ctx: StepContext, attn: AttentionInputs) -> None:
         """Layer i's attention core (indexer selection + sparse MLA) on what segment i made (`carry.attn`)."""
@@ -273,8 +292,8 @@ class DsaForCausalLM(nn.Module):
         if not self.with_mtp:
             raise RuntimeError("this model was built without its MTP layer (num_nextn_predict_layers=0)")
         layer = self.model.layers[self.cfg.num_hidden_layers + k]
-        ctx = self._context(batch, pool)
-        h = layer.forward_mtp(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx)
+        ctx = self._context(batch, pool, rope=False)
+        h = layer.forward_mtp(self._embed_and_rope(ctx), prev_hidden, ctx)
         join_side_stream(ctx)
         rows = _logit_rows(h, batch)
         logits = self.compute_logits(rows, logits_out)

@@ -62,7 +62,7 @@ class _EagerGraph:
     def replay(self) -> None:
         enabled, COUNTERS.enabled = COUNTERS.enabled, False  # the replay's counts are `_count`'s, as on a GPU
         try:
-            _, hidden = self.runner._body(self.bs)  # the logits land in the runner's one buffer
+            _, hidden = self.runner._forward(self.bs)  # the logits land in the runner's one buffer
         finally:
             COUNTERS.enabled = enabled
         for bs, g in self.runner.graphs.items():

@@ -56,6 +56,34 @@ def test_resolve_placeholders_matches_reference(gen, n):
     assert torch.equal(got[~late], ids[~late])
 
 
+@pytest.mark.parametrize("t", [1, 37, 300])  # a decode row; a batch; a prefill chunk
+@pytest.mark.parametrize("h", [6144, 384, 100])  # GLM's hidden (6 programs a row), mini's, a ragged last block
+@pytest.mark.parametrize("placeholders", [False, True])
+def test_embed_rope_rows_match_reference(gen, t, h, placeholders):
+    """A step's first launch: bit for bit the two `index_select`s, from a table with a row stride wider than its
+    row (a view), every row of both outputs written (the poisoned allocator would show a gap); with future tokens
+    the placeholder ids resolved in place as `resolve_placeholders` does, and their rows gathered."""
+    from dsaserve.kernels import triton_elementwise as E
+
+    vocab, positions_max = 5000, 4096
+    weight = randn(vocab, h, gen=gen, dtype=torch.bfloat16)
+    table = randn(positions_max, 96, gen=gen, dtype=torch.bfloat16)[:, :64]
+    ids = torch.randint(0, vocab, (t,), generator=gen, device=DEVICE)
+    ids[0] = vocab - 1  # the last row
+    future = torch.randint(0, vocab, (64,), generator=gen, device=DEVICE) if placeholders else None
+    if placeholders:
+        late = torch.rand(t, generator=gen, device=DEVICE) < 0.5
+        ids = torch.where(late, -1 - torch.randint(0, 64, (t,), generator=gen, device=DEVICE), ids)
+    positions = torch.randint(0, positions_max, (t,), generator=gen, device=DEVICE)
+    got_ids, want_ids = ids.clone(), ids.clone()
+    got = E.embed_rope_rows(got_ids, weight, positions, table, future)
+    want = R.embed_rope_rows(want_ids, weight, positions, table, future)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(got_ids, want_ids) and (got_ids >= 0).all()
+    with pytest.raises(ValueError, match="embed_rope_rows"):
+        E.embed_rope_rows(ids[:, None], weight, positions, table)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned memory read by a kernel: a CUDA device")
 @pytest.mark.parametrize("n", [1, 8, 4736, 9000])  # a few ids; b128's narrow inputs; one past HOST_READ_MAX_BYTES
 def test_copy_from_host_reads_the_pinned_buffer_as_it_is_at_replay(gen, n):

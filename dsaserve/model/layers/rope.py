@@ -85,8 +85,16 @@ class RotaryTables:
     def table_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The GPU path: rows of the table (built at the first, eager, forward: before any graph capture).
         Positions must be below max_position_embeddings (the engine caps max_model_len there)."""
+        return self.halves(self.table(positions.device, dtype).index_select(0, positions))
+
+    def table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, R] cos | sin for every position (made once a dtype, at the first, eager, forward)."""
         if dtype not in self.tables:
-            cos, sin = self._compute(torch.arange(self.max_positions, device=positions.device), dtype)
+            cos, sin = self._compute(torch.arange(self.max_positions, device=device), dtype)
             self.tables[dtype] = torch.cat([cos, sin], dim=1)
-        rows = self.tables[dtype].index_select(0, positions)
+        return self.tables[dtype]
+
+    @staticmethod
+    def halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered table rows [T, R] -> (cos, sin), views."""
         return rows.split(rows.shape[1] // 2, dim=1)
