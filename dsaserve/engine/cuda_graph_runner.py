@@ -363,8 +363,9 @@ class CudaGraphRunner:
     def _load_host(self, batch: ForwardBatch, bs: int, bucket: int) -> None:
         """Host batch (the engine's): fill the pinned staging buffer, then one H2D copy (a node of the graph
         itself when `copy_in_graph`)."""
-        if self.staged is not None and STAGED_EVENT:  # the previous step's copy has read the buffer (its step
-            self.staged.synchronize()  # may still run)
+        # until the previous step's copy has read the buffer (its step may still run)
+        if self.staged is not None and STAGED_EVENT:
+            self.staged.synchronize()
         ids, pos, req, lens, out, table, *keys = self.host_np
         ids[:bs] = batch.input_ids.numpy()
         pos[:bs] = batch.positions.numpy()

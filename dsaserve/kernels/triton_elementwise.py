@@ -1,11 +1,12 @@
 """GPU row-wise ops of the decode step, one launch each: RMSNorm (with the residual add fused), SiLU*up,
 in-place RoPE (request path stage 6; DESIGN.md "Kernels": fuse what a decode step launches), the overlap
-scheduler's placeholder ids resolved (five torch kernels a step before) and a decode graph's inputs read out of
-their pinned staging buffer by a kernel (`copy_from_host`, and `stage_from_host` with the page table's changes).
+scheduler's placeholder ids resolved (five torch kernels a step before; with the step's embedding and RoPE rows
+in one launch: `embed_rope_rows`) and a decode graph's inputs read out of their pinned staging buffer by a kernel
+(`copy_from_host`, and `stage_from_host` with the page table's changes).
 
 Owns: the GPU variants of `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_and_mul`,
-`reference.rope_inplace`, `reference.resolve_placeholders`, `reference.copy_from_host` and
-`reference.stage_from_host`. Each takes its
+`reference.rope_inplace`, `reference.resolve_placeholders`, `reference.embed_rope_rows`, `reference.copy_from_host`
+and `reference.stage_from_host`. Each takes its
 reference's rounding steps (fp32 math, a rounding to the activation dtype wherever the torch ops round), so the two
 differ only in the order of a sum and in the last bit of an rsqrt. Decode-size RMSNorm and SiLU*up outputs also
 carry their FP8 copy for the next GEMM (`triton_fp8_gemm.attach_fp8`; from 33 rows, with cuBLAS's scale layout too,
