@@ -6,7 +6,8 @@ there, and mostly the profiler's view of it).
     PYTHONPATH=. python bench/probe_graph_nodes.py --bs 1 --context 1024 --out DIR
 
 Writes DIR/decode_w<width>_bs<bs>.dot for each width class's graph of that bucket and prints, per graph, the node
-kinds it holds and the first nodes from its roots with their edges (an edge's label says whether it is programmatic).
+kinds it holds, its edges' attributes by count (the driver prints an edge's type or port as `headlabel`), and the first
+nodes from its roots with their edges.
 """
 
 from __future__ import annotations
@@ -39,12 +40,29 @@ def dump_dot(graph: torch.cuda.CUDAGraph, path: Path) -> None:
         raise RuntimeError(f"cuGraphDebugDotPrint: CUresult {rc} for {path}")
 
 
+def demangle(name: str) -> str:
+    """A mangled C++ kernel's nested name (`_ZN2at6native29vectorized_elementwise_kernelILi4E...` ->
+    `at::native::vectorized_elementwise_kernel`); any other name as it is."""
+    if not name.startswith("_Z"):
+        return name
+    parts, i = [], 3 if name.startswith("_ZN") else 2
+    while (m := re.match(r"\d+", name[i:])) is not None:
+        n = int(m.group(0))
+        parts.append(name[i + len(m.group(0)):i + len(m.group(0)) + n])
+        i += len(m.group(0)) + n
+    return "::".join(parts) or name
+
+
 def kind(attrs: str) -> str:
-    """A node's kind and, for a kernel, its function's name, out of its DOT attributes."""
-    label = re.sub(r"<[^>]*>|\\n|\|", " ", attrs)
-    name = re.search(r"(_\w+_kernel|nvjet\w*|void [\w:<>, ]+?\(|\w*[Mm]emset\w*|\w*[Mm]emcpy\w*|EVENT_\w+|"
-                     r"EventRecord\w*|WaitEvent\w*|HOST\w*|EMPTY\w*|KERNEL)", label)
-    return name.group(1)[:60] if name else label.strip()[:60]
+    """A node's kind out of its DOT attributes, as the driver writes them: a record label that opens with the node's
+    type (KERNEL, MEMSET, EVENT_RECORD, ...); a kernel's, its function's name (the ID row's third field, before
+    its launch shape)."""
+    label = attrs.split('label="', 1)[-1]
+    node_type = re.search(r"\b([A-Z][A-Z_]{2,})\b", label)
+    kernel = re.search(r"\{ID \|[^|]*\|\s*([^|}\\<\s]+)", label)
+    if node_type and node_type.group(1) == "KERNEL" and kernel:
+        return demangle(kernel.group(1))[:60]
+    return node_type.group(1) if node_type else " ".join(label.split())[:60]
 
 
 def first_nodes(dot: str, n: int) -> list[str]:
@@ -66,6 +84,8 @@ def first_nodes(dot: str, n: int) -> list[str]:
         lines.append(f"{k}: {nodes[k]} -> " + ", ".join(f"{d}({nodes.get(d, '?')[:24]}{' ' + e if e else ''})"
                                                         for d, e in out_edges[k]))
         order.extend(d for d, _ in out_edges[k])
+    edges = Counter(" ".join((m.group(3) or "").split()) or "(none)" for m in EDGE.finditer(dot))
+    lines.insert(0, "edges: " + ", ".join(f"{v} x{c}" for v, c in edges.most_common(6)))
     lines.insert(0, "kinds: " + ", ".join(f"{v} x{c}" for v, c in Counter(nodes.values()).most_common(12)))
     return lines
 
