@@ -256,9 +256,9 @@ def embed_rope_rows(ids: torch.Tensor, weight: torch.Tensor, positions: torch.Te
                     future_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GPU `reference.embed_rope_rows`: one PDL launch for what a decode graph ran as three after its inputs
     landed (the placeholders' resolve, then two aten `index_select`s outside the PDL chain, ~2.2 µs each in a
-    batch-1 step: bench/RESULTS.md fifty-seventh session). Like the gathers, an id or position out of its table's
-    rows is not checked on the device (the server checks prompt ids against the vocabulary; positions stay below
-    max_position_embeddings)."""
+    batch-1 step: bench/RESULTS.md fifty-seventh session). Unlike the gathers (aten's device assert), an id or
+    position out of its table's rows is not checked on the device: the scheduler's request limits check prompt ids
+    against the vocabulary, and positions stay below max_position_embeddings."""
     if ids.dim() != 1 or positions.shape != ids.shape or weight.stride(-1) != 1 or table.stride(-1) != 1 or \
             not ids.is_contiguous() or (future_token_ids is not None and future_token_ids.dtype != ids.dtype):
         raise ValueError("embed_rope_rows: ids (contiguous) and positions 1-D of one length, weight and table with "
