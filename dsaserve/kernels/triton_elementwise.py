@@ -48,11 +48,13 @@ def _store_fp8_groups(y, q_ptr, qs_ptr, row, N, col0, BLOCK: tl.constexpr, M_MAJ
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, stride_x, stride_r, stride_y,
                      stride_s, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     M_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
-    grid_dependency_sync(PDL)
-    row = tl.program_id(0).to(tl.int64)
+                     M_MAJOR: tl.constexpr = False, WEIGHT_FIRST: tl.constexpr = True, PDL: tl.constexpr = False):
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if WEIGHT_FIRST:  # no kernel writes the weight: its HBM read overlaps the wait for x's producer
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    grid_dependency_sync(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # s = x + residual, rounded to the activation dtype as torch's add would
         x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
@@ -61,11 +63,17 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, s
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     y = (xf * inv).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF: cast back, then scale
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if not WEIGHT_FIRST:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * y).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     if QUANT:
         _store_fp8_groups(y, q_ptr, qs_ptr, row, N, 0, BLOCK, M_MAJOR)
+
+
+# RMSNorm's weight read before the PDL wait (a batch-1 step's 19 norms are each one program in the step's chain,
+# and the weight, evicted by the step's GB of weights, came from HBM after the row's reduction); False: after it
+NORM_WEIGHT_FIRST = True
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +92,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         _rms_norm_kernel[(rows,)](x2, r2, weight, y, s, *_copy_args(fp8, y), n, eps, x2.stride(0), r2.stride(0),
                                   y.stride(0), s.stride(0), HAS_RESIDUAL=residual is not None,
                                   BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
-                                  **_copy_flags(fp8), **pdl_args(x.device))
+                                  WEIGHT_FIRST=NORM_WEIGHT_FIRST, **_copy_flags(fp8), **pdl_args(x.device))
     return _with_copy(y.view(*x.shape[:-1], n), fp8), s.view(*x.shape[:-1], n)
 
 

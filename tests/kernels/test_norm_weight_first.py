@@ -1,0 +1,44 @@
+"""RMSNorm's weight read before its PDL wait (`triton_elementwise.NORM_WEIGHT_FIRST`), as the GPU compiles it: offline
+for sm_90 on the CPU (tests/offline_triton.py). In a batch-1 step each norm is one program in the step's chain and its
+weight comes from HBM; read after the wait, that read sat between the producer's end and the norm's stores. The
+interpreter has no PDL wait, so only the compiled order can show it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from dsaserve.kernels import triton_elementwise as E  # noqa: E402
+from tests.offline_triton import offline_jit  # noqa: E402
+
+
+def _first_global_access(ptx: str) -> str:
+    """'wait' if griddepcontrol.wait comes before the kernel's first global load, else 'load'."""
+    for line in ptx.splitlines():
+        if "griddepcontrol.wait" in line:
+            return "wait"
+        if "ld.global" in line:
+            return "load"
+    raise AssertionError("no PDL wait and no global load in the PTX")
+
+
+@pytest.mark.parametrize("weight_first", [True, False])
+def test_the_weight_is_read_before_the_wait_and_the_rows_after(monkeypatch, tmp_path, weight_first):
+    offline_jit(monkeypatch, tmp_path / "triton", (E._rms_norm_kernel,))
+    monkeypatch.setattr(JITFunction, "__getitem__", lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
+    monkeypatch.setattr(E, "pdl_args", lambda device: {"PDL": True})
+    monkeypatch.setattr(E, "NORM_WEIGHT_FIRST", weight_first)
+    x = torch.zeros(1, 6144, dtype=torch.bfloat16)
+    E.add_rms_norm(x, x.clone(), torch.ones(6144, dtype=torch.bfloat16), 1e-5)
+    ptx = [p.read_text() for p in (tmp_path / "triton").rglob("*.ptx")]
+    assert len(ptx) == 1
+    text = ptx[0]
+    assert text.count("griddepcontrol.wait") == 1
+    assert _first_global_access(text) == ("load" if weight_first else "wait")
+    before = [line for line in text.split("griddepcontrol.wait")[0].splitlines() if "ld.global" in line]
+    # the weight's block (8192 bf16, 6144 of them read) in 16-byte loads over 8 warps: 4 a thread; nothing else
+    assert len(before) == (4 if weight_first else 0) and all(".v4.b32" in line for line in before), before
