@@ -72,7 +72,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, N, eps, s
 
 
 # RMSNorm's weight read before the PDL wait (a batch-1 step's 19 norms are each one program in the step's chain,
-# and the weight, evicted by the step's GB of weights, came from HBM after the row's reduction); False: after it
+# and the weight, evicted by the step's GB of weights, came from HBM after the row's reduction); False: after it.
+# The MLA KV write's kv_a norm follows it (`triton_kv_write`)
 NORM_WEIGHT_FIRST = True
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from dsaserve.common import index_pages
 from dsaserve.common.kv_layout import BF16, FP8_DS_MLA, FP8_E4M3, FP8_MAX, FP32, QUANT_GROUP, KVLayout, get_kv_layout
+from dsaserve.kernels import triton_elementwise
 from dsaserve.kernels.triton_elementwise import _rnd, _rope_heads, rope_heads_block
 from dsaserve.kernels.triton_utils import grid_dependency_sync, opaque_index, pdl_args
 
@@ -57,7 +58,12 @@ def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_p
                          dc, half, stride_a, stride_cos, stride_sin, stride_lat, stride_c8, stride_c32, stride_c16,
                          cs_off, r_off, q_ptr, n_heads, stride_qt, stride_qh, LAYOUT: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NG: tl.constexpr, Q_ROPE: tl.constexpr,
-                         BLOCK_QH: tl.constexpr, Q_PROGRAMS: tl.constexpr = False, PDL: tl.constexpr = False):
+                         BLOCK_QH: tl.constexpr, Q_PROGRAMS: tl.constexpr = False,
+                         WEIGHT_FIRST: tl.constexpr = True, PDL: tl.constexpr = False):
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < dc
+    if WEIGHT_FIRST:  # no kernel writes the norm weight: read before the wait (`triton_elementwise.NORM_WEIGHT_FIRST`)
+        w = tl.load(w_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)
     grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     if Q_ROPE:  # the token's q RoPE slice in place (`rope_inplace(q_rope, cos, sin, True)`)
@@ -65,13 +71,13 @@ def _mla_kv_write_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, c8_p
                      sin_ptr + t * stride_sin, True, BLOCK_R, BLOCK_QH, Q_PROGRAMS)
     if tl.program_id(1) > 0:  # a program of q's head blocks only (Q_PROGRAMS)
         return
-    offs_c = tl.arange(0, BLOCK_C)
-    cmask = offs_c < dc
     x = tl.load(a_ptr + t * stride_a + offs_c, mask=cmask, other=0.0)
     xf = x.to(tl.float32)
     # HF RMSNorm: normalise in fp32, round to the input dtype, then scale by the weight
     y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / dc + eps)).to(x.dtype).to(tl.float32)
-    nope = (y * tl.load(w_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)).to(lat_ptr.dtype.element_ty)
+    if not WEIGHT_FIRST:
+        w = tl.load(w_ptr + offs_c, mask=cmask, other=0.0).to(tl.float32)
+    nope = (y * w).to(lat_ptr.dtype.element_ty)
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < half
     x1 = tl.load(a_ptr + t * stride_a + dc + 2 * offs_r, mask=rmask, other=0.0)
@@ -142,7 +148,8 @@ def mla_kv_write(kv_cache: torch.Tensor, layout: KVLayout | str, slots: torch.Te
         sin.stride(0), latent.stride(0), c8.stride(0), c32.stride(0), c16.stride(0), dc // 4,
         (dc + 4 * (dc // QUANT_GROUP)) // 2, *q_args[:4], LAYOUT=_LAYOUT[layout], BLOCK_C=block_c,
         BLOCK_R=triton.next_power_of_2(max(dr // 2, 1)), NG=max(1, block_c // QUANT_GROUP), Q_ROPE=q_rope is not None,
-        BLOCK_QH=q_args[4], Q_PROGRAMS=q_args[5] > 0, num_warps=4, **pdl_args(kv_a.device))
+        BLOCK_QH=q_args[4], Q_PROGRAMS=q_args[5] > 0, WEIGHT_FIRST=triton_elementwise.NORM_WEIGHT_FIRST, num_warps=4,
+        **pdl_args(kv_a.device))
     return latent
 
 
