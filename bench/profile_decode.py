@@ -261,8 +261,8 @@ def ab_setting(runner, name: str):
     "one_stream" the step's kernels all on one stream (DSASERVE_OVERLAP_INDEXER=0: the full layers' selection and the
     experts-touched count in the chain, not on the side stream; with no_staged_event a graph without a branch),
     "prologue_apart" the step's embedding and RoPE rows by two `index_select`s (not one `embed_rope_rows` launch,
-    `glm_moe_dsa.FUSED_PROLOGUE`), "norm_weight_late" RMSNorm's weight (the decoder's norms', the MLA KV write's) read after the PDL wait (not before,
-    `triton_elementwise.NORM_WEIGHT_FIRST`),
+    `glm_moe_dsa.FUSED_PROLOGUE`), "norm_weight_late" RMSNorm's weight (the decoder's norms', the MLA KV write's)
+    read after the PDL wait (not before, `triton_elementwise.NORM_WEIGHT_FIRST`),
     "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
     timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
     engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
