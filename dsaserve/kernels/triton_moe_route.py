@@ -24,25 +24,39 @@ from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t, e] = sum_k float(x[t, k]) * float(w[e, k]) in fp32, stored in out's dtype; program (t, block of
-    BLOCK_E rows of w)."""
-    grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    BLOCK_E rows of w). WEIGHT_FIRST (K <= BLOCK_K: one block): the weight rows read before the PDL wait."""
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = offs_e < E
-    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    if WEIGHT_FIRST:
+        offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        grid_dependency_sync(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        acc = w * x[None, :]
+    else:
+        grid_dependency_sync(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += w * x[None, :]
     tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=emask)
 
 
 ROUTER_GEMV_MAX_T = 32  # tokens up to which the Triton GEMV runs; larger batches are a real GEMM (cuBLAS)
+# The router GEMV's weight rows (where one block holds K) and moe_route's correction bias read before the PDL wait:
+# no kernel writes them, and at batch 1 each came from HBM after the wait, behind a one-program norm (for the router)
+# or beside the logits' L2 read (bench/profile_decode.py's "route_weights_late": after it)
+WEIGHTS_FIRST = True
 
 
 def _row_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
@@ -58,7 +72,8 @@ def _row_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> 
     block_k = min(triton.next_power_of_2(k), 8192)
     if t:
         _router_logits_kernel[(t, e)](x, weight, out, k, e, x.stride(0), weight.stride(0), out.stride(0),
-                                      BLOCK_E=1, BLOCK_K=block_k, num_warps=8, **pdl_args(x.device))
+                                      BLOCK_E=1, BLOCK_K=block_k, WEIGHT_FIRST=WEIGHTS_FIRST and k <= block_k,
+                                      num_warps=8, **pdl_args(x.device))
     return out
 
 
@@ -168,16 +183,20 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _moe_route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scaling,
                       TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    grid_dependency_sync(PDL)
-    t = tl.program_id(0).to(tl.int64)
+                      BIAS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_E)[None, :]
     valid = (g < N_GROUP) & (j < GROUP)
     expert = g * GROUP + j  # [BLOCK_G, BLOCK_E]
+    if BIAS_FIRST:  # no kernel writes it (`WEIGHTS_FIRST`)
+        bias = tl.load(bias_ptr + expert, mask=valid, other=0.0)
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
     logit = tl.load(logit_ptr + t * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
+    if not BIAS_FIRST:
+        bias = tl.load(bias_ptr + expert, mask=valid, other=0.0)
     score = tl.sigmoid(logit)
-    choice = tl.where(valid, score + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
+    choice = tl.where(valid, score + bias, float("-inf"))
     if N_GROUP > 1:
         best = tl.max(choice, axis=1)
         if GROUP > 1:
@@ -220,10 +239,13 @@ def moe_route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gro
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     group = e // n_group
     if t:
+        # an fp32 bias is the parameter itself (no copy kernel writes it just before), so it may be read early
+        bias_first = WEIGHTS_FIRST and bias.dtype == torch.float32
         _moe_route_kernel[(t,)](logits, bias.float(), weights, ids, logits.stride(0), routed_scaling_factor,
                                 TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP=group,
                                 BLOCK_G=triton.next_power_of_2(n_group), BLOCK_E=triton.next_power_of_2(group),
-                                BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, **pdl_args(logits.device))
+                                BLOCK_K=triton.next_power_of_2(top_k), NORM=norm_topk_prob, BIAS_FIRST=bias_first,
+                                **pdl_args(logits.device))
     return weights, ids
 
 

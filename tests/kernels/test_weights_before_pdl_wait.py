@@ -1,7 +1,8 @@
-"""RMSNorm's weight read before its PDL wait (`triton_elementwise.NORM_WEIGHT_FIRST`: the decoder's norms and the MLA
-KV write's), as the GPU compiles it: offline for sm_90 on the CPU (tests/offline_triton.py). In a batch-1 step each
-norm is one program in the step's chain and its weight comes from HBM; read after the wait, that read sat between the
-producer's end and the norm's stores. The interpreter has no PDL wait, so only the compiled order can show it."""
+"""Weights read before the PDL wait, as the GPU compiles it: offline for sm_90 on the CPU (tests/offline_triton.py).
+RMSNorm's (`triton_elementwise.NORM_WEIGHT_FIRST`: the decoder's norms and the MLA KV write's), the router GEMV's rows
+and moe_route's bias (`triton_moe_route.WEIGHTS_FIRST`). In a batch-1 step each is in the step's chain and its
+weight comes from HBM; read after the wait, that read sat between the producer's end and the kernel's stores. The
+interpreter has no PDL wait, so only the compiled order can show it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from dsaserve.common.kv_layout import encode_latent  # noqa: E402
 from dsaserve.kernels import triton_elementwise as E  # noqa: E402
 from dsaserve.kernels import triton_kv_write as W  # noqa: E402
+from dsaserve.kernels import triton_moe_route as M  # noqa: E402
 from tests.offline_triton import offline_jit  # noqa: E402
 
 
@@ -22,9 +24,10 @@ def _compiled_ptx(monkeypatch, cache, kernel, weight_first: bool, launch) -> str
     """The one PTX `launch()` compiles for `kernel` offline, with PDL and NORM_WEIGHT_FIRST as given."""
     offline_jit(monkeypatch, cache, (kernel,))
     monkeypatch.setattr(JITFunction, "__getitem__", lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
-    for module in (E, W):
+    for module in (E, W, M):
         monkeypatch.setattr(module, "pdl_args", lambda device: {"PDL": True})
     monkeypatch.setattr(E, "NORM_WEIGHT_FIRST", weight_first)
+    monkeypatch.setattr(M, "WEIGHTS_FIRST", weight_first)
     launch()
     ptx = [p.read_text() for p in cache.rglob("*.ptx")]
     assert len(ptx) == 1
@@ -66,3 +69,22 @@ def test_the_mla_kv_write_reads_its_norm_weight_before_the_wait(monkeypatch, tmp
     assert _first_global_access(text) == ("load" if weight_first else "wait")
     before = [line for line in text.split("griddepcontrol.wait")[0].splitlines() if "ld.global" in line]
     assert len(before) == (1 if weight_first else 0), before  # 512 bf16 over 4 warps: one 8-byte load a thread
+
+
+@pytest.mark.parametrize("weight_first", [True, False])
+def test_the_router_gemv_reads_its_weight_row_before_the_wait(monkeypatch, tmp_path, weight_first):
+    x = torch.zeros(1, 6144, dtype=torch.bfloat16)
+    text = _compiled_ptx(monkeypatch, tmp_path, M._router_logits_kernel, weight_first,
+                         lambda: M.router_logits(x, torch.zeros(32, 6144)))
+    assert _first_global_access(text) == ("load" if weight_first else "wait")
+    before = [line for line in text.split("griddepcontrol.wait")[0].splitlines() if "ld.global" in line]
+    # a row's block (8192 fp32, 6144 of them read) in 16-byte loads over 8 warps: 8 a thread; x's after the wait
+    assert len(before) == (8 if weight_first else 0) and all(".v4.b32" in line for line in before), before
+
+
+@pytest.mark.parametrize("weight_first", [True, False])
+def test_moe_route_reads_its_bias_before_the_wait(monkeypatch, tmp_path, weight_first):
+    logits = torch.zeros(1, 32)
+    text = _compiled_ptx(monkeypatch, tmp_path, M._moe_route_kernel, weight_first,
+                         lambda: M.moe_route(logits, torch.zeros(32), 8, 1, 1, 2.5, True))
+    assert _first_global_access(text) == ("load" if weight_first else "wait")
