@@ -262,8 +262,8 @@ def ab_setting(runner, name: str):
     experts-touched count in the chain, not on the side stream; with no_staged_event a graph without a branch),
     "prologue_apart" the step's embedding and RoPE rows by two `index_select`s (not one `embed_rope_rows` launch,
     `glm_moe_dsa.FUSED_PROLOGUE`), "norm_weight_late" RMSNorm's weight (the decoder's norms', the MLA KV write's)
-    read after the PDL wait (not before, `triton_elementwise.NORM_WEIGHT_FIRST`), "route_weights_late" the router
-    GEMV's weight rows and moe_route's bias read after it (`triton_moe_route.WEIGHTS_FIRST`),
+    read after the PDL wait (not before, `triton_elementwise.NORM_WEIGHT_FIRST`), "route_weights_first" the router
+    GEMV's weight rows and moe_route's bias read before it (not after, `triton_moe_route.WEIGHTS_FIRST`),
     "lt_tuned" the 33-512-row cuBLAS projections on the cuBLASLt algorithm
     timed fastest for their shape and row class (`cublaslt_tuning`, timed at the first use of the setting where the
     engine started without it), not `_scaled_mm`'s own; "lt_off" torch's own choices. "a+b" takes both settings."""
@@ -303,7 +303,7 @@ def ab_setting(runner, name: str):
                     "no_staged_event": (cuda_graph_runner, "STAGED_EVENT", False),
                     "prologue_apart": (glm_moe_dsa, "FUSED_PROLOGUE", False),
                     "norm_weight_late": (triton_elementwise, "NORM_WEIGHT_FIRST", False),
-                    "route_weights_late": (triton_moe_route, "WEIGHTS_FIRST", False),
+                    "route_weights_first": (triton_moe_route, "WEIGHTS_FIRST", True),
                     "lt_off": (cublaslt_tuning, "TUNED", False)}
     if name == "lt_tuned":
         if not cublaslt_tuning.TIMED:

@@ -54,9 +54,10 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, strid
 
 ROUTER_GEMV_MAX_T = 32  # tokens up to which the Triton GEMV runs; larger batches are a real GEMM (cuBLAS)
 # The router GEMV's weight rows (where one block holds K) and moe_route's correction bias read before the PDL wait:
-# no kernel writes them, and at batch 1 each came from HBM after the wait, behind a one-program norm (for the router)
-# or beside the logits' L2 read (bench/profile_decode.py's "route_weights_late": after it)
-WEIGHTS_FIRST = True
+# no kernel writes them, and at batch 1 each comes from HBM after the wait, behind a one-program norm (for the
+# router) or beside the logits' L2 read. Off until a GPU has run it (written in the sixtieth session, when none
+# came; RMSNorm's weight read so took 9-10 µs off an H100's b1 step): bench/profile_decode.py's "route_weights_first"
+WEIGHTS_FIRST = False
 
 
 def _row_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:

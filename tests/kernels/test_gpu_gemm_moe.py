@@ -455,3 +455,20 @@ def test_small_linear_is_the_bf16_projection(gen, model, t):
     else:
         torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
         assert t <= RT.ROUTER_GEMV_MAX_T or RT._tile_gemm(x, w, x.dtype) is not None
+
+
+@pytest.mark.parametrize("t", [1, 7, 32])
+def test_route_weights_read_before_the_wait_change_no_bit(gen, t, monkeypatch):
+    """`triton_moe_route.WEIGHTS_FIRST` moves the router GEMV's weight rows and moe_route's bias ahead of the PDL
+    wait (the compiled order: tests/kernels/test_weights_before_pdl_wait.py): the same loads, so the same bits."""
+    from dsaserve.kernels import triton_moe_route as RT
+
+    x = randn(t, 6144, gen=gen, dtype=torch.bfloat16)
+    w, bias = randn(32, 6144, gen=gen, scale=6144 ** -0.5), randn(32, gen=gen, scale=0.1)
+    outs = {}
+    for first in (False, True):
+        monkeypatch.setattr(RT, "WEIGHTS_FIRST", first)
+        logits = RT.router_logits(x, w)
+        outs[first] = (logits, *RT.moe_route(logits, bias, 8, 1, 1, 2.5, True), RT.small_linear(x, w.bfloat16()))
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+    torch.testing.assert_close(outs[True][0], R.router_logits(x, w), rtol=1e-5, atol=1e-5)
