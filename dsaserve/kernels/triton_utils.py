@@ -14,9 +14,10 @@ until that kernel has finished and its writes are visible, and only then let the
 decode step's ~150 back-to-back launches overlap their launch latency and block scheduling with the
 previous kernel's tail instead of paying it in the gap (CUDA graphs capture the programmatic edges).
 The wait comes first, before any load or store, so no kernel can read an input its producer has not
-finished or overwrite one its consumer still reads (two exceptions, both weights, which are no kernel's output: the
-split-K GEMM's producer asks for its first weight tiles before it, `gluon_fp8_splitk`, and RMSNorm reads its weight
-before it, `triton_elementwise.NORM_WEIGHT_FIRST`). DSASERVE_PDL=0 turns it off (A/B runs).
+finished or overwrite one its consumer still reads (the exceptions are weights, which are no kernel's output: the
+split-K GEMM's producer asks for its first weight tiles before it, `gluon_fp8_splitk`; RMSNorm reads its weight
+before it, `triton_elementwise.NORM_WEIGHT_FIRST`; with `triton_moe_route.WEIGHTS_FIRST` on, the router GEMV its
+rows and moe_route its bias). DSASERVE_PDL=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations

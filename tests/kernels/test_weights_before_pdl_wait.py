@@ -21,7 +21,8 @@ from tests.offline_triton import offline_jit  # noqa: E402
 
 
 def _compiled_ptx(monkeypatch, cache, kernel, weight_first: bool, launch) -> str:
-    """The one PTX `launch()` compiles for `kernel` offline, with PDL and NORM_WEIGHT_FIRST as given."""
+    """The one PTX `launch()` compiles for `kernel` offline, with PDL on and both flags (NORM_WEIGHT_FIRST,
+    WEIGHTS_FIRST) set to `weight_first`."""
     offline_jit(monkeypatch, cache, (kernel,))
     monkeypatch.setattr(JITFunction, "__getitem__", lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
     for module in (E, W, M):
