@@ -112,6 +112,8 @@ SWITCHES: dict[str, Switch] = {
     "DSASERVE_MAX_CHECKPOINT_GB": Switch(None, str, "largest built-in checkpoint written on first use (16)"),
     "DSASERVE_BENCH_STEP_SCRIPT": Switch(None, _text, "the script `dsaserve bench step` runs"),
     "DSASERVE_TEST_READY_DELAY_S": Switch(None, _text, "test hook: the scheduler waits this long before ready"),
+    "DSASERVE_TEST_DOWN_EXIT_GRACE_S": Switch(
+        None, _text, "test hook: seconds the HTTP process stays up reporting Down after a fault after Up (1)"),
     "DSASERVE_API_KEY": Switch(None, _text, "the server's API key when --api-key is not given (vLLM: VLLM_API_KEY); "
                                "also the key `bench serve` sends", secret=True),
 }
@@ -142,6 +144,7 @@ if TYPE_CHECKING:  # what attribute access returns (see __getattr__)
     DSASERVE_MAX_CHECKPOINT_GB: str | None
     DSASERVE_BENCH_STEP_SCRIPT: str | None
     DSASERVE_TEST_READY_DELAY_S: str | None
+    DSASERVE_TEST_DOWN_EXIT_GRACE_S: str | None
     DSASERVE_API_KEY: str | None
 
 _raw: dict[str, str] = {}

@@ -14,11 +14,14 @@ from openai import APIError, AsyncOpenAI, InternalServerError
 from tests.server.harness import MODEL, alive
 
 FAIL_FAST_S = 5.0  # pending requests must end well within this after the kill (they would otherwise run ~40 s)
+# how long the doomed server reports Down before it exits (launcher.DOWN_EXIT_GRACE_S is 1 s): the checks below
+# took longer than 1 s on a 2-core machine running two test suites, and found the server gone
+DOWN_GRACE_S = 10.0
 
 
 @pytest.fixture()
 def doomed(server_factory):
-    return server_factory()
+    return server_factory(env={"DSASERVE_TEST_DOWN_EXIT_GRACE_S": str(DOWN_GRACE_S)})
 
 
 def test_killing_the_scheduler_turns_the_server_down_and_fails_pending_requests_fast(doomed):
@@ -62,7 +65,9 @@ def test_killing_the_scheduler_turns_the_server_down_and_fails_pending_requests_
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
     assert time.monotonic() - t0 < 1.0
     assert doomed.get("/v1/models").status_code == 503
-    assert doomed.proc.poll() is None  # the HTTP process stays up to report Down
+    assert doomed.proc.poll() is None  # the HTTP process stays up to report Down for its grace, then exits 1
+    assert doomed.proc.wait(timeout=DOWN_GRACE_S + 30) == 1
+    assert "exiting: scheduler" in doomed.log_tail()
 
 
 def test_children_die_with_the_main_process(server_factory):
