@@ -27,10 +27,11 @@ class Sm90Driver:
         return torch.device("cpu")
 
 
-def offline_jit(monkeypatch, cache_dir, kernels=()) -> list[str]:
+def offline_jit(monkeypatch, cache_dir, kernels=(), launches: bool = False) -> list[str]:
     """Compile offline into `cache_dir` for the rest of the test: the names of the kernels whose module would have
     been loaded, in order. `kernels`: JIT functions given empty in-memory caches for the test (their own back after
-    it: a kernel compiled here has no module, and a later launch on a GPU must not find it)."""
+    it: a kernel compiled here has no module, and a later launch on a GPU must not find it). `launches`: every
+    `kernel[grid](...)` compiles (`JITFunction.warmup`) and runs nothing, so a launcher's own code can be called."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels have no JIT to compile offline
         pytest.skip("offline sm_90 compiles need Triton's JIT, not its interpreter (TRITON_INTERPRET=1)")
     import triton
@@ -44,4 +45,9 @@ def offline_jit(monkeypatch, cache_dir, kernels=()) -> list[str]:
     monkeypatch.setattr(driver, "_active", Sm90Driver())
     for fn in kernels:
         monkeypatch.setattr(fn, "device_caches", type(fn.device_caches)(fn.device_caches.default_factory))
+    if launches:
+        from triton.runtime.jit import JITFunction
+
+        monkeypatch.setattr(JITFunction, "__getitem__",
+                            lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
     return handles

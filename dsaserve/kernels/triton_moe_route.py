@@ -23,6 +23,13 @@ from dsaserve.kernels.triton_utils import TensorNote, grid_dependency_sync, pdl_
 
 
 @triton.jit
+def _weight_rows(w_ptr, offs_e, emask, offs_k, kmask, stride_w):
+    """Rows offs_e, columns offs_k of the router / weights_proj weight, in fp32."""
+    return tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr,
                           BLOCK_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t, e] = sum_k float(x[t, k]) * float(w[e, k]) in fp32, stored in out's dtype; program (t, block of
@@ -32,8 +39,7 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, strid
     if WEIGHT_FIRST:
         offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
+        w = _weight_rows(w_ptr, offs_e, emask, offs_k, kmask, stride_w)
         grid_dependency_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
@@ -46,9 +52,7 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_x, stride_w, strid
             offs_k = k0 + tl.arange(0, BLOCK_K)
             kmask = offs_k < K
             x = tl.load(x_ptr + t * stride_x + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
-            acc += w * x[None, :]
+            acc += _weight_rows(w_ptr, offs_e, emask, offs_k, kmask, stride_w) * x[None, :]
     tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=emask)
 
 

@@ -197,17 +197,14 @@ def report_startup(args: ServerArgs, readiness: Readiness) -> None:
             f.write("\n")
 
 
-def _down_exit_grace_s() -> float:
-    """DOWN_EXIT_GRACE_S, or the test hook's (a test that inspects a Down server on a loaded machine)."""
-    return float(envs.DSASERVE_TEST_DOWN_EXIT_GRACE_S or DOWN_EXIT_GRACE_S)
-
-
 async def watch_children(children: dict[str, subprocess.Popen], readiness: Readiness, server: _Server,
                          startup_timeout_s: float | None) -> None:
     """A child that exits is a fatal fault: Down at once, then exit 1 (before Up: at once; after Up: once the
     pending requests have had DOWN_EXIT_GRACE_S to get their error). So is a startup chain that takes longer
     than --startup-timeout (a rank stuck in a rendezvous, say)."""
     down_since: float | None = None
+    # the test hook: a test that inspects a Down server on a loaded machine needs longer than the 1 s
+    grace_s = float(envs.DSASERVE_TEST_DOWN_EXIT_GRACE_S or DOWN_EXIT_GRACE_S)
     exited: dict[str, str] = {}  # every child seen dead: the root cause is often a rank, not who reported first
     while True:
         for name, proc in children.items():
@@ -223,7 +220,7 @@ async def watch_children(children: dict[str, subprocess.Popen], readiness: Readi
             readiness.mark_down(f"startup did not finish within --startup-timeout {startup_timeout_s:g} s")
         if readiness.state is State.DOWN and not server.should_exit:
             down_since = down_since if down_since is not None else time.perf_counter()
-            if "up" not in readiness.phases or time.perf_counter() - down_since >= _down_exit_grace_s():
+            if "up" not in readiness.phases or time.perf_counter() - down_since >= grace_s:
                 others = [why for why in exited.values() if why not in readiness.reason]
                 log.error("exiting: %s", "; ".join([readiness.reason, *others]))
                 server.exit_code = 1

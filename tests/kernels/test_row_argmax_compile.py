@@ -13,15 +13,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from dsaserve.kernels import triton_argmax as A  # noqa: E402
 from tests.offline_triton import offline_jit  # noqa: E402
 
 
 def test_one_variant_a_dtype_with_vector_loads_and_an_ordered_arrival(monkeypatch, tmp_path):
-    offline_jit(monkeypatch, tmp_path / "triton", (A._row_argmax_kernel,))
-    monkeypatch.setattr(JITFunction, "__getitem__", lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
+    offline_jit(monkeypatch, tmp_path / "triton", (A._row_argmax_kernel,), launches=True)
     monkeypatch.setattr(A, "_sm_count", lambda device: 132)
     for dtype in (torch.bfloat16, torch.float32):
         for rows in (1, 7, 64, 128, 3000):  # every split plan, from 19 programs a row to 1

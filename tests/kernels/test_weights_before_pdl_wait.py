@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from dsaserve.common.kv_layout import encode_latent  # noqa: E402
 from dsaserve.kernels import triton_elementwise as E  # noqa: E402
@@ -23,8 +22,7 @@ from tests.offline_triton import offline_jit  # noqa: E402
 def _compiled_ptx(monkeypatch, cache, kernel, weight_first: bool, launch) -> str:
     """The one PTX `launch()` compiles for `kernel` offline, with PDL on and both flags (NORM_WEIGHT_FIRST,
     WEIGHTS_FIRST) set to `weight_first`."""
-    offline_jit(monkeypatch, cache, (kernel,))
-    monkeypatch.setattr(JITFunction, "__getitem__", lambda fn, grid: lambda *a, **kw: fn.warmup(*a, grid=grid, **kw))
+    offline_jit(monkeypatch, cache, (kernel,), launches=True)
     for module in (E, W, M):
         monkeypatch.setattr(module, "pdl_args", lambda device: {"PDL": True})
     monkeypatch.setattr(E, "NORM_WEIGHT_FIRST", weight_first)
